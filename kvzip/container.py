@@ -1,0 +1,168 @@
+"""The kvzip container: a self-describing blob.  docs/format.md is the normative description.
+
+    offset  size  field
+    0       8     magic b"KVZIP\\x00\\r\\n"
+    8       2     format version (uint16), 1
+    10      2     flags (uint16): bit 0 payload checksum present, bit 1 stored raw (size fallback)
+    12      4     header length H (uint32): multiple of 16, the payload starts here
+    16      8     payload length P (uint64): multiple of 16; blob length is exactly H + P
+    24      8     payload checksum (uint64, sum64 of the payload; 0 when flag bit 0 is clear)
+    32      4     metadata length J (uint32)
+    36      4     stream count S (uint32)
+    40      4     header CRC-32 (zlib/ISO-HDLC) of bytes [0, H) with these 4 bytes zeroed
+    44      4     reserved, 0
+    48      16*S  stream table: per stream (offset from payload start uint64, length in bytes uint64)
+    48+16S  J     metadata: UTF-8 JSON object {"meta": {...}, "streams": [[name, dtype], ...]}
+    ...           zero padding up to H
+    H       P     payload: streams in table order, each starting 16-byte aligned, zero padding between
+
+All integers little-endian.  Parsing validates every field before anything is sliced.
+"""
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from .checksum import sum64
+from .errors import FormatError
+
+MAGIC = b"KVZIP\x00\r\n"
+VERSION = 1
+FLAG_CHECKSUM = 1
+FLAG_STORED = 2
+KNOWN_FLAGS = FLAG_CHECKSUM | FLAG_STORED
+PREFIX = struct.Struct("<8sHHIQQIII4x")  # 48 bytes
+ALIGN = 16
+MAX_HEADER = 1 << 20
+MAX_STREAMS = 64
+STREAM_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "float32": np.float32}
+
+
+def _align(x: int) -> int:
+    return (x + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
+class Header:
+    flags: int
+    header_len: int
+    payload_len: int
+    checksum: int
+    meta: dict
+    streams: list  # [(name, dtype, offset, length)]
+
+
+def layout(stream_nbytes: list[int]) -> tuple[list[int], int]:
+    """Payload offsets for streams of the given byte lengths, and the payload length."""
+    offsets, pos = [], 0
+    for nb in stream_nbytes:
+        offsets.append(pos)
+        pos = _align(pos + nb)
+    return offsets, pos
+
+
+def build_header(meta: dict, streams: list[tuple[str, str, int]], flags: int, checksum: int = 0) -> bytes:
+    """Header bytes for streams [(name, dtype name, nbytes)] laid out by layout()."""
+    offsets, payload_len = layout([nb for _, _, nb in streams])
+    doc = {"meta": meta, "streams": [[name, dt] for name, dt, _ in streams]}
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    table = b"".join(struct.pack("<QQ", off, nb) for off, (_, _, nb) in zip(offsets, streams))
+    header_len = _align(PREFIX.size + len(table) + len(text))
+    if header_len > MAX_HEADER:
+        raise ValueError(f"header of {header_len} bytes exceeds the {MAX_HEADER}-byte limit")
+    prefix = PREFIX.pack(MAGIC, VERSION, flags, header_len, payload_len, checksum, len(text), len(streams), 0)
+    raw = bytearray(prefix + table + text + bytes(header_len - PREFIX.size - len(table) - len(text)))
+    struct.pack_into("<I", raw, 40, zlib.crc32(raw))
+    return bytes(raw)
+
+
+def parse_header(head: bytes, blob_len: int) -> Header:
+    """Validate and decode a header.  ``head`` holds at least the first H bytes (or the whole
+    blob if shorter); ``blob_len`` is the blob's full length."""
+    if blob_len < PREFIX.size or len(head) < PREFIX.size:
+        raise FormatError(f"blob of {blob_len} bytes is too short to be a kvzip container")
+    magic, version, flags, header_len, payload_len, checksum, meta_len, nstreams, crc = PREFIX.unpack_from(head)
+    if magic != MAGIC:
+        raise FormatError("not a kvzip blob (bad magic)")
+    if version != VERSION:
+        raise FormatError(f"unsupported container version {version} (this kvzip reads version {VERSION})")
+    if flags & ~KNOWN_FLAGS:
+        raise FormatError(f"unknown flags 0x{flags:04x}")
+    if header_len % ALIGN or not PREFIX.size <= header_len <= MAX_HEADER or header_len > blob_len:
+        raise FormatError(f"bad header length {header_len} for a blob of {blob_len} bytes")
+    if len(head) < header_len:
+        raise FormatError("header truncated")
+    if payload_len % ALIGN or header_len + payload_len != blob_len:
+        raise FormatError(f"payload length {payload_len} does not match the blob ({blob_len} - {header_len} bytes)")
+    if nstreams > MAX_STREAMS or PREFIX.size + 16 * nstreams + meta_len > header_len:
+        raise FormatError(f"stream count {nstreams} / metadata length {meta_len} do not fit the header")
+    raw = bytearray(head[:header_len])
+    struct.pack_into("<I", raw, 40, 0)
+    if zlib.crc32(raw) != crc:
+        raise FormatError("header checksum mismatch (corrupted header)")
+    if not flags & FLAG_CHECKSUM and checksum:
+        raise FormatError("payload checksum set without its flag")
+    text_at = PREFIX.size + 16 * nstreams
+    try:
+        doc = json.loads(bytes(raw[text_at:text_at + meta_len]).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise FormatError(f"metadata is not valid JSON: {e}") from None
+    if not (isinstance(doc, dict) and isinstance(doc.get("meta"), dict)
+            and isinstance(doc.get("streams"), list) and len(doc["streams"]) == nstreams):
+        raise FormatError("metadata lacks meta / streams, or lists the wrong number of streams")
+    streams, end = [], 0
+    for k, entry in enumerate(doc["streams"]):
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[1] in STREAM_DTYPES):
+            raise FormatError(f"stream entry {entry!r} is not [name, dtype]")
+        off, nb = struct.unpack_from("<QQ", raw, PREFIX.size + 16 * k)
+        itemsize = np.dtype(STREAM_DTYPES[entry[1]]).itemsize
+        if off % ALIGN or off < end or off + nb > payload_len or nb % itemsize:
+            raise FormatError(f"stream {entry[0]!r}: offset {off} / length {nb} are out of bounds or misaligned")
+        end = off + nb
+        streams.append((entry[0], entry[1], off, nb))
+    if len({s[0] for s in streams}) != len(streams):
+        raise FormatError("duplicate stream names")
+    return Header(flags, header_len, payload_len, checksum, doc["meta"], streams)
+
+
+def assemble(backend, header: bytes, arrays: list, payload_len: int, offsets: list[int]):
+    """One uint8 blob on the backend: header then each stream at its offset (zero padding)."""
+    xp = backend.xp
+    blob = backend.zeros(len(header) + payload_len, np.uint8)
+    blob[: len(header)] = backend.from_numpy(np.frombuffer(header, np.uint8))
+    base = len(header)
+    for off, a in zip(offsets, arrays):
+        flat = a.reshape(-1).view(xp.uint8)
+        blob[base + off: base + off + flat.shape[0]] = flat
+    return blob
+
+
+def read_head(backend, blob) -> bytes:
+    """The header bytes of a blob on any backend, fetching no more than needed from a GPU."""
+    want = min(blob.shape[0], 4096)
+    head = backend.to_numpy(blob[:want]).tobytes()
+    if len(head) >= PREFIX.size:
+        header_len = struct.unpack_from("<I", head, 12)[0]
+        if want < header_len <= min(MAX_HEADER, blob.shape[0]):
+            head = backend.to_numpy(blob[:header_len]).tobytes()
+    return head
+
+
+def stream_views(backend, blob, hdr: Header) -> dict:
+    """Zero-copy typed views of each stream inside the blob."""
+    out = {}
+    for name, dt, off, nb in hdr.streams:
+        start = hdr.header_len + off
+        out[name] = blob[start:start + nb].view(STREAM_DTYPES[dt])
+    return out
+
+
+def verify_payload(backend, blob, hdr: Header) -> None:
+    if hdr.flags & FLAG_CHECKSUM:
+        got = sum64(backend.xp, blob[hdr.header_len:])
+        if got != hdr.checksum:
+            raise FormatError("payload checksum mismatch (corrupted payload)")

@@ -1,0 +1,142 @@
+"""Pipeline: an ordered list of stages, checked once at construction, run on CPU or GPU.
+
+A chain is valid when each stage accepts what the one before gives (the kinds in
+stages/base.py), it starts from a tensor and ends with Serialize.  When ExponentSplit,
+Top16Pack and EscapeStream follow each other, they run as one fused pass
+(stages/fused.py); ``last_path`` says which path the last call took.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable
+
+from .container import FLAG_STORED
+from .errors import FormatError
+from .frame import Frame
+
+
+def _stages_module():
+    # Imported lazily: the stage package imports kvzip submodules itself.
+    from . import stages
+
+    return stages
+
+
+class Pipeline:
+    def __init__(self, stages: Iterable, *, fuse: bool = True):
+        st = _stages_module()
+        self.stages = list(stages)
+        self.fuse = fuse
+        self.last_path: str | None = None
+        if not self.stages:
+            raise ValueError("a pipeline needs at least one stage (Serialize)")
+        for s in self.stages:
+            if not isinstance(s, st.Stage):
+                raise TypeError(f"pipeline entries must be kvzip stages, got {type(s).__name__}")
+        kind = st.base.TENSOR
+        for i, s in enumerate(self.stages):
+            if kind not in s.input_kind:
+                prev = type(self.stages[i - 1]).__name__ if i else "the input tensor"
+                raise ValueError(
+                    f"{type(s).__name__} (stage {i}) takes {'/'.join(s.input_kind)} but {prev} gives {kind}"
+                )
+            kind = s.output_kind
+        if kind != st.base.BYTES:
+            raise ValueError(f"a pipeline must end with Serialize; it ends with {type(self.stages[-1]).__name__}")
+
+    # --------------------------------------------------------------- config
+    def to_config(self) -> dict[str, Any]:
+        return {"stages": [s.get_config() for s in self.stages]}
+
+    @classmethod
+    def from_config(cls, config) -> "Pipeline":
+        """From to_config()'s dict, its JSON text, or a plain list of stage configs."""
+        if isinstance(config, (str, bytes)):
+            config = json.loads(config)
+        if isinstance(config, dict):
+            config = config.get("stages")
+        if not isinstance(config, list):
+            raise ValueError("a pipeline config is {'stages': [...]}, its JSON, or a list of stage configs")
+        st = _stages_module()
+        return cls([st.stage_from_config(c) for c in config])
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_config())
+
+    @property
+    def lossless(self) -> bool:
+        return all(s.lossless for s in self.stages)
+
+    def __eq__(self, other):
+        return isinstance(other, Pipeline) and self.to_config() == other.to_config()
+
+    def __repr__(self):
+        return "Pipeline([" + ", ".join(map(repr, self.stages)) + "])"
+
+    # --------------------------------------------------------------- running
+    def _steps(self, stages):
+        """Stages with each ExponentSplit, Top16Pack, EscapeStream run replaced by a fused step."""
+        st = _stages_module()
+        steps, i = [], 0
+        while i < len(stages):
+            trio = [type(s) for s in stages[i:i + 3]]
+            if self.fuse and trio == [st.ExponentSplit, st.Top16Pack, st.EscapeStream]:
+                steps.append(st.FusedSplitPackEscape(stages[i + 1], stages[i + 2]))
+                i += 3
+            else:
+                steps.append(stages[i])
+                i += 1
+        return steps
+
+    def encode_frame(self, frame: Frame) -> Frame:
+        """Tensor frame -> blob frame.  Falls back to storing the values raw (flagged) when the
+        split/pack/escape streams would be larger than the values themselves."""
+        st = _stages_module()
+        body, serialize = self.stages[:-1], self.stages[-1]
+        split_at = next((i for i, s in enumerate(body) if isinstance(s, st.ExponentSplit)), None)
+        frame.meta["pipeline"] = self.to_config()["stages"]
+        fused = False
+        before_split = None
+        for i, step in enumerate(self._steps(body)):
+            if isinstance(step, st.ExponentSplit) or isinstance(step, st.FusedSplitPackEscape):
+                before_split = frame
+            fused |= isinstance(step, st.FusedSplitPackEscape)
+            frame = step.encode(frame)
+        self.last_path = "fused" if fused else "staged"
+        if before_split is not None and serialize.payload_size(frame) > serialize.payload_size(before_split):
+            stored = self.stages[:split_at] + [serialize]
+            before_split.meta["pipeline"] = [s.get_config() for s in stored]
+            self.last_path = "stored"
+            return serialize.encode(before_split, flags=FLAG_STORED)
+        return serialize.encode(frame)
+
+    def decode_frame(self, frame: Frame) -> Frame:
+        """Blob frame -> tensor frame, following the pipeline recorded in the blob."""
+        st = _stages_module()
+        frame = st.Serialize().decode(frame)
+        try:
+            recorded = Pipeline.from_config(frame.meta.get("pipeline"))
+        except (ValueError, TypeError, KeyError) as e:
+            raise FormatError(f"bad pipeline in metadata: {e}") from None
+        recorded.fuse = self.fuse
+        fused = False
+        for step in reversed(recorded._steps(recorded.stages[:-1])):
+            fused |= isinstance(step, st.FusedSplitPackEscape)
+            frame = step.decode(frame)
+        self.last_path = "fused" if fused else "staged"
+        if set(frame.streams) != {"data"}:
+            raise FormatError(f"decoding left streams {sorted(frame.streams)}; the blob holds unknown streams")
+        return frame
+
+    def encode(self, x, *, dtype=None, backend: str | None = None):
+        """Compress a tensor (torch / CuPy / NumPy / JAX, CPU or GPU) into a 1-D uint8 blob of
+        the caller's framework on the caller's device."""
+        from .api import encode_with
+
+        return encode_with(self, x, dtype=dtype, backend=backend)
+
+    def decode(self, blob, *, backend: str | None = None):
+        """Decode a blob made by any kvzip pipeline; returns the caller's framework."""
+        from .api import decode_with
+
+        return decode_with(self, blob, backend=backend)

@@ -1,0 +1,317 @@
+"""The fused ExponentSplit -> Top16Pack -> EscapeStream path: one pass over the values.
+
+Same bytes as the three stages run one by one (tests assert it, and that this path ran).
+The CPU twin is a single @njit loop; the CUDA version is a few kernels on the caller's stream,
+with one host synchronisation to learn how many escapes there are.  Both call the helpers in
+kvzip/bitlogic.py, so the bit logic exists once.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, njit  # cuda at module level: the simulator swaps module globals only
+
+from kvzip.bitlogic import CPU, ESCAPE, PLANE, cuda_helpers
+from kvzip.bitpack import groups
+from kvzip.errors import FormatError
+from kvzip.frame import Frame
+
+from .escape_stream import chunk_layout, escape_capacity
+from .exponent_split import ExponentSplit
+from .top16_pack import codebook_meta, frame_codebook
+
+_encode_group = CPU.encode_group
+_encode_group_plane = CPU.encode_group_plane
+_decode_group = CPU.decode_group
+_value_exponent = CPU.value_exponent
+_patch_exponent = CPU.patch_exponent
+
+# Decode error codes (CPU returns one; CUDA kernels store one in a flag word).
+_ERRORS = {
+    1: "a chunk claims more escapes than an escape list may hold",
+    2: "escape counts disagree with the length of the escape streams",
+    3: "an escape position lies outside its chunk",
+    4: "an escaped exponent is out of range for the format",
+    5: "plane-coded chunks disagree with the length of the exp_high stream",
+}
+
+
+# ----------------------------------------------------------------------------- CPU twin
+@njit(cache=False)
+def _encode_cpu(src, n, E, M, lut, C, codes, rest, esc_count, esc_pos, esc_exp, exp_high):
+    G = (n + 7) // 8
+    HB = E - 4
+    gpc = C // 8
+    nchunks = (n + C - 1) // C
+    ne = 0
+    nh = 0
+    for c in range(nchunks):
+        g0 = c * gpc
+        g1 = min(g0 + gpc, G)
+        cap = (HB * (g1 - g0)) // 3
+        start = ne
+        count = 0
+        for g in range(g0, g1):
+            mask = _encode_group(src, n, g, E, M, lut, codes, rest)
+            for j in range(8):
+                if (mask >> j) & 1:
+                    if count < cap:
+                        i = g * 8 + j
+                        esc_pos[ne] = i - c * C
+                        esc_exp[ne] = _value_exponent(int(src[i]), E, M)
+                        ne += 1
+                    count += 1
+        if count > cap:
+            ne = start
+            esc_count[c] = PLANE
+            for g in range(g0, g1):
+                _encode_group_plane(src, n, g, E, M, codes, exp_high, nh)
+                nh += HB
+        else:
+            esc_count[c] = count
+    return ne, nh
+
+
+@njit(cache=False)
+def _decode_cpu(codes, rest, esc_count, esc_pos, esc_exp, exp_high, n, E, M, dlut, C, dst):
+    G = (n + 7) // 8
+    HB = E - 4
+    gpc = C // 8
+    nchunks = (n + C - 1) // C
+    ne = 0
+    nh = 0
+    for c in range(nchunks):
+        g0 = c * gpc
+        g1 = min(g0 + gpc, G)
+        cnt = int(esc_count[c])
+        if cnt == PLANE:
+            if nh + HB * (g1 - g0) > exp_high.shape[0]:
+                return 5
+            for g in range(g0, g1):
+                _decode_group(codes, rest, n, g, E, M, dlut, True, exp_high, nh, dst)
+                nh += HB
+            continue
+        if cnt > (HB * (g1 - g0)) // 3:
+            return 1
+        if ne + cnt > esc_pos.shape[0]:
+            return 2
+        for g in range(g0, g1):
+            _decode_group(codes, rest, n, g, E, M, dlut, False, exp_high, 0, dst)
+        length = min(C, n - c * C)
+        for k in range(ne, ne + cnt):
+            pos = int(esc_pos[k])
+            e = int(esc_exp[k])
+            if pos >= length:
+                return 3
+            if e >= (1 << E):
+                return 4
+            _patch_exponent(dst, c * C + pos, e, E, M)
+        ne += cnt
+    if ne != esc_pos.shape[0]:
+        return 2
+    if nh != exp_high.shape[0]:
+        return 5
+    return 0
+
+
+# ----------------------------------------------------------------------------- CUDA
+@lru_cache(maxsize=None)
+def _cuda_kernels():
+    h = cuda_helpers()
+    encode_group, encode_group_plane, decode_group = h.encode_group, h.encode_group_plane, h.decode_group
+    value_exponent, popcount8, patch_exponent = h.value_exponent, h.popcount8, h.patch_exponent
+
+    @cuda.jit
+    def encode_groups(src, n, E, M, lut, codes, rest, masks):
+        g = cuda.grid(1)
+        if g < masks.shape[0]:
+            masks[g] = encode_group(src, n, g, E, M, lut, codes, rest)
+
+    @cuda.jit
+    def count_escapes(masks, n, E, C, esc_count):
+        c = cuda.grid(1)
+        if c < esc_count.shape[0]:
+            gpc = C // 8
+            g0 = c * gpc
+            g1 = min(g0 + gpc, masks.shape[0])
+            count = 0
+            for g in range(g0, g1):
+                count += popcount8(int(masks[g]))
+            esc_count[c] = PLANE if count > ((E - 4) * (g1 - g0)) // 3 else count
+
+    @cuda.jit
+    def scatter_escapes(src, n, E, M, C, masks, esc_count, esc_off, plane_off, codes, esc_pos, esc_exp, exp_high):
+        c = cuda.grid(1)
+        if c < esc_count.shape[0]:
+            gpc = C // 8
+            g0 = c * gpc
+            g1 = min(g0 + gpc, masks.shape[0])
+            if esc_count[c] == PLANE:
+                hoff = plane_off[c]
+                for g in range(g0, g1):
+                    encode_group_plane(src, n, g, E, M, codes, exp_high, hoff)
+                    hoff += E - 4
+            else:
+                k = esc_off[c]
+                for g in range(g0, g1):
+                    mask = int(masks[g])
+                    for j in range(8):
+                        if (mask >> j) & 1:
+                            i = g * 8 + j
+                            esc_pos[k] = i - c * C
+                            esc_exp[k] = value_exponent(int(src[i]), E, M)
+                            k += 1
+
+    @cuda.jit
+    def decode_groups(codes, rest, esc_count, plane_off, exp_high, n, E, M, dlut, C, dst, err):
+        g = cuda.grid(1)
+        if g < (n + 7) // 8:
+            gpc = C // 8
+            c = g // gpc
+            if esc_count[c] == PLANE:
+                hoff = plane_off[c] + (E - 4) * (g - c * gpc)
+                if hoff + (E - 4) > exp_high.shape[0]:
+                    err[0] = 5
+                    return
+                decode_group(codes, rest, n, g, E, M, dlut, True, exp_high, hoff, dst)
+            else:
+                decode_group(codes, rest, n, g, E, M, dlut, False, exp_high, 0, dst)
+
+    @cuda.jit
+    def patch_escapes(esc_count, esc_off, plane_off, esc_pos, esc_exp, n_high, n, E, M, C, dst, err):
+        c = cuda.grid(1)
+        nchunks = esc_count.shape[0]
+        if c < nchunks:
+            gpc = C // 8
+            ngroups = min(gpc, (n + 7) // 8 - c * gpc)
+            cnt = int(esc_count[c])
+            if c == nchunks - 1:  # the totals must match the stream lengths exactly
+                last = 0 if cnt == PLANE else cnt
+                if esc_off[c] + last != esc_pos.shape[0]:
+                    err[0] = 2
+                plane_end = plane_off[c] + ((E - 4) * ngroups if cnt == PLANE else 0)
+                if plane_end != n_high:
+                    err[0] = 5
+            if cnt == PLANE:
+                return
+            if cnt > ((E - 4) * ngroups) // 3:
+                err[0] = 1
+                return
+            if esc_off[c] + cnt > esc_pos.shape[0]:
+                err[0] = 2
+                return
+            length = min(C, n - c * C)
+            for k in range(esc_off[c], esc_off[c] + cnt):
+                pos = int(esc_pos[k])
+                e = int(esc_exp[k])
+                if pos >= length:
+                    err[0] = 3
+                elif e >= (1 << E):
+                    err[0] = 4
+                else:
+                    patch_exponent(dst, c * C + pos, e, E, M)
+
+    return encode_groups, count_escapes, scatter_escapes, decode_groups, patch_escapes
+
+
+THREADS = 256
+
+
+def _blocks(n):
+    return (n + THREADS - 1) // THREADS
+
+
+def _chunk_offsets(xp, esc_count, chunk_groups, HB):
+    """Exclusive prefix sums: where each chunk's escapes and exp_high bytes start."""
+    counts = esc_count.astype(xp.int64)
+    plane = counts == PLANE
+    listed = xp.where(plane, 0, counts)
+    plane_bytes = xp.where(plane, HB * chunk_groups, 0)
+    esc_off = xp.cumsum(listed) - listed
+    plane_off = xp.cumsum(plane_bytes) - plane_bytes
+    return esc_off, plane_off, listed, plane_bytes
+
+
+# ----------------------------------------------------------------------------- the fused stage
+class FusedSplitPackEscape:
+    """ExponentSplit + Top16Pack + EscapeStream as one step (built by the Pipeline)."""
+
+    def __init__(self, top16, escape):
+        self.top16 = top16
+        self.chunk = escape.chunk
+
+    def encode(self, frame: Frame) -> Frame:
+        fmt, backend, n, C = frame.format, frame.backend, frame.n, self.chunk
+        xp = backend.xp
+        cb = self.top16.codebook_for(fmt)
+        src = frame.expect("data", fmt.uint_dtype, n)
+        G = groups(n)
+        HB = fmt.high_exp_bits
+        nchunks, chunk_groups, _ = chunk_layout(n, C)
+        codes = backend.empty(4 * G, np.uint8)
+        rest = backend.empty(fmt.rest_bits * G, np.uint8)
+        esc_count = backend.empty(nchunks, np.uint16)
+        lut = backend.from_numpy(cb.encode_lut())
+        if backend.name == "cpu":
+            cap = HB * G // 3
+            esc_pos, esc_exp, exp_high = np.empty(cap, np.uint16), np.empty(cap, np.uint8), np.empty(HB * G, np.uint8)
+            ne, nh = _encode_cpu(src, n, fmt.exp_bits, fmt.mant_bits, lut, C, codes, rest, esc_count, esc_pos, esc_exp, exp_high)
+            esc_pos, esc_exp, exp_high = esc_pos[:ne].copy(), esc_exp[:ne].copy(), exp_high[:nh].copy()
+        else:
+            k_enc, k_count, k_scatter, _, _ = _cuda_kernels()
+            masks = backend.empty(G, np.uint8)
+            E, M = fmt.exp_bits, fmt.mant_bits
+            backend.launch(k_enc, _blocks(G), THREADS, src, n, E, M, lut, codes, rest, masks)
+            backend.launch(k_count, _blocks(nchunks), THREADS, masks, n, E, C, esc_count)
+            esc_off, plane_off, listed, plane_bytes = _chunk_offsets(xp, esc_count, backend.from_numpy(chunk_groups), HB)
+            # The one host synchronisation: how long the escape streams are.
+            ne, nh = (int(v) for v in backend.to_numpy(xp.stack([listed.sum(), plane_bytes.sum()]))) if nchunks else (0, 0)
+            esc_pos, esc_exp, exp_high = backend.empty(ne, np.uint16), backend.empty(ne, np.uint8), backend.empty(nh, np.uint8)
+            backend.launch(k_scatter, _blocks(nchunks), THREADS, src, n, E, M, C, masks, esc_count, esc_off, plane_off,
+                           codes, esc_pos, esc_exp, exp_high)
+        out = frame.replace(drop=("data",), codes=codes, rest=rest, esc_count=esc_count, esc_pos=esc_pos,
+                            esc_exp=esc_exp, exp_high=exp_high)
+        out.meta["codebook"] = codebook_meta(cb)
+        return out
+
+    def decode(self, frame: Frame) -> Frame:
+        fmt, backend, n, C = frame.format, frame.backend, frame.n, self.chunk
+        xp = backend.xp
+        cb = frame_codebook(frame)
+        G = groups(n)
+        nchunks, chunk_groups, _ = chunk_layout(n, C)
+        codes = frame.expect("codes", np.uint8, 4 * G)
+        rest = frame.expect("rest", np.uint8, fmt.rest_bits * G)
+        esc_count = frame.expect("esc_count", np.uint16, nchunks)
+        streams = {k: frame.streams.get(k) for k in ("esc_pos", "esc_exp", "exp_high")}
+        frame.require(*streams)
+        for name, dtype in (("esc_pos", np.uint16), ("esc_exp", np.uint8), ("exp_high", np.uint8)):
+            a = streams[name]
+            if a.ndim != 1 or a.dtype != dtype:
+                raise FormatError(f"stream {name!r} must be 1-D {np.dtype(dtype)}, got {a.dtype} {tuple(a.shape)}")
+        if streams["esc_pos"].shape[0] != streams["esc_exp"].shape[0]:
+            raise FormatError("esc_pos and esc_exp differ in length")
+        dlut = backend.from_numpy(cb.decode_lut())
+        dst = backend.empty(n, fmt.uint_dtype)
+        E, M = fmt.exp_bits, fmt.mant_bits
+        if backend.name == "cpu":
+            code = _decode_cpu(codes, rest, esc_count, streams["esc_pos"], streams["esc_exp"], streams["exp_high"],
+                               n, E, M, dlut, C, dst)
+        else:
+            _, _, _, k_dec, k_patch = _cuda_kernels()
+            esc_off, plane_off, _, _ = _chunk_offsets(xp, esc_count, backend.from_numpy(chunk_groups), fmt.high_exp_bits)
+            err = backend.zeros(1, np.int32)
+            backend.launch(k_dec, _blocks(G), THREADS, codes, rest, esc_count, plane_off, streams["exp_high"], n, E, M,
+                           dlut, C, dst, err)
+            backend.launch(k_patch, _blocks(nchunks), THREADS, esc_count, esc_off, plane_off, streams["esc_pos"],
+                           streams["esc_exp"], streams["exp_high"].shape[0], n, E, M, C, dst, err)
+            code = int(backend.to_numpy(err)[0])
+        if code:
+            raise FormatError(_ERRORS[code])
+        out = frame.replace(drop=("codes", "rest", "esc_count", "esc_pos", "esc_exp", "exp_high"), data=dst)
+        out.meta.pop("codebook", None)
+        return out
+
+
+__all__ = ["FusedSplitPackEscape", "ExponentSplit"]
