@@ -39,7 +39,16 @@ PREFIX = struct.Struct("<8sHHIQQIII4x")  # 48 bytes
 ALIGN = 16
 MAX_HEADER = 1 << 20
 MAX_STREAMS = 64
+# Payload order: streams whose size is known before encoding come first, so a GPU encoder can
+# write them straight into the blob before it knows how many escapes there are.
+STREAM_ORDER = ("data", "scales", "codes", "rest", "esc_count", "esc_pos", "esc_exp", "exp_high")
 STREAM_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "float32": np.float32}
+
+
+def canonical_order(names) -> list[str]:
+    """Streams in payload order: STREAM_ORDER first, any others after them by name."""
+    rank = {name: i for i, name in enumerate(STREAM_ORDER)}
+    return sorted(names, key=lambda k: (rank.get(k, len(rank)), k))
 
 
 def _align(x: int) -> int:

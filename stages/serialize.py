@@ -1,6 +1,6 @@
 """Serialize: streams + metadata -> one self-describing blob (kvzip/container.py), and back.
 
-Streams are written sorted by name and the metadata as canonical JSON, so the same input gives
+Streams are written in container.canonical_order and the metadata as canonical JSON, so the same input gives
 the same bytes whichever path (fused or stage by stage, CPU or GPU) produced the streams.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Serialize(Stage):
 
     def encode(self, frame: Frame, flags: int = 0) -> Frame:
         backend = frame.backend
-        names = sorted(frame.streams)
+        names = container.canonical_order(frame.streams)
         arrays = [frame.streams[k] for k in names]
         for name, a in zip(names, arrays):
             if a.dtype.name not in container.STREAM_DTYPES or a.ndim != 1:
