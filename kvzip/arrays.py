@@ -1,0 +1,393 @@
+"""Zero-copy import and export of tensors and blobs across NumPy, PyTorch, CuPy and JAX.
+
+The codec works on one thing: a 1-D C-contiguous array of a float format's raw bits
+(``FloatFormat.uint_dtype``), a NumPy array on the CPU or a CuPy array on CUDA. This module
+turns what the caller holds into such an array, as a view of the caller's memory whenever that
+memory is contiguous, and turns results back into the caller's framework on the caller's device.
+
+DLPack carries the memory between frameworks, with two gaps that shape the code:
+
+* NumPy refuses bfloat16 and float8 DLTensors ("Unsupported dtype in DLTensor"), CuPy before
+  14 refuses bfloat16, and no CuPy takes float8. A torch tensor of those dtypes is therefore
+  reinterpreted as a same-width integer tensor first (``Tensor.view(dtype)``, no copy) and
+  crosses as integers, whatever the CuPy version; the way back reinterprets in torch.
+* JAX on the CPU hands NumPy its own buffer through ``np.asarray`` (read-only, no copy, any dtype
+  including bf16/fp8), which beats ``np.from_dlpack``. On CUDA a JAX array of a dtype CuPy lacks
+  must become integers inside JAX (``lax.bitcast_convert_type``), which XLA does as a copy: JAX
+  offers no in-place reinterpretation.
+
+CuPy results in a dtype CuPy lacks (float8 always, bf16 before CuPy 14) are their raw unsigned bits.
+
+torch, cupy and jax are imported only when the caller's object belongs to them: a NumPy-only
+user never pays for (or needs) any of them.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+
+import ml_dtypes
+import numpy as np
+
+from .formats import BY_DTYPE_NAME, FORMATS, FloatFormat, get_format
+
+__all__ = ["Origin", "framework_of", "import_tensor", "export_tensor", "import_bytes", "export_bytes"]
+
+# NumPy dtype per format: ml_dtypes supplies the ones NumPy lacks (the same types JAX uses).
+_NP_DTYPES = {f.name: np.dtype(getattr(ml_dtypes, f.dtype_name, f.dtype_name)) for f in FORMATS.values()}
+
+# Dtypes NumPy and CuPy accept through DLPack; any other dtype crosses as same-width integers.
+_DLPACK_NATIVE = frozenset(
+    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 complex64 complex128".split()
+)
+# Signed where torch's unsigned support is partial; DLPack and .view() only care about width.
+_INT_OF_WIDTH = {1: np.dtype(np.uint8), 2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)}
+# Dtypes that can hold another format's raw bits (dtype= override); bool and complex cannot.
+_RAW_BITS = re.compile(r"u?int(8|16|32|64)|float(16|32|64)|bfloat16|float8_\w+")
+_SUPPORTED = ", ".join(f"{f.name} ({f.dtype_name})" for f in FORMATS.values())
+
+_KDL_CUDA = 2  # DLPack device type of CUDA memory
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where an input came from, so results go back to the same framework and device."""
+
+    framework: str                  # "numpy" | "torch" | "cupy" | "jax"
+    device: str = "cpu"             # "cpu" | "cuda"
+    device_index: int | None = None  # CUDA ordinal; None on the CPU
+
+    @property
+    def backend_name(self) -> str:
+        return "cuda" if self.device == "cuda" else "cpu"
+
+    @contextlib.contextmanager
+    def stream_context(self):
+        """Run CuPy (and the Numba kernels that follow CuPy's current stream) where the caller works.
+
+        For a CUDA origin the caller's device becomes CuPy's current device; for torch, CuPy's
+        current stream also becomes ``torch.cuda.current_stream()``, so kvzip's kernels are
+        ordered after the producer's and before the consumer's without a host sync. A CuPy
+        caller's current stream already is CuPy's. On the CPU this is a no-op.
+        """
+        if self.device != "cuda":
+            yield
+            return
+        cupy = _cupy()
+        with contextlib.ExitStack() as stack:
+            if self.device_index is not None:
+                stack.enter_context(cupy.cuda.Device(self.device_index))
+            if self.framework == "torch":
+                import torch
+
+                stack.enter_context(_cupy_stream(torch.cuda.current_stream(self.device_index).cuda_stream,
+                                                 self.device_index))
+            yield
+
+
+class _StreamHandle:
+    """A raw cudaStream_t behind the CUDA stream protocol, which CuPy 14's Stream.from_external reads."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return 0, self.ptr  # (protocol version, cudaStream_t)
+
+
+def _cupy_stream(ptr: int, device_index: int | None):
+    cupy = _cupy()
+    if ptr == 0:  # torch's default stream is the legacy null stream
+        return cupy.cuda.Stream.null
+    if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy 14 deprecates ExternalStream
+        return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
+    return cupy.cuda.ExternalStream(ptr, device_id=-1 if device_index is None else device_index)
+
+
+def framework_of(x) -> str | None:
+    """"numpy", "torch", "cupy" or "jax" for an array of that framework, else None.
+
+    Decided by the defining module's name, so no framework is imported to ask; subclasses
+    defined elsewhere are caught by isinstance against frameworks the caller already imported.
+    """
+    if isinstance(x, (np.ndarray, np.generic)):
+        return "numpy"
+    root = type(x).__module__.partition(".")[0]
+    if root in ("numpy", "torch", "cupy"):
+        return root
+    if root in ("jax", "jaxlib"):
+        return "jax"
+    for name, attr in (("torch", "Tensor"), ("cupy", "ndarray"), ("jax", "Array")):
+        module = sys.modules.get(name)
+        if module is not None and isinstance(x, getattr(module, attr)):
+            return name
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# import
+
+
+def import_tensor(x, dtype=None) -> tuple[object, FloatFormat, tuple[int, ...], Origin]:
+    """``(bits, fmt, shape, origin)`` for a float tensor of any supported framework.
+
+    ``bits`` is 1-D, C-contiguous, of ``fmt.uint_dtype``, a NumPy array on the CPU or a CuPy
+    array on CUDA, and a view of ``x``'s memory unless ``x`` is non-contiguous (then a contiguous
+    copy in C order). ``dtype`` names the format when ``x`` holds raw bits (a uint16 array of bf16
+    values, say); ``x``'s element width must then match the format's.
+    """
+    override = None if dtype is None else _format_of(dtype)
+    arr, name, origin = _borrow(x)
+    fmt = _resolve_format(name, arr.dtype.itemsize, override, origin.framework)
+    with origin.stream_context():  # a non-contiguous input is copied on the caller's stream
+        bits = arr.ravel().view(fmt.uint_dtype)
+    return bits, fmt, tuple(int(n) for n in arr.shape), origin
+
+
+def import_bytes(blob) -> tuple[object, Origin]:
+    """``(u8, origin)``: a blob as a 1-D contiguous uint8 NumPy (CPU) or CuPy (CUDA) array.
+
+    Python buffers (bytes, bytearray, memoryview, ...) are read in place as NumPy; arrays of any
+    supported framework must be 1-D uint8 and are viewed in place when contiguous.
+    """
+    if framework_of(blob) is None and not _has_array_protocol(blob):
+        try:
+            view = memoryview(blob)
+        except TypeError:
+            raise TypeError(f"expected a blob (bytes or a 1-D uint8 array), got {type(blob).__name__}") from None
+        if not view.c_contiguous:
+            view = memoryview(view.tobytes())
+        return np.frombuffer(view.cast("B"), dtype=np.uint8), Origin("numpy")
+    arr, name, origin = _borrow(blob)
+    if name != "uint8" or arr.ndim != 1:
+        raise TypeError(
+            f"a kvzip blob must be a 1-D uint8 array; got a {origin.framework} array "
+            f"of dtype {name} with shape {tuple(arr.shape)}"
+        )
+    with origin.stream_context():
+        return arr.ravel(), origin
+
+
+def _borrow(x) -> tuple[object, str, Origin]:
+    """``x`` as a NumPy/CuPy array of the same shape and element width (a view where DLPack
+    allows), the name of ``x``'s own dtype, and its origin."""
+    framework = framework_of(x)
+    if framework == "numpy":
+        arr = np.asarray(x)
+        return arr, arr.dtype.name, Origin("numpy")
+    if framework == "torch":
+        return _borrow_torch(x)
+    if framework == "cupy":
+        return x, x.dtype.name, Origin("cupy", "cuda", int(x.device.id))
+    if framework == "jax":
+        return _borrow_jax(x)
+    return _borrow_foreign(x)
+
+
+def _borrow_torch(t):
+    import torch
+
+    t = t.detach()  # DLPack refuses tensors that require grad; the bits are the same
+    name = str(t.dtype).removeprefix("torch.")
+    if t.layout != torch.strided or t.device.type not in ("cpu", "cuda"):
+        raise TypeError(f"kvzip takes dense CPU or CUDA torch tensors, got {t.layout} on {t.device}")
+    if name not in _DLPACK_NATIVE:
+        # bf16/fp8: same-width integers cross DLPack; a same-width .view() never copies,
+        # whatever the strides.
+        try:
+            t = t.view(_torch_dtype(_INT_OF_WIDTH[t.element_size()].name))
+        except (KeyError, RuntimeError):
+            raise _unsupported(name, "torch") from None
+    if t.device.type == "cpu":
+        return np.from_dlpack(t), name, Origin("torch")
+    origin = Origin("torch", "cuda", t.device.index)
+    with origin.stream_context():  # consumer stream = producer stream: DLPack needs no event
+        return _cupy().from_dlpack(t), name, origin
+
+
+def _borrow_jax(x):
+    if len(x.devices()) != 1:
+        raise TypeError("kvzip compresses one device's buffer; gather the sharded jax array first")
+    name = np.dtype(x.dtype).name
+    device_type, device_id = x.__dlpack_device__()
+    if int(device_type) != _KDL_CUDA:
+        return np.asarray(x), name, Origin("jax")  # jax's own buffer, read-only, no copy
+    if not _cupy_holds(np.dtype(x.dtype)):
+        import jax
+
+        try:  # a copy in XLA: JAX has no in-place reinterpretation
+            x = jax.lax.bitcast_convert_type(x, _INT_OF_WIDTH[x.dtype.itemsize])
+        except (KeyError, TypeError, ValueError):
+            raise _unsupported(name, "jax") from None
+    return _cupy().from_dlpack(x), name, Origin("jax", "cuda", int(device_id))
+
+
+def _borrow_foreign(x):
+    """Objects of other libraries: CUDA memory through CuPy, everything else through NumPy."""
+    on_cuda = hasattr(x, "__cuda_array_interface__") or (
+        hasattr(x, "__dlpack_device__") and int(x.__dlpack_device__()[0]) == _KDL_CUDA
+    )
+    if on_cuda:
+        cupy = _cupy()
+        arr = cupy.asarray(x) if hasattr(x, "__cuda_array_interface__") else cupy.from_dlpack(x)
+        return arr, arr.dtype.name, Origin("cupy", "cuda", int(arr.device.id))
+    if hasattr(x, "__array_interface__") or hasattr(x, "__array_struct__"):
+        arr = np.asarray(x)
+    elif hasattr(x, "__dlpack__"):
+        arr = np.from_dlpack(x)
+    else:
+        raise TypeError(
+            f"expected a NumPy, PyTorch, CuPy or JAX array, or an object exposing __dlpack__ or "
+            f"__array_interface__; got {type(x).__name__}"
+        )
+    return arr, arr.dtype.name, Origin("numpy")
+
+
+def _has_array_protocol(x) -> bool:
+    return any(hasattr(x, a) for a in ("__array_interface__", "__array_struct__", "__dlpack__",
+                                         "__cuda_array_interface__"))
+
+
+def _format_of(dtype) -> FloatFormat:
+    """The format a ``dtype=`` argument names: a format name, or a NumPy/ml_dtypes/JAX/torch dtype."""
+    if isinstance(dtype, (FloatFormat, str)):
+        return get_format(dtype)
+    try:
+        name = np.dtype(dtype).name  # np.float16, ml_dtypes.bfloat16, jnp.bfloat16, np.dtype(...)
+    except TypeError:
+        name = dtype  # a torch dtype: get_format reads "torch.bfloat16"
+    return get_format(name)
+
+
+def _resolve_format(name: str, itemsize: int, override: FloatFormat | None, framework: str) -> FloatFormat:
+    if override is None:
+        fmt = BY_DTYPE_NAME.get(name)
+        if fmt is None:
+            raise _unsupported(name, framework)
+        return fmt
+    if not _RAW_BITS.fullmatch(name):
+        raise TypeError(f"dtype={override.name!r} reinterprets raw bits, which a {framework} array of dtype "
+                        f"{name} cannot hold; pass an integer array of the format's width")
+    if itemsize != override.itemsize:
+        raise TypeError(f"dtype={override.name!r} needs {override.itemsize}-byte elements, but the "
+                        f"{framework} array's dtype {name} has {itemsize}-byte elements")
+    return override
+
+
+def _unsupported(name: str, framework: str) -> TypeError:
+    hint = "; an integer array holding raw float bits needs dtype=<format>" if _RAW_BITS.fullmatch(name) else ""
+    return TypeError(f"kvzip cannot compress a {framework} array of dtype {name}: "
+                     f"supported formats are {_SUPPORTED}{hint}")
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+
+
+def export_tensor(bits, fmt: FloatFormat, shape, origin: Origin):
+    """The inverse of :func:`import_tensor`: ``bits`` (1-D, ``fmt.uint_dtype``, NumPy or CuPy) as
+    a tensor of ``origin``'s framework and device, of ``fmt``'s dtype and ``shape``.
+
+    A view of ``bits`` wherever the target framework allows; the exceptions are JAX arrays of
+    float8 (and of bf16 before CuPy 14) on CUDA, one XLA copy, and results that must change
+    device. CuPy results in a dtype CuPy lacks (float8; bf16 before CuPy 14) stay unsigned bits.
+    """
+    fmt = get_format(fmt)
+    shape = tuple(shape)
+    np_dtype = _NP_DTYPES[fmt.name]
+    if origin.framework == "numpy":
+        return _to_numpy(bits).view(np_dtype).reshape(shape)
+    if origin.framework == "cupy":
+        out = _to_cupy(bits, origin)
+        return (out.view(np_dtype) if _cupy_holds(np_dtype) else out).reshape(shape)
+    if origin.framework == "torch":
+        ints = bits.view(_INT_OF_WIDTH[fmt.itemsize])  # integers cross DLPack; torch reinterprets
+        return _to_torch(ints, origin).view(_torch_dtype(fmt.dtype_name)).reshape(shape)
+    if origin.framework == "jax":
+        if origin.device == "cpu":
+            return _to_jax(_to_numpy(bits).view(np_dtype).reshape(shape), origin)
+        out = _to_cupy(bits, origin).reshape(shape)
+        if _cupy_holds(np_dtype):  # then DLPack carries it too: no copy
+            return _to_jax(out.view(np_dtype), origin)
+        import jax
+
+        return jax.lax.bitcast_convert_type(_to_jax(out, origin), np_dtype)
+    raise ValueError(f"unknown framework {origin.framework!r}")
+
+
+def export_bytes(u8, origin: Origin):
+    """A 1-D uint8 array (NumPy or CuPy) as a 1-D uint8 array of ``origin``'s framework and device."""
+    if origin.framework == "numpy":
+        return _to_numpy(u8)
+    if origin.framework == "cupy":
+        return _to_cupy(u8, origin)
+    if origin.framework == "torch":
+        return _to_torch(u8, origin)
+    if origin.framework == "jax":
+        return _to_jax(_to_numpy(u8) if origin.device == "cpu" else _to_cupy(u8, origin), origin)
+    raise ValueError(f"unknown framework {origin.framework!r}")
+
+
+def _to_numpy(a) -> np.ndarray:
+    return a if isinstance(a, np.ndarray) else _cupy().asnumpy(a)
+
+
+def _to_cupy(a, origin: Origin):
+    if not isinstance(a, np.ndarray):
+        return a
+    with origin.stream_context():
+        return _cupy().asarray(a)
+
+
+def _to_torch(a, origin: Origin):
+    import torch
+
+    if isinstance(a, np.ndarray) and not a.flags.writeable:
+        # torch tensors are always writable: never hand out a writable alias of read-only memory
+        # (a view into the caller's bytes object, say)
+        a = a.copy()
+    with origin.stream_context():
+        t = torch.from_dlpack(a)
+    target = torch.device("cuda", origin.device_index) if origin.device == "cuda" else torch.device("cpu")
+    return t if t.device == target else t.to(target)
+
+
+def _to_jax(a, origin: Origin):
+    """NumPy -> JAX on the CPU (``device_put`` aliases an aligned buffer, else copies; JAX treats
+    the result as immutable); CuPy -> JAX on CUDA through DLPack, no copy."""
+    import jax
+
+    if isinstance(a, np.ndarray):
+        return jax.device_put(a, jax.devices("cpu")[0])
+    return jax.dlpack.from_dlpack(a)
+
+
+@lru_cache(maxsize=None)
+def _cupy_holds(dtype: np.dtype) -> bool:
+    """Whether this CuPy has arrays of ``dtype``: the plain dtypes always, bfloat16 from CuPy 14
+    (which also moves it through DLPack), float8 in no release yet. Asked of CuPy, since
+    dtype.kind cannot tell: ml_dtypes gives float8_e5m2 kind "f" and bfloat16 kind "V"."""
+    if dtype.name in _DLPACK_NATIVE:
+        return True
+    try:
+        _cupy().empty(0, dtype=dtype)
+    except (TypeError, ValueError):  # CuPy 14 says ValueError("Unsupported dtype float8_e5m2")
+        return False
+    return True
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as e:
+        raise ImportError("CUDA arrays need CuPy: pip install 'kvzip[gpu]'") from e
+    return cupy
