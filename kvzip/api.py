@@ -45,6 +45,17 @@ def decompress(blob, *, backend: str | None = None):
     return splitzip_pipeline().decode(blob, backend=backend)
 
 
+def compress_many(xs, codebook=None, *, checksum: bool = False, chunk: int = DEFAULT_CHUNK, dtype=None,
+                  backend: str | None = None) -> list:
+    """compress() for a list of tensors; on a GPU all of them share one set of kernel launches."""
+    return splitzip_pipeline(codebook, checksum=checksum, chunk=chunk).encode_many(xs, dtype=dtype, backend=backend)
+
+
+def decompress_many(blobs, *, backend: str | None = None) -> list:
+    """decompress() for a list of blobs; on a GPU one header read-back and one decode launch per group."""
+    return splitzip_pipeline().decode_many(blobs, backend=backend)
+
+
 def _to_backend(a, backend):
     """Move an array onto the backend (a no-op when it is already there)."""
     if backend.name == "cpu":
@@ -66,8 +77,7 @@ def encode_with(pipe: Pipeline, x, *, dtype=None, backend=None):
     bits, fmt, shape, origin = arrays.import_tensor(x, dtype)
     be = get_backend(backend or origin.backend_name)
     with origin.stream_context():
-        frame = Frame(be, {"data": _to_backend(bits, be)},
-                      {"dtype": fmt.dtype_name, "shape": list(shape), "n": math.prod(shape), "format": fmt.name})
+        frame = _tensor_frame(bits, fmt, shape, be)
         blob = pipe.encode_frame(frame).streams["blob"]
         return arrays.export_bytes(_to_origin(blob, origin), origin)
 
@@ -76,36 +86,35 @@ def decode_with(pipe: Pipeline, blob, *, backend=None):
     u8, origin = arrays.import_bytes(blob)
     be = get_backend(backend or origin.backend_name)
     with origin.stream_context():
-        frame = pipe.decode_frame(Frame(be, {"blob": _to_backend(u8, be)}, {}))
-        try:
-            fmt = get_format(frame.meta.get("dtype"))
-        except TypeError as e:
-            raise FormatError(str(e)) from None
-        if frame.format != fmt:
-            raise FormatError(f"decoded values are {frame.format.name} but the blob says dtype {fmt.dtype_name}")
-        data = frame.expect("data", fmt.uint_dtype, frame.n)
-        return arrays.export_tensor(_to_origin(data, origin), fmt, tuple(frame.meta["shape"]), origin)
+        return _export_decoded(pipe.decode_frame(Frame(be, {"blob": _to_backend(u8, be)}, {})), origin)
 
 
 def info(blob) -> dict:
-    """What a blob holds, without decoding it: dtype, shape, sizes, ratio, escapes, pipeline."""
+    """What a blob holds, without decoding it: dtype, shape, sizes, ratio, escapes, pipeline.
+    Raises kvzip.FormatError for a malformed blob, like decompress."""
+    from .stages.serialize import open_blob
+
     u8, origin = arrays.import_bytes(blob)
     be = get_backend(origin.backend_name)
-    hdr = container.parse_header(container.read_head(be, u8), u8.shape[0])
-    meta = hdr.meta
-    streams = container.stream_views(be, u8, hdr)
-    fmt = get_format(meta["dtype"])
-    n = int(meta["n"])
+    head = container.read_head(be, u8)
+    hdr = container.parse_header(head, u8.shape[0])
+    frame = open_blob(be, u8, head)
+    try:
+        fmt = get_format(frame.meta.get("dtype"))
+    except TypeError as e:
+        raise FormatError(str(e)) from None
+    n = frame.n
     nchunks = escapes = plane_chunks = 0
-    if "esc_count" in streams:
-        counts = be.to_numpy(streams["esc_count"]).astype(np.int64)
+    if "esc_count" in frame.streams:
+        counts = be.to_numpy(frame.streams["esc_count"]).astype(np.int64)
         nchunks = counts.shape[0]
         plane_chunks = int((counts == 0xFFFF).sum())
         escapes = int(counts[counts != 0xFFFF].sum())
     raw = n * fmt.itemsize
+    codebook = frame.meta.get("codebook")
     return {
         "dtype": fmt.dtype_name,
-        "shape": tuple(meta["shape"]),
+        "shape": tuple(frame.meta["shape"]),
         "raw_bytes": raw,
         "compressed_bytes": int(u8.shape[0]),
         "ratio": raw / u8.shape[0] if u8.shape[0] else float("nan"),
@@ -116,6 +125,110 @@ def info(blob) -> dict:
         "stored_raw": bool(hdr.flags & container.FLAG_STORED),
         "checksum": bool(hdr.flags & container.FLAG_CHECKSUM),
         "streams": {name: nb for name, _, _, nb in hdr.streams},
-        "pipeline": meta.get("pipeline"),
-        "codebook": (meta.get("codebook") or {}).get("name"),
+        "pipeline": frame.meta.get("pipeline"),
+        "codebook": codebook.get("name") if isinstance(codebook, dict) else None,
     }
+
+
+def _tensor_frame(bits, fmt, shape, be) -> Frame:
+    return Frame(be, {"data": _to_backend(bits, be)},
+                 {"dtype": fmt.dtype_name, "shape": list(shape), "n": math.prod(shape), "format": fmt.name})
+
+
+def encode_many_with(pipe: Pipeline, xs, *, dtype=None, backend=None) -> list:
+    from . import stages as st
+
+    xs = list(xs)
+    out = [None] * len(xs)
+    steps = pipe._steps(pipe.stages[:-1])
+    serialize = pipe.stages[-1]
+    fused = steps[-1] if steps and isinstance(steps[-1], st.FusedSplitPackEscape) else None
+    groups: dict = {}  # format -> [(index, frame, origin)] for the batched GPU path
+    config = pipe.to_config()["stages"]  # one object shared by every frame (plans are cached by it)
+    for i, x in enumerate(xs):
+        bits, fmt, shape, origin = arrays.import_tensor(x, dtype)
+        be = get_backend(backend or origin.backend_name)
+        frame = _tensor_frame(bits, fmt, shape, be)
+        if fused is not None and st.fused_fast.applicable(frame):
+            frame.meta["pipeline"] = config
+            with origin.stream_context():
+                for step in steps[:-1]:  # stages ahead of the split (QuantizeFP8) run per tensor
+                    frame = step.encode(frame)
+            if st.fused_fast.applicable(frame, frame.streams["data"]):
+                groups.setdefault(frame.format.name, []).append((i, frame, origin))
+                continue
+        out[i] = encode_with(pipe, x, dtype=dtype, backend=backend)
+    for members in groups.values():
+        frames = [m[1] for m in members]
+        with members[0][2].stream_context():
+            batch = st.fused_fast.encode_batch(frames, fused.top16, fused.chunk, serialize.checksum)
+            for j, (i, frame, origin) in enumerate(members):
+                if batch.payload_lengths[j] <= serialize.payload_size(frame):
+                    blob = batch.blob(j)
+                else:  # incompressible: stored raw, as encode() would
+                    split_at = next(k for k, s in enumerate(pipe.stages) if isinstance(s, st.ExponentSplit))
+                    blob = pipe._stored(frame, split_at, serialize).streams["blob"]
+                out[i] = arrays.export_bytes(blob, origin)
+    pipe.last_path = "fast" if groups else pipe.last_path
+    return out
+
+
+def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
+    from . import stages as st
+
+    blobs = list(blobs)
+    out = [None] * len(blobs)
+    gpu = []
+    for i, b in enumerate(blobs):
+        u8, origin = arrays.import_bytes(b)
+        be = get_backend(backend or origin.backend_name)
+        probe = Frame(be, {}, {"n": 0})
+        if st.fused_fast.applicable(probe, _to_backend(u8, be)):
+            gpu.append((i, _to_backend(u8, be), origin, be))
+        else:
+            out[i] = decode_with(pipe, b, backend=backend)
+    if not gpu:
+        return out
+    with gpu[0][2].stream_context():
+        heads = st.fused_fast.read_heads([g[1] for g in gpu])  # one read-back for every header
+        groups: dict = {}
+        for (i, u8, origin, be), head in zip(gpu, heads):
+            frame = st.serialize.open_blob(be, u8, head)
+            recorded = _recorded_pipeline(frame)
+            recorded.check_streams(frame)
+            steps = recorded._steps(recorded.stages[:-1])
+            if steps and isinstance(steps[-1], st.FusedSplitPackEscape) and st.fused_fast.decode_applicable(frame):
+                fused = steps[-1]
+                cb = fused.check(frame)
+                groups.setdefault((frame.format.name, fused.chunk), []).append((i, frame, origin, steps, cb))
+            else:
+                out[i] = _export_decoded(recorded.decode_frame_steps(frame), origin)
+        for (_, chunk), members in groups.items():
+            dsts = st.fused_fast.decode_batch([m[1] for m in members], chunk, [m[4] for m in members])
+            for (i, frame, origin, steps, _), dst in zip(members, dsts):
+                frame = steps[-1].finish_decode(frame, dst)
+                for step in reversed(steps[:-1]):
+                    frame = step.decode(frame)
+                out[i] = _export_decoded(frame, origin)
+    pipe.last_path = "fast" if groups else pipe.last_path
+    return out
+
+
+def _recorded_pipeline(frame: Frame) -> Pipeline:
+    try:
+        return Pipeline.from_config(frame.meta.get("pipeline"))
+    except (ValueError, TypeError, KeyError) as e:
+        raise FormatError(f"bad pipeline in metadata: {e}") from None
+
+
+def _export_decoded(frame: Frame, origin):
+    if set(frame.streams) != {"data"}:
+        raise FormatError(f"decoding left streams {sorted(frame.streams)}; the blob holds unknown streams")
+    try:
+        fmt = get_format(frame.meta.get("dtype"))
+    except TypeError as e:
+        raise FormatError(str(e)) from None
+    if frame.format != fmt:
+        raise FormatError(f"decoded values are {frame.format.name} but the blob says dtype {fmt.dtype_name}")
+    data = frame.expect("data", fmt.uint_dtype, frame.n)
+    return arrays.export_tensor(_to_origin(data, origin), fmt, tuple(frame.meta["shape"]), origin)

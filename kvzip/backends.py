@@ -8,6 +8,7 @@ every GPU kernel.
 from __future__ import annotations
 
 import os
+import threading
 from functools import lru_cache
 
 import numpy as np
@@ -52,6 +53,7 @@ class CUDABackend(Backend):
         from numba import cuda
 
         self._cuda = cuda
+        self._staging = threading.local()
         self.simulated = cuda_simulated()
         if self.simulated:
             self.xp = np
@@ -66,7 +68,34 @@ class CUDABackend(Backend):
         return self.xp.asnumpy(a)
 
     def from_numpy(self, a: np.ndarray):
-        return a if self.simulated else self.xp.asarray(a)
+        if self.simulated:
+            # The simulator copies kernel arguments back after a launch, which fails on read-only
+            # memory (a blob that came from bytes): give it a private copy then.
+            return a if a.flags.writeable else a.copy()
+        return self.xp.asarray(a)
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        """This thread's page-locked host staging buffer, at least nbytes long.  Uploads and
+        read-backs go through it with asynchronous copies: a pageable copy costs tens of
+        microseconds and synchronises the device."""
+        buf = getattr(self._staging, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            import cupyx
+
+            buf = self._staging.buf = cupyx.empty_pinned(max(nbytes, 1 << 16, 2 * (0 if buf is None else buf.nbytes)), np.uint8)
+        return buf
+
+    def read_back(self, a, nbytes: int) -> np.ndarray:
+        """The first nbytes of device array a, copied to the host once the caller's stream gets
+        there (this waits: it is a synchronisation point)."""
+        if self.simulated:
+            return np.asarray(a).reshape(-1).view(np.uint8)[:nbytes].copy()
+        stream = self.xp.cuda.get_current_stream()
+        host = self.pinned(nbytes)
+        if nbytes:
+            self.xp.cuda.runtime.memcpyAsync(host.ctypes.data, a.data.ptr, nbytes, 2, stream.ptr)
+        stream.synchronize()
+        return host[:nbytes].copy()
 
     def stream(self):
         """The caller's current stream as a Numba stream (CuPy's current one, which the API

@@ -63,6 +63,13 @@ class Pipeline:
     def to_json(self) -> str:
         return json.dumps(self.to_config())
 
+    def blob_streams(self) -> set[str]:
+        """The exact set of streams a blob of this pipeline holds."""
+        names = {"data"}
+        for s in self.stages:
+            names = (names - set(s.consumes)) | set(s.produces)
+        return names
+
     @property
     def lossless(self) -> bool:
         return all(s.lossless for s in self.stages)
@@ -95,20 +102,32 @@ class Pipeline:
         body, serialize = self.stages[:-1], self.stages[-1]
         split_at = next((i for i, s in enumerate(body) if isinstance(s, st.ExponentSplit)), None)
         frame.meta["pipeline"] = self.to_config()["stages"]
-        fused = False
+        steps = self._steps(body)
+        self.last_path = "staged"
         before_split = None
-        for i, step in enumerate(self._steps(body)):
-            if isinstance(step, st.ExponentSplit) or isinstance(step, st.FusedSplitPackEscape):
+        for i, step in enumerate(steps):
+            if isinstance(step, (st.ExponentSplit, st.FusedSplitPackEscape)):
                 before_split = frame
-            fused |= isinstance(step, st.FusedSplitPackEscape)
+            if isinstance(step, st.FusedSplitPackEscape):
+                self.last_path = "fused"
+                if i == len(steps) - 1 and st.fused_fast.applicable(frame, frame.streams.get("data")):
+                    # On a GPU the last fused step writes the container itself: no stream copies.
+                    batch = st.fused_fast.encode_batch([frame], step.top16, step.chunk, serialize.checksum)
+                    if batch.payload_lengths[0] <= serialize.payload_size(before_split):
+                        self.last_path = "fast"
+                        return Frame(frame.backend, {"blob": batch.blob(0)}, frame.meta)
+                    return self._stored(before_split, split_at, serialize)
             frame = step.encode(frame)
-        self.last_path = "fused" if fused else "staged"
         if before_split is not None and serialize.payload_size(frame) > serialize.payload_size(before_split):
-            stored = self.stages[:split_at] + [serialize]
-            before_split.meta["pipeline"] = [s.get_config() for s in stored]
-            self.last_path = "stored"
-            return serialize.encode(before_split, flags=FLAG_STORED)
+            return self._stored(before_split, split_at, serialize)
         return serialize.encode(frame)
+
+    def _stored(self, before_split: Frame, split_at: int, serialize) -> Frame:
+        """The values raw (after any stages ahead of the split), flagged as a size fallback."""
+        stored = self.stages[:split_at] + [serialize]
+        before_split.meta["pipeline"] = [s.get_config() for s in stored]
+        self.last_path = "stored"
+        return serialize.encode(before_split, flags=FLAG_STORED)
 
     def decode_frame(self, frame: Frame) -> Frame:
         """Blob frame -> tensor frame, following the pipeline recorded in the blob."""
@@ -119,13 +138,28 @@ class Pipeline:
         except (ValueError, TypeError, KeyError) as e:
             raise FormatError(f"bad pipeline in metadata: {e}") from None
         recorded.fuse = self.fuse
-        fused = False
-        for step in reversed(recorded._steps(recorded.stages[:-1])):
-            fused |= isinstance(step, st.FusedSplitPackEscape)
-            frame = step.decode(frame)
-        self.last_path = "fused" if fused else "staged"
+        recorded.check_streams(frame)
+        frame = recorded.decode_frame_steps(frame)
+        self.last_path = recorded.last_path
         if set(frame.streams) != {"data"}:
             raise FormatError(f"decoding left streams {sorted(frame.streams)}; the blob holds unknown streams")
+        return frame
+
+    def check_streams(self, frame: Frame) -> None:
+        """A blob must hold exactly the streams its pipeline writes: a stray one (say a 'data'
+        beside the split streams) would otherwise be silently overwritten while decoding."""
+        want = self.blob_streams()
+        if set(frame.streams) != want:
+            raise FormatError(f"blob holds streams {sorted(frame.streams)}; its pipeline writes {sorted(want)}")
+
+    def decode_frame_steps(self, frame: Frame) -> Frame:
+        """Undo this pipeline's stages (all but Serialize) on an opened blob's frame."""
+        st = _stages_module()
+        self.last_path = "staged"
+        for step in reversed(self._steps(self.stages[:-1])):
+            frame = step.decode(frame)
+            if isinstance(step, st.FusedSplitPackEscape):
+                self.last_path = "fast" if step.ran == "fast" else "fused"
         return frame
 
     def encode(self, x, *, dtype=None, backend: str | None = None):
@@ -134,6 +168,20 @@ class Pipeline:
         from .api import encode_with
 
         return encode_with(self, x, dtype=dtype, backend=backend)
+
+    def encode_many(self, xs, *, dtype=None, backend: str | None = None) -> list:
+        """Compress a list of tensors.  On a GPU the split/pack/escape work of all of them runs in
+        one set of kernel launches (per float format) with one host synchronisation."""
+        from .api import encode_many_with
+
+        return encode_many_with(self, xs, dtype=dtype, backend=backend)
+
+    def decode_many(self, blobs, *, backend: str | None = None) -> list:
+        """Decode a list of blobs; on a GPU with one header read-back and one decode launch per
+        (format, chunk size) group."""
+        from .api import decode_many_with
+
+        return decode_many_with(self, blobs, backend=backend)
 
     def decode(self, blob, *, backend: str | None = None):
         """Decode a blob made by any kvzip pipeline; returns the caller's framework."""

@@ -35,6 +35,10 @@ class Stage:
     input_kind: ClassVar[tuple[str, ...]]
     output_kind: ClassVar[str]
     lossless: ClassVar[bool] = True
+    # Stream names this stage's encode removes and adds; the pipeline derives from them the exact
+    # set of streams a blob must hold, and a decoder rejects any other set.
+    consumes: ClassVar[tuple[str, ...]] = ()
+    produces: ClassVar[tuple[str, ...]] = ()
 
     def encode(self, frame: Frame) -> Frame:
         raise NotImplementedError

@@ -2,7 +2,8 @@
 
 The values are cut into chunks of ``chunk`` values (a power of two, 8..65536).  For each chunk:
 
-* normally its escapes are listed: a uint16 position inside the chunk (increasing) and the
+* normally its escapes are listed: a uint16 position inside the chunk (strictly increasing; a
+  decoder rejects any other order) and the
   uint8 original exponent; ``esc_count`` holds how many, so chunks decode in parallel;
 * when listing would cost more bytes than storing the exponents' high bits outright
   (3 * escapes > (E - 4) * groups), the chunk is *plane-coded* instead: ``esc_count`` is
@@ -53,6 +54,8 @@ class EscapeStream(Stage):
     id = "escape_stream"
     input_kind = (PACKED,)
     output_kind = ESCAPED
+    consumes = ("exponent",)
+    produces = ("esc_count", "esc_pos", "esc_exp", "exp_high")
 
     def __init__(self, chunk: int = 4096):
         self.chunk = check_chunk(chunk)
@@ -92,8 +95,8 @@ class EscapeStream(Stage):
         fmt, backend, n, C = frame.format, frame.backend, frame.n, self.chunk
         xp = backend.xp
         cb = frame_codebook(frame)
+        packed_codes = frame.expect("codes", np.uint8, 4 * groups(n))  # bounds n before anything is sized by it
         nchunks, chunk_groups, lengths = chunk_layout(n, C)
-        packed_codes = frame.expect("codes", np.uint8, 4 * groups(n))
         counts = backend.to_numpy(frame.expect("esc_count", np.uint16, nchunks)).astype(np.int64)
         plane = counts == PLANE
         listed = np.where(plane, 0, counts)
@@ -106,6 +109,9 @@ class EscapeStream(Stage):
         esc_chunk = backend.from_numpy(np.repeat(np.arange(nchunks, dtype=np.int64), listed))
         if esc_pos.size and bool((esc_pos >= backend.from_numpy(lengths)[esc_chunk]).any()):
             raise FormatError("an escape position lies outside its chunk")
+        same_chunk = esc_chunk[1:] == esc_chunk[:-1]
+        if esc_pos.size > 1 and bool((same_chunk & (esc_pos[1:] <= esc_pos[:-1])).any()):
+            raise FormatError("escape positions within a chunk must increase")
         if esc_exp.size and int(esc_exp.max()) >= 1 << fmt.exp_bits:
             raise FormatError(f"an escaped exponent is >= 2**{fmt.exp_bits}")
 

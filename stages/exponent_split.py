@@ -24,6 +24,8 @@ class ExponentSplit(Stage):
     id = "exponent_split"
     input_kind = (TENSOR,)
     output_kind = SPLIT
+    consumes = ("data",)
+    produces = ("exponent", "rest")
 
     def encode(self, frame: Frame) -> Frame:
         fmt, xp = frame.format, frame.backend.xp

@@ -31,7 +31,7 @@ _patch_exponent = CPU.patch_exponent
 _ERRORS = {
     1: "a chunk claims more escapes than an escape list may hold",
     2: "escape counts disagree with the length of the escape streams",
-    3: "an escape position lies outside its chunk",
+    3: "an escape position lies outside its chunk or breaks increasing order",
     4: "an escaped exponent is out of range for the format",
     5: "plane-coded chunks disagree with the length of the exp_high stream",
 }
@@ -99,11 +99,13 @@ def _decode_cpu(codes, rest, esc_count, esc_pos, esc_exp, exp_high, n, E, M, dlu
         for g in range(g0, g1):
             _decode_group(codes, rest, n, g, E, M, dlut, False, exp_high, 0, dst)
         length = min(C, n - c * C)
+        prev = -1
         for k in range(ne, ne + cnt):
             pos = int(esc_pos[k])
             e = int(esc_exp[k])
-            if pos >= length:
+            if pos >= length or pos <= prev:
                 return 3
+            prev = pos
             if e >= (1 << E):
                 return 4
             _patch_exponent(dst, c * C + pos, e, E, M)
@@ -202,15 +204,18 @@ def _cuda_kernels():
                 err[0] = 2
                 return
             length = min(C, n - c * C)
+            prev = -1
             for k in range(esc_off[c], esc_off[c] + cnt):
                 pos = int(esc_pos[k])
                 e = int(esc_exp[k])
-                if pos >= length:
+                if pos >= length or pos <= prev:
                     err[0] = 3
+                    return
                 elif e >= (1 << E):
                     err[0] = 4
                 else:
                     patch_exponent(dst, c * C + pos, e, E, M)
+                prev = pos
 
     return encode_groups, count_escapes, scatter_escapes, decode_groups, patch_escapes
 
@@ -240,6 +245,7 @@ class FusedSplitPackEscape:
     def __init__(self, top16, escape):
         self.top16 = top16
         self.chunk = escape.chunk
+        self.ran: str | None = None  # "cpu", "numba-cuda" or "fast" (stages/fused_fast.py): tests check it
 
     def encode(self, frame: Frame) -> Frame:
         fmt, backend, n, C = frame.format, frame.backend, frame.n, self.chunk
@@ -253,6 +259,7 @@ class FusedSplitPackEscape:
         rest = backend.empty(fmt.rest_bits * G, np.uint8)
         esc_count = backend.empty(nchunks, np.uint16)
         lut = backend.from_numpy(cb.encode_lut())
+        self.ran = "cpu" if backend.name == "cpu" else "numba-cuda"
         if backend.name == "cpu":
             cap = HB * G // 3
             esc_pos, esc_exp, exp_high = np.empty(cap, np.uint16), np.empty(cap, np.uint8), np.empty(HB * G, np.uint8)
@@ -275,30 +282,52 @@ class FusedSplitPackEscape:
         out.meta["codebook"] = codebook_meta(cb)
         return out
 
+    def check(self, frame: Frame):
+        """Validate the fused streams' dtypes and the lengths the header implies; returns the codebook.
+        (Per-chunk counts, positions and totals are checked by the decode kernels themselves.)"""
+        fmt, n = frame.format, frame.n
+        cb = frame_codebook(frame)
+        G = groups(n)
+        # The codes stream's length bounds n by the blob size: check it before sizing anything by n.
+        frame.expect("codes", np.uint8, 4 * G)
+        frame.expect("rest", np.uint8, fmt.rest_bits * G)
+        frame.expect("esc_count", np.uint16, -(-n // self.chunk))
+        frame.require("esc_pos", "esc_exp", "exp_high")
+        for name, dtype in (("esc_pos", np.uint16), ("esc_exp", np.uint8), ("exp_high", np.uint8)):
+            a = frame.streams[name]
+            if a.ndim != 1 or a.dtype != dtype:
+                raise FormatError(f"stream {name!r} must be 1-D {np.dtype(dtype)}, got {a.dtype} {tuple(a.shape)}")
+        if frame.streams["esc_pos"].shape[0] != frame.streams["esc_exp"].shape[0]:
+            raise FormatError("esc_pos and esc_exp differ in length")
+        return cb
+
+    def finish_decode(self, frame: Frame, dst) -> Frame:
+        out = frame.replace(drop=("codes", "rest", "esc_count", "esc_pos", "esc_exp", "exp_high"), data=dst)
+        out.meta.pop("codebook", None)
+        return out
+
     def decode(self, frame: Frame) -> Frame:
         fmt, backend, n, C = frame.format, frame.backend, frame.n, self.chunk
         xp = backend.xp
-        cb = frame_codebook(frame)
+        cb = self.check(frame)
         G = groups(n)
         nchunks, chunk_groups, _ = chunk_layout(n, C)
-        codes = frame.expect("codes", np.uint8, 4 * G)
-        rest = frame.expect("rest", np.uint8, fmt.rest_bits * G)
-        esc_count = frame.expect("esc_count", np.uint16, nchunks)
-        streams = {k: frame.streams.get(k) for k in ("esc_pos", "esc_exp", "exp_high")}
-        frame.require(*streams)
-        for name, dtype in (("esc_pos", np.uint16), ("esc_exp", np.uint8), ("exp_high", np.uint8)):
-            a = streams[name]
-            if a.ndim != 1 or a.dtype != dtype:
-                raise FormatError(f"stream {name!r} must be 1-D {np.dtype(dtype)}, got {a.dtype} {tuple(a.shape)}")
-        if streams["esc_pos"].shape[0] != streams["esc_exp"].shape[0]:
-            raise FormatError("esc_pos and esc_exp differ in length")
-        dlut = backend.from_numpy(cb.decode_lut())
-        dst = backend.empty(n, fmt.uint_dtype)
+        codes, rest, esc_count = frame.streams["codes"], frame.streams["rest"], frame.streams["esc_count"]
+        streams = {k: frame.streams[k] for k in ("esc_pos", "esc_exp", "exp_high")}
+        from . import fused_fast
+
         E, M = fmt.exp_bits, fmt.mant_bits
-        if backend.name == "cpu":
+        dlut = backend.from_numpy(cb.decode_lut())
+        self.ran = "cpu" if backend.name == "cpu" else "numba-cuda"
+        if fused_fast.decode_applicable(frame):
+            self.ran = "fast"
+            dst, code = fused_fast.decode_batch([frame], C, [cb])[0], 0
+        elif backend.name == "cpu":
+            dst = backend.empty(n, fmt.uint_dtype)
             code = _decode_cpu(codes, rest, esc_count, streams["esc_pos"], streams["esc_exp"], streams["exp_high"],
                                n, E, M, dlut, C, dst)
         else:
+            dst = backend.empty(n, fmt.uint_dtype)
             _, _, _, k_dec, k_patch = _cuda_kernels()
             esc_off, plane_off, _, _ = _chunk_offsets(xp, esc_count, backend.from_numpy(chunk_groups), fmt.high_exp_bits)
             err = backend.zeros(1, np.int32)
@@ -309,9 +338,7 @@ class FusedSplitPackEscape:
             code = int(backend.to_numpy(err)[0])
         if code:
             raise FormatError(_ERRORS[code])
-        out = frame.replace(drop=("codes", "rest", "esc_count", "esc_pos", "esc_exp", "exp_high"), data=dst)
-        out.meta.pop("codebook", None)
-        return out
+        return self.finish_decode(frame, dst)
 
 
 __all__ = ["FusedSplitPackEscape", "ExponentSplit"]

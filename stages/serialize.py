@@ -14,6 +14,8 @@ from kvzip.frame import Frame
 
 from .base import BYTES, ESCAPED, SPLIT, TENSOR, Stage, register
 
+MAX_DIMS = 64  # NumPy's limit on array dimensions
+
 
 @register
 class Serialize(Stage):
@@ -51,18 +53,23 @@ class Serialize(Stage):
         return Frame(backend, {"blob": blob}, dict(frame.meta))
 
     def decode(self, frame: Frame) -> Frame:
-        backend = frame.backend
         frame.require("blob")
-        blob = frame.streams["blob"]
-        hdr = container.parse_header(container.read_head(backend, blob), blob.shape[0])
-        container.verify_payload(backend, blob, hdr)
-        meta = hdr.meta
-        frame_out = Frame(backend, container.stream_views(backend, blob, hdr), meta)
-        frame_out.meta_int("n")
-        shape = meta.get("shape")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-            raise FormatError(f"bad shape {shape!r} in metadata")
-        if int(np.prod(shape, dtype=object)) != meta["n"]:
-            raise FormatError(f"shape {shape} does not hold n={meta['n']} values")
-        frame_out.meta["_flags"] = hdr.flags
-        return frame_out
+        return open_blob(frame.backend, frame.streams["blob"])
+
+
+def open_blob(backend, blob, head: bytes | None = None) -> Frame:
+    """Validate a blob's header (and payload checksum) and return a frame of zero-copy stream
+    views and its metadata.  ``head``: the header bytes when the caller already fetched them."""
+    if head is None:
+        head = container.read_head(backend, blob)
+    hdr = container.parse_header(head, blob.shape[0])
+    container.verify_payload(backend, blob, hdr)
+    out = Frame(backend, container.stream_views(backend, blob, hdr), dict(hdr.meta))
+    n = out.meta_int("n")
+    shape = out.meta.get("shape")
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise FormatError(f"bad shape {str(shape)[:200]} in metadata (at most {MAX_DIMS} non-negative integers)")
+    if int(np.prod(shape, dtype=object)) != n:
+        raise FormatError(f"shape {shape} does not hold n={n} values")
+    return out

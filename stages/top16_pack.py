@@ -10,6 +10,8 @@ The codebook travels in the container (``meta["codebook"]``), so a decoder needs
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from kvzip.bitpack import groups, pack_bits, unpack_bits
@@ -28,10 +30,20 @@ def codebook_meta(cb: Codebook) -> dict:
     return {"name": cb.name, "format": cb.format.name, "exponents": list(cb.exponents)}
 
 
+@lru_cache(maxsize=256)
+def _codebook_from_key(fmt: str, exponents: tuple, name) -> Codebook:
+    return Codebook.from_dict({"format": fmt, "exponents": list(exponents), "name": name})
+
+
 def frame_codebook(frame: Frame) -> Codebook:
-    """The codebook a frame was packed with (validated: it comes from an untrusted header)."""
+    """The codebook a frame was packed with (validated: it comes from an untrusted header;
+    cached, since a serving loop decodes blobs of the same few codebooks over and over)."""
+    d = frame.meta.get("codebook")
     try:
-        cb = Codebook.from_dict(frame.meta["codebook"])
+        if isinstance(d, dict) and set(d) <= {"name", "format", "exponents"} and isinstance(d.get("exponents"), list):
+            cb = _codebook_from_key(d.get("format"), tuple(d["exponents"]), d.get("name"))
+        else:
+            cb = Codebook.from_dict(d)
     except (KeyError, TypeError, ValueError) as e:
         raise FormatError(f"bad or missing codebook in metadata: {e}") from None
     if cb.format != frame.format:
@@ -44,6 +56,8 @@ class Top16Pack(Stage):
     id = "top16_pack"
     input_kind = (SPLIT,)
     output_kind = PACKED
+    consumes = ("rest",)
+    produces = ("codes", "rest")
 
     def __init__(self, codebook=None):
         """codebook: None (the shipped default for the data's format), a shipped name such as

@@ -13,10 +13,18 @@ except Exception:  # no driver / no device
 
 import kvzip  # noqa: E402
 from kvzip import stages as S  # noqa: E402
+from kvzip.stages import fused_fast  # noqa: E402
 from kvzip.data import load_sample  # noqa: E402
 from kvzip.formats import FORMATS  # noqa: E402
 
 rng = np.random.default_rng(1234)
+
+
+def bits_of(a, fmt="bf16"):
+    """Host copy of a decoded array's raw bits (CuPy 14 returns bfloat16 arrays, older ones uint16)."""
+    f = FORMATS[fmt] if isinstance(fmt, str) else fmt
+    a = a.get() if hasattr(a, "get") else np.asarray(a)
+    return a.reshape(-1).view(f.uint_dtype)
 
 
 def random_bits(fmt, n):
@@ -28,38 +36,77 @@ def real_bf16(n):
     return np.resize(sample, n)
 
 
+@pytest.fixture(params=["fast", "numba"])
+def gpu_path(request, monkeypatch):
+    """Run a test on the CUDA C++ fast path and on the Numba-CUDA kernels."""
+    monkeypatch.setattr(fused_fast, "ENABLED", request.param == "fast")
+    return request.param
+
+
+def pipeline(chunk=4096, checksum=False, codebook=None):
+    return kvzip.Pipeline([S.ExponentSplit(), S.Top16Pack(codebook), S.EscapeStream(chunk), S.Serialize(checksum)])
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=list(FORMATS))
 @pytest.mark.parametrize("n", [0, 1, 13, 4096, 100_003, 1 << 20])
-@pytest.mark.parametrize("chunk", [8, 4096, 65536])
-def test_gpu_bytes_equal_cpu_random(fmt, n, chunk):
+@pytest.mark.parametrize("chunk", [8, 256, 4096, 65536])
+def test_gpu_bytes_equal_cpu_random(fmt, n, chunk, gpu_path):
     bits = random_bits(fmt, n)
     cpu = kvzip.compress(bits, dtype=fmt.name, chunk=chunk, checksum=True)
-    gpu = kvzip.compress(cupy.asarray(bits), dtype=fmt.name, chunk=chunk, checksum=True)
+    pipe = pipeline(chunk, checksum=True)
+    gpu = pipe.encode(cupy.asarray(bits), dtype=fmt.name)
     assert isinstance(gpu, cupy.ndarray)
     np.testing.assert_array_equal(cpu, gpu.get())
-    back = kvzip.decompress(gpu)
-    np.testing.assert_array_equal(cupy.asnumpy(back).view(fmt.uint_dtype).ravel(), bits)
+    back = pipe.decode(gpu)
+    np.testing.assert_array_equal(bits_of(back, fmt), bits)
     np.testing.assert_array_equal(np.asarray(kvzip.decompress(gpu.get())).view(fmt.uint_dtype).ravel(), bits)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "e5m2", "fp16", "fp32"])
+@pytest.mark.parametrize("chunk", [256, 4096, 65536])
+def test_fast_path_runs_and_matches_cpu_on_kv_like_data(fmt, chunk):
+    f = FORMATS[fmt]
+    scale = 4096.0 if fmt == "e5m2" else 0.05  # e5m2-kv is calibrated on scaled (amax -> 57344) values
+    x = (rng.standard_normal(300_001) * scale).astype(np.float32)
+    import ml_dtypes
+
+    bits = x.astype(np.dtype(getattr(ml_dtypes, f.dtype_name, f.dtype_name))).view(f.uint_dtype)
+    pipe = pipeline(chunk)
+    gpu = pipe.encode(cupy.asarray(bits), dtype=fmt)
+    assert pipe.last_path == "fast"
+    np.testing.assert_array_equal(kvzip.compress(bits, dtype=fmt, chunk=chunk), gpu.get())
+    back = pipe.decode(gpu)
+    assert pipe.last_path == "fast"
+    np.testing.assert_array_equal(bits_of(back, f), bits)
+
+
+def test_misaligned_input_takes_numba_path():
+    bits = cupy.asarray(real_bf16((1 << 16) + 1))[1:]
+    pipe = pipeline()
+    blob = pipe.encode(bits, dtype="bf16")
+    assert pipe.last_path == "fused"
+    np.testing.assert_array_equal(blob.get(), kvzip.compress(bits.get(), dtype="bf16"))
+
+
 @pytest.mark.parametrize("n", [1 << 16, (1 << 22) + 5])
-def test_gpu_real_kv_bf16(n):
+def test_gpu_real_kv_bf16(n, gpu_path):
     bits = real_bf16(n)
     cpu = kvzip.compress(bits, dtype="bf16")
     gpu = kvzip.compress(cupy.asarray(bits), dtype="bf16")
     np.testing.assert_array_equal(cpu, gpu.get())
     assert kvzip.info(cpu)["ratio"] > 1.3
-    np.testing.assert_array_equal(kvzip.decompress(gpu).get(), bits)
+    np.testing.assert_array_equal(bits_of(kvzip.decompress(gpu)), bits)
 
 
-def test_escape_heavy_chunks_plane_coded_on_gpu():
+def test_escape_heavy_chunks_plane_coded_on_gpu(gpu_path):
     bits = real_bf16(1 << 18)
     bits[: 1 << 14] = random_bits(FORMATS["bf16"], 1 << 14)  # first chunks full of escapes
+    bits[1 << 15: (1 << 15) + 600] = random_bits(FORMATS["bf16"], 600)  # listed, but past the shared buffer
     cpu = kvzip.compress(bits, dtype="bf16")
     gpu = kvzip.compress(cupy.asarray(bits), dtype="bf16")
     np.testing.assert_array_equal(cpu, gpu.get())
     assert kvzip.info(cpu)["raw_chunks"] > 0
-    np.testing.assert_array_equal(kvzip.decompress(gpu).get(), bits)
+    np.testing.assert_array_equal(bits_of(kvzip.decompress(gpu)), bits)
 
 
 def test_torch_cuda_round_trip_on_callers_stream():
@@ -77,7 +124,7 @@ def test_torch_cuda_round_trip_on_callers_stream():
     assert torch.equal(cpu_blob, blob.cpu())
 
 
-def test_corrupted_blob_raises_on_gpu():
+def test_corrupted_blob_raises_on_gpu(gpu_path):
     bits = real_bf16(1 << 16)
     blob = kvzip.compress(cupy.asarray(bits), dtype="bf16", checksum=True)
     bad = blob.copy()
@@ -88,19 +135,30 @@ def test_corrupted_blob_raises_on_gpu():
         kvzip.decompress(blob[:-16])
 
 
-def test_forged_escape_position_raises_on_gpu():
+@pytest.mark.parametrize("forge", ["past_chunk", "at_chunk_end", "unordered", "over_capacity", "short_stream"])
+def test_forged_escapes_raise_on_gpu(gpu_path, forge):
     bits = real_bf16(1 << 16)
+    bits[:32] = 0x3F80  # no escapes at the start of chunk 0 ...
+    bits[10] = bits[20] = 200 << 7  # ... but two (exponent 200) at positions 10 and 20
     blob = kvzip.compress(bits, dtype="bf16")
-    streams = kvzip.info(blob)["streams"]
-    assert streams["esc_pos"] > 0
-    # rebuild with a position past the chunk end through the staged encoder's streams
     from kvzip import container
     from kvzip.backends import get_backend
 
     be = get_backend("cpu")
     hdr = container.parse_header(container.read_head(be, blob), blob.shape[0])
-    views = container.stream_views(be, blob.copy(), hdr)
-    views["esc_pos"][0] = 60000
+    views = {k: v.copy() for k, v in container.stream_views(be, blob, hdr).items()}
+    assert list(views["esc_pos"][:2]) == [10, 20]
+    if forge == "past_chunk":
+        views["esc_pos"][1] = 60000
+    elif forge == "at_chunk_end":
+        views["esc_pos"][1] = 4096
+    elif forge == "unordered":
+        views["esc_pos"][1] = 10
+    elif forge == "over_capacity":
+        views["esc_count"][0] = 4000
+    else:
+        views["esc_exp"] = views["esc_exp"][:-1]
+        views["esc_pos"] = views["esc_pos"][:-1]
     names = [s[0] for s in hdr.streams]
     described = [(k, views[k].dtype.name, views[k].nbytes) for k in names]
     offsets, plen = container.layout([d[2] for d in described])
@@ -120,4 +178,37 @@ def test_quantize_pipeline_gpu_equals_cpu(fmt, granularity):
     cpu = pipe.encode(bits.reshape(3, 4096, 64), dtype="bf16")
     gpu = pipe.encode(cupy.asarray(bits).reshape(3, 4096, 64), dtype="bf16")
     np.testing.assert_array_equal(cpu, gpu.get())
-    np.testing.assert_array_equal(np.asarray(pipe.decode(cpu)).view(np.uint16), pipe.decode(gpu).get())
+    np.testing.assert_array_equal(bits_of(pipe.decode(cpu)), bits_of(pipe.decode(gpu)))
+
+
+def test_batch_api_matches_single_calls_and_uses_one_launch_set():
+    sizes = [0, 1, 4096, 100_003, 1 << 20, 77]
+    xs = [cupy.asarray(real_bf16(n)) for n in sizes] + [cupy.asarray(random_bits(FORMATS["e5m2"], 5000))]
+    dtypes = ["bf16"] * len(sizes) + ["e5m2"]
+    blobs = [kvzip.compress_many([x], dtype=d)[0] for x, d in zip(xs, dtypes)]
+    many_bf16 = kvzip.compress_many(xs[:-1], dtype="bf16")
+    for a, b in zip(many_bf16, blobs):
+        np.testing.assert_array_equal(a.get(), b.get())
+    for a, x in zip(many_bf16, xs):
+        np.testing.assert_array_equal(a.get(), kvzip.compress(x.get(), dtype="bf16"))
+    backs = kvzip.decompress_many(many_bf16 + [blobs[-1]])
+    for back, x, d in zip(backs, xs, dtypes):
+        np.testing.assert_array_equal(bits_of(back, d), x.get())
+
+
+def test_batch_decode_reports_the_bad_blob():
+    xs = [cupy.asarray(real_bf16(1 << 16)) for _ in range(3)]
+    blobs = kvzip.compress_many(xs, dtype="bf16", checksum=True)
+    blobs[1] = blobs[1].copy()
+    blobs[1][-20] ^= 4
+    with pytest.raises(kvzip.FormatError):
+        kvzip.decompress_many(blobs)
+
+
+def test_torch_batch_round_trip():
+    torch = pytest.importorskip("torch")
+    xs = [torch.randn(3, 512 + i, 64, device="cuda", dtype=torch.bfloat16) for i in range(8)]
+    blobs = kvzip.compress_many(xs)
+    assert all(b.is_cuda and b.dtype == torch.uint8 for b in blobs)
+    for x, y in zip(xs, kvzip.decompress_many(blobs)):
+        assert y.dtype == torch.bfloat16 and torch.equal(x.view(torch.int16), y.view(torch.int16))
