@@ -1,0 +1,167 @@
+"""Compression ratio on real KV caches (SmolLM2-135M-Instruct, BF16).
+
+Codebooks are calibrated on prose and measured on held-out code and HTML, as in SplitZip:
+
+* BF16, lossless: >= 1.325 (ceiling 16/12 = 1.333);
+* E5M2 (QuantizeFP8 per tensor, then lossless): >= 1.135 against the FP8 bytes (ceiling 8/7 = 1.143);
+* the same floors with the shipped default codebooks.
+
+Each kind of text is compressed as one tensor (all layers' k and v concatenated), which is what
+a transfer of a whole KV cache does; per-tensor figures (one header per tensor) are printed too.
+Run with ``pytest -s`` to see the measured figures; they are also in every assertion message.
+
+The shipped sample (kvzip.data) always runs; the full captures in ../shared/data/kv (relative to
+the repository root) run when present, and are skipped only when absent.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvzip
+from kvzip import testing as kt
+from kvzip.backends import get_backend
+from kvzip.data import load_sample
+from kvzip.frame import Frame
+from kvzip.stages import QuantizeFP8
+
+BF16_FLOOR = 1.325
+E5M2_FLOOR = 1.135
+KV_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "kv"
+FILES = {k: KV_DIR / f for k, f in (("prose", "smollm2-135m_prose_2048.safetensors"),
+                                    ("code", "smollm2-135m_code_512.safetensors"),
+                                    ("html", "smollm2-135m_html_512.safetensors"))}
+
+
+def report(msg):
+    print(f"\n[real data] {msg}")
+    return msg
+
+
+def bf16_bits(tensors: dict) -> np.ndarray:
+    """All tensors' raw BF16 bits, concatenated in key order."""
+    return np.concatenate([np.ascontiguousarray(tensors[k]).view(np.uint16).ravel() for k in sorted(tensors)])
+
+
+def quantize_e5m2(tensors: dict) -> np.ndarray:
+    """Per-tensor FP8 E5M2 codes from the QuantizeFP8 stage (what the stacked pipeline sends),
+    concatenated in key order."""
+    stage, cpu, out = QuantizeFP8("e5m2", "tensor"), get_backend("cpu"), []
+    for k in sorted(tensors):
+        bits = np.ascontiguousarray(tensors[k]).view(np.uint16).ravel()
+        frame = Frame(cpu, {"data": bits}, {"dtype": "bfloat16", "shape": list(tensors[k].shape),
+                                            "n": bits.size, "format": "bf16"})
+        out.append(stage.encode(frame).streams["data"])
+    return np.concatenate(out)
+
+
+def measure(bits, fmt, codebook, label):
+    """Compress, check the round trip, return (ratio, info)."""
+    blob = kvzip.compress(bits, codebook, dtype=fmt)
+    np.testing.assert_array_equal(np.asarray(kvzip.decompress(blob)).view(bits.dtype), bits)
+    inf = kvzip.info(blob)
+    assert not inf["stored_raw"], label
+    report(f"{label}: {bits.size} values, ratio {inf['ratio']:.4f}, escapes {inf['escape_rate']:.4%}, "
+           f"plane-coded chunks {inf['raw_chunks']}")
+    return inf["ratio"], inf
+
+
+def per_tensor_ratio(tensors, codebook, label):
+    raw = comp = 0
+    for k in sorted(tensors):
+        blob = kvzip.compress(tensors[k], codebook)
+        raw, comp = raw + tensors[k].nbytes, comp + len(blob)
+    report(f"{label}: per-tensor compression ({len(tensors)} tensors, one header each): {raw / comp:.4f}")
+    return raw / comp
+
+
+# --------------------------------------------------------------------------- shipped sample
+@pytest.fixture(scope="module")
+def sample():
+    return {kind: load_sample(kind) for kind in ("prose", "code", "html")}
+
+
+def test_sample_bf16_prose_codebook(sample):
+    cb = kvzip.calibrate(sample["prose"], name="prose-sample")
+    report(f"BF16 codebook calibrated on the prose sample: {cb}")
+    for kind in ("code", "html"):
+        ratio, _ = measure(bf16_bits(sample[kind]), "bf16", cb, f"sample {kind} BF16, prose codebook")
+        assert ratio >= BF16_FLOOR, f"sample {kind}: BF16 ratio {ratio:.4f} < {BF16_FLOOR}"
+    per_tensor_ratio(sample["code"], cb, "sample code BF16")
+
+
+def test_sample_e5m2_prose_codebook(sample):
+    cb = kvzip.calibrate(quantize_e5m2(sample["prose"]), format="e5m2", name="prose-sample-e5m2")
+    report(f"E5M2 codebook calibrated on the quantized prose sample: {cb}")
+    for kind in ("code", "html"):
+        ratio, _ = measure(quantize_e5m2(sample[kind]), "e5m2", cb, f"sample {kind} E5M2, prose codebook")
+        assert ratio >= E5M2_FLOOR, f"sample {kind}: E5M2 ratio {ratio:.4f} < {E5M2_FLOOR}"
+
+
+def test_sample_shipped_default_codebooks(sample):
+    for kind in ("code", "html"):
+        ratio, inf = measure(bf16_bits(sample[kind]), "bf16", None, f"sample {kind} BF16, shipped bf16-kv")
+        assert inf["codebook"] == "bf16-kv"
+        assert ratio >= BF16_FLOOR, f"sample {kind}: BF16 ratio {ratio:.4f} with bf16-kv < {BF16_FLOOR}"
+        ratio, inf = measure(quantize_e5m2(sample[kind]), "e5m2", None, f"sample {kind} E5M2, shipped e5m2-kv")
+        assert inf["codebook"] == "e5m2-kv"
+        assert ratio >= E5M2_FLOOR, f"sample {kind}: E5M2 ratio {ratio:.4f} with e5m2-kv < {E5M2_FLOOR}"
+
+
+def test_sample_stacked_pipeline(sample):
+    """QuantizeFP8 + SplitZip in one pipeline: about 2 x 8/7 against BF16, and the lossless part
+    changes nothing the quantizer produced."""
+    x = kt.as_float(bf16_bits(sample["code"]), "bf16")
+    pipe = kvzip.Pipeline([QuantizeFP8("e5m2"), kvzip.stages.ExponentSplit(), kvzip.stages.Top16Pack(),
+                           kvzip.stages.EscapeStream(), kvzip.stages.Serialize()])
+    blob = pipe.encode(x)
+    ratio = x.nbytes / len(blob)
+    report(f"sample code: QuantizeFP8(e5m2) + SplitZip, one tensor: {ratio:.4f} against BF16 "
+           f"({ratio / 2:.4f} against the FP8 bytes)")
+    assert ratio / 2 >= E5M2_FLOOR, f"stacked pipeline: {ratio / 2:.4f} against FP8 < {E5M2_FLOOR}"
+    ref = kvzip.decompress(kvzip.Pipeline([QuantizeFP8("e5m2"), kvzip.stages.Serialize()]).encode(x))
+    np.testing.assert_array_equal(kvzip.decompress(blob).view(np.uint16), ref.view(np.uint16))
+
+
+# --------------------------------------------------------------------------- full captures
+needs_files = pytest.mark.skipif(not all(p.exists() for p in FILES.values()),
+                                 reason=f"real KV captures not found in {KV_DIR}")
+
+
+@pytest.fixture(scope="module")
+def full():
+    from safetensors.numpy import load_file
+
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy for safetensors)
+
+    return {kind: load_file(str(path)) for kind, path in FILES.items()}
+
+
+@needs_files
+def test_full_bf16_prose_codebook(full):
+    cb = kvzip.calibrate(FILES["prose"], name="prose-full")  # straight from the .safetensors file
+    report(f"BF16 codebook calibrated on {FILES['prose'].name}: {cb}")
+    for kind in ("code", "html"):
+        ratio, _ = measure(bf16_bits(full[kind]), "bf16", cb, f"{FILES[kind].name} BF16, prose codebook")
+        assert ratio >= BF16_FLOOR, f"{kind}: BF16 ratio {ratio:.4f} < {BF16_FLOOR}"
+        per_tensor_ratio(full[kind], cb, f"{FILES[kind].name} BF16")
+
+
+@needs_files
+def test_full_e5m2_prose_codebook(full):
+    cb = kvzip.calibrate(quantize_e5m2(full["prose"]), format="e5m2", name="prose-full-e5m2")
+    report(f"E5M2 codebook calibrated on quantized {FILES['prose'].name}: {cb}")
+    for kind in ("code", "html"):
+        ratio, _ = measure(quantize_e5m2(full[kind]), "e5m2", cb, f"{FILES[kind].name} E5M2, prose codebook")
+        assert ratio >= E5M2_FLOOR, f"{kind}: E5M2 ratio {ratio:.4f} < {E5M2_FLOOR}"
+
+
+@needs_files
+def test_full_shipped_default_codebooks(full):
+    for kind in ("prose", "code", "html"):
+        ratio, _ = measure(bf16_bits(full[kind]), "bf16", None, f"{FILES[kind].name} BF16, shipped bf16-kv")
+        assert ratio >= BF16_FLOOR, f"{kind}: BF16 ratio {ratio:.4f} with bf16-kv < {BF16_FLOOR}"
+        ratio, _ = measure(quantize_e5m2(full[kind]), "e5m2", None, f"{FILES[kind].name} E5M2, shipped e5m2-kv")
+        assert ratio >= E5M2_FLOOR, f"{kind}: E5M2 ratio {ratio:.4f} with e5m2-kv < {E5M2_FLOOR}"
