@@ -223,7 +223,7 @@ def test_info_contents(fmt, chunk):
 
 
 def test_info_on_each_framework_and_buffer():
-    import torch
+    torch = pytest.importorskip("torch")
 
     bits = kt.kv_like_bits("bf16", 1000, seed=4)
     blob = kvzip.compress(bits, dtype="bf16")
