@@ -11,7 +11,7 @@ from .backends import get_backend
 from .errors import FormatError
 from .formats import get_format
 from .frame import Frame
-from .pipeline import Pipeline
+from .pipeline import Pipeline, recorded_pipeline
 
 DEFAULT_CHUNK = 4096
 
@@ -194,7 +194,7 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
         groups: dict = {}
         for (i, u8, origin, be), head in zip(gpu, heads):
             frame = st.serialize.open_blob(be, u8, head)
-            recorded = _recorded_pipeline(frame)
+            recorded = recorded_pipeline(frame.meta)
             recorded.check_streams(frame)
             steps = recorded._steps(recorded.stages[:-1])
             if steps and isinstance(steps[-1], st.FusedSplitPackEscape) and st.fused_fast.decode_applicable(frame):
@@ -212,13 +212,6 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
                 out[i] = _export_decoded(frame, origin)
     pipe.last_path = "fast" if groups else pipe.last_path
     return out
-
-
-def _recorded_pipeline(frame: Frame) -> Pipeline:
-    try:
-        return Pipeline.from_config(frame.meta.get("pipeline"))
-    except (ValueError, TypeError, KeyError) as e:
-        raise FormatError(f"bad pipeline in metadata: {e}") from None
 
 
 def _export_decoded(frame: Frame, origin):

@@ -89,6 +89,26 @@ def build_header(meta: dict, streams: list[tuple[str, str, int]], flags: int, ch
     return bytes(raw)
 
 
+_metadata_cache: dict = {}
+
+
+def _parse_metadata(text: bytes) -> dict:
+    """JSON metadata, parsed once per distinct text (blobs of one shape share it).  Callers get a
+    fresh copy of the top level and must not mutate nested values."""
+    doc = _metadata_cache.get(text)
+    if doc is None:
+        try:
+            doc = json.loads(text.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise FormatError(f"metadata is not valid JSON: {type(e).__name__}: {e}") from None
+        if len(_metadata_cache) > 256:
+            _metadata_cache.clear()
+        _metadata_cache[text] = doc
+    if isinstance(doc, dict):
+        doc = {k: (dict(v) if isinstance(v, dict) else v) for k, v in doc.items()}
+    return doc
+
+
 def parse_header(head: bytes, blob_len: int) -> Header:
     """Validate and decode a header.  ``head`` holds at least the first H bytes (or the whole
     blob if shorter); ``blob_len`` is the blob's full length."""
@@ -116,10 +136,7 @@ def parse_header(head: bytes, blob_len: int) -> Header:
     if not flags & FLAG_CHECKSUM and checksum:
         raise FormatError("payload checksum set without its flag")
     text_at = PREFIX.size + 16 * nstreams
-    try:
-        doc = json.loads(bytes(raw[text_at:text_at + meta_len]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise FormatError(f"metadata is not valid JSON: {type(e).__name__}: {e}") from None
+    doc = _parse_metadata(bytes(raw[text_at:text_at + meta_len]))
     if not (isinstance(doc, dict) and isinstance(doc.get("meta"), dict)
             and isinstance(doc.get("streams"), list) and len(doc["streams"]) == nstreams):
         raise FormatError("metadata lacks meta / streams, or lists the wrong number of streams")

@@ -133,10 +133,7 @@ class Pipeline:
         """Blob frame -> tensor frame, following the pipeline recorded in the blob."""
         st = _stages_module()
         frame = st.Serialize().decode(frame)
-        try:
-            recorded = Pipeline.from_config(frame.meta.get("pipeline"))
-        except (ValueError, TypeError, KeyError) as e:
-            raise FormatError(f"bad pipeline in metadata: {e}") from None
+        recorded = recorded_pipeline(frame.meta)
         recorded.fuse = self.fuse
         recorded.check_streams(frame)
         frame = recorded.decode_frame_steps(frame)
@@ -188,3 +185,23 @@ class Pipeline:
         from .api import decode_with
 
         return decode_with(self, blob, backend=backend)
+
+
+_recorded: dict = {}
+
+
+def recorded_pipeline(meta: dict) -> Pipeline:
+    """The pipeline a blob's metadata records (FormatError if it is not a valid one).  The stage
+    objects are cached by the config's text: a serving loop decodes the same few pipelines."""
+    config = meta.get("pipeline")
+    key = repr(config)
+    stages = _recorded.get(key)
+    if stages is None:
+        try:
+            stages = Pipeline.from_config(config).stages
+        except (ValueError, TypeError, KeyError, RecursionError) as e:
+            raise FormatError(f"bad pipeline in metadata: {e}") from None
+        if len(_recorded) > 256:
+            _recorded.clear()
+        _recorded[key] = stages
+    return Pipeline(stages)
