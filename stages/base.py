@@ -58,10 +58,6 @@ class Stage:
         except TypeError as e:
             raise ValueError(f"bad config for stage {cls.id!r}: {e}") from None
 
-    def max_encoded_size(self, nbytes: int) -> int:
-        """Upper bound on this stage's output bytes for ``nbytes`` of input (before headers)."""
-        return nbytes
-
     def __eq__(self, other):
         return type(self) is type(other) and self.get_config() == other.get_config()
 

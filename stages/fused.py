@@ -12,13 +12,12 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, njit  # cuda at module level: the simulator swaps module globals only
 
-from kvzip.bitlogic import CPU, ESCAPE, PLANE, cuda_helpers
+from kvzip.bitlogic import CPU, PLANE, cuda_helpers
 from kvzip.bitpack import groups
 from kvzip.errors import FormatError
 from kvzip.frame import Frame
 
-from .escape_stream import chunk_layout, escape_capacity
-from .exponent_split import ExponentSplit
+from .escape_stream import chunk_layout
 from .top16_pack import codebook_meta, frame_codebook
 
 _encode_group = CPU.encode_group
@@ -340,5 +339,3 @@ class FusedSplitPackEscape:
             raise FormatError(_ERRORS[code])
         return self.finish_decode(frame, dst)
 
-
-__all__ = ["FusedSplitPackEscape", "ExponentSplit"]

@@ -325,8 +325,6 @@ def encode_batch(frames: list[Frame], top16, chunk: int, checksum: bool) -> Enco
 # ----------------------------------------------------------------------------- decode
 def read_heads(blobs) -> list[bytes]:
     """The first bytes of each blob (enough for its header) with one device-to-host copy."""
-    import cupy
-
     k = len(blobs)
     jobs = np.array([(b.data.ptr, b.shape[0]) for b in blobs], np.uint64).reshape(k, 2)
     ws = _Workspace([jobs.nbytes, k * HEAD_SPAN])
