@@ -89,24 +89,11 @@ def build_header(meta: dict, streams: list[tuple[str, str, int]], flags: int, ch
     return bytes(raw)
 
 
-_metadata_cache: dict = {}
-
-
-def _parse_metadata(text: bytes) -> dict:
-    """JSON metadata, parsed once per distinct text (blobs of one shape share it).  Callers get a
-    fresh copy of the top level and must not mutate nested values."""
-    doc = _metadata_cache.get(text)
-    if doc is None:
-        try:
-            doc = json.loads(text.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise FormatError(f"metadata is not valid JSON: {type(e).__name__}: {e}") from None
-        if len(_metadata_cache) > 256:
-            _metadata_cache.clear()
-        _metadata_cache[text] = doc
-    if isinstance(doc, dict):
-        doc = {k: (dict(v) if isinstance(v, dict) else v) for k, v in doc.items()}
-    return doc
+def _parse_metadata(text: bytes):
+    try:
+        return json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(f"metadata is not valid JSON: {type(e).__name__}: {e}") from None
 
 
 def parse_header(head: bytes, blob_len: int) -> Header:
