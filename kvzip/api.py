@@ -9,7 +9,6 @@ import numpy as np
 from . import arrays, container
 from .backends import get_backend
 from .errors import FormatError
-from .formats import get_format
 from .frame import Frame
 from .pipeline import Pipeline, recorded_pipeline
 
@@ -92,17 +91,13 @@ def decode_with(pipe: Pipeline, blob, *, backend=None):
 def info(blob) -> dict:
     """What a blob holds, without decoding it: dtype, shape, sizes, ratio, escapes, pipeline.
     Raises kvzip.FormatError for a malformed blob, like decompress."""
-    from .stages.serialize import open_blob
+    from .stages.serialize import frame_from_header
 
     u8, origin = arrays.import_bytes(blob)
     be = get_backend(origin.backend_name)
-    head = container.read_head(be, u8)
-    hdr = container.parse_header(head, u8.shape[0])
-    frame = open_blob(be, u8, head)
-    try:
-        fmt = get_format(frame.meta.get("dtype"))
-    except TypeError as e:
-        raise FormatError(str(e)) from None
+    hdr = container.parse_header(container.read_head(be, u8), u8.shape[0])
+    frame = frame_from_header(be, u8, hdr)
+    fmt = frame.dtype_format
     n = frame.n
     nchunks = escapes = plane_chunks = 0
     if "esc_count" in frame.streams:
@@ -166,8 +161,7 @@ def encode_many_with(pipe: Pipeline, xs, *, dtype=None, backend=None) -> list:
                 if batch.payload_lengths[j] <= serialize.payload_size(frame):
                     blob = batch.blob(j)
                 else:  # incompressible: stored raw, as encode() would
-                    split_at = next(k for k, s in enumerate(pipe.stages) if isinstance(s, st.ExponentSplit))
-                    blob = pipe._stored(frame, split_at, serialize).streams["blob"]
+                    blob = pipe._stored(frame).streams["blob"]
                 out[i] = arrays.export_bytes(blob, origin)
     pipe.last_path = "fast" if groups else pipe.last_path
     return out
@@ -217,10 +211,7 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
 def _export_decoded(frame: Frame, origin):
     if set(frame.streams) != {"data"}:
         raise FormatError(f"decoding left streams {sorted(frame.streams)}; the blob holds unknown streams")
-    try:
-        fmt = get_format(frame.meta.get("dtype"))
-    except TypeError as e:
-        raise FormatError(str(e)) from None
+    fmt = frame.dtype_format
     if frame.format != fmt:
         raise FormatError(f"decoded values are {frame.format.name} but the blob says dtype {fmt.dtype_name}")
     data = frame.expect("data", fmt.uint_dtype, frame.n)

@@ -56,8 +56,16 @@ class Frame:
     @property
     def format(self) -> FloatFormat:
         """The format the ``data`` stream is in now (FormatError if meta names none we know)."""
+        return self._meta_format("format")
+
+    @property
+    def dtype_format(self) -> FloatFormat:
+        """The format of the caller's original dtype, which decoding must give back."""
+        return self._meta_format("dtype")
+
+    def _meta_format(self, key: str) -> FloatFormat:
         try:
-            return get_format(self.meta.get("format"))
+            return get_format(self.meta.get(key))
         except TypeError as e:
             raise FormatError(str(e)) from None
 

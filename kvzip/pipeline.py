@@ -100,7 +100,6 @@ class Pipeline:
         split/pack/escape streams would be larger than the values themselves."""
         st = _stages_module()
         body, serialize = self.stages[:-1], self.stages[-1]
-        split_at = next((i for i, s in enumerate(body) if isinstance(s, st.ExponentSplit)), None)
         frame.meta["pipeline"] = self.to_config()["stages"]
         steps = self._steps(body)
         self.last_path = "staged"
@@ -116,14 +115,17 @@ class Pipeline:
                     if batch.payload_lengths[0] <= serialize.payload_size(before_split):
                         self.last_path = "fast"
                         return Frame(frame.backend, {"blob": batch.blob(0)}, frame.meta)
-                    return self._stored(before_split, split_at, serialize)
+                    return self._stored(before_split)
             frame = step.encode(frame)
         if before_split is not None and serialize.payload_size(frame) > serialize.payload_size(before_split):
-            return self._stored(before_split, split_at, serialize)
+            return self._stored(before_split)
         return serialize.encode(frame)
 
-    def _stored(self, before_split: Frame, split_at: int, serialize) -> Frame:
+    def _stored(self, before_split: Frame) -> Frame:
         """The values raw (after any stages ahead of the split), flagged as a size fallback."""
+        st = _stages_module()
+        split_at = next(i for i, s in enumerate(self.stages) if isinstance(s, st.ExponentSplit))
+        serialize = self.stages[-1]
         stored = self.stages[:split_at] + [serialize]
         before_split.meta["pipeline"] = [s.get_config() for s in stored]
         self.last_path = "stored"

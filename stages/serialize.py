@@ -62,7 +62,11 @@ def open_blob(backend, blob, head: bytes | None = None) -> Frame:
     views and its metadata.  ``head``: the header bytes when the caller already fetched them."""
     if head is None:
         head = container.read_head(backend, blob)
-    hdr = container.parse_header(head, blob.shape[0])
+    return frame_from_header(backend, blob, container.parse_header(head, blob.shape[0]))
+
+
+def frame_from_header(backend, blob, hdr: container.Header) -> Frame:
+    """open_blob for a header already parsed: payload checksum, stream views, metadata checks."""
     container.verify_payload(backend, blob, hdr)
     out = Frame(backend, container.stream_views(backend, blob, hdr), dict(hdr.meta))
     n = out.meta_int("n")
