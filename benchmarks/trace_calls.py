@@ -2,9 +2,11 @@
 
     python benchmarks/trace_calls.py [log2_values]      # default 19 (1 MiB of BF16)
     python benchmarks/trace_calls.py ncu 28             # a plain workload to run under ncu
+    python benchmarks/trace_calls.py profile 28         # cProfile of the host side, no extra syncs
+    python benchmarks/trace_calls.py host 19            # host time per step (cumulative), no syncs
 
 Wraps the steps of the fast path and synchronises the stream around each, so kernel time shows
-under _launch and host work under the step that does it.  The synchronisation changes the total a
+under launch and host work under the step that does it.  The synchronisation changes the total a
 little; bench_codec.py gives the real figures.
 """
 import sys
@@ -19,7 +21,7 @@ from kvzip.data import load_sample
 from kvzip.stages import fused_fast, serialize
 
 args = sys.argv[1:]
-mode = args.pop(0) if args and args[0] == "ncu" else "trace"
+mode = args.pop(0) if args and args[0] in ("ncu", "profile", "host") else "trace"
 log2 = int(args[0]) if args else 19
 sample = np.concatenate([v.view(np.uint16).ravel() for v in load_sample().values()])
 x = cupy.asarray(np.resize(sample, 1 << log2))
@@ -33,26 +35,53 @@ if mode == "ncu":
     cupy.cuda.Device().synchronize()
     sys.exit(0)
 
+if mode == "profile":
+    import cProfile
+    import pstats
+
+    for label, f in [("compress", lambda: kvzip.compress(x, dtype="bf16")), ("decompress", lambda: kvzip.decompress(blob))]:
+        for _ in range(3):
+            f()
+        cupy.cuda.get_current_stream().synchronize()
+        prof = cProfile.Profile()
+        t = time.perf_counter()
+        prof.enable()
+        for _ in range(20):
+            f()
+        prof.disable()
+        cupy.cuda.get_current_stream().synchronize()
+        print(f"== {label} 2^{log2}: {(time.perf_counter() - t) / 20 * 1e6:.1f} us/call")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    sys.exit(0)
+
 acc = {}
 
 
 def wrap(mod, name):
     f = getattr(mod, name)
+    sync = cupy.cuda.get_current_stream().synchronize if mode == "trace" else (lambda: None)
 
     def timed(*a, **k):
-        cupy.cuda.get_current_stream().synchronize()
+        sync()
         t = time.perf_counter()
         r = f(*a, **k)
-        cupy.cuda.get_current_stream().synchronize()
+        sync()
         acc[name] = acc.get(name, 0) + time.perf_counter() - t
         return r
 
     setattr(mod, name, timed)
 
 
-for mod, name in [(api.arrays, "import_tensor"), (api.arrays, "export_bytes"), (api.arrays, "import_bytes"),
+from kvzip import pipeline  # noqa: E402
+from kvzip.stages import fused  # noqa: E402
+
+extra = [(pipeline.Pipeline, "encode_frame"), (pipeline.Pipeline, "decode_frame"), (fused_fast, "_plan"),
+         (fused_fast, "_device_lut"), (fused_fast._Call, "upload"), (fused_fast._Call, "zero"),
+         (fused.FusedSplitPackEscape, "check"), (api, "_export_decoded"), (api, "splitzip_pipeline"),
+         (pipeline, "recorded_pipeline"), (container, "stream_views")] if mode == "host" else []
+for mod, name in extra + [(api.arrays, "import_tensor"), (api.arrays, "export_bytes"), (api.arrays, "import_bytes"),
                   (api.arrays, "export_tensor"), (fused_fast, "encode_batch"), (fused_fast, "decode_batch"),
-                  (fused_fast, "_launch"), (fused_fast, "_read_back"), (fused_fast, "_Workspace"),
+                  (fused_fast._Call, "launch"), (fused_fast._Call, "read_back"), (fused_fast, "_Call"),
                   (container, "read_head"), (container, "parse_header"), (serialize, "open_blob")]:
     wrap(mod, name)
 N = 20

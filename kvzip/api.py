@@ -2,7 +2,9 @@
 framework (via kvzip/arrays.py) and a pipeline running on a backend."""
 from __future__ import annotations
 
+import copy
 import math
+from functools import lru_cache
 
 import numpy as np
 
@@ -35,24 +37,37 @@ def compress(x, codebook=None, *, checksum: bool = False, chunk: int = DEFAULT_C
 
     Returns a 1-D uint8 array of x's framework on x's device.
     """
-    return splitzip_pipeline(codebook, checksum=checksum, chunk=chunk).encode(x, dtype=dtype, backend=backend)
+    return _default(codebook, checksum, chunk).encode(x, dtype=dtype, backend=backend)
 
 
 def decompress(blob, *, backend: str | None = None):
     """Decode any kvzip blob; returns the original dtype and shape in the blob's framework.
     Raises kvzip.FormatError if the blob is malformed or (with a checksum) corrupted."""
-    return splitzip_pipeline().decode(blob, backend=backend)
+    return _default(None, False, DEFAULT_CHUNK).decode(blob, backend=backend)
 
 
 def compress_many(xs, codebook=None, *, checksum: bool = False, chunk: int = DEFAULT_CHUNK, dtype=None,
                   backend: str | None = None) -> list:
     """compress() for a list of tensors; on a GPU all of them share one set of kernel launches."""
-    return splitzip_pipeline(codebook, checksum=checksum, chunk=chunk).encode_many(xs, dtype=dtype, backend=backend)
+    return _default(codebook, checksum, chunk).encode_many(xs, dtype=dtype, backend=backend)
 
 
 def decompress_many(blobs, *, backend: str | None = None) -> list:
     """decompress() for a list of blobs; on a GPU one header read-back and one decode launch per group."""
-    return splitzip_pipeline().decode_many(blobs, backend=backend)
+    return _default(None, False, DEFAULT_CHUNK).decode_many(blobs, backend=backend)
+
+
+@lru_cache(maxsize=64)
+def _shared(codebook, checksum, chunk) -> Pipeline:
+    return splitzip_pipeline(codebook, checksum=checksum, chunk=chunk)
+
+
+def _default(codebook, checksum, chunk) -> Pipeline:
+    """The pipeline compress()/decompress() run: built once per setting when the codebook is a
+    name or the default (building one costs ~8 us a call); private, so no caller can change it."""
+    if codebook is None or isinstance(codebook, str):
+        return _shared(codebook, checksum, chunk)
+    return splitzip_pipeline(codebook, checksum=checksum, chunk=chunk)
 
 
 def _to_backend(a, backend):
@@ -120,7 +135,7 @@ def info(blob) -> dict:
         "stored_raw": bool(hdr.flags & container.FLAG_STORED),
         "checksum": bool(hdr.flags & container.FLAG_CHECKSUM),
         "streams": {name: nb for name, _, _, nb in hdr.streams},
-        "pipeline": frame.meta.get("pipeline"),
+        "pipeline": copy.deepcopy(frame.meta.get("pipeline")),  # parsed headers are cached: hand out a copy
         "codebook": codebook.get("name") if isinstance(codebook, dict) else None,
     }
 
@@ -139,17 +154,17 @@ def encode_many_with(pipe: Pipeline, xs, *, dtype=None, backend=None) -> list:
     serialize = pipe.stages[-1]
     fused = steps[-1] if steps and isinstance(steps[-1], st.FusedSplitPackEscape) else None
     groups: dict = {}  # format -> [(index, frame, origin)] for the batched GPU path
-    config = pipe.to_config()["stages"]  # one object shared by every frame (plans are cached by it)
+    config = pipe._stage_configs()  # one object shared by every frame (plans are cached by it)
     for i, x in enumerate(xs):
         bits, fmt, shape, origin = arrays.import_tensor(x, dtype)
         be = get_backend(backend or origin.backend_name)
         frame = _tensor_frame(bits, fmt, shape, be)
-        if fused is not None and st.fused_fast.applicable(frame):
+        if fused is not None and st.fused_fast.applicable(be, frame.n):
             frame.meta["pipeline"] = config
             with origin.stream_context():
                 for step in steps[:-1]:  # stages ahead of the split (QuantizeFP8) run per tensor
                     frame = step.encode(frame)
-            if st.fused_fast.applicable(frame, frame.streams["data"]):
+            if st.fused_fast.applicable(be, frame.n, frame.streams["data"]):
                 groups.setdefault(frame.format.name, []).append((i, frame, origin))
                 continue
         out[i] = encode_with(pipe, x, dtype=dtype, backend=backend)
@@ -176,8 +191,7 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
     for i, b in enumerate(blobs):
         u8, origin = arrays.import_bytes(b)
         be = get_backend(backend or origin.backend_name)
-        probe = Frame(be, {}, {"n": 0})
-        if st.fused_fast.applicable(probe, _to_backend(u8, be)):
+        if st.fused_fast.applicable(be, 0, _to_backend(u8, be)):
             gpu.append((i, _to_backend(u8, be), origin, be))
         else:
             out[i] = decode_with(pipe, b, backend=backend)

@@ -62,6 +62,18 @@ def _sample_bits(n):
     return np.resize(sample, n)
 
 
+def e5m2_bits(bf16_bits, n):
+    """E5M2 values: the start of the BF16 sample quantized once (per-tensor scale) on the CPU, tiled to n."""
+    from kvzip import stages as S
+    from kvzip.backends import get_backend
+    from kvzip.frame import Frame
+
+    m = min(1 << 22, bf16_bits.shape[0])
+    fr = S.QuantizeFP8("e5m2").encode(Frame(get_backend("cpu"), {"data": bf16_bits[:m]},
+                                            {"dtype": "bfloat16", "shape": [m], "n": m, "format": "bf16"}))
+    return np.resize(fr.streams["data"], n)
+
+
 def bench_kvzip(cupy, timeit, x, dtype, pipe=None, ref=None):
     """Encode/decode figures of one input; x is a cupy array of raw bits."""
     import kvzip
@@ -142,13 +154,7 @@ def run(values_log2=28, repeat=20, out_dir="benchmarks/results", quick=False):
     k = res["kvzip"] = {}
     k["bf16"] = bench_kvzip(cupy, timeit, x, "bf16")
     print("bf16", k["bf16"], flush=True)
-    # E5M2 values: the sample quantized once (per tensor scale) on the CPU, then tiled.
-    from kvzip.backends import get_backend
-    from kvzip.frame import Frame
-
-    fr = S.QuantizeFP8("e5m2").encode(Frame(get_backend("cpu"), {"data": host[: 1 << 22]},
-                                            {"dtype": "bfloat16", "shape": [1 << 22], "n": 1 << 22, "format": "bf16"}))
-    e5_bits = cupy.asarray(np.resize(fr.streams["data"], n))
+    e5_bits = cupy.asarray(e5m2_bits(host, n))
     k["e5m2"] = bench_kvzip(cupy, timeit, e5_bits, "e5m2")
     print("e5m2", k["e5m2"], flush=True)
     qpipe = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack("e5m2-kv"), S.EscapeStream(),

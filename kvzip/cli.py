@@ -192,13 +192,13 @@ def _median_time(fn, repeat: int, sync):
     return statistics.median(times), out
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 # ---- bench -----------------------------------------------------------------------------------
 
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="GPU benchmark: kvzip vs the copy roofline and nvCOMP (needs CUDA + CuPy)",
                        add_help=False)
     p.set_defaults(run=None)  # main() hands "bench ..." to kvzip.bench.main before parsing
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,6 +20,7 @@ All integers little-endian.  Parsing validates every field before anything is sl
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import zlib
@@ -96,9 +97,31 @@ def _parse_metadata(text: bytes):
         raise FormatError(f"metadata is not valid JSON: {type(e).__name__}: {e}") from None
 
 
+_parsed: dict = {}
+
+
 def parse_header(head: bytes, blob_len: int) -> Header:
     """Validate and decode a header.  ``head`` holds at least the first H bytes (or the whole
-    blob if shorter); ``blob_len`` is the blob's full length."""
+    blob if shorter); ``blob_len`` is the blob's full length.
+
+    Valid headers are remembered by their bytes (a serving loop decodes the same few shapes, and
+    parsing and checking one costs ~25 us); each caller gets its own top-level meta dict, which
+    is all the decoders change."""
+    key = None
+    if len(head) >= PREFIX.size:
+        key = (bytes(head[:int.from_bytes(head[12:16], "little")]), blob_len)
+        hit = _parsed.get(key)
+        if hit is not None:
+            return dataclasses.replace(hit, meta=dict(hit.meta))
+    hdr = _parse_header(head, blob_len)
+    if key is not None:
+        if len(_parsed) > 1024:
+            _parsed.clear()
+        _parsed[key] = hdr
+    return dataclasses.replace(hdr, meta=dict(hdr.meta))
+
+
+def _parse_header(head: bytes, blob_len: int) -> Header:
     if blob_len < PREFIX.size or len(head) < PREFIX.size:
         raise FormatError(f"blob of {blob_len} bytes is too short to be a kvzip container")
     magic, version, flags, header_len, payload_len, checksum, meta_len, nstreams, crc = PREFIX.unpack_from(head)

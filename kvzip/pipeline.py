@@ -60,6 +60,13 @@ class Pipeline:
         st = _stages_module()
         return cls([st.stage_from_config(c) for c in config])
 
+    def _stage_configs(self) -> list:
+        """to_config()["stages"], built once: blobs record it, and the fast path caches its plans
+        by it.  (Stages are configured at construction and not changed afterwards.)"""
+        if getattr(self, "_configs", None) is None:
+            self._configs = self.to_config()["stages"]
+        return self._configs
+
     def to_json(self) -> str:
         return json.dumps(self.to_config())
 
@@ -100,7 +107,7 @@ class Pipeline:
         split/pack/escape streams would be larger than the values themselves."""
         st = _stages_module()
         body, serialize = self.stages[:-1], self.stages[-1]
-        frame.meta["pipeline"] = self.to_config()["stages"]
+        frame.meta["pipeline"] = self._stage_configs()
         steps = self._steps(body)
         self.last_path = "staged"
         before_split = None
@@ -109,7 +116,7 @@ class Pipeline:
                 before_split = frame
             if isinstance(step, st.FusedSplitPackEscape):
                 self.last_path = "fused"
-                if i == len(steps) - 1 and st.fused_fast.applicable(frame, frame.streams.get("data")):
+                if i == len(steps) - 1 and st.fused_fast.applicable(frame.backend, frame.n, frame.streams.get("data")):
                     # On a GPU the last fused step writes the container itself: no stream copies.
                     batch = st.fused_fast.encode_batch([frame], step.top16, step.chunk, serialize.checksum)
                     if batch.payload_lengths[0] <= serialize.payload_size(before_split):

@@ -307,26 +307,26 @@ class FusedSplitPackEscape:
 
     def decode(self, frame: Frame) -> Frame:
         fmt, backend, n, C = frame.format, frame.backend, frame.n, self.chunk
-        xp = backend.xp
         cb = self.check(frame)
+        from . import fused_fast
+
+        if fused_fast.decode_applicable(frame):  # first: it needs none of the host-side set-up below
+            self.ran = "fast"
+            return self.finish_decode(frame, fused_fast.decode_batch([frame], C, [cb])[0])
+        xp = backend.xp
         G = groups(n)
         nchunks, chunk_groups, _ = chunk_layout(n, C)
         codes, rest, esc_count = frame.streams["codes"], frame.streams["rest"], frame.streams["esc_count"]
         streams = {k: frame.streams[k] for k in ("esc_pos", "esc_exp", "exp_high")}
-        from . import fused_fast
-
         E, M = fmt.exp_bits, fmt.mant_bits
         dlut = backend.from_numpy(cb.decode_lut())
-        self.ran = "cpu" if backend.name == "cpu" else "numba-cuda"
-        if fused_fast.decode_applicable(frame):
-            self.ran = "fast"
-            dst, code = fused_fast.decode_batch([frame], C, [cb])[0], 0
-        elif backend.name == "cpu":
-            dst = backend.empty(n, fmt.uint_dtype)
+        dst = backend.empty(n, fmt.uint_dtype)
+        if backend.name == "cpu":
+            self.ran = "cpu"
             code = _decode_cpu(codes, rest, esc_count, streams["esc_pos"], streams["esc_exp"], streams["exp_high"],
                                n, E, M, dlut, C, dst)
         else:
-            dst = backend.empty(n, fmt.uint_dtype)
+            self.ran = "numba-cuda"
             _, _, _, k_dec, k_patch = _cuda_kernels()
             esc_off, plane_off, _, _ = _chunk_offsets(xp, esc_count, backend.from_numpy(chunk_groups), fmt.high_exp_bits)
             err = backend.zeros(1, np.int32)
@@ -338,4 +338,3 @@ class FusedSplitPackEscape:
         if code:
             raise FormatError(_ERRORS[code])
         return self.finish_decode(frame, dst)
-

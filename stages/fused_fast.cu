@@ -353,8 +353,9 @@ __device__ __forceinline__ void encode_plane(const T* __restrict__ src, long lon
     for (int k = 0; k < HB; k++) high_out[k] = (u8)(high >> (8 * k));
 }
 
-// One tensor of a batch.  All fields are 8 bytes wide: the host fills a uint64 array (ntensors, 9).
+// One tensor of a batch.  All fields are 8 bytes wide: the host fills a uint64 array (ntensors, 12).
 struct EncodeJob {
+    static constexpr bool ENCODE = true;
     const void* src;        // the values' bits
     long long n;            // value count
     u8* codes;              // output streams, in place in the blob
@@ -363,119 +364,273 @@ struct EncodeJob {
     u16* esc_pos;
     u8* exp_scratch;        // esc_exp and exp_high go here first (their offsets depend on the total)
     u8* high_scratch;
+    u16* slot_pos;          // kvz_encode's per-chunk escape slots (SLOT entries a chunk) for this tensor
+    u8* slot_exp;
     long long chunk_base;   // this tensor's first chunk in the batch-wide chunk numbering
+    long long sb_base;      // and its first scan block (SB_CHUNKS chunks each)
 };
 
-// The tensor that batch-wide chunk gc belongs to: the last job whose chunk_base <= gc (jobs are in
-// chunk order; empty tensors share their successor's base and are skipped this way).
+// The tensor that batch-wide index key (a chunk, or a scan block) belongs to: the last job whose
+// base <= key (jobs are in order; empty tensors share their successor's base and are skipped).
 template <typename Job>
-__device__ __forceinline__ int find_job(const Job* jobs, int njobs, long long gc) {
+__device__ __forceinline__ int find_job(const Job* jobs, int njobs, long long key, long long Job::*base) {
     int lo = 0, hi = njobs - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (jobs[mid].chunk_base <= gc) lo = mid; else hi = mid - 1;
+        if (jobs[mid].*base <= key) lo = mid; else hi = mid - 1;
     }
     return lo;
 }
 
-// work: [0] tile counter, [1 + t] tensor t's totals (escapes << 31 | plane groups),
-// [1 + njobs + gc] chunk status.  Zeroed by the caller.
-template <int E, int M, typename T>
-__global__ void __launch_bounds__(WARPS * 32) kvz_encode(const EncodeJob* __restrict__ jobs, int njobs,
-                                                          long long total_chunks, int chunk, const u8* __restrict__ lut,
-                                                          u64* __restrict__ work) {
-    constexpr int HB = E - 4;
+// Where a warp is in its sequence of chunks: enough to issue the loads of any step of the chunk.
+template <typename Job>
+struct ChunkAt {
+    long long gc;           // batch-wide chunk
+    long long c;            // chunk within its tensor
+    long long g0;           // its first group
+    int ng;                 // its groups
+    int job;
+};
+
+template <typename Job>
+__device__ __forceinline__ ChunkAt<Job> chunk_at(const Job* __restrict__ jobs, int njobs, long long gc, int gpc) {
+    ChunkAt<Job> a;
+    a.gc = gc;
+    a.job = find_job(jobs, njobs, gc, &Job::chunk_base);
+    a.c = gc - jobs[a.job].chunk_base;
+    a.g0 = a.c * gpc;
+    a.ng = (int)min((long long)gpc, (jobs[a.job].n + 7) / 8 - a.g0);
+    return a;
+}
+
+// Dense pass.  Chunks are dealt out statically (warp w takes w, w + W, ...): no warp waits on
+// another, so each lane can issue the next step's loads, in this chunk or the next, before it
+// works on the current step, and the memory system never drains between chunks.  Escapes go to a
+// per-chunk slot in position order (a warp prefix sum); kvz_scan moves them to their final place.
+// The first version of this kernel (a chunk queue with the look-back at the end of each chunk)
+// stalled every warp for several dependent memory round trips per chunk: ncu showed 50 % of DRAM
+// bandwidth with the SM mostly waiting (benchmarks/NOTES.md, v2c).
+// GPL: groups a lane works on per step, so that enough loads are in flight to cover DRAM latency;
+// MINB: blocks per multiprocessor to fit (caps registers).  fused_fast.py picks them per format.
+template <int E, int M, typename T, int GPL, int MINB>
+__global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* __restrict__ jobs, int njobs,
+                                                          long long total_chunks, int chunk, int slot,
+                                                          const u8* __restrict__ lut) {
+    constexpr int HB = E - 4, STEP = 32 * GPL;
     __shared__ u8 slut[1 << E];
-    __shared__ u16 spos[WARPS][SBUF];
-    __shared__ u8 sexp[WARPS][SBUF];
     for (int i = threadIdx.x; i < (1 << E); i += blockDim.x) slut[i] = lut[i];
     __syncthreads();
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     const int gpc = chunk / 8;
-    u64* status_all = work + 1 + njobs;
+    const long long W = (long long)gridDim.x * WARPS;
+    long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (gc >= total_chunks) return;
+    ChunkAt<EncodeJob> cur = chunk_at(jobs, njobs, gc, gpc);
+    const T* src = static_cast<const T*>(jobs[cur.job].src);
+    long long n = jobs[cur.job].n;
+    int s0 = 0, count = 0;
+    Raw<T> now[GPL];
+#pragma unroll
+    for (int q = 0; q < GPL; q++)
+        if (q * 32 + lane < cur.ng) load_raw(src, n, cur.g0 + q * 32 + lane, now[q]);
+    while (true) {
+        // The next step: the rest of this chunk, or the start of this warp's next chunk.
+        const bool last_step = s0 + STEP >= cur.ng;
+        ChunkAt<EncodeJob> nx = cur;
+        int ns0 = s0 + STEP;
+        bool more = true;
+        if (last_step) {
+            more = gc + W < total_chunks;
+            if (more) { nx = chunk_at(jobs, njobs, gc + W, gpc); ns0 = 0; }
+        }
+        const T* nsrc = static_cast<const T*>(jobs[nx.job].src);
+        const long long nn = jobs[nx.job].n;
+        Raw<T> next[GPL];
+#pragma unroll
+        for (int q = 0; q < GPL; q++)
+            if (more && ns0 + q * 32 + lane < nx.ng) load_raw(nsrc, nn, nx.g0 + ns0 + q * 32 + lane, next[q]);
 
-    long long gc = 0;
-    if (lane == 0) gc = (long long)atomicAdd(&work[0], 1ull);
-    gc = __shfl_sync(FULL_MASK, gc, 0);
-    while (gc < total_chunks) {
-        long long next = 0;  // claim the following chunk now: the atomic's latency hides behind this one
-        if (lane == 0) next = (long long)atomicAdd(&work[0], 1ull);
-        const int job = find_job(jobs, njobs, gc);
-        const T* __restrict__ src = static_cast<const T*>(jobs[job].src);
-        const long long n = jobs[job].n;
-        u8* __restrict__ codes = jobs[job].codes;
-        u8* __restrict__ rest = jobs[job].rest;
-        u64* status = status_all + jobs[job].chunk_base;
-        const long long c = gc - jobs[job].chunk_base;
-        const long long G = (n + 7) / 8, nchunks = (n + chunk - 1) / chunk;
-        const long long g0 = c * gpc;
-        const int ng = (int)min((long long)gpc, G - g0);
-        const int cap = HB * ng / 3;
-        int count = 0;
-        // Dense pass: two groups per lane per step, the next step's loads issued before this step's
-        // work, so every lane keeps four 16-byte loads in flight.
-        Raw<T> ca, cb, na, nb;
-        if (lane < ng) load_raw(src, n, g0 + lane, ca);
-        if (32 + lane < ng) load_raw(src, n, g0 + 32 + lane, cb);
-        for (int s0 = 0; s0 < ng; s0 += 64) {
-            const int ia = s0 + lane, ib = s0 + 32 + lane;
-            if (ia + 64 < ng) load_raw(src, n, g0 + ia + 64, na);
-            if (ib + 64 < ng) load_raw(src, n, g0 + ib + 64, nb);
-            u32 ma = 0, mb = 0;
-            if (ia < ng) ma = encode_raw<E, M, T>(ca, n, g0 + ia, slut, codes, rest);
-            if (ib < ng) mb = encode_raw<E, M, T>(cb, n, g0 + ib, slut, codes, rest);
-            if (__any_sync(FULL_MASK, (ma | mb) != 0)) {
+        const EncodeJob& J = jobs[cur.job];
+        u32 m[GPL], any = 0;
 #pragma unroll
-                for (int half = 0; half < 2; half++) {
-                    const u32 m = half ? mb : ma;
-                    const int gi = half ? ib : ia;
-                    const int k = __popc(m);
-                    const int incl = warp_inclusive_sum(k, lane);
-                    int idx = count + incl - k;
+        for (int q = 0; q < GPL; q++) {
+            const int gi = s0 + q * 32 + lane;
+            m[q] = gi < cur.ng ? encode_raw<E, M, T>(now[q], n, cur.g0 + gi, slut, J.codes, J.rest) : 0u;
+            any |= m[q];
+        }
+        if (__any_sync(FULL_MASK, any != 0)) {
+            u16* __restrict__ spos = J.slot_pos + cur.c * slot;
+            u8* __restrict__ sexp = J.slot_exp + cur.c * slot;
 #pragma unroll
-                    for (int j = 0; j < 8; j++) {
-                        if ((m >> j) & 1u) {
-                            if (idx < SBUF) {
-                                spos[wid][idx] = (u16)(gi * 8 + j);
-                                sexp[wid][idx] = (u8)(((half ? raw_value(cb, j) : raw_value(ca, j)) >> M) & ((1u << E) - 1u));
-                            }
-                            idx++;
+            for (int q = 0; q < GPL; q++) {
+                const int gi = s0 + q * 32 + lane;
+                const int k = __popc(m[q]);
+                const int incl = warp_inclusive_sum(k, lane);
+                int idx = count + incl - k;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    if ((m[q] >> j) & 1u) {
+                        if (idx < slot) {
+                            spos[idx] = (u16)(gi * 8 + j);
+                            sexp[idx] = (u8)((raw_value(now[q], j) >> M) & ((1u << E) - 1u));
                         }
+                        idx++;
                     }
-                    count += __shfl_sync(FULL_MASK, incl, 31);
                 }
+                count += __shfl_sync(FULL_MASK, incl, 31);
             }
-            ca = na;
-            cb = nb;
         }
-        const bool plane = count > cap;
-        const u64 mine = plane ? (u64)ng : ((u64)count << 31);
-        const u64 prefix = look_back(status, c, mine, lane);
-        if (lane == 0) {
-            if (c == nchunks - 1) work[1 + job] = prefix + mine;
-            jobs[job].esc_count[c] = plane ? (u16)PLANE : (u16)count;
+        if (last_step) {
+            if (lane == 0) J.esc_count[cur.c] = count > HB * cur.ng / 3 ? (u16)PLANE : (u16)count;
+            count = 0;
+            gc += W;
         }
-        const long long esc_off = (long long)(prefix >> 31);
-        const long long plane_off = (long long)HB * (long long)(prefix & GROUPS_MASK);
-        __syncwarp();
-        if (plane) {
-            for (int i = lane; i < ng; i += 32)
-                encode_plane<E, M, T>(src, n, g0 + i, codes, jobs[job].high_scratch + plane_off + (long long)HB * i);
-        } else if (count <= SBUF) {
-            for (int k = lane; k < count; k += 32) {
-                jobs[job].esc_pos[esc_off + k] = spos[wid][k];
-                jobs[job].exp_scratch[esc_off + k] = sexp[wid][k];
+        if (!more) break;
+        cur = nx; src = nsrc; n = nn; s0 = ns0;
+#pragma unroll
+        for (int q = 0; q < GPL; q++) now[q] = next[q];
+    }
+}
+
+// ------------------------------------------------------------------ scan (encode and decode)
+// err codes match stages/fused.py: 1 over capacity, 2 escape totals, 3 position, 4 exponent, 5 plane totals.
+__device__ __forceinline__ void set_error(u64* err, u64 code) { atomicCAS(err, 0ull, code); }
+
+#define SB_CHUNKS 256      // chunks per scan block: one thread each
+
+__device__ __forceinline__ u64 warp_inclusive_sum64(u64 x, int lane) {
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const u64 y = __shfl_up_sync(FULL_MASK, x, d);
+        if (lane >= d) x += y;
+    }
+    return x;
+}
+
+// Exclusive prefix over a block of SB_CHUNKS threads; returns it and sets *total to the block's sum.
+__device__ __forceinline__ u64 block_exclusive_sum(u64 mine, u64* total) {
+    __shared__ u64 warp_sums[WARPS];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const u64 incl = warp_inclusive_sum64(mine, lane);
+    if (lane == 31) warp_sums[wid] = incl;
+    __syncthreads();
+    if (wid == 0) {
+        u64 w = lane < WARPS ? warp_sums[lane] : 0;
+        w = warp_inclusive_sum64(w, lane);
+        if (lane < WARPS) warp_sums[lane] = w;
+    }
+    __syncthreads();
+    *total = warp_sums[WARPS - 1];
+    return incl - mine + (wid ? warp_sums[wid - 1] : 0);
+}
+
+struct DecodeJob;  // below
+
+// The escape and plane-group offsets of every chunk, from esc_count: a block per SB_CHUNKS chunks
+// of one tensor, blocks chained per tensor by the decoupled look-back (tickets hand the blocks out
+// in order).  A chunk's value is escapes << 31 | plane-coded groups.
+//   Decode: writes each chunk's exclusive offset to chunk_off and checks every count against the
+//   listing capacity and the tensor's totals against its stream lengths (error per tensor).
+//   Encode: writes the totals for kvz_finish_encode and moves the escapes from kvz_encode's slots
+//   to their final place, a thread per escape; chunks with more escapes than a slot, or
+//   plane-coded ones, are redone from the input by a warp each (only escape-heavy data).
+// work: [0] ticket, [1 + t] tensor t's totals (encode) or error (decode), [1 + njobs + sb] status.
+template <int E, int M, typename T, typename Job>
+__global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* __restrict__ jobs, int njobs, int chunk, int slot,
+                                                     const u8* __restrict__ lut, u64* __restrict__ work,
+                                                     u64* __restrict__ chunk_off) {
+    constexpr int HB = E - 4;
+    constexpr bool ENC = Job::ENCODE;
+    __shared__ long long s_ticket;
+    __shared__ u64 s_prefix;
+    __shared__ u32 s_eoff[SB_CHUNKS];   // escapes before each chunk, within the block
+    __shared__ u32 s_goff[SB_CHUNKS];   // plane-coded groups before it
+    __shared__ u16 s_cnt[SB_CHUNKS];
+    __shared__ u16 s_redo[SB_CHUNKS];
+    __shared__ int s_nredo;
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+    if (tid == 0) { s_ticket = (long long)atomicAdd(&work[0], 1ull); s_nredo = 0; }
+    __syncthreads();
+    const long long sb = s_ticket;
+    const int job = find_job(jobs, njobs, sb, &Job::sb_base);
+    const Job& J = jobs[job];
+    const long long n = J.n, G = (n + 7) / 8, nchunks = (n + chunk - 1) / chunk;
+    const int gpc = chunk / 8;
+    const long long lsb = sb - J.sb_base, nsb = (nchunks + SB_CHUNKS - 1) / SB_CHUNKS;
+    const long long c = lsb * SB_CHUNKS + tid;
+    u64* err = work + 1 + job;
+    u32 stored = 0;
+    u64 mine = 0;
+    if (c < nchunks) {
+        const int ng = (int)min((long long)gpc, G - c * gpc);
+        stored = J.esc_count[c];
+        if (stored == PLANE) {
+            mine = (u64)ng;
+        } else {
+            if (!ENC && stored > (u32)(HB * ng / 3)) { set_error(err, 1); stored = 0; }
+            mine = (u64)stored << 31;
+        }
+    }
+    u64 agg;
+    const u64 excl = block_exclusive_sum(mine, &agg);
+    if (wid == 0) {
+        const u64 p = look_back(work + 1 + njobs + J.sb_base, lsb, agg, lane);
+        if (lane == 0) s_prefix = p;
+    }
+    __syncthreads();
+    const u64 prefix = s_prefix;
+    if (tid == 0 && lsb == nsb - 1) {
+        const u64 tot = prefix + agg;
+        if constexpr (ENC) {
+            work[1 + job] = tot;
+        } else {
+            if ((long long)(tot >> 31) != J.n_esc) set_error(err, 2);
+            if ((long long)HB * (long long)(tot & GROUPS_MASK) != J.n_high) set_error(err, 5);
+        }
+    }
+    if constexpr (!ENC) {
+        if (c < nchunks) chunk_off[J.chunk_base + c] = prefix + excl;
+    } else {
+        s_eoff[tid] = (u32)(excl >> 31);
+        s_goff[tid] = (u32)(excl & GROUPS_MASK);
+        s_cnt[tid] = (u16)stored;
+        if (c < nchunks && (stored == PLANE || stored > (u32)slot)) s_redo[atomicAdd(&s_nredo, 1)] = (u16)tid;
+        __syncthreads();
+        const long long esc_base = (long long)(prefix >> 31), c0 = lsb * SB_CHUNKS;
+        const u32 listed = (u32)(agg >> 31);
+        for (u32 k = tid; k < listed; k += SB_CHUNKS) {
+            // k's chunk: the last with s_eoff <= k (it has escapes, so k < its offset + count)
+            int lo = 0, hi = SB_CHUNKS - 1;
+            while (lo < hi) {
+                const int mid = (lo + hi + 1) >> 1;
+                if (s_eoff[mid] <= k) lo = mid; else hi = mid - 1;
             }
-        } else {  // escape-heavy but still listed: collect again from the input, straight to the output
+            if (s_cnt[lo] > (u32)slot) continue;  // redone below
+            const long long at = (c0 + lo) * slot + (k - s_eoff[lo]);
+            J.esc_pos[esc_base + k] = J.slot_pos[at];
+            J.exp_scratch[esc_base + k] = J.slot_exp[at];
+        }
+        const T* __restrict__ src = static_cast<const T*>(J.src);
+        for (int r = wid; r < s_nredo; r += WARPS) {
+            const int i = s_redo[r];
+            const long long g0 = (c0 + i) * gpc;
+            const int ng = (int)min((long long)gpc, G - g0);
+            if (s_cnt[i] == PLANE) {
+                u8* high = J.high_scratch + (long long)HB * (long long)((prefix & GROUPS_MASK) + s_goff[i]);
+                for (int g = lane; g < ng; g += 32) encode_plane<E, M, T>(src, n, g0 + g, J.codes, high + (long long)HB * g);
+                continue;
+            }
+            // More escapes than a slot holds: collect them again, in order, straight to the output.
+            const long long out = esc_base + s_eoff[i];
             int idx0 = 0;
-            for (int s0 = 0; s0 < ng; s0 += 32) {
-                const int i = s0 + lane;
+            for (int s = 0; s < ng; s += 32) {
+                const int g = s + lane;
                 u32 v[8], m = 0;
-                if (i < ng) {
-                    load_group(src, n, g0 + i, v);
+                if (g < ng) {
+                    load_group(src, n, g0 + g, v);
 #pragma unroll
                     for (int j = 0; j < 8; j++)
-                        m |= (u32)((g0 + i) * 8 + j < n && (slut[(v[j] >> M) & ((1u << E) - 1u)] & ESC_FLAG)) << j;
+                        m |= (u32)((g0 + g) * 8 + j < n && (lut[(v[j] >> M) & ((1u << E) - 1u)] & ESC_FLAG)) << j;
                 }
                 const int k = __popc(m);
                 const int incl = warp_inclusive_sum(k, lane);
@@ -483,23 +638,18 @@ __global__ void __launch_bounds__(WARPS * 32) kvz_encode(const EncodeJob* __rest
 #pragma unroll
                 for (int j = 0; j < 8; j++) {
                     if ((m >> j) & 1u) {
-                        jobs[job].esc_pos[esc_off + idx] = (u16)(i * 8 + j);
-                        jobs[job].exp_scratch[esc_off + idx] = (u8)((v[j] >> M) & ((1u << E) - 1u));
+                        J.esc_pos[out + idx] = (u16)(g * 8 + j);
+                        J.exp_scratch[out + idx] = (u8)((v[j] >> M) & ((1u << E) - 1u));
                         idx++;
                     }
                 }
                 idx0 += __shfl_sync(FULL_MASK, incl, 31);
             }
         }
-        __syncwarp();  // the shared escape buffer is reused by the next chunk
-        gc = __shfl_sync(FULL_MASK, next, 0);
     }
 }
 
 // ------------------------------------------------------------------ decode
-// err codes match stages/fused.py: 1 over capacity, 2 escape totals, 3 position, 4 exponent, 5 plane totals.
-__device__ __forceinline__ void set_error(u64* err, u64 code) { atomicCAS(err, 0ull, code); }
-
 template <int E, int M>
 __device__ __forceinline__ void decode_raw(u32 word, const RestRaw<M + 1>& rr, u64 dlo, u64 dhi, bool plane,
                                           const u8* __restrict__ high_in, u32 v[8]) {
@@ -521,35 +671,56 @@ __device__ __forceinline__ void decode_raw(u32 word, const RestRaw<M + 1>& rr, u
     }
 }
 
-// BF16, a whole group, non-plane: SIMD-within-a-register on value pairs.  The generic decode spends
-// ~130 instructions a group and was compute-bound on the H200 (ncu: 77 % SM, 47 % DRAM).
-__device__ __forceinline__ void decode_bf16_full(u32 word, const RestRaw<8>& rr, u32 d0, u32 d1, u32 d2, u32 d3,
-                                                 u32 v[8]) {
+// Four codes (16 bits) -> their four exponent bytes: byte-permute lookups in the low and high
+// halves of the 16-entry codebook (d0..d3), picked per byte by each code's bit 3.
+__device__ __forceinline__ u32 lookup4(u32 n4, u32 d0, u32 d1, u32 d2, u32 d3) {
+    const u32 sel = n4 & 0x7777u;  // prmt selector bit 3 would mean sign replication: keep 0-7
+    const u32 lo = __byte_perm(d0, d1, sel), hi = __byte_perm(d2, d3, sel);
+    const u32 b = n4 & 0x8888u;
+    const u32 m = (((b >> 3) & 1u) | ((b << 1) & 0x100u) | ((b << 5) & 0x10000u) | ((b << 9) & 0x1000000u)) * 0xFFu;
+    return (hi & m) | (lo & ~m);
+}
+
+// BF16, a whole group, non-plane, SIMD-within-a-register: out[k] holds values 2k and 2k+1 as
+// stored.  The generic decode (unpack to 8 values, repack) spent ~130 instructions a group and
+// was compute-bound on the H200 (ncu: 69-77 % SM, 47 % DRAM); this one ~45.
+__device__ __forceinline__ void decode_bf16_words(u32 word, const RestRaw<8>& rr, u32 d0, u32 d1, u32 d2, u32 d3,
+                                                  u32 out[4]) {
+    const u32 ea = lookup4(word & 0xFFFFu, d0, d1, d2, d3), eb = lookup4(word >> 16, d0, d1, d2, d3);
     const u32 rlo = (u32)rr.q[0], rhi = (u32)(rr.q[0] >> 32);
 #pragma unroll
     for (int k = 0; k < 4; k++) {
-        const u32 rw = k < 2 ? rlo : rhi;
-        const u32 r = __byte_perm(rw, 0, (k & 1) ? 0x4342 : 0x4140);  // rest bytes 2k, 2k+1 in 16-bit lanes
-        const u32 c0 = (word >> (8 * k)) & 0xF, c1 = (word >> (8 * k + 4)) & 0xF;
-        // prmt: selector bits 0-2 pick one of 8 bytes (bit 3 would mean sign replication, so mask it)
-        const u32 e0 = (c0 & 8 ? __byte_perm(d2, d3, c0 & 7) : __byte_perm(d0, d1, c0)) & 0xFF;
-        const u32 e1 = (c1 & 8 ? __byte_perm(d2, d3, c1 & 7) : __byte_perm(d0, d1, c1)) & 0xFF;
-        const u32 pair = ((r & 0x00800080u) << 8) | (r & 0x007F007Fu) | (e0 << 7) | (e1 << 23);
-        v[2 * k] = pair & 0xFFFF;
-        v[2 * k + 1] = pair >> 16;
+        const u32 sel = (k & 1) ? 0x4342u : 0x4140u;  // bytes 2k, 2k+1 of the group into 16-bit lanes
+        const u32 r = __byte_perm(k < 2 ? rlo : rhi, 0, sel);
+        const u32 e = __byte_perm(k < 2 ? ea : eb, 0, sel);
+        out[k] = ((r & 0x00800080u) << 8) | (r & 0x007F007Fu) | (e << 7);
+    }
+}
+
+// Replace the exponents of the escaped values (pmask bit j; exponent byte j of pexp) in packed words.
+__device__ __forceinline__ void patch_bf16_words(u32 w[4], u32 pmask, u64 pexp) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        if ((pmask >> j) & 1u) {
+            const int sh = 16 * (j & 1) + 7;
+            w[j >> 1] = (w[j >> 1] & ~(0xFFu << sh)) | ((u32)((pexp >> (8 * j)) & 0xFF) << sh);
+        }
     }
 }
 
 // Apply this lane's escapes (pmask bit j set: value j's exponent is byte j of pexp), then store.
 template <int E, int M, typename T>
 __device__ __forceinline__ void patch_store(T* __restrict__ dst, long long n, long long g, u32 v[8], u32 pmask, u64 pexp) {
+    if (pmask) {
 #pragma unroll
-    for (int j = 0; j < 8; j++)
-        if ((pmask >> j) & 1u) v[j] = (v[j] & ~(((1u << E) - 1u) << M)) | ((u32)((pexp >> (8 * j)) & 0xFF) << M);
+        for (int j = 0; j < 8; j++)
+            if ((pmask >> j) & 1u) v[j] = (v[j] & ~(((1u << E) - 1u) << M)) | ((u32)((pexp >> (8 * j)) & 0xFF) << M);
+    }
     store_group(dst, n, g, v);
 }
 
-struct DecodeJob {  // all 8-byte fields: the host fills a uint64 array (ntensors, 13)
+struct DecodeJob {  // all 8-byte fields: the host fills a uint64 array (ntensors, 14)
+    static constexpr bool ENCODE = false;
     const u8* codes;
     const u8* rest;
     const u16* esc_count;
@@ -562,103 +733,156 @@ struct DecodeJob {  // all 8-byte fields: the host fills a uint64 array (ntensor
     void* dst;
     u64 dlo, dhi;           // the codebook: code c -> exponent byte c of dlo:dhi
     long long chunk_base;
+    long long sb_base;
 };
 
-// work: [0] tile counter, [1 + t] tensor t's error code, [1 + njobs + gc] chunk status.  Zeroed by the caller.
-template <int E, int M, typename T>
-__global__ void __launch_bounds__(WARPS * 32) kvz_decode(const DecodeJob* __restrict__ jobs, int njobs,
-                                                          long long total_chunks, int chunk, u64* __restrict__ work) {
-    constexpr int HB = E - 4;
+// A chunk's escapes, 32 at a time in registers: lane k holds escape base + k (position within the
+// chunk, or NONE past the end, and its exponent).  Checked as they are loaded: positions inside
+// the chunk and strictly increasing, exponents in range.
+#define NONE 0x7FFFFFFF
+template <int E>
+__device__ __forceinline__ bool load_escapes(const DecodeJob& J, long long off, int base, int cnt, int len, int before,
+                                             int lane, int& pos, u32& exp, u64* err) {
+    const int k = base + lane;
+    pos = NONE;
+    exp = 0;
+    if (k < cnt) { pos = J.esc_pos[off + k]; exp = J.esc_exp[off + k]; }
+    int prev = __shfl_up_sync(FULL_MASK, pos, 1);
+    if (lane == 0) prev = before;
+    const u32 bad_pos = __ballot_sync(FULL_MASK, k < cnt && (pos >= len || pos <= prev));
+    const u32 bad_exp = __ballot_sync(FULL_MASK, k < cnt && exp >= (1u << E));
+    if (bad_pos | bad_exp) {
+        const u32 first = __ffs(bad_pos | bad_exp) - 1;
+        if (lane == 0) set_error(err, (bad_pos >> first) & 1u ? 3 : 4);
+        pos = NONE;
+        return false;
+    }
+    return true;
+}
+
+// Dense pass, the mirror of kvz_encode: chunks dealt out statically, the next step's codes and
+// rest loaded before this step's work, escapes applied in registers before one store per group.
+// Offsets come from kvz_scan (chunk_off); a tensor it found broken is skipped.
+template <int E, int M, typename T, int GPL, int MINB>
+__global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* __restrict__ jobs, int njobs,
+                                                          long long total_chunks, int chunk,
+                                                          const u64* __restrict__ chunk_off, u64* __restrict__ work) {
+    constexpr int HB = E - 4, R = M + 1, STEP = 32 * GPL;
+    constexpr bool BF16 = E == 8 && M == 7 && sizeof(T) == 2;
     const int lane = threadIdx.x & 31;
     const int gpc = chunk / 8;
-    u64* status_all = work + 1 + njobs;
+    const long long W = (long long)gridDim.x * WARPS;
+    long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (gc >= total_chunks) return;
+    ChunkAt<DecodeJob> cur = chunk_at(jobs, njobs, gc, gpc);
+    u32 w[GPL];
+    RestRaw<R> r[GPL];
+    {
+        const u8* codes = jobs[cur.job].codes;
+        const u8* rest = jobs[cur.job].rest;
+#pragma unroll
+        for (int q = 0; q < GPL; q++) {
+            if (q * 32 + lane < cur.ng) {
+                w[q] = reinterpret_cast<const u32*>(codes)[cur.g0 + q * 32 + lane];
+                load_rest_raw<R>(rest, cur.g0 + q * 32 + lane, r[q]);
+            }
+        }
+    }
+    int s0 = 0;
+    // per-chunk state, set at the chunk's first step
+    bool plane = false, skip = false;
+    int cnt = 0, len = 0, base = 0, pos = NONE;
+    u32 exp = 0;
+    long long esc_off = 0, plane_off = 0;
     while (true) {
-        long long gc = 0;
-        if (lane == 0) gc = (long long)atomicAdd(&work[0], 1ull);
-        gc = __shfl_sync(FULL_MASK, gc, 0);
-        if (gc >= total_chunks) break;
-        const int job = find_job(jobs, njobs, gc);
-        const DecodeJob& J = jobs[job];
-        const u8* __restrict__ codes = J.codes;
-        const u8* __restrict__ rest = J.rest;
-        const u16* __restrict__ esc_pos = J.esc_pos;
-        const u8* __restrict__ esc_exp = J.esc_exp;
-        const u8* __restrict__ exp_high = J.exp_high;
-        T* __restrict__ dst = static_cast<T*>(J.dst);
-        const long long n = J.n, n_esc = J.n_esc, n_high = J.n_high;
-        const u64 dlo = J.dlo, dhi = J.dhi;
-        const u32 d0 = (u32)dlo, d1 = (u32)(dlo >> 32), d2 = (u32)dhi, d3 = (u32)(dhi >> 32);
-        u64* status = status_all + J.chunk_base;
-        u64* err = work + 1 + job;
-        const long long c = gc - J.chunk_base;
-        const long long G = (n + 7) / 8, nchunks = (n + chunk - 1) / chunk;
-        const long long g0 = c * gpc;
-        const int ng = (int)min((long long)gpc, G - g0);
-        const long long len = min((long long)chunk, n - c * chunk);
-        const u32 stored = J.esc_count[c];
-        const bool plane = stored == PLANE;
-        int cnt = plane ? 0 : (int)stored;
-        if (cnt > HB * ng / 3) { if (lane == 0) set_error(err, 1); cnt = 0; }
-        const u64 mine = plane ? (u64)ng : ((u64)cnt << 31);
-        const u64 prefix = look_back(status, c, mine, lane);
-        if (lane == 0 && c == nchunks - 1) {
-            if ((long long)((prefix + mine) >> 31) != n_esc) set_error(err, 2);
-            if ((long long)HB * (long long)((prefix + mine) & GROUPS_MASK) != n_high) set_error(err, 5);
+        const DecodeJob& J = jobs[cur.job];
+        u64* err = work + 1 + cur.job;
+        if (s0 == 0) {
+            const u32 stored = J.esc_count[cur.c];
+            const u64 off = chunk_off[gc];
+            skip = *reinterpret_cast<volatile u64*>(err) != 0;
+            plane = stored == PLANE;
+            cnt = (plane || skip) ? 0 : (int)stored;
+            esc_off = (long long)(off >> 31);
+            plane_off = (long long)HB * (long long)(off & GROUPS_MASK);
+            len = (int)min((long long)chunk, J.n - cur.c * chunk);
+            base = 0;
+            if (!load_escapes<E>(J, esc_off, 0, cnt, len, -1, lane, pos, exp, err)) cnt = 0;
         }
-        const long long esc_off = (long long)(prefix >> 31);
-        const long long plane_off = (long long)HB * (long long)(prefix & GROUPS_MASK);
-        if (esc_off + cnt > n_esc) { if (lane == 0) set_error(err, 2); cnt = 0; }
-        const bool plane_ok = !plane || plane_off + (long long)HB * ng <= n_high;
-        if (!plane_ok && lane == 0) set_error(err, 5);
-
-        // Two groups per lane per step; the next step's codes and rest are loaded before this
-        // step's work.  Escapes are sorted, so a cursor (the next escape's position, in a register)
-        // walks them; a lane patches the values of its own groups before one store per group.
-        constexpr int R = M + 1;
-        const bool use_plane = plane && plane_ok;
-        int p = 0, prev = -1;
-        int next_pos = cnt > 0 ? (int)esc_pos[esc_off] : 0x7FFFFFFF;
-        u32 wa = 0, wb = 0, nwa = 0, nwb = 0;
-        RestRaw<R> ra, rb, nra, nrb;
-        if (lane < ng) { wa = reinterpret_cast<const u32*>(codes)[g0 + lane]; load_rest_raw<R>(rest, g0 + lane, ra); }
-        if (32 + lane < ng) { wb = reinterpret_cast<const u32*>(codes)[g0 + 32 + lane]; load_rest_raw<R>(rest, g0 + 32 + lane, rb); }
-        for (int s0 = 0; s0 < ng; s0 += 64) {
-            const int ia = s0 + lane, ib = s0 + 32 + lane;
-            if (ia + 64 < ng) { nwa = reinterpret_cast<const u32*>(codes)[g0 + ia + 64]; load_rest_raw<R>(rest, g0 + ia + 64, nra); }
-            if (ib + 64 < ng) { nwb = reinterpret_cast<const u32*>(codes)[g0 + ib + 64]; load_rest_raw<R>(rest, g0 + ib + 64, nrb); }
-            u32 va[8], vb[8];
-            if constexpr (E == 8 && M == 7 && sizeof(T) == 2) {
-                if (!use_plane) {
-                    if (ia < ng) decode_bf16_full(wa, ra, d0, d1, d2, d3, va);
-                    if (ib < ng) decode_bf16_full(wb, rb, d0, d1, d2, d3, vb);
-                } else {
-                    if (ia < ng) decode_raw<E, M>(wa, ra, dlo, dhi, true, exp_high + plane_off + (long long)HB * ia, va);
-                    if (ib < ng) decode_raw<E, M>(wb, rb, dlo, dhi, true, exp_high + plane_off + (long long)HB * ib, vb);
+        const bool last_step = s0 + STEP >= cur.ng;
+        ChunkAt<DecodeJob> nx = cur;
+        int ns0 = s0 + STEP;
+        bool more = true;
+        if (last_step) {
+            more = gc + W < total_chunks;
+            if (more) { nx = chunk_at(jobs, njobs, gc + W, gpc); ns0 = 0; }
+        }
+        u32 nw[GPL];
+        RestRaw<R> nr[GPL];
+        {
+            const u8* ncodes = jobs[nx.job].codes;
+            const u8* nrest = jobs[nx.job].rest;
+#pragma unroll
+            for (int q = 0; q < GPL; q++) {
+                if (more && ns0 + q * 32 + lane < nx.ng) {
+                    nw[q] = reinterpret_cast<const u32*>(ncodes)[nx.g0 + ns0 + q * 32 + lane];
+                    load_rest_raw<R>(nrest, nx.g0 + ns0 + q * 32 + lane, nr[q]);
                 }
-            } else {
-                if (ia < ng) decode_raw<E, M>(wa, ra, dlo, dhi, use_plane, exp_high + plane_off + (long long)HB * ia, va);
-                if (ib < ng) decode_raw<E, M>(wb, rb, dlo, dhi, use_plane, exp_high + plane_off + (long long)HB * ib, vb);
             }
-            u32 pma = 0, pmb = 0;
-            u64 pea = 0, peb = 0;
-            const int limit = (s0 + 64) * 8;
-            while (next_pos < limit) {  // warp-uniform: every lane reads the same escape
-                const int pos = next_pos;
-                const u32 e = esc_exp[esc_off + p];
-                if (pos <= prev || pos >= len) { if (lane == 0) set_error(err, 3); p = cnt; next_pos = 0x7FFFFFFF; break; }
-                if (e >= (1u << E)) { if (lane == 0) set_error(err, 4); p = cnt; next_pos = 0x7FFFFFFF; break; }
-                const int gi = pos >> 3, j = pos & 7;
-                if (gi == ia) { pma |= 1u << j; pea = (pea & ~(0xFFull << (8 * j))) | ((u64)e << (8 * j)); }
-                if (gi == ib) { pmb |= 1u << j; peb = (peb & ~(0xFFull << (8 * j))) | ((u64)e << (8 * j)); }
-                prev = pos;
-                p++;
-                next_pos = p < cnt ? (int)esc_pos[esc_off + p] : 0x7FFFFFFF;
-            }
-            if (ia < ng) patch_store<E, M, T>(dst, n, g0 + ia, va, pma, pea);
-            if (ib < ng) patch_store<E, M, T>(dst, n, g0 + ib, vb, pmb, peb);
-            wa = nwa; wb = nwb; ra = nra; rb = nrb;
         }
-        if (p < cnt && lane == 0) set_error(err, 3);  // positions past the chunk's groups
+
+        if (!skip) {
+            // This step's escapes: the lanes holding positions below the step's end (earlier ones
+            // were used by earlier steps).  Warp-uniform loop, a shuffle per escape.
+            u32 pm[GPL];
+            u64 pe[GPL];
+#pragma unroll
+            for (int q = 0; q < GPL; q++) { pm[q] = 0; pe[q] = 0; }
+            const int limit = (s0 + STEP) * 8;
+            while (true) {
+                u32 hit = __ballot_sync(FULL_MASK, pos >= s0 * 8 && pos < limit);
+                while (hit) {
+                    const int l = __ffs(hit) - 1;
+                    hit &= hit - 1;
+                    const int p = __shfl_sync(FULL_MASK, pos, l);
+                    const u32 e = __shfl_sync(FULL_MASK, exp, l);
+                    const int rel = (p >> 3) - s0, j = p & 7;  // group within the step, value within it
+#pragma unroll
+                    for (int q = 0; q < GPL; q++)
+                        if (rel == q * 32 + lane) { pm[q] |= 1u << j; pe[q] |= (u64)e << (8 * j); }
+                }
+                // All 32 used and more left: the next 32 (only chunks with many escapes).
+                const int last = __shfl_sync(FULL_MASK, pos, 31);
+                if (last >= limit || base + 32 >= cnt) break;
+                base += 32;
+                if (!load_escapes<E>(J, esc_off, base, cnt, len, last, lane, pos, exp, err)) { cnt = 0; break; }
+            }
+            const u64 dlo = J.dlo, dhi = J.dhi;
+            T* __restrict__ dst = static_cast<T*>(J.dst);
+#pragma unroll
+            for (int q = 0; q < GPL; q++) {
+                const int gi = s0 + q * 32 + lane;
+                if (gi >= cur.ng) continue;
+                const long long g = cur.g0 + gi;
+                if constexpr (BF16) {
+                    if (!plane && g * 8 + 8 <= J.n) {
+                        u32 out[4];
+                        decode_bf16_words(w[q], r[q], (u32)dlo, (u32)(dlo >> 32), (u32)dhi, (u32)(dhi >> 32), out);
+                        if (pm[q]) patch_bf16_words(out, pm[q], pe[q]);
+                        *reinterpret_cast<uint4*>(dst + g * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+                        continue;
+                    }
+                }
+                u32 v[8];
+                decode_raw<E, M>(w[q], r[q], dlo, dhi, plane, J.exp_high + plane_off + (long long)HB * gi, v);
+                patch_store<E, M, T>(dst, J.n, g, v, pm[q], pe[q]);
+            }
+        }
+        if (last_step) gc += W;
+        if (!more) break;
+        cur = nx; s0 = ns0;
+#pragma unroll
+        for (int q = 0; q < GPL; q++) { w[q] = nw[q]; r[q] = nr[q]; }
     }
 }
 

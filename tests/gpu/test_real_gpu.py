@@ -109,6 +109,23 @@ def test_escape_heavy_chunks_plane_coded_on_gpu(gpu_path):
     np.testing.assert_array_equal(bits_of(kvzip.decompress(gpu)), bits)
 
 
+@pytest.mark.parametrize("rate", [0.004, 0.03, 0.12])
+@pytest.mark.parametrize("chunk", [1024, 4096, 65536])
+def test_listed_escapes_at_every_density_match_cpu(rate, chunk, gpu_path):
+    """Escapes sprinkled at a rate: a few per chunk (one register batch), more than 32 (several
+    batches in decode) and more than the encoder's per-chunk slot (collected again)."""
+    n = (1 << 19) + 77
+    bits = real_bf16(n)
+    hit = rng.random(n) < rate
+    bits[hit] = (bits[hit] & 0x807F) | (rng.integers(200, 250, int(hit.sum())) << 7).astype(np.uint16)
+    cpu = kvzip.compress(bits, dtype="bf16", chunk=chunk)
+    pipe = pipeline(chunk)
+    gpu = pipe.encode(cupy.asarray(bits), dtype="bf16")
+    np.testing.assert_array_equal(cpu, gpu.get())
+    assert kvzip.info(cpu)["escapes"] > 0
+    np.testing.assert_array_equal(bits_of(pipe.decode(gpu)), bits)
+
+
 def test_torch_cuda_round_trip_on_callers_stream():
     torch = pytest.importorskip("torch")
     x = torch.randn(3, 2048, 64, device="cuda", dtype=torch.bfloat16) * 0.1

@@ -1,0 +1,31 @@
+"""Time the dense kernels' shapes (groups per lane per step, blocks per multiprocessor) on a GPU:
+the measurement behind fused_fast.ENCODE_SHAPE / DECODE_SHAPE (benchmarks/NOTES.md).
+
+    python benchmarks/sweep_shapes.py [log2_values]      # default 28, BF16 and E5M2 real KV
+
+Each line: wall time per call (CUDA events, median of 20 after warm-up) of compress and
+decompress with that shape, and whether the round trip was exact.
+"""
+import sys
+
+import cupy
+import kvzip
+from kvzip.bench import _sample_bits, _timer, e5m2_bits
+from kvzip.stages import fused_fast
+
+log2 = int(sys.argv[1]) if len(sys.argv) > 1 else 28
+n = 1 << log2
+host = _sample_bits(n)
+bf16 = cupy.asarray(host)
+e5m2 = cupy.asarray(e5m2_bits(host, n))
+timeit = _timer(cupy, 20)
+shapes = [(4, 3), (4, 2), (2, 4), (2, 3), (8, 2)]
+for name, x, width in [("bf16", bf16, 2), ("e5m2", e5m2, 1)]:
+    for shape in shapes:
+        fused_fast.ENCODE_SHAPE[width] = fused_fast.DECODE_SHAPE[width] = shape
+        fused_fast._kernels.clear()
+        t_enc, blob = timeit(lambda: kvzip.compress(x, dtype=name))
+        t_dec, back = timeit(lambda: kvzip.decompress(blob))
+        ok = bool(cupy.array_equal(back.reshape(-1).view(x.dtype), x))
+        print(f"{name} shape {shape}: encode {x.nbytes / t_enc / 1e9:7.1f} GB/s  decode {x.nbytes / t_dec / 1e9:7.1f} GB/s"
+              f"  ratio {x.nbytes / blob.nbytes:.4f}  exact {ok}", flush=True)
