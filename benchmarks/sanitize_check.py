@@ -31,6 +31,13 @@ for enabled in (True, False):
             blob = kvzip.compress(cupy.asarray(bits), dtype=fmt.name, chunk=1024)
             back = kvzip.decompress(blob)
             assert np.array_equal(back.get().view(fmt.uint_dtype).ravel(), bits), (fmt.name, n, enabled)
+    # Listed escapes past the encoder's per-chunk slot and past one 32-escape decode batch, over
+    # more than one scan block (256 chunks).
+    bits = case(FORMATS["bf16"], 300_000, False)
+    hit = rng.random(bits.shape[0]) < 0.06
+    bits[hit] = (bits[hit] & 0x807F) | (rng.integers(200, 250, int(hit.sum())) << 7).astype(np.uint16)
+    back = kvzip.decompress(kvzip.compress(cupy.asarray(bits), dtype="bf16", chunk=1024))
+    assert np.array_equal(back.get().view(np.uint16).ravel(), bits), ("sprinkled", enabled)
     xs = [cupy.asarray(case(FORMATS["bf16"], n, h)) for n, h in ((4096, False), (9000, True), (300, False))]
     backs = kvzip.decompress_many(kvzip.compress_many(xs, dtype="bf16"))
     assert all(bool(cupy.array_equal(a, b.reshape(-1).view(a.dtype))) for a, b in zip(xs, backs))
