@@ -197,12 +197,18 @@ class Pipeline:
 
 
 _recorded: dict = {}
+_recorded_by_id: dict = {}
 
 
 def recorded_pipeline(meta: dict) -> Pipeline:
     """The pipeline a blob's metadata records (FormatError if it is not a valid one).  The stage
     objects are cached by the config's text: a serving loop decodes the same few pipelines."""
     config = meta.get("pipeline")
+    # Parsed headers are cached (container.parse_header), so a serving loop hands in the same
+    # config object call after call: look it up by identity before paying for its repr.
+    hit = _recorded_by_id.get(id(config))
+    if hit is not None and hit[0] is config:
+        return Pipeline(hit[1])
     key = repr(config)
     stages = _recorded.get(key)
     if stages is None:
@@ -213,4 +219,7 @@ def recorded_pipeline(meta: dict) -> Pipeline:
         if len(_recorded) > 256:
             _recorded.clear()
         _recorded[key] = stages
+    if len(_recorded_by_id) > 256:
+        _recorded_by_id.clear()
+    _recorded_by_id[id(config)] = (config, stages)  # holding config keeps its id unique
     return Pipeline(stages)

@@ -74,3 +74,13 @@ def test_demo_cpu_round_trips_and_reports(capsys):
 def test_demo_rejects_bad_repeat():
     with pytest.raises(SystemExit):
         main(["demo", "--repeat", "0"])
+
+
+def test_module_entry_point_knows_every_command():
+    """python -m kvzip.cli must register all sub-commands before it runs (bench once was not)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kvzip.cli", "--help"], capture_output=True, text=True, check=True)
+    for command in ("calibrate", "demo", "bench"):
+        assert command in out.stdout
