@@ -2,9 +2,10 @@
 the measurement behind fused_fast.ENCODE_SHAPE / DECODE_SHAPE (benchmarks/NOTES.md).
 
     python benchmarks/sweep_shapes.py [log2_values]      # default 28, BF16 and E5M2 real KV
+    ncu -k regex:kvz_ python benchmarks/sweep_shapes.py 28 once   # one call per shape, for ncu
 
-Each line: wall time per call (CUDA events, median of 20 after warm-up) of compress and
-decompress with that shape, and whether the round trip was exact.
+Each line: one kernel's shape changed from the default, the wall time per call (CUDA events,
+median of 20 after warm-up) of compress and decompress, and whether the round trip was exact.
 """
 import sys
 
@@ -18,14 +19,21 @@ n = 1 << log2
 host = _sample_bits(n)
 bf16 = cupy.asarray(host)
 e5m2 = cupy.asarray(e5m2_bits(host, n))
-timeit = _timer(cupy, 20)
-shapes = [(4, 3), (4, 2), (2, 4), (2, 3), (8, 2)]
+once = "once" in sys.argv[2:]
+timeit = _timer(cupy, 1, 0) if once else _timer(cupy, 20)
+# Shapes tried per value width in bytes.
+encode_shapes = {2: [(2, 4), (4, 3), (4, 4), (1, 4)], 1: [(4, 4), (2, 4), (8, 3)]}
+decode_shapes = {2: [(2, 3), (2, 4), (4, 3), (1, 4)], 1: [(2, 4), (2, 3), (4, 3)]}
 for name, x, width in [("bf16", bf16, 2), ("e5m2", e5m2, 1)]:
-    for shape in shapes:
-        fused_fast.ENCODE_SHAPE[width] = fused_fast.DECODE_SHAPE[width] = shape
-        fused_fast._kernels.clear()
-        t_enc, blob = timeit(lambda: kvzip.compress(x, dtype=name))
-        t_dec, back = timeit(lambda: kvzip.decompress(blob))
-        ok = bool(cupy.array_equal(back.reshape(-1).view(x.dtype), x))
-        print(f"{name} shape {shape}: encode {x.nbytes / t_enc / 1e9:7.1f} GB/s  decode {x.nbytes / t_dec / 1e9:7.1f} GB/s"
-              f"  ratio {x.nbytes / blob.nbytes:.4f}  exact {ok}", flush=True)
+    default = fused_fast.ENCODE_SHAPE[width], fused_fast.DECODE_SHAPE[width]
+    for which, shapes in (("encode", encode_shapes[width]), ("decode", decode_shapes[width])):
+        for shape in shapes:
+            fused_fast.ENCODE_SHAPE[width], fused_fast.DECODE_SHAPE[width] = default
+            (fused_fast.ENCODE_SHAPE if which == "encode" else fused_fast.DECODE_SHAPE)[width] = shape
+            fused_fast._kernels.clear()
+            t_enc, blob = timeit(lambda: kvzip.compress(x, dtype=name))
+            t_dec, back = timeit(lambda: kvzip.decompress(blob))
+            ok = bool(cupy.array_equal(back.reshape(-1).view(x.dtype), x))
+            print(f"{name} {which} shape {shape}: encode {x.nbytes / t_enc / 1e9:7.1f} GB/s"
+                  f"  decode {x.nbytes / t_dec / 1e9:7.1f} GB/s  ratio {x.nbytes / blob.nbytes:.4f}  exact {ok}", flush=True)
+    fused_fast.ENCODE_SHAPE[width], fused_fast.DECODE_SHAPE[width] = default

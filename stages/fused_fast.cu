@@ -7,14 +7,15 @@
 // (benchmarks/NOTES.md).  The Numba kernels remain the generic path and, with the @njit twin,
 // the reference this file is tested against byte for byte (tests/gpu).
 //
-// Work split: one warp owns one chunk (claimed from an atomic tile counter, so every chunk it
-// waits on belongs to a warp that is already running).  Per step each lane owns one 8-value
-// group: it loads the group with vector loads, writes 4 code bytes and R rest bytes in place in
-// the blob, and notes its escapes.  A warp-wide prefix sum keeps escapes in position order.  At
-// the end of the chunk a decoupled look-back over the chunks before it gives the chunk's offset
-// in the escape streams, so escapes go straight to their final place: one pass over the input,
-// no compaction kernel.  Chunks with too many escapes for the shared buffer or for an escape list
-// (plane-coded) re-read their own input; that only happens on escape-heavy data.
+// Work split.  Encode: kvz_encode deals chunks out to warps statically (warp w: w, w + W, ...);
+// a warp walks its chunk in steps, each lane loading a few 8-value groups with vector loads,
+// writing 4 code bytes and R rest bytes a group in place in the blob and noting escapes, which a
+// warp prefix sum puts in position order into a per-chunk slot.  kvz_scan (a block per 256
+// chunks, chained per tensor by a decoupled look-back) turns the per-chunk counts into offsets,
+// moves the escapes to their final place and redoes plane-coded or over-full chunks from the
+// input; kvz_finish_encode places the escape exponents and writes the header.  Decode: kvz_scan
+// computes every chunk's offsets and checks the counts, kvz_decode walks the chunks like the
+// encoder and applies escapes from registers.  No dense pass ever waits on another warp.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -23,9 +24,7 @@ typedef unsigned long long u64;
 
 #define FULL_MASK 0xffffffffu
 #define WARPS 8            // warps per block
-#define SBUF 128           // escapes a warp buffers in shared memory per chunk
 #define PLANE 0xFFFFu
-#define ESCAPE 255u
 #define FLAG_SHIFT 62
 #define VALUE_MASK ((1ull << FLAG_SHIFT) - 1)
 #define GROUPS_MASK 0x7FFFFFFFull  // status value = escapes << 31 | plane-coded groups
@@ -153,36 +152,7 @@ __device__ __forceinline__ void store_rest(u8* __restrict__ rest, long long g, c
     }
 }
 
-template <int R>
-__device__ __forceinline__ void load_rest(const u8* __restrict__ rest, long long g, u32 r[8]) {
-    const u8* p = rest + g * R;
-    constexpr u32 MASK = (R == 32) ? 0xFFFFFFFFu : ((1u << R) - 1u);
-    u64 lo = 0, hi = 0;
-    if constexpr (R == 24) {
-        const u64 w0 = reinterpret_cast<const u64*>(p)[0], w1 = reinterpret_cast<const u64*>(p)[1],
-                  w2 = reinterpret_cast<const u64*>(p)[2];
-        r[0] = w0 & MASK; r[1] = (w0 >> 24) & MASK; r[2] = ((w0 >> 48) | (w1 << 16)) & MASK;
-        r[3] = (w1 >> 8) & MASK; r[4] = (w1 >> 32) & MASK; r[5] = ((w1 >> 56) | (w2 << 8)) & MASK;
-        r[6] = (w2 >> 16) & MASK; r[7] = (w2 >> 40) & MASK;
-    } else {
-        if constexpr (R == 8) {
-            lo = *reinterpret_cast<const u64*>(p);
-        } else if constexpr (R == 4) {
-            lo = *reinterpret_cast<const u32*>(p);
-        } else {
-#pragma unroll
-            for (int k = 0; k < R; k++) { if (k < 8) lo |= (u64)p[k] << (8 * k); else hi |= (u64)p[k] << (8 * (k - 8)); }
-        }
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            const int b = j * R;
-            const u64 x = (b < 64) ? (lo >> b) | ((b > 0 && b + R > 64) ? hi << (64 - b) : 0ull) : hi >> (b - 64);
-            r[j] = (u32)x & MASK;
-        }
-    }
-}
-
-// A group's packed rest bytes as loaded (R bytes), for prefetching in the decoder.
+// A group's packed rest bytes as loaded (R bytes).
 template <int R>
 struct RestRaw {
     u64 q[(R + 7) / 8];
@@ -265,24 +235,38 @@ __device__ __forceinline__ int warp_inclusive_sum(int x, int lane) {
 // code is (c & 0xF) and the escape bit (c >> 7): no compare or select per value.
 #define ESC_FLAG 0x80u
 
-// BF16, a whole group: SIMD-within-a-register on the four 32-bit words (two values each).  The
-// generic path below spends ~200 instructions a group, which made the first version of this kernel
-// issue-bound at ~800 GB/s on the H200 (ncu: 25-30 % of DRAM bandwidth); this one ~70.
+// Four LUT results (bytes: a code 0-15, or ESC_FLAG) -> their codes as a 16-bit nibble word in the
+// low half and the escape bits at 7, 15, 23, 31 of the packed bytes (returned in *flags).
+__device__ __forceinline__ u32 pack4(u32 c0, u32 c1, u32 c2, u32 c3, u32* flags) {
+    const u32 b = __byte_perm(__byte_perm(c0, c1, 0x0040), __byte_perm(c2, c3, 0x0040), 0x5410);  // c0..c3 as bytes
+    *flags = b & 0x80808080u;
+    const u32 t = b & 0x0F0F0F0Fu;
+    return t | (t >> 4);  // bytes 0 and 2 hold codes 0|1 and 2|3
+}
+
+__device__ __forceinline__ u32 flag_bits(u32 f) {  // escape flags at bits 7, 15, 23, 31 -> bits 0-3
+    return ((f >> 7) & 1u) | ((f >> 14) & 2u) | ((f >> 21) & 4u) | ((f >> 28) & 8u);
+}
+
+// BF16, a whole group, SIMD-within-a-register.  The exponents of all 8 values are gathered into two
+// words with two shifts and a byte permute each (a value's exponent is bits 7-14 of its half, so
+// bits 8-15 / 24-31 of the word shifted left once); the 8 LUT results are packed into the codes
+// word with byte permutes; the escape mask is only worked out when a LUT result is an escape.
+// ncu showed the v3 encoder issue-bound (62 % of cycles issuing) at ~100 instructions a group;
+// this is ~55.
 __device__ __forceinline__ u32 encode_bf16_full(const Raw<u16>& raw, long long g, const u8* slut,
                                                 u8* __restrict__ codes, u8* __restrict__ rest) {
-    u32 word = 0, mask = 0, r[4];
+    const u32 ea = __byte_perm(raw.w[0] << 1, raw.w[1] << 1, 0x7531);  // exponents of values 0-3
+    const u32 eb = __byte_perm(raw.w[2] << 1, raw.w[3] << 1, 0x7531);  // and 4-7
+    u32 fa, fb;
+    const u32 ta = pack4(slut[ea & 0xFF], slut[(ea >> 8) & 0xFF], slut[(ea >> 16) & 0xFF], slut[ea >> 24], &fa);
+    const u32 tb = pack4(slut[eb & 0xFF], slut[(eb >> 8) & 0xFF], slut[(eb >> 16) & 0xFF], slut[eb >> 24], &fb);
+    reinterpret_cast<u32*>(codes)[g] = __byte_perm(ta, tb, 0x6420);
+    u32 r[4];
 #pragma unroll
-    for (int k = 0; k < 4; k++) {
-        const u32 w = raw.w[k];
-        // rest byte = sign << 7 | mantissa, for the value in each 16-bit half
-        r[k] = (w & 0x007F007Fu) | ((w >> 8) & 0x00800080u);
-        const u32 c0 = slut[(w >> 7) & 0xFF], c1 = slut[(w >> 23) & 0xFF];
-        word |= ((c0 & 0xF) << (8 * k)) | ((c1 & 0xF) << (8 * k + 4));
-        mask |= ((c0 >> 7) << (2 * k)) | ((c1 >> 7) << (2 * k + 1));
-    }
-    reinterpret_cast<u32*>(codes)[g] = word;
+    for (int k = 0; k < 4; k++) r[k] = (raw.w[k] & 0x007F007Fu) | ((raw.w[k] >> 8) & 0x00800080u);  // sign << 7 | mantissa
     *reinterpret_cast<uint2*>(rest + g * 8) = make_uint2(__byte_perm(r[0], r[1], 0x6420), __byte_perm(r[2], r[3], 0x6420));
-    return mask;
+    return (fa | fb) ? flag_bits(fa) | (flag_bits(fb) << 4) : 0u;
 }
 
 // E5M2, a whole group: two words of four values.  Rest is 3 bits a value, 24 bits a group.
@@ -382,113 +366,72 @@ __device__ __forceinline__ int find_job(const Job* jobs, int njobs, long long ke
     return lo;
 }
 
-// Where a warp is in its sequence of chunks: enough to issue the loads of any step of the chunk.
-template <typename Job>
-struct ChunkAt {
-    long long gc;           // batch-wide chunk
-    long long c;            // chunk within its tensor
-    long long g0;           // its first group
-    int ng;                 // its groups
-    int job;
-};
-
-template <typename Job>
-__device__ __forceinline__ ChunkAt<Job> chunk_at(const Job* __restrict__ jobs, int njobs, long long gc, int gpc) {
-    ChunkAt<Job> a;
-    a.gc = gc;
-    a.job = find_job(jobs, njobs, gc, &Job::chunk_base);
-    a.c = gc - jobs[a.job].chunk_base;
-    a.g0 = a.c * gpc;
-    a.ng = (int)min((long long)gpc, (jobs[a.job].n + 7) / 8 - a.g0);
-    return a;
-}
-
-// Dense pass.  Chunks are dealt out statically (warp w takes w, w + W, ...): no warp waits on
-// another, so each lane can issue the next step's loads, in this chunk or the next, before it
-// works on the current step, and the memory system never drains between chunks.  Escapes go to a
-// per-chunk slot in position order (a warp prefix sum); kvz_scan moves them to their final place.
-// The first version of this kernel (a chunk queue with the look-back at the end of each chunk)
-// stalled every warp for several dependent memory round trips per chunk: ncu showed 50 % of DRAM
-// bandwidth with the SM mostly waiting (benchmarks/NOTES.md, v2c).
-// GPL: groups a lane works on per step, so that enough loads are in flight to cover DRAM latency;
-// MINB: blocks per multiprocessor to fit (caps registers).  fused_fast.py picks them per format.
+// Dense pass.  Chunks are dealt out statically (warp w: chunks w, w + W, ...), so no warp waits on
+// another; a warp walks its chunk in steps of 32 * GPL groups, each lane loading its GPL groups
+// with vector loads, encoding them and storing codes and rest in place.  Escapes go to a per-chunk
+// slot in position order (a warp prefix sum); kvz_scan moves them to their final place.
+// The loop is kept this plain on purpose: the same traffic with nothing else (benchmarks/
+// access_patterns.py) moves 3.8 TB/s on the H200, while earlier versions of this kernel with
+// prefetching across chunks, a cursor per warp, or a cp.async ring in shared memory spent ~170
+// instructions a group on bookkeeping and stalled at 52-60 % of DRAM bandwidth (NOTES.md, v3-v4).
+// GPL: groups a lane handles per step; MINB: blocks per multiprocessor to fit.
 template <int E, int M, typename T, int GPL, int MINB>
 __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* __restrict__ jobs, int njobs,
-                                                          long long total_chunks, int chunk, int slot,
-                                                          const u8* __restrict__ lut) {
-    constexpr int HB = E - 4, STEP = 32 * GPL;
+                                                                long long total_chunks, int chunk, int slot,
+                                                                const u8* __restrict__ lut) {
+    constexpr int HB = E - 4, R = M + 1, STEP = 32 * GPL;
     __shared__ u8 slut[1 << E];
     for (int i = threadIdx.x; i < (1 << E); i += blockDim.x) slut[i] = lut[i];
     __syncthreads();
     const int lane = threadIdx.x & 31;
     const int gpc = chunk / 8;
     const long long W = (long long)gridDim.x * WARPS;
-    long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (gc >= total_chunks) return;
-    ChunkAt<EncodeJob> cur = chunk_at(jobs, njobs, gc, gpc);
-    const T* src = static_cast<const T*>(jobs[cur.job].src);
-    long long n = jobs[cur.job].n;
-    int s0 = 0, count = 0;
-    Raw<T> now[GPL];
+    for (long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); gc < total_chunks; gc += W) {
+        const EncodeJob& J = jobs[find_job(jobs, njobs, gc, &EncodeJob::chunk_base)];
+        const long long c = gc - J.chunk_base, g0 = c * gpc;
+        const long long n = J.n - g0 * 8;  // values from the chunk's start to the tensor's end
+        const int ng = (int)min((long long)gpc, (n + 7) / 8);
+        // this chunk's data, and group i of it at index i
+        const T* __restrict__ src = static_cast<const T*>(J.src) + g0 * 8;
+        u8* __restrict__ codes = J.codes + g0 * 4;
+        u8* __restrict__ rest = J.rest + g0 * R;
+        int count = 0;
+        for (int s0 = 0; s0 < ng; s0 += STEP) {
+            Raw<T> v[GPL];
 #pragma unroll
-    for (int q = 0; q < GPL; q++)
-        if (q * 32 + lane < cur.ng) load_raw(src, n, cur.g0 + q * 32 + lane, now[q]);
-    while (true) {
-        // The next step: the rest of this chunk, or the start of this warp's next chunk.
-        const bool last_step = s0 + STEP >= cur.ng;
-        ChunkAt<EncodeJob> nx = cur;
-        int ns0 = s0 + STEP;
-        bool more = true;
-        if (last_step) {
-            more = gc + W < total_chunks;
-            if (more) { nx = chunk_at(jobs, njobs, gc + W, gpc); ns0 = 0; }
-        }
-        const T* nsrc = static_cast<const T*>(jobs[nx.job].src);
-        const long long nn = jobs[nx.job].n;
-        Raw<T> next[GPL];
-#pragma unroll
-        for (int q = 0; q < GPL; q++)
-            if (more && ns0 + q * 32 + lane < nx.ng) load_raw(nsrc, nn, nx.g0 + ns0 + q * 32 + lane, next[q]);
-
-        const EncodeJob& J = jobs[cur.job];
-        u32 m[GPL], any = 0;
-#pragma unroll
-        for (int q = 0; q < GPL; q++) {
-            const int gi = s0 + q * 32 + lane;
-            m[q] = gi < cur.ng ? encode_raw<E, M, T>(now[q], n, cur.g0 + gi, slut, J.codes, J.rest) : 0u;
-            any |= m[q];
-        }
-        if (__any_sync(FULL_MASK, any != 0)) {
-            u16* __restrict__ spos = J.slot_pos + cur.c * slot;
-            u8* __restrict__ sexp = J.slot_exp + cur.c * slot;
+            for (int q = 0; q < GPL; q++)
+                if (s0 + q * 32 + lane < ng) load_raw(src, n, s0 + q * 32 + lane, v[q]);
+            u32 m[GPL], any = 0;
 #pragma unroll
             for (int q = 0; q < GPL; q++) {
-                const int gi = s0 + q * 32 + lane;
-                const int k = __popc(m[q]);
-                const int incl = warp_inclusive_sum(k, lane);
-                int idx = count + incl - k;
+                const int i = s0 + q * 32 + lane;
+                m[q] = i < ng ? encode_raw<E, M, T>(v[q], n, i, slut, codes, rest) : 0u;
+                any |= m[q];
+            }
+            if (__any_sync(FULL_MASK, any != 0)) {
+                u16* __restrict__ spos = J.slot_pos + c * slot;
+                u8* __restrict__ sexp = J.slot_exp + c * slot;
 #pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    if ((m[q] >> j) & 1u) {
-                        if (idx < slot) {
-                            spos[idx] = (u16)(gi * 8 + j);
-                            sexp[idx] = (u8)((raw_value(now[q], j) >> M) & ((1u << E) - 1u));
+                for (int q = 0; q < GPL; q++) {
+                    const int i = s0 + q * 32 + lane;
+                    const int k = __popc(m[q]);
+                    const int incl = warp_inclusive_sum(k, lane);
+                    int idx = count + incl - k;
+#pragma unroll
+                    for (int j = 0; j < 8; j++) {
+                        if ((m[q] >> j) & 1u) {
+                            if (idx < slot) {
+                                spos[idx] = (u16)(i * 8 + j);
+                                sexp[idx] = (u8)((raw_value(v[q], j) >> M) & ((1u << E) - 1u));
+                            }
+                            idx++;
                         }
-                        idx++;
                     }
+                    count += __shfl_sync(FULL_MASK, incl, 31);
                 }
-                count += __shfl_sync(FULL_MASK, incl, 31);
             }
         }
-        if (last_step) {
-            if (lane == 0) J.esc_count[cur.c] = count > HB * cur.ng / 3 ? (u16)PLANE : (u16)count;
-            count = 0;
-            gc += W;
-        }
-        if (!more) break;
-        cur = nx; src = nsrc; n = nn; s0 = ns0;
-#pragma unroll
-        for (int q = 0; q < GPL; q++) now[q] = next[q];
+        if (lane == 0) J.esc_count[c] = count > HB * ng / 3 ? (u16)PLANE : (u16)count;
     }
 }
 
@@ -697,6 +640,29 @@ __device__ __forceinline__ void decode_bf16_words(u32 word, const RestRaw<8>& rr
     }
 }
 
+// E5M2, a whole group, non-plane, SIMD-within-a-register: out[h] holds values 4h..4h+3 as stored
+// (byte = sign << 7 | exponent << 2 | mantissa; rest = sign << 2 | mantissa, 3 bits a value).
+// The generic path spent ~130 instructions a group (ncu: 333 us for 2^28 values).
+__device__ __forceinline__ void decode_e5m2_words(u32 word, u32 rest24, u32 d0, u32 d1, u32 d2, u32 d3, u32 out[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const u32 b = (rest24 >> (12 * h)) & 0xFFFu;
+        const u32 rb = (b & 7u) | ((b << 5) & 0x700u) | ((b << 10) & 0x70000u) | ((b << 15) & 0x7000000u);
+        const u32 e = lookup4(h ? word >> 16 : word & 0xFFFFu, d0, d1, d2, d3);
+        out[h] = ((rb & 0x04040404u) << 5) | (e << 2) | (rb & 0x03030303u);
+    }
+}
+
+__device__ __forceinline__ void patch_e5m2_words(u32 w[2], u32 pmask, u64 pexp) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        if ((pmask >> j) & 1u) {
+            const int sh = 8 * (j & 3) + 2;
+            w[j >> 2] = (w[j >> 2] & ~(0x1Fu << sh)) | ((u32)((pexp >> (8 * j)) & 0x1F) << sh);
+        }
+    }
+}
+
 // Replace the exponents of the escaped values (pmask bit j; exponent byte j of pexp) in packed words.
 __device__ __forceinline__ void patch_bf16_words(u32 w[4], u32 pmask, u64 pexp) {
 #pragma unroll
@@ -760,78 +726,50 @@ __device__ __forceinline__ bool load_escapes(const DecodeJob& J, long long off, 
     return true;
 }
 
-// Dense pass, the mirror of kvz_encode: chunks dealt out statically, the next step's codes and
-// rest loaded before this step's work, escapes applied in registers before one store per group.
-// Offsets come from kvz_scan (chunk_off); a tensor it found broken is skipped.
+// Dense pass, the mirror of kvz_encode: chunks dealt out statically, a warp walking its chunk in
+// steps of 32 * GPL groups, escapes applied in registers before one store per group.  Offsets
+// come from kvz_scan (chunk_off); a tensor it found broken is skipped.
 template <int E, int M, typename T, int GPL, int MINB>
 __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* __restrict__ jobs, int njobs,
-                                                          long long total_chunks, int chunk,
-                                                          const u64* __restrict__ chunk_off, u64* __restrict__ work) {
+                                                                long long total_chunks, int chunk,
+                                                                const u64* __restrict__ chunk_off, u64* __restrict__ work) {
     constexpr int HB = E - 4, R = M + 1, STEP = 32 * GPL;
     constexpr bool BF16 = E == 8 && M == 7 && sizeof(T) == 2;
+    constexpr bool E5M2 = E == 5 && M == 2 && sizeof(T) == 1;
     const int lane = threadIdx.x & 31;
     const int gpc = chunk / 8;
     const long long W = (long long)gridDim.x * WARPS;
-    long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (gc >= total_chunks) return;
-    ChunkAt<DecodeJob> cur = chunk_at(jobs, njobs, gc, gpc);
-    u32 w[GPL];
-    RestRaw<R> r[GPL];
-    {
-        const u8* codes = jobs[cur.job].codes;
-        const u8* rest = jobs[cur.job].rest;
-#pragma unroll
-        for (int q = 0; q < GPL; q++) {
-            if (q * 32 + lane < cur.ng) {
-                w[q] = reinterpret_cast<const u32*>(codes)[cur.g0 + q * 32 + lane];
-                load_rest_raw<R>(rest, cur.g0 + q * 32 + lane, r[q]);
-            }
-        }
-    }
-    int s0 = 0;
-    // per-chunk state, set at the chunk's first step
-    bool plane = false, skip = false;
-    int cnt = 0, len = 0, base = 0, pos = NONE;
-    u32 exp = 0;
-    long long esc_off = 0, plane_off = 0;
-    while (true) {
-        const DecodeJob& J = jobs[cur.job];
-        u64* err = work + 1 + cur.job;
-        if (s0 == 0) {
-            const u32 stored = J.esc_count[cur.c];
-            const u64 off = chunk_off[gc];
-            skip = *reinterpret_cast<volatile u64*>(err) != 0;
-            plane = stored == PLANE;
-            cnt = (plane || skip) ? 0 : (int)stored;
-            esc_off = (long long)(off >> 31);
-            plane_off = (long long)HB * (long long)(off & GROUPS_MASK);
-            len = (int)min((long long)chunk, J.n - cur.c * chunk);
-            base = 0;
-            if (!load_escapes<E>(J, esc_off, 0, cnt, len, -1, lane, pos, exp, err)) cnt = 0;
-        }
-        const bool last_step = s0 + STEP >= cur.ng;
-        ChunkAt<DecodeJob> nx = cur;
-        int ns0 = s0 + STEP;
-        bool more = true;
-        if (last_step) {
-            more = gc + W < total_chunks;
-            if (more) { nx = chunk_at(jobs, njobs, gc + W, gpc); ns0 = 0; }
-        }
-        u32 nw[GPL];
-        RestRaw<R> nr[GPL];
-        {
-            const u8* ncodes = jobs[nx.job].codes;
-            const u8* nrest = jobs[nx.job].rest;
+    for (long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); gc < total_chunks; gc += W) {
+        const int job = find_job(jobs, njobs, gc, &DecodeJob::chunk_base);
+        const DecodeJob& J = jobs[job];
+        u64* err = work + 1 + job;
+        const long long c = gc - J.chunk_base, g0 = c * gpc;
+        const long long n = J.n - g0 * 8;  // values from the chunk's start to the tensor's end
+        const int ng = (int)min((long long)gpc, (n + 7) / 8);
+        const u32 stored = J.esc_count[c];
+        const u64 off = chunk_off[gc];
+        if (*reinterpret_cast<volatile u64*>(err) != 0) continue;  // kvz_scan found this tensor broken
+        const bool plane = stored == PLANE;
+        int cnt = plane ? 0 : (int)stored;
+        const long long esc_off = (long long)(off >> 31);
+        const u8* __restrict__ high = J.exp_high + (long long)HB * (long long)(off & GROUPS_MASK);
+        const int len = (int)min((long long)chunk, n);
+        int base = 0, pos;
+        u32 exp;
+        if (!load_escapes<E>(J, esc_off, 0, cnt, len, -1, lane, pos, exp, err)) cnt = 0;
+        // this chunk's data, and group i of it at index i
+        const u8* __restrict__ codes = J.codes + g0 * 4;
+        const u8* __restrict__ rest = J.rest + g0 * R;
+        T* __restrict__ dst = static_cast<T*>(J.dst) + g0 * 8;
+        const u64 dlo = J.dlo, dhi = J.dhi;
+        for (int s0 = 0; s0 < ng; s0 += STEP) {
+            u32 w[GPL];
+            RestRaw<R> rr[GPL];
 #pragma unroll
             for (int q = 0; q < GPL; q++) {
-                if (more && ns0 + q * 32 + lane < nx.ng) {
-                    nw[q] = reinterpret_cast<const u32*>(ncodes)[nx.g0 + ns0 + q * 32 + lane];
-                    load_rest_raw<R>(nrest, nx.g0 + ns0 + q * 32 + lane, nr[q]);
-                }
+                const int i = s0 + q * 32 + lane;
+                if (i < ng) { w[q] = reinterpret_cast<const u32*>(codes)[i]; load_rest_raw<R>(rest, i, rr[q]); }
             }
-        }
-
-        if (!skip) {
             // This step's escapes: the lanes holding positions below the step's end (earlier ones
             // were used by earlier steps).  Warp-uniform loop, a shuffle per escape.
             u32 pm[GPL];
@@ -857,32 +795,33 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
                 base += 32;
                 if (!load_escapes<E>(J, esc_off, base, cnt, len, last, lane, pos, exp, err)) { cnt = 0; break; }
             }
-            const u64 dlo = J.dlo, dhi = J.dhi;
-            T* __restrict__ dst = static_cast<T*>(J.dst);
 #pragma unroll
             for (int q = 0; q < GPL; q++) {
-                const int gi = s0 + q * 32 + lane;
-                if (gi >= cur.ng) continue;
-                const long long g = cur.g0 + gi;
+                const int i = s0 + q * 32 + lane;
+                if (i >= ng) continue;
                 if constexpr (BF16) {
-                    if (!plane && g * 8 + 8 <= J.n) {
+                    if (!plane && i * 8 + 8 <= n) {
                         u32 out[4];
-                        decode_bf16_words(w[q], r[q], (u32)dlo, (u32)(dlo >> 32), (u32)dhi, (u32)(dhi >> 32), out);
+                        decode_bf16_words(w[q], rr[q], (u32)dlo, (u32)(dlo >> 32), (u32)dhi, (u32)(dhi >> 32), out);
                         if (pm[q]) patch_bf16_words(out, pm[q], pe[q]);
-                        *reinterpret_cast<uint4*>(dst + g * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+                        *reinterpret_cast<uint4*>(dst + i * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+                        continue;
+                    }
+                }
+                if constexpr (E5M2) {
+                    if (!plane && i * 8 + 8 <= n) {
+                        u32 out[2];
+                        decode_e5m2_words(w[q], (u32)rr[q].q[0], (u32)dlo, (u32)(dlo >> 32), (u32)dhi, (u32)(dhi >> 32), out);
+                        if (pm[q]) patch_e5m2_words(out, pm[q], pe[q]);
+                        *reinterpret_cast<uint2*>(dst + i * 8) = make_uint2(out[0], out[1]);
                         continue;
                     }
                 }
                 u32 v[8];
-                decode_raw<E, M>(w[q], r[q], dlo, dhi, plane, J.exp_high + plane_off + (long long)HB * gi, v);
-                patch_store<E, M, T>(dst, J.n, g, v, pm[q], pe[q]);
+                decode_raw<E, M>(w[q], rr[q], dlo, dhi, plane, high + HB * i, v);
+                patch_store<E, M, T>(dst, n, i, v, pm[q], pe[q]);
             }
         }
-        if (last_step) gc += W;
-        if (!more) break;
-        cur = nx; s0 = ns0;
-#pragma unroll
-        for (int q = 0; q < GPL; q++) { w[q] = nw[q]; r[q] = nr[q]; }
     }
 }
 

@@ -45,10 +45,9 @@ SB_CHUNKS = 256         # chunks per block of kvz_scan
 
 # Shape of the dense kernels per value width in bytes: (groups a lane handles per step, blocks per
 # multiprocessor the register budget must allow).  Picked on the H200 with
-# benchmarks/sweep_shapes.py and ncu (benchmarks/NOTES.md, v3): BF16 encode (4, 3) 334 us against
-# (2, 3) 374 us per 2^28 values; E5M2 runs best at (2, 3) both ways.
-ENCODE_SHAPE = {1: (2, 3), 2: (4, 3), 4: (2, 3)}
-DECODE_SHAPE = {1: (2, 3), 2: (4, 2), 4: (2, 3)}
+# benchmarks/sweep_shapes.py and ncu (benchmarks/NOTES.md, v5).
+ENCODE_SHAPE = {1: (4, 4), 2: (4, 3), 4: (1, 4)}
+DECODE_SHAPE = {1: (4, 3), 2: (4, 3), 4: (1, 4)}
 
 
 def _instances(fmt):
