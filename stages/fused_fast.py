@@ -38,10 +38,7 @@ BLOB_ALIGN = 256        # blobs of a batch start on 256-byte boundaries of one b
 HEAD_SPAN = 4096        # bytes read back per blob to parse its header (more only if it is longer)
 _TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
 _ESCAPE_STREAMS = ["esc_pos", "esc_exp", "exp_high"]
-
-
-SB_CHUNKS = 256         # chunks per block of kvz_scan
-
+SB_CHUNKS = 256         # chunks per block of kvz_scan (one thread each)
 
 # Shape of the dense kernels per value width in bytes: (groups a lane handles per step, blocks per
 # multiprocessor the register budget must allow).  Picked on the H200 with
