@@ -467,8 +467,6 @@ __device__ __forceinline__ u64 block_exclusive_sum(u64 mine, u64* total) {
     return incl - mine + (wid ? warp_sums[wid - 1] : 0);
 }
 
-struct DecodeJob;  // below
-
 // The escape and plane-group offsets of every chunk, from esc_count: a block per SB_CHUNKS chunks
 // of one tensor, blocks chained per tensor by the decoupled look-back (tickets hand the blocks out
 // in order).  A chunk's value is escapes << 31 | plane-coded groups.
@@ -653,23 +651,16 @@ __device__ __forceinline__ void decode_e5m2_words(u32 word, u32 rest24, u32 d0, 
     }
 }
 
-__device__ __forceinline__ void patch_e5m2_words(u32 w[2], u32 pmask, u64 pexp) {
+// Replace the exponents of the escaped values (pmask bit j; exponent byte j of pexp) in a group
+// stored as packed words: VPW values a word, each value's exponent (EMASK) at bit ESHIFT of it.
+// BF16: 2 values a word, exponent at bit 7; E5M2: 4 a word, at bit 2.
+template <int VPW, int ESHIFT, u32 EMASK>
+__device__ __forceinline__ void patch_words(u32 w[8 / VPW], u32 pmask, u64 pexp) {
 #pragma unroll
     for (int j = 0; j < 8; j++) {
         if ((pmask >> j) & 1u) {
-            const int sh = 8 * (j & 3) + 2;
-            w[j >> 2] = (w[j >> 2] & ~(0x1Fu << sh)) | ((u32)((pexp >> (8 * j)) & 0x1F) << sh);
-        }
-    }
-}
-
-// Replace the exponents of the escaped values (pmask bit j; exponent byte j of pexp) in packed words.
-__device__ __forceinline__ void patch_bf16_words(u32 w[4], u32 pmask, u64 pexp) {
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        if ((pmask >> j) & 1u) {
-            const int sh = 16 * (j & 1) + 7;
-            w[j >> 1] = (w[j >> 1] & ~(0xFFu << sh)) | ((u32)((pexp >> (8 * j)) & 0xFF) << sh);
+            const int sh = (32 / VPW) * (j % VPW) + ESHIFT;
+            w[j / VPW] = (w[j / VPW] & ~(EMASK << sh)) | ((u32)((pexp >> (8 * j)) & EMASK) << sh);
         }
     }
 }
@@ -803,7 +794,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
                     if (!plane && i * 8 + 8 <= n) {
                         u32 out[4];
                         decode_bf16_words(w[q], rr[q], (u32)dlo, (u32)(dlo >> 32), (u32)dhi, (u32)(dhi >> 32), out);
-                        if (pm[q]) patch_bf16_words(out, pm[q], pe[q]);
+                        if (pm[q]) patch_words<2, 7, 0xFFu>(out, pm[q], pe[q]);
                         *reinterpret_cast<uint4*>(dst + i * 8) = make_uint4(out[0], out[1], out[2], out[3]);
                         continue;
                     }
@@ -812,7 +803,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
                     if (!plane && i * 8 + 8 <= n) {
                         u32 out[2];
                         decode_e5m2_words(w[q], (u32)rr[q].q[0], (u32)dlo, (u32)(dlo >> 32), (u32)dhi, (u32)(dhi >> 32), out);
-                        if (pm[q]) patch_e5m2_words(out, pm[q], pe[q]);
+                        if (pm[q]) patch_words<4, 2, 0x1Fu>(out, pm[q], pe[q]);
                         *reinterpret_cast<uint2*>(dst + i * 8) = make_uint2(out[0], out[1]);
                         continue;
                     }
