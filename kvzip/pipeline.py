@@ -15,17 +15,11 @@ from .errors import FormatError
 from .frame import Frame
 
 
-_stages = None
-
-
 def _stages_module():
-    # Imported lazily (the stage package imports kvzip submodules itself), once.
-    global _stages
-    if _stages is None:
-        from . import stages
+    # Imported lazily: the stage package imports kvzip submodules itself.
+    from . import stages
 
-        _stages = stages
-    return _stages
+    return stages
 
 
 class Pipeline:
