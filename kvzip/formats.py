@@ -69,6 +69,10 @@ def get_format(name_or_dtype) -> FloatFormat:
     """Look a format up by short name, dtype name, or a numpy/torch/jax dtype object."""
     if isinstance(name_or_dtype, FloatFormat):
         return name_or_dtype
+    if isinstance(name_or_dtype, str):  # the common case (every decode asks several times): no parsing
+        short = _ALIASES.get(name_or_dtype)
+        if short is not None:
+            return FORMATS[short]
     key = str(name_or_dtype).lower()
     key = key.removeprefix("torch.").removeprefix("dtype(").strip("')\"")
     try:

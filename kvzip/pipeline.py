@@ -15,11 +15,17 @@ from .errors import FormatError
 from .frame import Frame
 
 
-def _stages_module():
-    # Imported lazily: the stage package imports kvzip submodules itself.
-    from . import stages
+_stages = None
 
-    return stages
+
+def _stages_module():
+    # Imported lazily (the stage package imports kvzip submodules itself), once.
+    global _stages
+    if _stages is None:
+        from . import stages
+
+        _stages = stages
+    return _stages
 
 
 class Pipeline:

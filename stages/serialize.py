@@ -38,10 +38,12 @@ class Serialize(Stage):
         backend = frame.backend
         names = container.canonical_order(frame.streams)
         arrays = [frame.streams[k] for k in names]
+        described = []
         for name, a in zip(names, arrays):
-            if a.dtype.name not in container.STREAM_DTYPES or a.ndim != 1:
+            dtype_name = container.STREAM_DTYPE_NAMES.get(a.dtype)
+            if dtype_name is None or a.ndim != 1:
                 raise TypeError(f"stream {name!r} must be a 1-D array of {sorted(container.STREAM_DTYPES)}, got {a.dtype}")
-        described = [(name, a.dtype.name, a.nbytes) for name, a in zip(names, arrays)]
+            described.append((name, dtype_name, a.nbytes))
         offsets, payload_len = container.layout([nb for _, _, nb in described])
         flags |= container.FLAG_CHECKSUM if self.checksum else 0
         header = container.build_header(frame.meta, described, flags)
