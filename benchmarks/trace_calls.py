@@ -18,7 +18,7 @@ import numpy as np
 import kvzip
 from kvzip import api, container
 from kvzip.data import load_sample
-from kvzip.stages import fused_fast, serialize
+from kvzip.stages import call_graphs, fused_fast, serialize
 
 args = sys.argv[1:]
 mode = args.pop(0) if args and args[0] in ("ncu", "profile", "host") else "trace"
@@ -76,12 +76,13 @@ from kvzip import pipeline  # noqa: E402
 from kvzip.stages import fused  # noqa: E402
 
 extra = [(pipeline.Pipeline, "encode_frame"), (pipeline.Pipeline, "decode_frame"), (fused_fast, "_plan"),
-         (fused_fast, "_device_lut"), (fused_fast._Call, "upload"), (fused_fast._Call, "zero"),
+         (fused_fast, "_device_lut"), (call_graphs.CallShape, "put"),
+         (call_graphs, "cached"), (fused_fast, "known_blob"), (fused_fast, "decode_known"),
          (fused.FusedSplitPackEscape, "check"), (api, "_export_decoded"), (api, "splitzip_pipeline"),
          (pipeline, "recorded_pipeline"), (container, "stream_views")] if mode == "host" else []
 for mod, name in extra + [(api.arrays, "import_tensor"), (api.arrays, "export_bytes"), (api.arrays, "import_bytes"),
                   (api.arrays, "export_tensor"), (fused_fast, "encode_batch"), (fused_fast, "decode_batch"),
-                  (fused_fast._Call, "launch"), (fused_fast._Call, "read_back"), (fused_fast, "_Call"),
+                  (call_graphs.CallShape, "run"),
                   (container, "read_head"), (container, "parse_header"), (serialize, "open_blob")]:
     wrap(mod, name)
 N = 20

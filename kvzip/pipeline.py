@@ -146,8 +146,10 @@ class Pipeline:
 
     def decode_frame(self, frame: Frame) -> Frame:
         """Blob frame -> tensor frame, following the pipeline recorded in the blob."""
-        st = _stages_module()
-        frame = st.Serialize().decode(frame)
+        return self.decode_opened(_stages_module().Serialize().decode(frame))
+
+    def decode_opened(self, frame: Frame) -> Frame:
+        """decode_frame for a blob already opened (stages.serialize.open_blob)."""
         recorded = recorded_pipeline(frame.meta)
         recorded.fuse = self.fuse
         recorded.check_streams(frame)

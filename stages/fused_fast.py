@@ -14,7 +14,6 @@ and reads back the validation result.
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
@@ -27,6 +26,8 @@ from kvzip.bitpack import groups
 from kvzip.errors import FormatError
 from kvzip.frame import Frame
 
+from . import call_graphs
+from .call_graphs import Region as R
 from .fused import _ERRORS
 from .top16_pack import codebook_meta
 
@@ -110,76 +111,28 @@ def _device_lut(fmt_name: str, exponents: tuple, device_id: int) -> int:
 
 
 _keep: list = []
-_local = threading.local()
 P = np.uint64  # kernel pointer arguments travel as 64-bit integers: CuPy marshals those cheaply
 
 
-class _Call:
-    """The host side of one batched call on the current device and stream.
+def _launch(name: str, device: int, grid, args) -> tuple:
+    """A launch op for call_graphs (kernels get raw addresses: CuPy views and array arguments
+    cost ~4 and ~10 us each, which made the host the bottleneck below 64 MiB; NOTES.md, v3)."""
+    return ("launch", _kernel(name, device), grid if isinstance(grid, tuple) else (grid,), (THREADS,), args)
 
-    Every call needs a few small tables on the device, a zeroed counter region and some
-    scratch.  They come from one device buffer per thread and device, kept between calls and
-    grown when a call needs more (each call ends with a host synchronisation on its stream, so
-    the buffer is idle when the next call starts), and the tables go up with one asynchronous
-    copy from pinned memory.  Kernels get raw addresses: building CuPy views and passing arrays
-    cost ~4 and ~10 us each, which made the host the bottleneck below 64 MiB (NOTES.md, v3)."""
 
-    def __init__(self, sizes: list[int]):
-        import cupy
+def _chunk_grid(name: str, device: int, total_chunks: int) -> int:
+    return min(math.ceil(total_chunks / WARPS), _grid_cap(name, device))
 
-        self.cupy = cupy
-        self.device = cupy.cuda.runtime.getDevice()
-        self.stream = cupy.cuda.get_current_stream()
-        self.offsets, at = [], 0
-        for nb in sizes:
-            self.offsets.append(at)
-            at += -(-max(nb, 1) // 256) * 256
-        pool = getattr(_local, "buffers", None)
-        if pool is None:
-            pool = _local.buffers = {}
-        buf = pool.get(self.device)
-        if buf is None or buf.nbytes < at:
-            pool[self.device] = None  # free the old one first
-            buf = pool[self.device] = cupy.empty(max(at, 1 << 20), np.uint8)
-        self.base = buf.data.ptr
-        self.sizes = sizes
 
-    def ptr(self, i: int) -> int:
-        return self.base + self.offsets[i]
+def _current():
+    import cupy
 
-    def upload(self, tables: list[np.ndarray]) -> None:
-        """Copy tables into regions 0..len(tables)-1 (one host-to-device copy)."""
-        from kvzip.backends import get_backend
-
-        end = self.offsets[len(tables) - 1] + tables[-1].nbytes
-        host = get_backend("cuda").pinned(end)
-        for t, o in zip(tables, self.offsets):
-            host[o:o + t.nbytes] = t.reshape(-1).view(np.uint8)
-        self.cupy.cuda.runtime.memcpyAsync(self.base, host.ctypes.data, end, 1, self.stream.ptr)
-
-    def zero(self, i: int) -> None:
-        self.cupy.cuda.runtime.memsetAsync(self.ptr(i), 0, self.sizes[i], self.stream.ptr)
-
-    def launch(self, name: str, grid, args) -> None:
-        grid = grid if isinstance(grid, tuple) else (grid,)
-        _kernel(name, self.device)(grid, (THREADS,), args, stream=self.stream)
-
-    def chunk_grid(self, name: str, total_chunks: int) -> int:
-        return min(math.ceil(total_chunks / WARPS), _grid_cap(name, self.device))
-
-    def read_back(self, i: int, nbytes: int) -> np.ndarray:
-        """The first nbytes of region i, once the stream gets there (the host waits)."""
-        from kvzip.backends import get_backend
-
-        host = get_backend("cuda").pinned(nbytes)
-        self.cupy.cuda.runtime.memcpyAsync(host.ctypes.data, self.ptr(i), nbytes, 2, self.stream.ptr)
-        self.stream.synchronize()
-        return host[:nbytes].copy()
+    return cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream()
 
 
 def release_workspace() -> None:
-    """Free this thread's cached device workspace (it is rebuilt by the next call)."""
-    _local.buffers = {}
+    """Free this thread's cached device workspaces and CUDA graphs (rebuilt by the next call)."""
+    call_graphs.release()
 
 
 def _aligned(a) -> bool:
@@ -236,6 +189,7 @@ class _Plan:
     n: int
     G: int
     nchunks: int
+    flags: int
     header: bytes
     table: tuple
     off: dict
@@ -270,7 +224,7 @@ def _plan(frame: Frame, fmt, cb, chunk: int, flags: int, pipeline_key: str) -> _
     nxt = {d[0]: offsets[j + 1] if j + 1 < len(offsets) else None for j, d in enumerate(table)}
     size = {d[0]: d[2] for d in table}
     pads = tuple(x for k in ("codes", "rest", "esc_count") for x in (off[k] + size[k], nxt[k]))
-    plan = _Plan(n, G, nchunks, header, tuple(table), off, nxt, pads,
+    plan = _Plan(n, G, nchunks, flags, header, tuple(table), off, nxt, pads,
                  container.PREFIX.size + 16 * (len(table) - 3),  # esc_pos's entry; esc_exp, exp_high follow
                  -(-(len(header) + off["esc_pos"] + HB * G + 48) // BLOB_ALIGN) * BLOB_ALIGN,
                  HB * G // 3 + 1, HB * G + 1)
@@ -294,69 +248,99 @@ def _config_key(config) -> str:
     return hit[1]
 
 
+class _EncodeProgram:
+    """The GPU side of encode_batch for one batch shape (the plans of its tensors, in order): its
+    CallShape, and the job tables with every address that does not move between calls filled in
+    (the blobs' addresses are relative to the output buffer, the inputs' are added per call)."""
+
+    def __init__(self, plans: tuple, fmt, cb, chunk: int, device: int):
+        k = len(plans)
+        self.plans = plans  # held: the cache key is their ids
+        templates = {}
+        for p in plans:
+            templates.setdefault(p.header, sum(len(h) for h in templates))
+        starts = list(accumulate((p.blob_bytes for p in plans), initial=0))
+        chunk_base = list(accumulate((p.nchunks for p in plans), initial=0))
+        sb_base = list(accumulate((-(-p.nchunks // SB_CHUNKS) for p in plans), initial=0))
+        exp_at = list(accumulate((p.exp_bytes for p in plans), initial=0))
+        high_at = list(accumulate((p.high_bytes for p in plans), initial=0))
+        total_chunks, total_sb, slot = chunk_base[-1], sb_base[-1], slot_size(chunk)
+        tmpl_host = np.frombuffer(b"".join(templates), np.uint8)
+        # Workspace: encode jobs | finish jobs | templates | zeroed work | sizes | esc_exp and
+        # exp_high scratch | escape slots.
+        self.sizes_nb, work_nb = 24 * k, 8 * (1 + k + total_sb)
+        enc, scan, _, _ = _instances(fmt)
+        ops = [("upload", 3), ("zero", 3)]
+        if total_chunks:
+            lut = P(_device_lut(fmt.name, cb.exponents, device))
+            ops += [_launch(enc, device, _chunk_grid(enc, device, total_chunks),
+                            (R(0), np.int32(k), np.int64(total_chunks), np.int32(chunk), np.int32(slot), lut)),
+                    _launch(scan, device, total_sb, (R(0), np.int32(k), np.int32(chunk), np.int32(slot), lut, R(3), R(3)))]
+        # Enough blocks that copying the escapes (~0.1 % of values) is not latency-bound on one SM's worth.
+        ops += [_launch("kvz_finish_encode", device, (max(1, min(128, total_chunks // 64)), k),
+                        (R(1), R(3), np.int32(k), np.int32(fmt.high_exp_bits), R(4))),
+                ("download", 4, self.sizes_nb)]
+        ws = self.shape = call_graphs.CallShape((96 * k, 112 * k, tmpl_host.nbytes, work_nb, self.sizes_nb, exp_at[-1],
+                                                 high_at[-1], 2 * total_chunks * slot, total_chunks * slot), tuple(ops))
+        exp_ptr, high_ptr, slot_pos, slot_exp = ws.ptr(5), ws.ptr(6), ws.ptr(7), ws.ptr(8)
+        enc_rows, fin_rows = [], []
+        for i, p in enumerate(plans):
+            pay = starts[i] + len(p.header)
+            e_at, h_at = exp_ptr + exp_at[i], high_ptr + high_at[i]
+            enc_rows.append((0, p.n, pay + p.off["codes"], pay + p.off["rest"], pay + p.off["esc_count"],
+                             pay + p.off["esc_pos"], e_at, h_at, slot_pos + 2 * slot * chunk_base[i],
+                             slot_exp + slot * chunk_base[i], chunk_base[i], sb_base[i]))
+            fin_rows.append((starts[i], ws.ptr(2) + templates[p.header], len(p.header), p.table_at, e_at, h_at,
+                             p.off["esc_pos"], *p.pads, 0 if p.flags & container.FLAG_CHECKSUM else 1))
+        self.enc_rows, self.fin_rows = np.array(enc_rows, np.uint64), np.array(fin_rows, np.uint64)
+        ws.put(2, tmpl_host)  # the header templates stay staged
+        self.starts = np.array(starts[:-1], np.int64)
+        self.total = starts[-1]
+        self.header_lens = np.array([len(p.header) for p in plans], np.int64)
+
+    def run(self, src_ptrs: list[int], out_ptr: int, stream) -> np.ndarray:
+        """Encode into the buffer at out_ptr; returns (escapes, high-exponent bytes, payload bytes)
+        per tensor, once the GPU is done."""
+        enc = self.enc_rows.copy()
+        enc[:, 0] = src_ptrs
+        enc[:, 2:6] += P(out_ptr)  # codes, rest, esc_count, esc_pos: inside the blob
+        fin = self.fin_rows.copy()
+        fin[:, 0] += P(out_ptr)
+        self.shape.put(0, enc)
+        self.shape.put(1, fin)
+        got = self.shape.run(stream)[:self.sizes_nb]
+        return got.view(np.uint64).reshape(-1, 3).astype(np.int64)
+
+
 def encode_batch(frames: list[Frame], top16, chunk: int, checksum: bool) -> EncodedBatch:
     """Encode tensor frames of one format straight into container blobs (Serialize included)."""
     import cupy
 
     fmt = frames[0].format
     cb = top16.codebook_for(fmt)
-    HB = fmt.high_exp_bits
     flags = container.FLAG_CHECKSUM if checksum else 0
-    k = len(frames)
     plans, srcs = [], []
     for frame in frames:
         plans.append(_plan(frame, fmt, cb, chunk, flags, _config_key(frame.meta.get("pipeline"))))
-        srcs.append(frame.expect("data", fmt.uint_dtype, frame.n))
-    templates = {}
-    for p in plans:
-        templates.setdefault(p.header, sum(len(h) for h in templates))
-    starts = list(accumulate((p.blob_bytes for p in plans), initial=0))
-    chunk_base = list(accumulate((p.nchunks for p in plans), initial=0))
-    sb_base = list(accumulate((-(-p.nchunks // SB_CHUNKS) for p in plans), initial=0))
-    exp_at = list(accumulate((p.exp_bytes for p in plans), initial=0))
-    high_at = list(accumulate((p.high_bytes for p in plans), initial=0))
-    total_chunks, total_sb, slot = chunk_base[-1], sb_base[-1], slot_size(chunk)
-
-    buffer = cupy.empty(max(starts[-1], 1), np.uint8)
-    tmpl_host = np.frombuffer(b"".join(templates), np.uint8)
-    # Workspace: encode jobs | finish jobs | templates | zeroed work | sizes | esc_exp and exp_high
-    # scratch | escape slots.  The tables hold device addresses inside it, so it is laid out first.
-    sizes_nb, work_nb = 24 * k, 8 * (1 + k + total_sb)
-    ws = _Call([96 * k, 112 * k, tmpl_host.nbytes, work_nb, sizes_nb, exp_at[-1], high_at[-1],
-                2 * total_chunks * slot, total_chunks * slot])
-    tmpl_ptr, exp_ptr, high_ptr, base = ws.ptr(2), ws.ptr(5), ws.ptr(6), buffer.data.ptr
-    slot_pos, slot_exp = ws.ptr(7), ws.ptr(8)
-    enc_rows, fin_rows = [], []
-    for i, (p, src) in enumerate(zip(plans, srcs)):
-        blob_at = base + starts[i]
-        pay = blob_at + len(p.header)
-        e_at, h_at = exp_ptr + exp_at[i], high_ptr + high_at[i]
-        enc_rows.append((src.data.ptr, p.n, pay + p.off["codes"], pay + p.off["rest"], pay + p.off["esc_count"],
-                         pay + p.off["esc_pos"], e_at, h_at, slot_pos + 2 * slot * chunk_base[i],
-                         slot_exp + slot * chunk_base[i], chunk_base[i], sb_base[i]))
-        fin_rows.append((blob_at, tmpl_ptr + templates[p.header], len(p.header), p.table_at, e_at, h_at,
-                         p.off["esc_pos"], *p.pads, 0 if checksum else 1))
-        for name, a in frames[i].streams.items():  # small streams ahead of the codes (QuantizeFP8's scales)
-            if name != "data":
-                flat = a.reshape(-1).view(np.uint8)
-                region = buffer[starts[i] + len(p.header) + p.off[name]: starts[i] + len(p.header) + p.nxt[name]]
-                region[:flat.shape[0]] = flat
-                region[flat.shape[0]:] = 0
-    ws.upload([np.array(enc_rows, np.uint64), np.array(fin_rows, np.uint64), tmpl_host])
-    ws.zero(3)
-    enc_dev, fin_dev, work, sizes = P(ws.ptr(0)), P(ws.ptr(1)), P(ws.ptr(3)), P(ws.ptr(4))
-
-    enc, scan, _, _ = _instances(fmt)
-    if total_chunks:
-        lut = P(_device_lut(fmt.name, cb.exponents, ws.device))
-        ws.launch(enc, ws.chunk_grid(enc, total_chunks), (enc_dev, np.int32(k), np.int64(total_chunks), np.int32(chunk),
-                                                          np.int32(slot), lut))
-        ws.launch(scan, total_sb, (enc_dev, np.int32(k), np.int32(chunk), np.int32(slot), lut, work, work))
-    # Enough blocks that copying the escapes (~0.1 % of values) is not latency-bound on one SM's worth.
-    ws.launch("kvz_finish_encode", (max(1, min(128, total_chunks // 64)), k), (fin_dev, work, np.int32(k), np.int32(HB), sizes))
+        srcs.append(frame.expect("data", fmt.uint_dtype, frame.n).data.ptr)
+    device, stream = _current()
+    plans = tuple(plans)
+    prog = call_graphs.cached(("encode", device, *map(id, plans)),  # ids are safe: the program holds the plans
+                              lambda: _EncodeProgram(plans, fmt, cb, chunk, device))
+    buffer = cupy.empty(max(prog.total, 1), np.uint8)
+    starts = prog.starts
+    for i, (p, frame) in enumerate(zip(plans, frames)):
+        if len(frame.streams) > 1:  # small streams ahead of the codes (QuantizeFP8's scales)
+            at = int(starts[i]) + len(p.header)
+            for name, a in frame.streams.items():
+                if name != "data":
+                    flat = a.reshape(-1).view(np.uint8)
+                    region = buffer[at + p.off[name]: at + p.nxt[name]]
+                    region[:flat.shape[0]] = flat
+                    region[flat.shape[0]:] = 0
     # The one host synchronisation: the escape totals fix each blob's length.
-    got = ws.read_back(4, sizes_nb).view(np.uint64).reshape(k, 3).astype(np.int64)
-    header_lens = np.array([len(p.header) for p in plans], np.int64)
+    got = prog.run(srcs, buffer.data.ptr, stream)
+    header_lens = prog.header_lens
     lengths = header_lens + got[:, 2]
     if checksum:  # the payload is final: hash it and write the header from the host
         from kvzip.checksum import sum64
@@ -369,18 +353,28 @@ def encode_batch(frames: list[Frame], top16, chunk: int, checksum: bool) -> Enco
             meta["codebook"] = codebook_meta(cb)
             table = _stream_table(p.n, fmt, p.nchunks, others, int(got[i, 0]), int(got[i, 1]))
             buffer[s:s + h].set(np.frombuffer(container.build_header(meta, table, flags, digest), np.uint8))
-    return EncodedBatch(buffer, np.array(starts[:-1], np.int64), lengths, got[:, 2])
+    return EncodedBatch(buffer, starts, lengths, got[:, 2])
 
 
 # ----------------------------------------------------------------------------- decode
+class _HeadsProgram:
+    """read_heads for k blobs: a gather kernel and one download."""
+
+    def __init__(self, k: int, device: int):
+        self.shape = call_graphs.CallShape(
+            (16 * k, k * HEAD_SPAN),
+            (("upload", 1), _launch("kvz_gather_heads", device, (4, k), (R(0), np.int32(HEAD_SPAN), R(1))),
+             ("download", 1, k * HEAD_SPAN)))
+
+
 def read_heads(blobs) -> list[bytes]:
     """The first bytes of each blob (enough for its header) with one device-to-host copy."""
     k = len(blobs)
     jobs = np.array([(b.data.ptr, b.shape[0]) for b in blobs], np.uint64).reshape(k, 2)
-    ws = _Call([jobs.nbytes, k * HEAD_SPAN])
-    ws.upload([jobs])
-    ws.launch("kvz_gather_heads", (4, k), (P(ws.ptr(0)), np.int32(HEAD_SPAN), P(ws.ptr(1))))
-    host = ws.read_back(1, k * HEAD_SPAN)
+    device, stream = _current()
+    ws = call_graphs.cached(("heads", device, k), lambda: _HeadsProgram(k, device)).shape
+    ws.put(0, jobs)
+    host = ws.run(stream)
     heads = []
     for i, b in enumerate(blobs):
         head = host[i * HEAD_SPAN: i * HEAD_SPAN + min(HEAD_SPAN, b.shape[0])].tobytes()
@@ -392,47 +386,128 @@ def read_heads(blobs) -> list[bytes]:
     return heads
 
 
+class _DecodeProgram:
+    """The GPU side of decoding blobs of one format and chunk size holding ns values each: its
+    CallShape and the per-blob output offsets and chunk bases of the job table."""
+
+    def __init__(self, fmt, chunk: int, ns: tuple, device: int):
+        k = len(ns)
+        out_at, chunk_base, sb_base, fixed = 0, 0, 0, []
+        self.views = []
+        for n in ns:
+            fixed.append((out_at, chunk_base, sb_base))
+            self.views.append((out_at, n))
+            out_at += -(-n * fmt.itemsize // BLOB_ALIGN) * BLOB_ALIGN
+            nchunks = -(-n // chunk)
+            chunk_base += nchunks
+            sb_base += -(-nchunks // SB_CHUNKS)
+        self.fixed = np.array(fixed, np.uint64).reshape(k, 3)
+        self.out_bytes, self.dtype, self.errors_nb = out_at, fmt.uint_dtype, 8 * (1 + k)
+        _, _, scan, dec = _instances(fmt)
+        ops = [("upload", 1), ("zero", 1)]
+        if chunk_base:
+            ops += [_launch(scan, device, sb_base, (R(0), np.int32(k), np.int32(chunk), np.int32(0), P(0), R(1), R(2))),
+                    _launch(dec, device, _chunk_grid(dec, device, chunk_base),
+                            (R(0), np.int32(k), np.int64(chunk_base), np.int32(chunk), R(2), R(1)))]
+        # Workspace: jobs | zeroed work (counter, per-tensor errors, look-back) | chunk offsets.
+        self.shape = call_graphs.CallShape((112 * k, 8 * (1 + k + sb_base), 8 * chunk_base),
+                                           tuple(ops) + (("download", 1, self.errors_nb),))
+
+    def run(self, jobs: np.ndarray, stream) -> list:
+        """Decode the blobs jobs describe (columns 9, 12 and 13 are filled in here); returns their
+        raw-bit arrays, views of one new buffer."""
+        import cupy
+
+        out = cupy.empty(max(self.out_bytes, 1), np.uint8)
+        jobs[:, 9] = self.fixed[:, 0] + P(out.data.ptr)
+        jobs[:, 12:14] = self.fixed[:, 1:3]
+        self.shape.put(0, jobs)
+        # The validation result: the tensor errors after the work counter.
+        errors = self.shape.run(stream)[8:self.errors_nb].view(np.uint64)
+        bad = np.nonzero(errors)[0]
+        if bad.size:
+            i = int(bad[0])
+            where = f"blob {i}: " if errors.shape[0] > 1 else ""
+            raise FormatError(where + _ERRORS.get(int(errors[i]), f"decode error {int(errors[i])}"))
+        return [cupy.ndarray((n,), self.dtype, out.data + at) for at, n in self.views]
+
+
+def _decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray) -> list:
+    device, stream = _current()
+    prog = call_graphs.cached(("decode", device, fmt.name, chunk, ns), lambda: _DecodeProgram(fmt, chunk, ns, device))
+    return prog.run(jobs, stream)
+
+
 def decode_batch(frames: list[Frame], chunk: int, codebooks: list) -> list:
     """Decode the fused streams of frames of one format and chunk size (already checked by
     FusedSplitPackEscape.check); returns raw-bit arrays.  Per-chunk counts, positions and totals
     are validated by the kernel, which reports the first problem of each blob."""
-    import cupy
-
-    fmt = frames[0].format
-    k = len(frames)
-    rows, plans, out_at, chunk_base, sb_base = [], [], 0, 0, 0
+    rows = []
     for frame, cb in zip(frames, codebooks):
-        n = frame.n
         st = frame.streams
-        dlo, dhi = _dlut_words(cb)
         rows.append((st["codes"].data.ptr, st["rest"].data.ptr, st["esc_count"].data.ptr, st["esc_pos"].data.ptr,
-                     st["esc_exp"].data.ptr, st["exp_high"].data.ptr, n, st["esc_pos"].shape[0],
-                     st["exp_high"].shape[0], out_at, dlo, dhi, chunk_base, sb_base))
-        plans.append((out_at, n))
-        out_at += -(-n * fmt.itemsize // BLOB_ALIGN) * BLOB_ALIGN
-        nchunks = -(-n // chunk)
-        chunk_base += nchunks
-        sb_base += -(-nchunks // SB_CHUNKS)
-    out = cupy.empty(max(out_at, 1), np.uint8)
-    jobs = np.array(rows, np.uint64).reshape(k, 14)
-    jobs[:, 9] += np.uint64(out.data.ptr)
-    ws = _Call([jobs.nbytes, 8 * (1 + k + sb_base), 8 * chunk_base])
-    ws.upload([jobs])
-    ws.zero(1)
-    table, work, chunk_off = P(ws.ptr(0)), P(ws.ptr(1)), P(ws.ptr(2))
-    _, _, scan, dec = _instances(fmt)
-    if chunk_base:
-        ws.launch(scan, sb_base, (table, np.int32(k), np.int32(chunk), np.int32(0), P(0), work, chunk_off))
-        ws.launch(dec, ws.chunk_grid(dec, chunk_base), (table, np.int32(k), np.int64(chunk_base), np.int32(chunk),
-                                                        chunk_off, work))
-    # The validation result: the tensor errors after the work counter.
-    errors = ws.read_back(1, 8 * (1 + k)).view(np.uint64)[1:]
-    bad = np.nonzero(errors)[0]
-    if bad.size:
-        i = int(bad[0])
-        where = f"blob {i}: " if k > 1 else ""
-        raise FormatError(where + _ERRORS.get(int(errors[i]), f"decode error {int(errors[i])}"))
-    return [cupy.ndarray((n,), fmt.uint_dtype, out.data + at) for at, n in plans]
+                     st["esc_exp"].data.ptr, st["exp_high"].data.ptr, frame.n, st["esc_pos"].shape[0],
+                     st["exp_high"].shape[0], 0, *_dlut_words(cb), 0, 0))
+    jobs = np.array(rows, np.uint64).reshape(len(frames), 14)
+    return _decode_jobs(frames[0].format, chunk, tuple(f.n for f in frames), jobs)
+
+
+# ------------------------------------------------------------------ blobs decoded before
+@dataclass(frozen=True)
+class KnownBlob:
+    """What decoding needs of a blob whose header and length passed every check of the general
+    path once, on the fast path: the same header bytes and length give the same layout and the
+    same verdicts, so the next such blob goes straight to the kernels (which check its values)."""
+
+    fmt: object            # the stored format (the kernels')
+    dtype_format: object   # the caller's dtype, which decoding gives back
+    shape: tuple
+    n: int
+    chunk: int
+    row: np.ndarray        # the job row, stream addresses relative to the blob's start
+
+
+_known: dict = {}
+_FUSED_ONLY = ("exponent_split", "top16_pack", "escape_stream", "serialize")
+
+
+def _head_key(head: bytes, nbytes: int):
+    header_len = int.from_bytes(head[12:16], "little") if len(head) >= container.PREFIX.size else 0
+    return head[:header_len], nbytes
+
+
+def known_blob(head: bytes, nbytes: int) -> KnownBlob | None:
+    """The KnownBlob of a blob with these first bytes and this length, if one was remembered."""
+    return _known.get(_head_key(head, nbytes))
+
+
+def remember_blob(head: bytes, blob, opened: Frame, stages: list) -> None:
+    """Remember a blob the general path just decoded on the fast path, when its recorded pipeline
+    (stages) is the fused split/pack/escape step and Serialize alone and it carries no checksum
+    (whose payload check depends on the values)."""
+    hdr = container.parse_header(head, blob.shape[0])  # cached: the general path parsed it
+    if hdr.flags or tuple(s.id for s in stages) != _FUSED_ONLY:
+        return
+    from .top16_pack import frame_codebook
+
+    chunk, codebook = stages[2].chunk, frame_codebook(opened)
+    base, st = blob.data.ptr, opened.streams
+    row = np.array([[st[k].data.ptr - base for k in ("codes", "rest", "esc_count", "esc_pos", "esc_exp", "exp_high")]
+                    + [opened.n, st["esc_pos"].shape[0], st["exp_high"].shape[0], 0, *_dlut_words(codebook), 0, 0]],
+                   np.uint64)
+    if row[0, 0] % 16 or row[0, 1] % 16:  # the kernels' vector loads (the blob itself is checked per call)
+        return
+    if len(_known) > 4096:
+        _known.clear()
+    _known[_head_key(head, blob.shape[0])] = KnownBlob(opened.format, opened.dtype_format,
+                                                       tuple(opened.meta["shape"]), opened.n, chunk, row)
+
+
+def decode_known(known: list[KnownBlob], blobs: list) -> list:
+    """Decode blobs (16-byte aligned) of remembered layouts, all of one format and chunk size."""
+    jobs = np.concatenate([kb.row for kb in known])
+    jobs[:, :6] += np.array([b.data.ptr for b in blobs], np.uint64)[:, None]
+    return _decode_jobs(known[0].fmt, known[0].chunk, tuple(kb.n for kb in known), jobs)
 
 
 @lru_cache(maxsize=256)

@@ -229,3 +229,45 @@ def test_torch_batch_round_trip():
     assert all(b.is_cuda and b.dtype == torch.uint8 for b in blobs)
     for x, y in zip(xs, kvzip.decompress_many(blobs)):
         assert y.dtype == torch.bfloat16 and torch.equal(x.view(torch.int16), y.view(torch.int16))
+
+
+def test_replayed_call_shapes_match_cpu_and_still_catch_forgeries():
+    """From its second use a call shape runs as one CUDA graph (stages/call_graphs.py): later
+    calls of the shape with other values, escapes and output buffers must give the CPU's bytes,
+    and a forged blob of the same shape must still be caught, on a torch stream too."""
+    from kvzip.stages import call_graphs
+
+    call_graphs.release()
+    base = real_bf16((1 << 18) + 3)
+    pipe = pipeline()
+    for rate in (0.0, 0.001, 0.02, 0.06):
+        bits = rng.permutation(base)
+        hit = rng.random(bits.shape[0]) < rate
+        bits[hit] = (bits[hit] & 0x807F) | (rng.integers(200, 250, int(hit.sum())) << 7).astype(np.uint16)
+        gpu = pipe.encode(cupy.asarray(bits), dtype="bf16")
+        assert pipe.last_path == "fast"
+        np.testing.assert_array_equal(gpu.get(), kvzip.compress(bits, dtype="bf16"))
+        np.testing.assert_array_equal(bits_of(pipe.decode(gpu)), bits)
+    shapes = [e.shape for e in call_graphs.entries()]
+    assert len(shapes) == 2 and all(s.graph and s.uses == 4 for s in shapes)
+    from kvzip import container
+    from kvzip.backends import get_backend
+
+    host = gpu.get()
+    hdr = container.parse_header(container.read_head(get_backend("cpu"), host), host.shape[0])
+    at = hdr.header_len + next(off for name, _, off, _ in hdr.streams if name == "esc_count")
+    bad = gpu.copy()
+    bad[at:at + 2] = cupy.asarray([0xA0, 0x0F], np.uint8)  # chunk 0 claims 4000 escapes: the kernel's check
+    with pytest.raises(kvzip.FormatError):
+        pipe.decode(bad)
+    np.testing.assert_array_equal(bits_of(pipe.decode(gpu)), bits)  # the shape stays usable
+    torch = pytest.importorskip("torch")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        t = torch.as_tensor(bits.view(np.int16), device="cuda").view(torch.bfloat16)
+        blobs = [kvzip.compress(t) for _ in range(3)]
+        backs = [kvzip.decompress(b) for b in blobs]
+    s.synchronize()
+    for b, y in zip(blobs, backs):
+        np.testing.assert_array_equal(b.cpu().numpy(), kvzip.compress(bits, dtype="bf16"))
+        assert torch.equal(y.view(torch.int16), t.view(torch.int16))

@@ -1,0 +1,147 @@
+"""Replayable GPU calls for the fast path (stages/fused_fast.py).
+
+A fast-path call is a short fixed sequence: upload the job tables from pinned memory, zero some
+counters, launch two or three kernels, download a few bytes of results.  Through CuPy each of
+those costs 5 to 10 us of host time, which on 1 to 64 MiB tensors is more than the kernels take.
+So every *call shape* (the same kernels, grids, scalar arguments and workspace layout; the tables'
+contents may differ) gets its own device workspace and pinned staging buffers, and from its second
+use a CUDA graph of the whole sequence: a repeated call is then one graph launch and one
+synchronisation (benchmarks/NOTES.md, v6).
+
+Kernel arguments that point into the workspace are written as ``Region(i)`` in the op list, so the
+op list is the exact cache key: equal keys issue identical work.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+MAX_SHAPES = 32             # call shapes kept per thread and device (least recently used dropped)
+MAX_BYTES = 1 << 31         # and at most this much device workspace between them
+_local = threading.local()
+
+
+class Region(int):
+    """A kernel argument meaning "the device address of workspace region i"."""
+
+    __slots__ = ()
+
+
+class CallShape:
+    """The device workspace, pinned staging and (once replayed) CUDA graph of one call shape.
+
+    ops is a tuple of
+      ("upload", m)                    host regions 0..m-1 -> device (one copy),
+      ("zero", i)                      memset region i,
+      ("launch", kernel, grid, block, args)
+      ("download", i, nbytes)          the first nbytes of region i -> host.
+    Each call ends with a host synchronisation on its stream, so the workspace and staging are
+    idle when the next call of this thread writes them."""
+
+    def __init__(self, sizes: tuple, ops: tuple):
+        import cupy
+        import cupyx
+
+        self.cupy = cupy
+        self.offsets, at = [], 0
+        for nb in sizes:
+            self.offsets.append(at)
+            at += -(-max(nb, 1) // 256) * 256
+        self.sizes = sizes
+        self.ops = ops
+        self.nbytes = at
+        self.buffer = cupy.empty(max(at, 1), np.uint8)
+        self.base = self.buffer.data.ptr
+        up = [op[1] for op in ops if op[0] == "upload"]
+        self.up_bytes = self.offsets[up[0] - 1] + sizes[up[0] - 1] if up else 0
+        down = [op[2] for op in ops if op[0] == "download"]
+        self.host_up = cupyx.empty_pinned(max(self.up_bytes, 1), np.uint8)
+        self.host_down = cupyx.empty_pinned(max(down[0] if down else 0, 1), np.uint8)
+        self.graph = None       # cupy.cuda.Graph once captured; False if capture failed
+        self.uses = 0
+
+    def ptr(self, i: int) -> int:
+        return self.base + self.offsets[i]
+
+    def put(self, i: int, table: np.ndarray) -> None:
+        """Stage table for region i (uploaded by the next run)."""
+        flat = table.reshape(-1).view(np.uint8)
+        self.host_up[self.offsets[i]:self.offsets[i] + flat.shape[0]] = flat
+
+    def run(self, stream) -> np.ndarray:
+        """Issue the call on stream, wait for it, and return the downloaded bytes (a view of the
+        staging buffer, valid until this shape's next run)."""
+        rt = self.cupy.cuda.runtime
+        if self.graph:
+            rt.graphLaunch(self.graph.graphExec, stream.ptr)
+        elif self.uses and self.graph is None:
+            self._capture()
+            if self.graph:
+                rt.graphLaunch(self.graph.graphExec, stream.ptr)
+            else:
+                self._issue(stream)
+        else:
+            self._issue(stream)
+        self.uses += 1
+        stream.synchronize()
+        return self.host_down
+
+    def _issue(self, stream) -> None:
+        rt = self.cupy.cuda.runtime
+        for op in self.ops:
+            kind = op[0]
+            if kind == "launch":
+                _, kernel, grid, block, args = op
+                args = tuple(np.uint64(self.base + self.offsets[a]) if type(a) is Region else a for a in args)
+                kernel(grid, block, args, stream=stream)
+            elif kind == "upload":
+                rt.memcpyAsync(self.base, self.host_up.ctypes.data, self.up_bytes, 1, stream.ptr)
+            elif kind == "zero":
+                rt.memsetAsync(self.ptr(op[1]), 0, self.sizes[op[1]], stream.ptr)
+            else:  # download
+                rt.memcpyAsync(self.host_down.ctypes.data, self.ptr(op[1]), op[2], 2, stream.ptr)
+
+    def _capture(self) -> None:
+        """Record the sequence into a CUDA graph on a private stream (relaxed capture mode, so
+        allocations on other threads stay legal meanwhile)."""
+        side = self.cupy.cuda.Stream(non_blocking=True)
+        try:
+            side.begin_capture()
+            try:
+                self._issue(side)
+            finally:
+                graph = side.end_capture()
+            self.graph = graph
+        except (self.cupy.cuda.runtime.CUDARuntimeError, self.cupy.cuda.driver.CUDADriverError):
+            self.graph = False  # capture unsupported here: stay eager
+
+
+def cached(key, build):
+    """This thread's object for key (anything with a CallShape in .shape), built by build() on
+    first use.  Least recently used entries go when there are more than MAX_SHAPES or their
+    workspaces pass MAX_BYTES (each entry's own: nothing is shared, so nothing is in use)."""
+    entries = getattr(_local, "entries", None)
+    if entries is None:
+        entries = _local.entries = OrderedDict()
+    hit = entries.get(key)
+    if hit is not None:
+        entries.move_to_end(key)
+        return hit
+    hit = entries[key] = build()
+    total = sum(e.shape.nbytes for e in entries.values())
+    while len(entries) > 1 and (len(entries) > MAX_SHAPES or total > MAX_BYTES):
+        _, old = entries.popitem(last=False)
+        total -= old.shape.nbytes
+    return hit
+
+
+def entries() -> list:
+    """This thread's cached entries, least recently used first (for tests and tracing)."""
+    return list(getattr(_local, "entries", {}).values())
+
+
+def release() -> None:
+    """Free this thread's workspaces, staging buffers and graphs (rebuilt by the next call)."""
+    _local.entries = OrderedDict()
