@@ -18,7 +18,7 @@ import numpy as np
 import kvzip
 from kvzip import api, container
 from kvzip.data import load_sample
-from kvzip.stages import call_graphs, fused_fast, serialize
+from kvzip.stages import call_graphs, fused_fast, known_headers, serialize
 
 args = sys.argv[1:]
 mode = args.pop(0) if args and args[0] in ("ncu", "profile", "host") else "trace"
@@ -50,8 +50,10 @@ if mode == "profile":
             f()
         prof.disable()
         cupy.cuda.get_current_stream().synchronize()
-        print(f"== {label} 2^{log2}: {(time.perf_counter() - t) / 20 * 1e6:.1f} us/call")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+        print(f"== {label} 2^{log2}: {(time.perf_counter() - t) / 20 * 1e6:.1f} us/call (own time per call, us)")
+        rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:24]
+        for (path, line, func), (_, calls, own, total, _) in rows:
+            print(f"  {own / 20 * 1e6:7.1f} {total / 20 * 1e6:7.1f}  {calls // 20:3d}x  {func} ({path.split('/')[-1]}:{line})")
     sys.exit(0)
 
 acc = {}
@@ -77,7 +79,7 @@ from kvzip.stages import fused  # noqa: E402
 
 extra = [(pipeline.Pipeline, "encode_frame"), (pipeline.Pipeline, "decode_frame"), (fused_fast, "_plan"),
          (fused_fast, "_device_lut"), (call_graphs.CallShape, "put"),
-         (call_graphs, "cached"), (fused_fast, "known_blob"), (fused_fast, "decode_known"),
+         (call_graphs, "cached"), (known_headers, "match"), (known_headers, "decode"),
          (fused.FusedSplitPackEscape, "check"), (api, "_export_decoded"), (api, "splitzip_pipeline"),
          (pipeline, "recorded_pipeline"), (container, "stream_views")] if mode == "host" else []
 for mod, name in extra + [(api.arrays, "import_tensor"), (api.arrays, "export_bytes"), (api.arrays, "import_bytes"),

@@ -88,16 +88,24 @@ def _to_origin(a, origin):
 
 
 def encode_with(pipe: Pipeline, x, *, dtype=None, backend=None):
+    from .stages import fused_fast
+
     bits, fmt, shape, origin = arrays.import_tensor(x, dtype)
     be = get_backend(backend or origin.backend_name)
     with origin.stream_context():
+        lane = pipe._encode_lanes.get((fmt.name, shape))
+        if lane is not None and pipe.fuse and fused_fast.applicable(be, 0, bits):  # this shape ran fast before
+            blob = lane.encode(bits)
+            if blob is not None:
+                pipe.last_path = "fast"
+                return arrays.export_bytes(blob, origin)
         frame = _tensor_frame(bits, fmt, shape, be)
         blob = pipe.encode_frame(frame).streams["blob"]
         return arrays.export_bytes(_to_origin(blob, origin), origin)
 
 
 def decode_with(pipe: Pipeline, blob, *, backend=None):
-    from .stages import fused_fast, serialize
+    from .stages import fused_fast, known_headers, serialize
 
     u8, origin = arrays.import_bytes(blob)
     be = get_backend(backend or origin.backend_name)
@@ -105,23 +113,16 @@ def decode_with(pipe: Pipeline, blob, *, backend=None):
         if not (pipe.fuse and fused_fast.applicable(be, 0, u8)):
             return _export_decoded(pipe.decode_frame(Frame(be, {"blob": _to_backend(u8, be)}, {})), origin)
         head = container.read_head(be, u8)
-        known = fused_fast.known_blob(head, u8.shape[0])
-        if known is not None:  # a header that passed every check before: straight to the kernels
+        hit = known_headers.match(head, u8.shape[0])
+        if hit is not None:  # a layout that passed every check before: straight to the kernels
             pipe.last_path = "fast"
-            bits = fused_fast.decode_known([known], [u8])[0]
-            return arrays.export_tensor(bits, known.dtype_format, known.shape, origin)
+            bits = known_headers.decode([hit], [u8])[0]
+            return arrays.export_tensor(bits, hit[0].dtype_format, hit[0].shape, origin)
         opened = serialize.open_blob(be, u8, head)
         out = _export_decoded(pipe.decode_opened(opened), origin)
         if pipe.last_path == "fast":
-            _remember(opened, head, u8)
+            known_headers.remember(head, u8.shape[0], opened, recorded_pipeline(opened.meta).stages)
         return out
-
-
-def _remember(opened: Frame, head: bytes, u8) -> None:
-    """Let fused_fast skip the header checks next time for a blob the fast path just decoded."""
-    from .stages import fused_fast
-
-    fused_fast.remember_blob(head, u8, opened, recorded_pipeline(opened.meta).stages)
 
 
 def info(blob) -> dict:
@@ -194,7 +195,7 @@ def encode_many_with(pipe: Pipeline, xs, *, dtype=None, backend=None) -> list:
         with members[0][2].stream_context():
             batch = st.fused_fast.encode_batch(frames, fused.top16, fused.chunk, serialize.checksum)
             for j, (i, frame, origin) in enumerate(members):
-                if batch.payload_lengths[j] <= serialize.payload_size(frame):
+                if batch.fits[j]:
                     blob = batch.blob(j)
                 else:  # incompressible: stored raw, as encode() would
                     blob = pipe._stored(frame).streams["blob"]
@@ -221,11 +222,11 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
     with gpu[0][2].stream_context():
         heads = st.fused_fast.read_heads([g[1] for g in gpu])  # one read-back for every header
         groups: dict = {}
-        known: dict = {}  # (format, chunk) -> [(index, blob, origin, KnownBlob)]: headers checked before
+        known: dict = {}  # (format, chunk) -> [(index, blob, origin, match)]: layouts checked before
         for (i, u8, origin, be), head in zip(gpu, heads):
-            kb = st.fused_fast.known_blob(head, u8.shape[0]) if pipe.fuse else None
-            if kb is not None:
-                known.setdefault((kb.fmt.name, kb.chunk), []).append((i, u8, origin, kb))
+            hit = st.known_headers.match(head, u8.shape[0]) if pipe.fuse else None
+            if hit is not None:
+                known.setdefault((hit[0].fmt.name, hit[0].chunk), []).append((i, u8, origin, hit))
                 continue
             frame = st.serialize.open_blob(be, u8, head)
             recorded = recorded_pipeline(frame.meta)
@@ -238,9 +239,9 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
             else:
                 out[i] = _export_decoded(recorded.decode_frame_steps(frame), origin)
         for members in known.values():
-            dsts = st.fused_fast.decode_known([m[3] for m in members], [m[1] for m in members])
-            for (i, _, origin, kb), dst in zip(members, dsts):
-                out[i] = arrays.export_tensor(dst, kb.dtype_format, kb.shape, origin)
+            dsts = st.known_headers.decode([m[3] for m in members], [m[1] for m in members])
+            for (i, _, origin, (layout, _)), dst in zip(members, dsts):
+                out[i] = arrays.export_tensor(dst, layout.dtype_format, layout.shape, origin)
         for (_, chunk), members in groups.items():
             dsts = st.fused_fast.decode_batch([m[1] for m in members], chunk, [m[4] for m in members])
             for (i, opened, origin, steps, _, head, u8), dst in zip(members, dsts):
@@ -249,7 +250,7 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
                     frame = step.decode(frame)
                 out[i] = _export_decoded(frame, origin)
                 if pipe.fuse:
-                    _remember(opened, head, u8)
+                    st.known_headers.remember(head, u8.shape[0], opened, recorded_pipeline(opened.meta).stages)
     pipe.last_path = "fast" if groups or known else pipe.last_path
     return out
 

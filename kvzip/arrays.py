@@ -64,7 +64,6 @@ class Origin:
     def backend_name(self) -> str:
         return "cuda" if self.device == "cuda" else "cpu"
 
-    @contextlib.contextmanager
     def stream_context(self):
         """Run CuPy (and the Numba kernels that follow CuPy's current stream) where the caller works.
 
@@ -73,9 +72,13 @@ class Origin:
         ordered after the producer's and before the consumer's without a host sync. A CuPy
         caller's current stream already is CuPy's. On the CPU this is a no-op.
         """
-        if self.device != "cuda":
-            yield
-            return
+        if self.device != "cuda" or (self.framework != "torch" and (
+                self.device_index is None or self.device_index == _cupy().cuda.runtime.getDevice())):
+            return _NO_SWITCH  # nothing to switch: skip building a context (~4 us a call)
+        return self._switch()
+
+    @contextlib.contextmanager
+    def _switch(self):
         cupy = _cupy()
         with contextlib.ExitStack() as stack:
             if self.device_index is not None and self.device_index != cupy.cuda.runtime.getDevice():
@@ -86,6 +89,18 @@ class Origin:
                 stack.enter_context(_cupy_stream(torch.cuda.current_stream(self.device_index).cuda_stream,
                                                  self.device_index))
             yield
+
+
+_NO_SWITCH = contextlib.nullcontext()
+_CUPY_ORIGINS: dict = {}  # device ordinal -> Origin of CuPy arrays there
+_DTYPE_NAMES: dict = {}   # dtype -> its name (numpy's dtype.name is a slow Python property)
+
+
+def _dtype_name(dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype.name
+    return name
 
 
 class _StreamHandle:
@@ -186,7 +201,11 @@ def _borrow(x) -> tuple[object, str, Origin]:
     if framework == "torch":
         return _borrow_torch(x)
     if framework == "cupy":
-        return x, x.dtype.name, Origin("cupy", "cuda", int(x.device.id))
+        device = x.data.device_id
+        origin = _CUPY_ORIGINS.get(device)
+        if origin is None:
+            origin = _CUPY_ORIGINS[device] = Origin("cupy", "cuda", device)
+        return x, _dtype_name(x.dtype), origin
     if framework == "jax":
         return _borrow_jax(x)
     return _borrow_foreign(x)
@@ -306,6 +325,8 @@ def export_tensor(bits, fmt: FloatFormat, shape, origin: Origin):
     if origin.framework == "numpy":
         return _to_numpy(bits).view(np_dtype).reshape(shape)
     if origin.framework == "cupy":
+        if not isinstance(bits, np.ndarray):  # one constructor call: a view and a reshape cost ~8 us more
+            return _cupy().ndarray(shape, np_dtype if _cupy_holds(np_dtype) else bits.dtype, bits.data)
         out = _to_cupy(bits, origin)
         return (out.view(np_dtype) if _cupy_holds(np_dtype) else out).reshape(shape)
     if origin.framework == "torch":

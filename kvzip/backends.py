@@ -85,17 +85,17 @@ class CUDABackend(Backend):
             buf = self._staging.buf = cupyx.empty_pinned(max(nbytes, 1 << 16, 2 * (0 if buf is None else buf.nbytes)), np.uint8)
         return buf
 
-    def read_back(self, a, nbytes: int) -> np.ndarray:
+    def read_bytes(self, a, nbytes: int) -> bytes:
         """The first nbytes of device array a, copied to the host once the caller's stream gets
         there (this waits: it is a synchronisation point)."""
         if self.simulated:
-            return np.asarray(a).reshape(-1).view(np.uint8)[:nbytes].copy()
+            return np.asarray(a).reshape(-1).view(np.uint8)[:nbytes].tobytes()
         stream = self.xp.cuda.get_current_stream()
         host = self.pinned(nbytes)
         if nbytes:
             self.xp.cuda.runtime.memcpyAsync(host.ctypes.data, a.data.ptr, nbytes, 2, stream.ptr)
         stream.synchronize()
-        return host[:nbytes].copy()
+        return host[:nbytes].tobytes()
 
     def stream(self):
         """The caller's current stream as a Numba stream (CuPy's current one, which the API

@@ -183,7 +183,7 @@ def read_head(backend, blob) -> bytes:
     """The header bytes of a blob on any backend, fetching no more than needed from a GPU."""
     def fetch(nbytes):
         if backend.name == "cuda":
-            return backend.read_back(blob, nbytes).tobytes()
+            return backend.read_bytes(blob, nbytes)
         return backend.to_numpy(blob[:nbytes]).tobytes()
 
     want = min(blob.shape[0], 4096)

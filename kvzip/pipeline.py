@@ -34,6 +34,7 @@ class Pipeline:
         self.stages = list(stages)
         self.fuse = fuse
         self.last_path: str | None = None
+        self._encode_lanes: dict = {}  # (format, shape) -> fused_fast.EncodeLane
         if not self.stages:
             raise ValueError("a pipeline needs at least one stage (Serialize)")
         for s in self.stages:
@@ -125,14 +126,26 @@ class Pipeline:
                 if i == len(steps) - 1 and st.fused_fast.applicable(frame.backend, frame.n, frame.streams.get("data")):
                     # On a GPU the last fused step writes the container itself: no stream copies.
                     batch = st.fused_fast.encode_batch([frame], step.top16, step.chunk, serialize.checksum)
-                    if batch.payload_lengths[0] <= serialize.payload_size(before_split):
+                    if batch.fits[0]:
                         self.last_path = "fast"
+                        if i == 0 and not serialize.checksum:  # the whole body: let later tensors skip the set-up
+                            self._remember_lane(frame, batch.plans[0], step)
                         return Frame(frame.backend, {"blob": batch.blob(0)}, frame.meta)
                     return self._stored(before_split)
             frame = step.encode(frame)
         if before_split is not None and serialize.payload_size(frame) > serialize.payload_size(before_split):
             return self._stored(before_split)
         return serialize.encode(frame)
+
+    def _remember_lane(self, frame: Frame, plan, step) -> None:
+        """Keep what the fast path worked out for tensors of this format and shape (api.encode_with
+        sends the next one straight to it).  Stages are not changed after construction, so it
+        stays valid for this pipeline."""
+        if len(self._encode_lanes) > 256:
+            self._encode_lanes.clear()
+        fmt = frame.format
+        self._encode_lanes[(fmt.name, tuple(frame.meta["shape"]))] = _stages_module().fused_fast.EncodeLane(
+            plan, fmt, step.top16.codebook_for(fmt), step.chunk)
 
     def _stored(self, before_split: Frame) -> Frame:
         """The values raw (after any stages ahead of the split), flagged as a size fallback."""

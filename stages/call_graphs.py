@@ -57,7 +57,8 @@ class CallShape:
         up = [op[1] for op in ops if op[0] == "upload"]
         self.up_bytes = self.offsets[up[0] - 1] + sizes[up[0] - 1] if up else 0
         down = [op[2] for op in ops if op[0] == "download"]
-        self.host_up = cupyx.empty_pinned(max(self.up_bytes, 1), np.uint8)
+        self.host_up = cupyx.empty_pinned(max(-(-self.up_bytes // 8) * 8, 8), np.uint8)
+        self.staged = self.host_up.view(np.uint64)  # the upload area as 64-bit words (job tables)
         self.host_down = cupyx.empty_pinned(max(down[0] if down else 0, 1), np.uint8)
         self.graph = None       # cupy.cuda.Graph once captured; False if capture failed
         self.uses = 0

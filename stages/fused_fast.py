@@ -160,11 +160,14 @@ class EncodedBatch:
     buffer: object                # cupy uint8 array
     starts: np.ndarray            # byte offset of each blob in buffer
     lengths: np.ndarray           # byte length of each blob
-    payload_lengths: np.ndarray
+    fits: np.ndarray              # False where the payload came out larger than the values (store raw)
+    plans: tuple
 
     def blob(self, i: int):
-        s = int(self.starts[i])
-        return self.buffer[s:s + int(self.lengths[i])]
+        import cupy
+
+        # A constructor call: slicing a CuPy array costs several microseconds more.
+        return cupy.ndarray((int(self.lengths[i]),), np.uint8, self.buffer.data + int(self.starts[i]))
 
 
 def _stream_table(n, fmt, nchunks, others, ne, nh):
@@ -196,6 +199,7 @@ class _Plan:
     nxt: dict
     pads: tuple
     table_at: int
+    raw_payload: int         # payload bytes of the values stored raw (the size fallback's)
     blob_bytes: int          # worst-case blob size (BLOB_ALIGN-rounded)
     exp_bytes: int           # scratch for esc_exp
     high_bytes: int          # scratch for exp_high
@@ -226,6 +230,7 @@ def _plan(frame: Frame, fmt, cb, chunk: int, flags: int, pipeline_key: str) -> _
     pads = tuple(x for k in ("codes", "rest", "esc_count") for x in (off[k] + size[k], nxt[k]))
     plan = _Plan(n, G, nchunks, flags, header, tuple(table), off, nxt, pads,
                  container.PREFIX.size + 16 * (len(table) - 3),  # esc_pos's entry; esc_exp, exp_high follow
+                 container.layout([a.nbytes for a in frame.streams.values()])[1],
                  -(-(len(header) + off["esc_pos"] + HB * G + 48) // BLOB_ALIGN) * BLOB_ALIGN,
                  HB * G // 3 + 1, HB * G + 1)
     if len(_plans) > 4096:
@@ -292,22 +297,26 @@ class _EncodeProgram:
                              slot_exp + slot * chunk_base[i], chunk_base[i], sb_base[i]))
             fin_rows.append((starts[i], ws.ptr(2) + templates[p.header], len(p.header), p.table_at, e_at, h_at,
                              p.off["esc_pos"], *p.pads, 0 if p.flags & container.FLAG_CHECKSUM else 1))
-        self.enc_rows, self.fin_rows = np.array(enc_rows, np.uint64), np.array(fin_rows, np.uint64)
-        ws.put(2, tmpl_host)  # the header templates stay staged
+        ws.put(0, np.array(enc_rows, np.uint64))
+        ws.put(1, np.array(fin_rows, np.uint64))
+        ws.put(2, tmpl_host)
+        # Per call only the inputs' and the output buffer's addresses change: where they go in the
+        # staged tables (as uint64 indices), and the output-relative values to add the buffer to.
+        fin_at = ws.offsets[1] // 8
+        self.src_at = np.arange(k) * 12
+        self.out_at = np.concatenate([(np.arange(k)[:, None] * 12 + np.arange(2, 6)).ravel(), fin_at + np.arange(k) * 14])
+        self.out_rel = ws.staged[self.out_at].copy()  # codes, rest, esc_count, esc_pos; each blob's start
         self.starts = np.array(starts[:-1], np.int64)
         self.total = starts[-1]
         self.header_lens = np.array([len(p.header) for p in plans], np.int64)
+        self.raw_payloads = np.array([p.raw_payload for p in plans], np.int64)
 
     def run(self, src_ptrs: list[int], out_ptr: int, stream) -> np.ndarray:
         """Encode into the buffer at out_ptr; returns (escapes, high-exponent bytes, payload bytes)
         per tensor, once the GPU is done."""
-        enc = self.enc_rows.copy()
-        enc[:, 0] = src_ptrs
-        enc[:, 2:6] += P(out_ptr)  # codes, rest, esc_count, esc_pos: inside the blob
-        fin = self.fin_rows.copy()
-        fin[:, 0] += P(out_ptr)
-        self.shape.put(0, enc)
-        self.shape.put(1, fin)
+        staged = self.shape.staged
+        staged[self.src_at] = src_ptrs
+        staged[self.out_at] = self.out_rel + P(out_ptr)
         got = self.shape.run(stream)[:self.sizes_nb]
         return got.view(np.uint64).reshape(-1, 3).astype(np.int64)
 
@@ -353,7 +362,34 @@ def encode_batch(frames: list[Frame], top16, chunk: int, checksum: bool) -> Enco
             meta["codebook"] = codebook_meta(cb)
             table = _stream_table(p.n, fmt, p.nchunks, others, int(got[i, 0]), int(got[i, 1]))
             buffer[s:s + h].set(np.frombuffer(container.build_header(meta, table, flags, digest), np.uint8))
-    return EncodedBatch(buffer, starts, lengths, got[:, 2])
+    return EncodedBatch(buffer, starts, lengths, got[:, 2] <= prog.raw_payloads, plans)
+
+
+@dataclass(frozen=True)
+class EncodeLane:
+    """A pipeline's encode of tensors of one format and shape once the general path has run it on
+    the fast path (kvzip/pipeline.py keeps one per shape): the plan and codebook, so the next
+    tensor of the shape goes straight to its program."""
+
+    plan: _Plan
+    fmt: object
+    codebook: object
+    chunk: int
+
+    def encode(self, bits):
+        """The blob of bits (a 16-byte aligned CuPy array of plan.n values), or None when the
+        payload comes out larger than the values (the general path then stores them raw)."""
+        import cupy
+
+        device, stream = _current()
+        plan = self.plan
+        prog = call_graphs.cached(("encode", device, id(plan)),  # encode_batch's key for this one plan
+                                  lambda: _EncodeProgram((plan,), self.fmt, self.codebook, self.chunk, device))
+        buffer = cupy.empty(prog.total, np.uint8)
+        payload = int(prog.run([bits.data.ptr], buffer.data.ptr, stream)[0, 2])
+        if payload > plan.raw_payload:
+            return None
+        return cupy.ndarray((len(plan.header) + payload,), np.uint8, buffer.data)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -424,15 +460,17 @@ class _DecodeProgram:
         self.shape.put(0, jobs)
         # The validation result: the tensor errors after the work counter.
         errors = self.shape.run(stream)[8:self.errors_nb].view(np.uint64)
-        bad = np.nonzero(errors)[0]
-        if bad.size:
-            i = int(bad[0])
+        if errors.any():
+            i = int(np.nonzero(errors)[0][0])
             where = f"blob {i}: " if errors.shape[0] > 1 else ""
             raise FormatError(where + _ERRORS.get(int(errors[i]), f"decode error {int(errors[i])}"))
+        if len(self.views) == 1:
+            return [cupy.ndarray((self.views[0][1],), self.dtype, out.data)]
         return [cupy.ndarray((n,), self.dtype, out.data + at) for at, n in self.views]
 
 
-def _decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray) -> list:
+def decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray) -> list:
+    """Decode blobs from their job rows (kvz_decode's DecodeJob; columns 9, 12, 13 filled in here)."""
     device, stream = _current()
     prog = call_graphs.cached(("decode", device, fmt.name, chunk, ns), lambda: _DecodeProgram(fmt, chunk, ns, device))
     return prog.run(jobs, stream)
@@ -447,67 +485,9 @@ def decode_batch(frames: list[Frame], chunk: int, codebooks: list) -> list:
         st = frame.streams
         rows.append((st["codes"].data.ptr, st["rest"].data.ptr, st["esc_count"].data.ptr, st["esc_pos"].data.ptr,
                      st["esc_exp"].data.ptr, st["exp_high"].data.ptr, frame.n, st["esc_pos"].shape[0],
-                     st["exp_high"].shape[0], 0, *_dlut_words(cb), 0, 0))
+                     st["exp_high"].shape[0], 0, *dlut_words(cb), 0, 0))
     jobs = np.array(rows, np.uint64).reshape(len(frames), 14)
-    return _decode_jobs(frames[0].format, chunk, tuple(f.n for f in frames), jobs)
-
-
-# ------------------------------------------------------------------ blobs decoded before
-@dataclass(frozen=True)
-class KnownBlob:
-    """What decoding needs of a blob whose header and length passed every check of the general
-    path once, on the fast path: the same header bytes and length give the same layout and the
-    same verdicts, so the next such blob goes straight to the kernels (which check its values)."""
-
-    fmt: object            # the stored format (the kernels')
-    dtype_format: object   # the caller's dtype, which decoding gives back
-    shape: tuple
-    n: int
-    chunk: int
-    row: np.ndarray        # the job row, stream addresses relative to the blob's start
-
-
-_known: dict = {}
-_FUSED_ONLY = ("exponent_split", "top16_pack", "escape_stream", "serialize")
-
-
-def _head_key(head: bytes, nbytes: int):
-    header_len = int.from_bytes(head[12:16], "little") if len(head) >= container.PREFIX.size else 0
-    return head[:header_len], nbytes
-
-
-def known_blob(head: bytes, nbytes: int) -> KnownBlob | None:
-    """The KnownBlob of a blob with these first bytes and this length, if one was remembered."""
-    return _known.get(_head_key(head, nbytes))
-
-
-def remember_blob(head: bytes, blob, opened: Frame, stages: list) -> None:
-    """Remember a blob the general path just decoded on the fast path, when its recorded pipeline
-    (stages) is the fused split/pack/escape step and Serialize alone and it carries no checksum
-    (whose payload check depends on the values)."""
-    hdr = container.parse_header(head, blob.shape[0])  # cached: the general path parsed it
-    if hdr.flags or tuple(s.id for s in stages) != _FUSED_ONLY:
-        return
-    from .top16_pack import frame_codebook
-
-    chunk, codebook = stages[2].chunk, frame_codebook(opened)
-    base, st = blob.data.ptr, opened.streams
-    row = np.array([[st[k].data.ptr - base for k in ("codes", "rest", "esc_count", "esc_pos", "esc_exp", "exp_high")]
-                    + [opened.n, st["esc_pos"].shape[0], st["exp_high"].shape[0], 0, *_dlut_words(codebook), 0, 0]],
-                   np.uint64)
-    if row[0, 0] % 16 or row[0, 1] % 16:  # the kernels' vector loads (the blob itself is checked per call)
-        return
-    if len(_known) > 4096:
-        _known.clear()
-    _known[_head_key(head, blob.shape[0])] = KnownBlob(opened.format, opened.dtype_format,
-                                                       tuple(opened.meta["shape"]), opened.n, chunk, row)
-
-
-def decode_known(known: list[KnownBlob], blobs: list) -> list:
-    """Decode blobs (16-byte aligned) of remembered layouts, all of one format and chunk size."""
-    jobs = np.concatenate([kb.row for kb in known])
-    jobs[:, :6] += np.array([b.data.ptr for b in blobs], np.uint64)[:, None]
-    return _decode_jobs(known[0].fmt, known[0].chunk, tuple(kb.n for kb in known), jobs)
+    return decode_jobs(frames[0].format, chunk, tuple(f.n for f in frames), jobs)
 
 
 @lru_cache(maxsize=256)
@@ -517,6 +497,7 @@ def _dlut_words_cached(exponents: tuple) -> tuple[int, int]:
     return lo, hi
 
 
-def _dlut_words(cb) -> tuple[int, int]:
+def dlut_words(cb) -> tuple[int, int]:
     """The codebook as two 64-bit words: code c -> byte c (the decode kernels' lookup table)."""
     return _dlut_words_cached(tuple(cb.exponents))
+

@@ -231,13 +231,19 @@ def test_torch_batch_round_trip():
         assert y.dtype == torch.bfloat16 and torch.equal(x.view(torch.int16), y.view(torch.int16))
 
 
-def test_replayed_call_shapes_match_cpu_and_still_catch_forgeries():
-    """From its second use a call shape runs as one CUDA graph (stages/call_graphs.py): later
-    calls of the shape with other values, escapes and output buffers must give the CPU's bytes,
-    and a forged blob of the same shape must still be caught, on a torch stream too."""
-    from kvzip.stages import call_graphs
+def test_replayed_call_shapes_match_cpu_and_still_catch_forgeries(monkeypatch):
+    """From its second use a call shape runs as one CUDA graph (stages/call_graphs.py), encode
+    goes through the pipeline's lane for the shape and decode through the remembered layout
+    (stages/known_headers.py): later calls with other values, escape counts and output buffers
+    must give the CPU's bytes, and a forged blob of the same layout must still be caught, on a
+    torch stream too."""
+    from kvzip.stages import call_graphs, known_headers
 
     call_graphs.release()
+    known_headers._layouts.clear()
+    lane_decodes = []
+    real_decode = known_headers.decode
+    monkeypatch.setattr(known_headers, "decode", lambda m, b: lane_decodes.append(len(m)) or real_decode(m, b))
     base = real_bf16((1 << 18) + 3)
     pipe = pipeline()
     for rate in (0.0, 0.001, 0.02, 0.06):
@@ -250,6 +256,7 @@ def test_replayed_call_shapes_match_cpu_and_still_catch_forgeries():
         np.testing.assert_array_equal(bits_of(pipe.decode(gpu)), bits)
     shapes = [e.shape for e in call_graphs.entries()]
     assert len(shapes) == 2 and all(s.graph and s.uses == 4 for s in shapes)
+    assert lane_decodes == [1, 1, 1]  # every decode after the first, although the escape counts differ
     from kvzip import container
     from kvzip.backends import get_backend
 
@@ -261,6 +268,11 @@ def test_replayed_call_shapes_match_cpu_and_still_catch_forgeries():
     with pytest.raises(kvzip.FormatError):
         pipe.decode(bad)
     np.testing.assert_array_equal(bits_of(pipe.decode(gpu)), bits)  # the shape stays usable
+    rnd = random_bits(FORMATS["bf16"], bits.shape[0])  # incompressible: the encode lane hands over, raw is stored
+    blob = pipe.encode(cupy.asarray(rnd), dtype="bf16")
+    assert pipe.last_path == "stored"
+    np.testing.assert_array_equal(blob.get(), kvzip.compress(rnd, dtype="bf16"))
+    np.testing.assert_array_equal(bits_of(pipe.decode(blob)), rnd)
     torch = pytest.importorskip("torch")
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):

@@ -1,0 +1,112 @@
+"""stages/known_headers.py: a remembered blob layout matches later blobs that differ only in their
+escape counts, gives the job row the general path would, and rejects every header it cannot vouch
+for (those then take the general path).  Pure header logic, so it runs on the CPU; the GPU tests
+cover the decode itself."""
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+import kvzip
+from kvzip import container
+from kvzip import stages as S
+from kvzip.backends import get_backend
+from kvzip.data import load_sample
+from kvzip.pipeline import recorded_pipeline
+from kvzip.stages import known_headers
+from kvzip.stages.serialize import open_blob
+
+rng = np.random.default_rng(7)
+N = 40_000
+
+
+def real_bits():
+    sample = np.concatenate([v.view(np.uint16).ravel() for v in load_sample("prose").values()])
+    return rng.permutation(sample[:N])
+
+
+def with_escapes(rate):
+    bits = real_bits()
+    hit = rng.random(N) < rate
+    bits[hit] = (bits[hit] & 0x807F) | (rng.integers(200, 250, int(hit.sum())) << 7).astype(np.uint16)
+    return kvzip.compress(bits, dtype="bf16")
+
+
+def head_of(blob):
+    return container.read_head(get_backend("cpu"), blob)
+
+
+@pytest.fixture
+def remembered():
+    known_headers._layouts.clear()
+    blob = with_escapes(0.001)
+    head = head_of(blob)
+    opened = open_blob(get_backend("cpu"), blob, head)
+    known_headers.remember(head, blob.shape[0], opened, recorded_pipeline(opened.meta).stages)
+    yield blob
+    known_headers._layouts.clear()
+
+
+def expected_row(blob):
+    hdr = container.parse_header(bytes(blob[:4096]), blob.shape[0])
+    at = {name: hdr.header_len + off for name, _, off, _ in hdr.streams}
+    nb = {name: size for name, _, _, size in hdr.streams}
+    return [at[k] for k in ("codes", "rest", "esc_count", "esc_pos", "esc_exp", "exp_high")], nb
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.001, 0.01, 0.05])
+def test_blobs_that_differ_in_escapes_match_with_their_own_offsets(remembered, rate):
+    blob = with_escapes(rate)
+    hit = known_headers.match(head_of(blob), blob.shape[0])
+    assert hit is not None
+    layout, row = hit
+    at, nb = expected_row(blob)
+    assert list(row[0, :6]) == at
+    assert (row[0, 6], row[0, 7], row[0, 8]) == (N, nb["esc_pos"] // 2, nb["exp_high"])
+    assert layout.shape == (N,) and layout.chunk == 4096
+
+
+def resealed(head: bytes, edit) -> bytes:
+    """head after edit(bytearray), with a valid CRC again (so only the edited fields are wrong)."""
+    b = bytearray(head)
+    edit(b)
+    struct.pack_into("<I", b, 40, 0)
+    struct.pack_into("<I", b, 40, zlib.crc32(b[:int.from_bytes(b[12:16], "little")]))
+    return bytes(b)
+
+
+def test_headers_it_cannot_vouch_for_are_refused(remembered):
+    blob = with_escapes(0.01)
+    head, n = head_of(blob), blob.shape[0]
+    hdr = container.parse_header(head, n)
+    at = container.PREFIX.size + 16 * (len(hdr.streams) - 3)  # esc_pos's table entry
+    assert known_headers.match(head, n) is not None
+    assert known_headers.match(head, n + 16) is None  # payload length disagrees with the blob
+    crc_broken = bytearray(head)
+    crc_broken[at + 8] ^= 2
+    assert known_headers.match(bytes(crc_broken), n) is None
+    odd = resealed(head, lambda b: struct.pack_into("<Q", b, at + 8, struct.unpack_from("<Q", b, at + 8)[0] + 1))
+    assert known_headers.match(odd, n) is None  # esc_pos no longer twice esc_exp
+    shifted = resealed(head, lambda b: struct.pack_into("<Q", b, at + 16, struct.unpack_from("<Q", b, at + 16)[0] + 16))
+    assert known_headers.match(shifted, n) is None  # esc_exp not where container.layout puts it
+    other_shape = kvzip.compress(real_bits().reshape(200, 200), dtype="bf16")
+    assert known_headers.match(head_of(other_shape), other_shape.shape[0]) is None
+    checked = kvzip.compress(real_bits(), dtype="bf16", checksum=True)
+    assert known_headers.match(head_of(checked), checked.shape[0]) is None
+
+
+def test_only_fused_fast_path_layouts_are_remembered():
+    known_headers._layouts.clear()
+    pipe = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack(), S.EscapeStream(), S.Serialize()])
+    blob = pipe.encode(real_bits(), dtype="bf16")
+    head = head_of(blob)
+    opened = open_blob(get_backend("cpu"), blob, head)
+    known_headers.remember(head, blob.shape[0], opened, recorded_pipeline(opened.meta).stages)
+    checked = kvzip.compress(real_bits(), dtype="bf16", checksum=True)
+    head = head_of(checked)
+    opened = open_blob(get_backend("cpu"), checked, head)
+    known_headers.remember(head, checked.shape[0], opened, recorded_pipeline(opened.meta).stages)
+    assert known_headers._layouts == {}
