@@ -13,6 +13,7 @@ from .backends import get_backend
 from .errors import FormatError
 from .frame import Frame
 from .pipeline import Pipeline, recorded_pipeline
+from .stages import fused_fast, known_headers, serialize
 
 DEFAULT_CHUNK = 4096
 
@@ -88,8 +89,6 @@ def _to_origin(a, origin):
 
 
 def encode_with(pipe: Pipeline, x, *, dtype=None, backend=None):
-    from .stages import fused_fast
-
     bits, fmt, shape, origin = arrays.import_tensor(x, dtype)
     be = get_backend(backend or origin.backend_name)
     with origin.stream_context():
@@ -105,8 +104,6 @@ def encode_with(pipe: Pipeline, x, *, dtype=None, backend=None):
 
 
 def decode_with(pipe: Pipeline, blob, *, backend=None):
-    from .stages import fused_fast, known_headers, serialize
-
     u8, origin = arrays.import_bytes(blob)
     be = get_backend(backend or origin.backend_name)
     with origin.stream_context():
@@ -168,9 +165,41 @@ def _tensor_frame(bits, fmt, shape, be) -> Frame:
 
 
 def encode_many_with(pipe: Pipeline, xs, *, dtype=None, backend=None) -> list:
+    xs = list(xs)
+    out = [None] * len(xs)
+    rest = _encode_many_by_lanes(pipe, xs, dtype, backend, out)
+    if rest:
+        for i, blob in zip(rest, _encode_many_general(pipe, [xs[i] for i in rest], dtype, backend)):
+            out[i] = blob
+    return out
+
+
+def _encode_many_by_lanes(pipe: Pipeline, xs, dtype, backend, out) -> list[int]:
+    """Encode the tensors whose (format, shape) the pipeline has a lane for, a program per format;
+    returns the indices left for the general path (no lane, or stored raw after all)."""
+    rest, groups = [], {}  # format -> [(index, bits, origin, lane)]
+    for i, x in enumerate(xs):
+        bits, fmt, shape, origin = arrays.import_tensor(x, dtype)
+        lane = pipe._encode_lanes.get((fmt.name, shape)) if pipe.fuse else None
+        if lane is not None and fused_fast.applicable(get_backend(backend or origin.backend_name), 0, bits):
+            groups.setdefault(fmt.name, []).append((i, bits, origin, lane))
+        else:
+            rest.append(i)
+    for members in groups.values():
+        with members[0][2].stream_context():
+            blobs = fused_fast.encode_lanes([m[3] for m in members], [m[1] for m in members])
+        for (i, _, origin, _), blob in zip(members, blobs):
+            if blob is None:
+                rest.append(i)
+            else:
+                out[i] = arrays.export_bytes(blob, origin)
+        pipe.last_path = "fast"
+    return sorted(rest)
+
+
+def _encode_many_general(pipe: Pipeline, xs, dtype, backend) -> list:
     from . import stages as st
 
-    xs = list(xs)
     out = [None] * len(xs)
     steps = pipe._steps(pipe.stages[:-1])
     serialize = pipe.stages[-1]
@@ -197,6 +226,8 @@ def encode_many_with(pipe: Pipeline, xs, *, dtype=None, backend=None) -> list:
             for j, (i, frame, origin) in enumerate(members):
                 if batch.fits[j]:
                     blob = batch.blob(j)
+                    if len(steps) == 1 and not serialize.checksum:  # later tensors of this shape take the lane
+                        pipe._remember_lane(frame, batch.plans[j], fused)
                 else:  # incompressible: stored raw, as encode() would
                     blob = pipe._stored(frame).streams["blob"]
                 out[i] = arrays.export_bytes(blob, origin)
@@ -213,8 +244,9 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
     for i, b in enumerate(blobs):
         u8, origin = arrays.import_bytes(b)
         be = get_backend(backend or origin.backend_name)
-        if st.fused_fast.applicable(be, 0, _to_backend(u8, be)):
-            gpu.append((i, _to_backend(u8, be), origin, be))
+        u8 = _to_backend(u8, be)
+        if st.fused_fast.applicable(be, 0, u8):
+            gpu.append((i, u8, origin, be))
         else:
             out[i] = decode_with(pipe, b, backend=backend)
     if not gpu:

@@ -379,17 +379,22 @@ class EncodeLane:
     def encode(self, bits):
         """The blob of bits (a 16-byte aligned CuPy array of plan.n values), or None when the
         payload comes out larger than the values (the general path then stores them raw)."""
-        import cupy
+        return encode_lanes([self], [bits])[0]
 
-        device, stream = _current()
-        plan = self.plan
-        prog = call_graphs.cached(("encode", device, id(plan)),  # encode_batch's key for this one plan
-                                  lambda: _EncodeProgram((plan,), self.fmt, self.codebook, self.chunk, device))
-        buffer = cupy.empty(prog.total, np.uint8)
-        payload = int(prog.run([bits.data.ptr], buffer.data.ptr, stream)[0, 2])
-        if payload > plan.raw_payload:
-            return None
-        return cupy.ndarray((len(plan.header) + payload,), np.uint8, buffer.data)
+
+def encode_lanes(lanes: list[EncodeLane], bits: list) -> list:
+    """EncodeLane.encode for several tensors of one pipeline and format in one program run."""
+    import cupy
+
+    device, stream = _current()
+    plans = tuple(lane.plan for lane in lanes)
+    first = lanes[0]
+    prog = call_graphs.cached(("encode", device, *map(id, plans)),  # encode_batch's key for these plans
+                              lambda: _EncodeProgram(plans, first.fmt, first.codebook, first.chunk, device))
+    buffer = cupy.empty(prog.total, np.uint8)
+    payloads = prog.run([b.data.ptr for b in bits], buffer.data.ptr, stream)[:, 2]
+    return [cupy.ndarray((int(h + p),), np.uint8, buffer.data + int(s)) if p <= raw else None
+            for h, p, raw, s in zip(prog.header_lens, payloads, prog.raw_payloads, prog.starts)]
 
 
 # ----------------------------------------------------------------------------- decode
