@@ -5,11 +5,13 @@ Used on a real GPU (not under the simulator) for every format and chunk size; th
 in stages/fused.py remain the generic path (simulator, misaligned buffers) and, with the CPU
 twin, the reference these kernels are tested against byte for byte (tests/gpu).
 
-Every call is batched: a list of tensors costs the same launches as one tensor.  Encoding is one
-memset, three kernels (dense pass, scan and escape placement, header) and one read-back of the
-escape totals (the host synchronisation that learns the compressed sizes); the headers are
-written on the GPU.  Decoding reads the headers back once, runs two kernels (scan, dense pass)
-and reads back the validation result.
+Every call is batched: a list of tensors costs the same launches as one tensor.  Encoding is a
+table upload, one memset, three kernels (dense pass, scan and escape placement, header) and one
+read-back of the escape totals (the host synchronisation that learns the compressed sizes); the
+headers are written on the GPU.  Decoding reads the headers back once, then uploads its table,
+runs two kernels (scan, dense pass) and reads back the validation result.  Each such sequence is
+a program cached per call shape and replayed as one CUDA graph (stages/call_graphs.py); the job
+tables keep every address that does not move between calls.
 """
 from __future__ import annotations
 
