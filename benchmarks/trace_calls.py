@@ -2,7 +2,8 @@
 
     python benchmarks/trace_calls.py [log2_values]      # default 19 (1 MiB of BF16)
     python benchmarks/trace_calls.py ncu 28             # a plain workload to run under ncu
-    python benchmarks/trace_calls.py profile 28         # cProfile of the host side, no extra syncs
+    python benchmarks/trace_calls.py profile 28         # cProfile of the host side (also the batch API on
+                                                        # 64 parts of the tensor), no extra syncs
     python benchmarks/trace_calls.py host 19            # host time per step (cumulative), no syncs
 
 Wraps the steps of the fast path and synchronises the stream around each, so kernel time shows
@@ -39,7 +40,11 @@ if mode == "profile":
     import cProfile
     import pstats
 
-    for label, f in [("compress", lambda: kvzip.compress(x, dtype="bf16")), ("decompress", lambda: kvzip.decompress(blob))]:
+    parts = [x[i * (x.shape[0] // 64):(i + 1) * (x.shape[0] // 64)] for i in range(64)]
+    blobs = kvzip.compress_many(parts, dtype="bf16")
+    for label, f in [("compress", lambda: kvzip.compress(x, dtype="bf16")), ("decompress", lambda: kvzip.decompress(blob)),
+                     ("compress_many 64 parts", lambda: kvzip.compress_many(parts, dtype="bf16")),
+                     ("decompress_many 64 parts", lambda: kvzip.decompress_many(blobs))]:
         for _ in range(3):
             f()
         cupy.cuda.get_current_stream().synchronize()

@@ -171,7 +171,8 @@ def import_bytes(blob) -> tuple[object, Origin]:
     Python buffers (bytes, bytearray, memoryview, ...) are read in place as NumPy; arrays of any
     supported framework must be 1-D uint8 and are viewed in place when contiguous.
     """
-    if framework_of(blob) is None and not _has_array_protocol(blob):
+    framework = framework_of(blob)
+    if framework is None and not _has_array_protocol(blob):
         try:
             view = memoryview(blob)
         except TypeError:
@@ -179,7 +180,7 @@ def import_bytes(blob) -> tuple[object, Origin]:
         if not view.c_contiguous:
             view = memoryview(view.tobytes())
         return np.frombuffer(view.cast("B"), dtype=np.uint8), Origin("numpy")
-    arr, name, origin = _borrow(blob)
+    arr, name, origin = _borrow(blob, framework)
     if name != "uint8" or arr.ndim != 1:
         raise TypeError(
             f"a kvzip blob must be a 1-D uint8 array; got a {origin.framework} array "
@@ -191,10 +192,11 @@ def import_bytes(blob) -> tuple[object, Origin]:
         return arr.ravel(), origin
 
 
-def _borrow(x) -> tuple[object, str, Origin]:
+def _borrow(x, framework: str | None = None) -> tuple[object, str, Origin]:
     """``x`` as a NumPy/CuPy array of the same shape and element width (a view where DLPack
-    allows), the name of ``x``'s own dtype, and its origin."""
-    framework = framework_of(x)
+    allows), the name of ``x``'s own dtype, and its origin.  framework: framework_of(x) when the
+    caller already asked."""
+    framework = framework or framework_of(x)
     if framework == "numpy":
         arr = np.asarray(x)
         return arr, arr.dtype.name, Origin("numpy")
@@ -286,6 +288,7 @@ def _format_of(dtype) -> FloatFormat:
     return get_format(name)
 
 
+@lru_cache(maxsize=256)  # successful answers only (errors raise): a serving loop asks the same few
 def _resolve_format(name: str, itemsize: int, override: FloatFormat | None, framework: str) -> FloatFormat:
     if override is None:
         fmt = BY_DTYPE_NAME.get(name)

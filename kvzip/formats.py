@@ -6,7 +6,7 @@ R = 1 + M bits, with the sign as its top bit: rest = (sign << M) | mantissa.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -17,30 +17,19 @@ class FloatFormat:
     dtype_name: str    # the framework dtype name: "bfloat16", "float8_e5m2", ...
     exp_bits: int
     mant_bits: int
+    # Derived once at construction (every call on the hot path asks for them):
+    width: int = field(init=False, repr=False, compare=False)          # bits per value: 8, 16 or 32
+    rest_bits: int = field(init=False, repr=False, compare=False)      # sign + mantissa, kept verbatim
+    high_exp_bits: int = field(init=False, repr=False, compare=False)  # exponent bits above a code's 4
+    uint_dtype: np.dtype = field(init=False, repr=False, compare=False)  # same-width unsigned: the bits travel in it
+    itemsize: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def width(self) -> int:
-        """Bits per value (8, 16 or 32)."""
-        return 1 + self.exp_bits + self.mant_bits
-
-    @property
-    def rest_bits(self) -> int:
-        """Bits of sign + mantissa, kept verbatim by the split stages."""
-        return 1 + self.mant_bits
-
-    @property
-    def high_exp_bits(self) -> int:
-        """Exponent bits above the 4 a code holds; an escape-heavy chunk stores these in a plane."""
-        return self.exp_bits - 4
-
-    @property
-    def uint_dtype(self) -> np.dtype:
-        """Unsigned integer dtype of the same width: the bits travel in this."""
-        return np.dtype({8: np.uint8, 16: np.uint16, 32: np.uint32}[self.width])
-
-    @property
-    def itemsize(self) -> int:
-        return self.width // 8
+    def __post_init__(self):
+        width = 1 + self.exp_bits + self.mant_bits
+        for key, value in (("width", width), ("rest_bits", 1 + self.mant_bits), ("high_exp_bits", self.exp_bits - 4),
+                           ("uint_dtype", np.dtype({8: np.uint8, 16: np.uint16, 32: np.uint32}[width])),
+                           ("itemsize", width // 8)):
+            object.__setattr__(self, key, value)
 
 
 FORMATS: dict[str, FloatFormat] = {

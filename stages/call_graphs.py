@@ -18,8 +18,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-MAX_SHAPES = 32             # call shapes kept per thread and device (least recently used dropped)
-MAX_BYTES = 1 << 31         # and at most this much device workspace between them
+MAX_SHAPES = 32             # call shapes kept per thread, all devices together (least recently used dropped)
+MAX_BYTES = 1 << 30         # and at most this much device workspace between them (per thread)
 _local = threading.local()
 
 

@@ -47,8 +47,10 @@ class Layout:
 _layouts: dict = {}
 
 
-def _blanked(head: bytes) -> bytes | None:
-    """head's header with the fields that follow the escape count zeroed (None if too short)."""
+def _read(head: bytes):
+    """(blanked header, CRC matches, payload length, the escape entries' six fields) of head, or
+    None if it is too short to hold what its prefix claims.  The blanked header is the header
+    with the fields that follow the escape count zeroed: payload length, CRC, escape entries."""
     if len(head) < _PREFIX:
         return None
     header_len = int.from_bytes(head[12:16], "little")
@@ -57,18 +59,22 @@ def _blanked(head: bytes) -> bytes | None:
     if header_len > len(head) or nstreams < 3 or at + 48 > header_len:
         return None
     b = bytearray(head[:header_len])
-    b[16:24] = bytes(8)  # payload length
-    b[40:44] = bytes(4)  # header CRC
+    crc = int.from_bytes(b[40:44], "little")
+    b[40:44] = bytes(4)
+    crc_ok = zlib.crc32(b) == crc  # the CRC covers the header with its own field zeroed
+    escapes = _ESCAPES.unpack_from(b, at)
+    payload = int.from_bytes(b[16:24], "little")
+    b[16:24] = bytes(8)
     b[at:at + 48] = bytes(48)
-    return bytes(b)
+    return bytes(b), crc_ok, payload, escapes
 
 
 def remember(head: bytes, nbytes: int, opened: Frame, stages: list) -> None:
     """Remember the layout of a blob of nbytes the general path has just decoded on the fast path
     (opened: its frame as serialize.open_blob gave it; stages: its recorded pipeline's)."""
     hdr = container.parse_header(head, nbytes)  # cached: the general path parsed it
-    key = _blanked(head)
-    if hdr.flags or key is None or tuple(s.id for s in stages) != _FUSED_ONLY:
+    read = _read(head)
+    if hdr.flags or read is None or tuple(s.id for s in stages) != _FUSED_ONLY:
         return
     if [s[0] for s in hdr.streams[-3:]] != ["esc_pos", "esc_exp", "exp_high"]:
         return
@@ -79,7 +85,7 @@ def remember(head: bytes, nbytes: int, opened: Frame, stages: list) -> None:
                      *fused_fast.dlut_words(frame_codebook(opened)), 0, 0]], np.uint64)
     if len(_layouts) >= MAX_LAYOUTS:
         _layouts.clear()
-    _layouts[key] = Layout(opened.format, opened.dtype_format, tuple(opened.meta["shape"]), opened.n,
+    _layouts[read[0]] = Layout(opened.format, opened.dtype_format, tuple(opened.meta["shape"]), opened.n,
                            stages[2].chunk, hdr.header_len, _PREFIX + 16 * (len(hdr.streams) - 3),
                            hdr.streams[-3][2], row)
 
@@ -87,17 +93,14 @@ def remember(head: bytes, nbytes: int, opened: Frame, stages: list) -> None:
 def match(head: bytes, nbytes: int) -> tuple[Layout, np.ndarray] | None:
     """(layout, job row relative to the blob) for a blob of nbytes starting with head whose layout
     was remembered and whose varying fields check out; None sends it down the general path."""
-    key = _blanked(head)
-    layout = _layouts.get(key) if key is not None else None
+    read = _read(head)
+    layout = _layouts.get(read[0]) if read is not None else None
     if layout is None:
         return None
+    _, crc_ok, payload, (pos_at, pos_nb, exp_at, exp_nb, high_at, high_nb) = read
     h = layout.header_len
-    payload = int.from_bytes(head[16:24], "little")
-    raw = bytearray(head[:h])
-    raw[40:44] = bytes(4)
-    if h + payload != nbytes or zlib.crc32(raw) != int.from_bytes(head[40:44], "little"):
+    if not crc_ok or h + payload != nbytes:
         return None
-    pos_at, pos_nb, exp_at, exp_nb, high_at, high_nb = _ESCAPES.unpack_from(head, layout.escapes_at)
     if (pos_at != layout.esc_pos_offset or pos_nb != 2 * exp_nb or exp_at != _up(pos_at + pos_nb)
             or high_at != _up(exp_at + exp_nb) or payload != _up(high_at + high_nb)):
         return None  # laid out otherwise than container.layout would: the general path decides
