@@ -252,14 +252,13 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
     if not gpu:
         return out
     with gpu[0][2].stream_context():
-        heads = st.fused_fast.read_heads([g[1] for g in gpu])  # one read-back for every header
+        block = st.fused_fast.head_block([g[1] for g in gpu])  # one read-back for every header
+        matched, rest = st.known_headers.match_many(block, [g[1].shape[0] for g in gpu]) if pipe.fuse else \
+            ([], list(range(len(gpu))))
+        _decode_known(matched, gpu, out)
         groups: dict = {}
-        known: dict = {}  # (format, chunk) -> [(index, blob, origin, match)]: layouts checked before
-        for (i, u8, origin, be), head in zip(gpu, heads):
-            hit = st.known_headers.match(head, u8.shape[0]) if pipe.fuse else None
-            if hit is not None:
-                known.setdefault((hit[0].fmt.name, hit[0].chunk), []).append((i, u8, origin, hit))
-                continue
+        heads = st.fused_fast.heads_from_block(block[rest], [gpu[j][1] for j in rest])
+        for (i, u8, origin, be), head in zip([gpu[j] for j in rest], heads):
             frame = st.serialize.open_blob(be, u8, head)
             recorded = recorded_pipeline(frame.meta)
             recorded.check_streams(frame)
@@ -270,12 +269,9 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
                 groups.setdefault((frame.format.name, fused.chunk), []).append((i, frame, origin, steps, cb, head, u8))
             else:
                 out[i] = _export_decoded(recorded.decode_frame_steps(frame), origin)
-        for members in known.values():
-            dsts = st.known_headers.decode([m[3] for m in members], [m[1] for m in members])
-            for (i, _, origin, (layout, _)), dst in zip(members, dsts):
-                out[i] = arrays.export_tensor(dst, layout.dtype_format, layout.shape, origin)
         for (_, chunk), members in groups.items():
-            dsts = st.fused_fast.decode_batch([m[1] for m in members], chunk, [m[4] for m in members])
+            dsts = st.fused_fast.decode_batch([m[1] for m in members], chunk, [m[4] for m in members],
+                                              [m[0] for m in members])
             for (i, opened, origin, steps, _, head, u8), dst in zip(members, dsts):
                 frame = steps[-1].finish_decode(opened, dst)
                 for step in reversed(steps[:-1]):
@@ -283,8 +279,24 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
                 out[i] = _export_decoded(frame, origin)
                 if pipe.fuse:
                     st.known_headers.remember(head, u8.shape[0], opened, recorded_pipeline(opened.meta).stages)
-    pipe.last_path = "fast" if groups or known else pipe.last_path
+    pipe.last_path = "fast" if groups or matched else pipe.last_path
     return out
+
+
+def _decode_known(matched: list, gpu: list, out: list) -> None:
+    """Decode the blobs known_headers.match_many matched (groups of one layout, batch positions,
+    job rows): one program run per format and chunk size."""
+    runs: dict = {}  # (format, chunk) -> [(layout, positions, jobs)]
+    for layout, pos, jobs in matched:
+        runs.setdefault((layout.fmt.name, layout.chunk), []).append((layout, pos, jobs))
+    for members in runs.values():
+        pos = np.concatenate([m[1] for m in members])
+        layouts = [m[0] for m in members for _ in m[1]]
+        dsts = known_headers.decode_rows(layouts, np.concatenate([m[2] for m in members]), [gpu[j][1] for j in pos],
+                                         [gpu[j][0] for j in pos])
+        for j, layout, dst in zip(pos, layouts, dsts):
+            i, _, origin, _ = gpu[j]
+            out[i] = arrays.export_tensor(dst, layout.dtype_format, layout.shape, origin)
 
 
 def _export_decoded(frame: Frame, origin):

@@ -412,16 +412,27 @@ class _HeadsProgram:
 
 def read_heads(blobs) -> list[bytes]:
     """The first bytes of each blob (enough for its header) with one device-to-host copy."""
+    return heads_from_block(head_block(blobs), blobs)
+
+
+def head_block(blobs) -> np.ndarray:
+    """The first HEAD_SPAN bytes of each blob (fewer where a blob is shorter; the rest of its row
+    is undefined) as one (len(blobs), HEAD_SPAN) array, with one device-to-host copy."""
     k = len(blobs)
     jobs = np.array([(b.data.ptr, b.shape[0]) for b in blobs], np.uint64).reshape(k, 2)
     device, stream = _current()
     ws = call_graphs.cached(("heads", device, k), lambda: _HeadsProgram(k, device)).shape
     ws.put(0, jobs)
-    host = ws.run(stream)
+    return ws.run(stream)[:k * HEAD_SPAN].reshape(k, HEAD_SPAN).copy()
+
+
+def heads_from_block(block: np.ndarray, blobs) -> list[bytes]:
+    """Each blob's head as bytes from head_block's rows (a header longer than HEAD_SPAN is fetched
+    whole)."""
     heads = []
-    for i, b in enumerate(blobs):
-        head = host[i * HEAD_SPAN: i * HEAD_SPAN + min(HEAD_SPAN, b.shape[0])].tobytes()
-        if len(head) >= container.PREFIX.size:  # a header longer than the span: fetch it whole
+    for row, b in zip(block, blobs):
+        head = row[:min(HEAD_SPAN, b.shape[0])].tobytes()
+        if len(head) >= container.PREFIX.size:
             header_len = int.from_bytes(head[12:16], "little")
             if HEAD_SPAN < header_len <= min(container.MAX_HEADER, b.shape[0]):
                 head = b[:header_len].get().tobytes()
@@ -456,9 +467,10 @@ class _DecodeProgram:
         self.shape = call_graphs.CallShape((112 * k, 8 * (1 + k + sb_base), 8 * chunk_base),
                                            tuple(ops) + (("download", 1, self.errors_nb),))
 
-    def run(self, jobs: np.ndarray, stream) -> list:
+    def run(self, jobs: np.ndarray, stream, labels=None) -> list:
         """Decode the blobs jobs describe (columns 9, 12 and 13 are filled in here); returns their
-        raw-bit arrays, views of one new buffer."""
+        raw-bit arrays, views of one new buffer.  labels: what to call each blob in an error (its
+        position in the caller's batch)."""
         import cupy
 
         out = cupy.empty(max(self.out_bytes, 1), np.uint8)
@@ -469,21 +481,21 @@ class _DecodeProgram:
         errors = self.shape.run(stream)[8:self.errors_nb].view(np.uint64)
         if errors.any():
             i = int(np.nonzero(errors)[0][0])
-            where = f"blob {i}: " if errors.shape[0] > 1 else ""
+            where = f"blob {labels[i]}: " if labels is not None else f"blob {i}: " if errors.shape[0] > 1 else ""
             raise FormatError(where + _ERRORS.get(int(errors[i]), f"decode error {int(errors[i])}"))
         if len(self.views) == 1:
             return [cupy.ndarray((self.views[0][1],), self.dtype, out.data)]
         return [cupy.ndarray((n,), self.dtype, out.data + at) for at, n in self.views]
 
 
-def decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray) -> list:
+def decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray, labels=None) -> list:
     """Decode blobs from their job rows (kvz_decode's DecodeJob; columns 9, 12, 13 filled in here)."""
     device, stream = _current()
     prog = call_graphs.cached(("decode", device, fmt.name, chunk, ns), lambda: _DecodeProgram(fmt, chunk, ns, device))
-    return prog.run(jobs, stream)
+    return prog.run(jobs, stream, labels)
 
 
-def decode_batch(frames: list[Frame], chunk: int, codebooks: list) -> list:
+def decode_batch(frames: list[Frame], chunk: int, codebooks: list, labels=None) -> list:
     """Decode the fused streams of frames of one format and chunk size (already checked by
     FusedSplitPackEscape.check); returns raw-bit arrays.  Per-chunk counts, positions and totals
     are validated by the kernel, which reports the first problem of each blob."""
@@ -494,7 +506,7 @@ def decode_batch(frames: list[Frame], chunk: int, codebooks: list) -> list:
                      st["esc_exp"].data.ptr, st["exp_high"].data.ptr, frame.n, st["esc_pos"].shape[0],
                      st["exp_high"].shape[0], 0, *dlut_words(cb), 0, 0))
     jobs = np.array(rows, np.uint64).reshape(len(frames), 14)
-    return decode_jobs(frames[0].format, chunk, tuple(f.n for f in frames), jobs)
+    return decode_jobs(frames[0].format, chunk, tuple(f.n for f in frames), jobs, labels)
 
 
 @lru_cache(maxsize=256)

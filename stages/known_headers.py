@@ -110,14 +110,82 @@ def match(head: bytes, nbytes: int) -> tuple[Layout, np.ndarray] | None:
     return layout, row
 
 
-def _up(x: int) -> int:
+def _up(x):
     return -(-x // container.ALIGN) * container.ALIGN
+
+
+def match_many(block: np.ndarray, nbytes) -> tuple[list, list]:
+    """match() for a batch at once: block holds the blobs' first bytes, a row each
+    (fused_fast.head_block), nbytes their lengths.  Returns (groups, rest): groups is a list of
+    (layout, positions, jobs) with the batch positions of the blobs of one remembered layout and
+    their job rows (relative to each blob), rest the positions left for the general path.  The
+    checks are match()'s, done on arrays; a row passes only if its header lies inside its blob
+    (header + payload length == the blob's), so bytes past a short blob's end never count."""
+    k, span = block.shape
+    nbytes = np.asarray(nbytes, np.int64)
+    taken = np.zeros(k, bool)
+    groups = []
+    if k and span >= _PREFIX:
+        header_len = block[:, 12:16].copy().view("<u4")[:, 0].astype(np.int64)
+        nstreams = block[:, 36:40].copy().view("<u4")[:, 0].astype(np.int64)
+        for h, ns in {(int(a), int(b)) for a, b in zip(header_len, nstreams)}:
+            at = _PREFIX + 16 * (ns - 3)
+            if h > span or ns < 3 or at + 48 > h:
+                continue
+            pos = np.nonzero((header_len == h) & (nstreams == ns))[0]
+            groups += _match_rows(block[pos, :h].copy(), pos, nbytes[pos], h, at, taken)
+    return groups, np.nonzero(~taken)[0].tolist()
+
+
+def _match_rows(b: np.ndarray, pos, nbytes, h: int, at: int, taken) -> list:
+    """match_many for rows b (headers of length h, escape entries at byte at)."""
+    crc = b[:, 40:44].copy().view("<u4")[:, 0].astype(np.int64)
+    b[:, 40:44] = 0
+    crc_ok = np.array([zlib.crc32(row) for row in b], np.int64) == crc
+    esc = b[:, at:at + 48].copy().view("<u8")  # (rows, 6): esc_pos, esc_exp, exp_high (offset, bytes)
+    payload = b[:, 16:24].copy().view("<u8")[:, 0]
+    # Every field below the blob's length before any arithmetic: no wrap-around in int64.
+    sane = (payload < np.uint64(1 << 48)) & (esc < np.uint64(1 << 48)).all(axis=1)
+    esc, payload = esc.astype(np.int64), payload.astype(np.int64)
+    b[:, 16:24] = 0
+    b[:, at:at + 48] = 0
+    if (b == b[0]).all():  # the usual batch: one layout
+        by_key = {b[0].tobytes(): np.arange(b.shape[0])}
+    else:
+        by_key = {}
+        for j, row in enumerate(b):
+            by_key.setdefault(row.tobytes(), []).append(j)
+    out = []
+    for key, js in by_key.items():
+        layout = _layouts.get(key)
+        if layout is None:
+            continue
+        js = np.asarray(js)
+        e, pay = esc[js], payload[js]
+        ok = (sane[js] & crc_ok[js] & (h + pay == nbytes[js]) & (e[:, 0] == layout.esc_pos_offset)
+              & (e[:, 1] == 2 * e[:, 3]) & (e[:, 2] == _up(e[:, 0] + e[:, 1])) & (e[:, 4] == _up(e[:, 2] + e[:, 3]))
+              & (pay == _up(e[:, 4] + e[:, 5])))
+        js, e = js[ok], e[ok]
+        if not js.size:
+            continue
+        jobs = np.repeat(layout.row, js.size, axis=0)
+        jobs[:, 3:6] = h + e[:, 0:5:2]    # esc_pos, esc_exp, exp_high
+        jobs[:, 7:9] = e[:, 3:6:2]        # escapes (esc_exp bytes); high-exponent bytes
+        taken[pos[js]] = True
+        out.append((layout, pos[js], jobs))
+    return out
 
 
 def decode(matches: list, blobs: list) -> list:
     """Decode blobs (16-byte aligned, all of one format and chunk size) from match()'s results;
     returns their raw-bit arrays."""
-    jobs = np.concatenate([row for _, row in matches]) if len(matches) > 1 else matches[0][1]
+    rows = np.concatenate([row for _, row in matches]) if len(matches) > 1 else matches[0][1]
+    return decode_rows([m[0] for m in matches], rows, blobs)
+
+
+def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None) -> list:
+    """Decode blobs from their layouts and job rows (relative to each blob; changed in place).
+    labels: what errors call each blob (its position in the caller's batch)."""
     jobs[:, :6] += np.array([b.data.ptr for b in blobs], np.uint64)[:, None]
-    layout = matches[0][0]
-    return fused_fast.decode_jobs(layout.fmt, layout.chunk, tuple(m[0].n for m in matches), jobs)
+    return fused_fast.decode_jobs(layouts[0].fmt, layouts[0].chunk, tuple(layout.n for layout in layouts), jobs,
+                                  labels)

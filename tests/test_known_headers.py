@@ -110,3 +110,34 @@ def test_only_fused_fast_path_layouts_are_remembered():
     opened = open_blob(get_backend("cpu"), checked, head)
     known_headers.remember(head, checked.shape[0], opened, recorded_pipeline(opened.meta).stages)
     assert known_headers._layouts == {}
+
+
+def test_batch_matching_agrees_with_one_at_a_time(remembered):
+    """match_many (decompress_many's path) gives, blob for blob, what match gives, on valid,
+    tampered, foreign and short blobs, whatever lies in a row past its blob's end."""
+    cases = [(head_of(b), b.shape[0]) for b in (with_escapes(r) for r in (0.0, 0.001, 0.01, 0.05))]
+    head, n = cases[2]
+    hdr = container.parse_header(head, n)
+    at = container.PREFIX.size + 16 * (len(hdr.streams) - 3)
+    crc_broken = bytearray(head)
+    crc_broken[at + 8] ^= 2
+    cases += [(head, n + 16), (bytes(crc_broken), n),
+              (resealed(head, lambda b: struct.pack_into("<Q", b, at + 8, struct.unpack_from("<Q", b, at + 8)[0] + 1)), n),
+              (resealed(head, lambda b: struct.pack_into("<Q", b, at + 8, 1 << 63)), n),  # would wrap in int64
+              (head_of(kvzip.compress(real_bits().reshape(200, 200), dtype="bf16")), None),
+              (head_of(kvzip.compress(real_bits(), dtype="bf16", checksum=True)), None),
+              (head, 10)]  # a 10-byte blob whose row still holds an earlier blob's header
+    cases = [(h, len(h) if nb is None else nb) for h, nb in cases]
+    block = rng.integers(0, 256, (len(cases), 4096), dtype=np.uint8)  # stale bytes past each head
+    for row, (h, _) in zip(block, cases):
+        row[:len(h)] = np.frombuffer(h, np.uint8)
+    groups, rest = known_headers.match_many(block, [nb for _, nb in cases])
+    batch = {int(p): (layout, jobs[j]) for layout, pos, jobs in groups for j, p in enumerate(pos)}
+    assert sorted(batch) + rest == sorted(batch) + sorted(rest) and len(batch) + len(rest) == len(cases)
+    for i, (h, nb) in enumerate(cases):
+        one = known_headers.match(h[:min(len(h), nb)], nb)
+        if one is None:
+            assert i in rest, i
+        else:
+            assert batch[i][0] is one[0] and list(batch[i][1]) == list(one[1][0]), i
+    assert len(batch) == 4  # the four valid blobs of the remembered layout

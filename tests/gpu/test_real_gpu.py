@@ -283,3 +283,24 @@ def test_replayed_call_shapes_match_cpu_and_still_catch_forgeries(monkeypatch):
     for b, y in zip(blobs, backs):
         np.testing.assert_array_equal(b.cpu().numpy(), kvzip.compress(bits, dtype="bf16"))
         assert torch.equal(y.view(torch.int16), t.view(torch.int16))
+
+
+def test_batch_decode_names_the_bad_blob_by_its_place():
+    from kvzip import container
+    from kvzip.backends import get_backend
+    from kvzip.stages import known_headers
+
+    xs = [cupy.asarray(real_bf16((1 << 16) + 5)) for _ in range(3)]
+    blobs = kvzip.compress_many(xs, dtype="bf16")
+    for back, x in zip(kvzip.decompress_many(blobs), xs):  # the layout is remembered from here on
+        assert bool(cupy.array_equal(back.reshape(-1).view(x.dtype), x))
+    host = blobs[1].get()
+    hdr = container.parse_header(container.read_head(get_backend("cpu"), host), host.shape[0])
+    at = hdr.header_len + next(off for name, _, off, _ in hdr.streams if name == "esc_count")
+    bad = [b.copy() for b in blobs]
+    bad[1][at:at + 2] = cupy.asarray([0xA0, 0x0F], np.uint8)  # chunk 0 claims 4000 escapes
+    with pytest.raises(kvzip.FormatError, match="blob 1"):
+        kvzip.decompress_many(bad)  # through the remembered layout
+    known_headers._layouts.clear()
+    with pytest.raises(kvzip.FormatError, match="blob 1"):
+        kvzip.decompress_many(bad)  # through the full checks
