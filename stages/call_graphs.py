@@ -8,8 +8,10 @@ contents may differ) gets its own device workspace and pinned staging buffers, a
 use a CUDA graph of the whole sequence: a repeated call is then one graph launch and one
 synchronisation (benchmarks/NOTES.md, v6).
 
-Kernel arguments that point into the workspace are written as ``Region(i)`` in the op list, so the
-op list is the exact cache key: equal keys issue identical work.
+Kernel arguments that point into the workspace are written as ``Region(i)`` in the op list, so an
+op list never depends on where its workspace lies.  The objects that own a CallShape (fused_fast's
+programs) are cached per thread by ``cached`` under a key that fixes their op list: the plans of an
+encode batch, or the format, chunk size and value counts of a decode.
 """
 from __future__ import annotations
 
