@@ -401,18 +401,13 @@ def encode_lanes(lanes: list[EncodeLane], bits: list) -> list:
 
 # ----------------------------------------------------------------------------- decode
 class _HeadsProgram:
-    """read_heads for k blobs: a gather kernel and one download."""
+    """head_block for k blobs: a gather kernel and one download."""
 
     def __init__(self, k: int, device: int):
         self.shape = call_graphs.CallShape(
             (16 * k, k * HEAD_SPAN),
             (("upload", 1), _launch("kvz_gather_heads", device, (4, k), (R(0), np.int32(HEAD_SPAN), R(1))),
              ("download", 1, k * HEAD_SPAN)))
-
-
-def read_heads(blobs) -> list[bytes]:
-    """The first bytes of each blob (enough for its header) with one device-to-host copy."""
-    return heads_from_block(head_block(blobs), blobs)
 
 
 def head_block(blobs) -> np.ndarray:
