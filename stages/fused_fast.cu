@@ -83,21 +83,28 @@ struct Raw {
     u32 w[2 * sizeof(T)];
 };
 
+// A group known to hold 8 values: plain vector loads, no bounds checks.
+template <typename T>
+__device__ __forceinline__ void load_raw_full(const T* __restrict__ src, long long g, Raw<T>& r) {
+    const long long i0 = g * 8;
+    if constexpr (sizeof(T) == 1) {
+        const uint2 q = *reinterpret_cast<const uint2*>(src + i0);
+        r.w[0] = q.x; r.w[1] = q.y;
+    } else if constexpr (sizeof(T) == 2) {
+        const uint4 q = *reinterpret_cast<const uint4*>(src + i0);
+        r.w[0] = q.x; r.w[1] = q.y; r.w[2] = q.z; r.w[3] = q.w;
+    } else {
+        const uint4 a = *reinterpret_cast<const uint4*>(src + i0);
+        const uint4 b = *reinterpret_cast<const uint4*>(src + i0 + 4);
+        r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w; r.w[4] = b.x; r.w[5] = b.y; r.w[6] = b.z; r.w[7] = b.w;
+    }
+}
+
 template <typename T>
 __device__ __forceinline__ void load_raw(const T* __restrict__ src, long long n, long long g, Raw<T>& r) {
     const long long i0 = g * 8;
     if (i0 + 8 <= n) {
-        if constexpr (sizeof(T) == 1) {
-            const uint2 q = *reinterpret_cast<const uint2*>(src + i0);
-            r.w[0] = q.x; r.w[1] = q.y;
-        } else if constexpr (sizeof(T) == 2) {
-            const uint4 q = *reinterpret_cast<const uint4*>(src + i0);
-            r.w[0] = q.x; r.w[1] = q.y; r.w[2] = q.z; r.w[3] = q.w;
-        } else {
-            const uint4 a = *reinterpret_cast<const uint4*>(src + i0);
-            const uint4 b = *reinterpret_cast<const uint4*>(src + i0 + 4);
-            r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w; r.w[4] = b.x; r.w[5] = b.y; r.w[6] = b.z; r.w[7] = b.w;
-        }
+        load_raw_full(src, g, r);
     } else {
 #pragma unroll
         for (int k = 0; k < 2 * (int)sizeof(T); k++) r.w[k] = 0;
@@ -262,10 +269,13 @@ __device__ __forceinline__ u32 encode_bf16_full(const Raw<u16>& raw, long long g
     const u32 ta = pack4(slut[ea & 0xFF], slut[(ea >> 8) & 0xFF], slut[(ea >> 16) & 0xFF], slut[ea >> 24], &fa);
     const u32 tb = pack4(slut[eb & 0xFF], slut[(eb >> 8) & 0xFF], slut[(eb >> 16) & 0xFF], slut[eb >> 24], &fb);
     reinterpret_cast<u32*>(codes)[g] = __byte_perm(ta, tb, 0x6420);
-    u32 r[4];
-#pragma unroll
-    for (int k = 0; k < 4; k++) r[k] = (raw.w[k] & 0x007F007Fu) | ((raw.w[k] >> 8) & 0x00800080u);  // sign << 7 | mantissa
-    *reinterpret_cast<uint2*>(rest + g * 8) = make_uint2(__byte_perm(r[0], r[1], 0x6420), __byte_perm(r[2], r[3], 0x6420));
+    // Rest byte = sign << 7 | mantissa: the value's low byte with its top bit taken from the high
+    // byte's (the sign).  Per four values: their low bytes, their high bytes (one permute each)
+    // and one bit-select, instead of a shift and two masks per pair of values.
+    const u32 lo0 = __byte_perm(raw.w[0], raw.w[1], 0x6420), lo1 = __byte_perm(raw.w[2], raw.w[3], 0x6420);
+    const u32 hi0 = __byte_perm(raw.w[0], raw.w[1], 0x7531), hi1 = __byte_perm(raw.w[2], raw.w[3], 0x7531);
+    *reinterpret_cast<uint2*>(rest + g * 8) = make_uint2((lo0 & 0x7F7F7F7Fu) | (hi0 & 0x80808080u),
+                                                         (lo1 & 0x7F7F7F7Fu) | (hi1 & 0x80808080u));
     return (fa | fb) ? flag_bits(fa) | (flag_bits(fb) << 4) : 0u;
 }
 
@@ -291,15 +301,16 @@ __device__ __forceinline__ u32 encode_e5m2_full(const Raw<u8>& raw, long long g,
     return mask;
 }
 
-template <int E, int M, typename T>
+// FULL: the caller knows the group holds 8 values (whole steps of kvz_encode).
+template <int E, int M, typename T, bool FULL = false>
 __device__ __forceinline__ u32 encode_raw(const Raw<T>& raw, long long n, long long g, const u8* slut,
                                           u8* __restrict__ codes, u8* __restrict__ rest) {
     constexpr int R = M + 1;
     if constexpr (E == 8 && M == 7 && sizeof(T) == 2) {
-        if (g * 8 + 8 <= n) return encode_bf16_full(raw, g, slut, codes, rest);
+        if (FULL || g * 8 + 8 <= n) return encode_bf16_full(raw, g, slut, codes, rest);
     }
     if constexpr (E == 5 && M == 2 && sizeof(T) == 1) {
-        if (g * 8 + 8 <= n) return encode_e5m2_full(raw, g, slut, codes, rest);
+        if (FULL || g * 8 + 8 <= n) return encode_e5m2_full(raw, g, slut, codes, rest);
     }
     u32 word = 0, mask = 0, r[8];
 #pragma unroll
@@ -398,15 +409,25 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
         int count = 0;
         for (int s0 = 0; s0 < ng; s0 += STEP) {
             Raw<T> v[GPL];
-#pragma unroll
-            for (int q = 0; q < GPL; q++)
-                if (s0 + q * 32 + lane < ng) load_raw(src, n, s0 + q * 32 + lane, v[q]);
             u32 m[GPL], any = 0;
+            if (s0 + STEP <= ng && (long long)(s0 + STEP) * 8 <= n) {  // every group of the step full: no checks
 #pragma unroll
-            for (int q = 0; q < GPL; q++) {
-                const int i = s0 + q * 32 + lane;
-                m[q] = i < ng ? encode_raw<E, M, T>(v[q], n, i, slut, codes, rest) : 0u;
-                any |= m[q];
+                for (int q = 0; q < GPL; q++) load_raw_full(src, s0 + q * 32 + lane, v[q]);
+#pragma unroll
+                for (int q = 0; q < GPL; q++) {
+                    m[q] = encode_raw<E, M, T, true>(v[q], n, s0 + q * 32 + lane, slut, codes, rest);
+                    any |= m[q];
+                }
+            } else {
+#pragma unroll
+                for (int q = 0; q < GPL; q++)
+                    if (s0 + q * 32 + lane < ng) load_raw(src, n, s0 + q * 32 + lane, v[q]);
+#pragma unroll
+                for (int q = 0; q < GPL; q++) {
+                    const int i = s0 + q * 32 + lane;
+                    m[q] = i < ng ? encode_raw<E, M, T>(v[q], n, i, slut, codes, rest) : 0u;
+                    any |= m[q];
+                }
             }
             if (__any_sync(FULL_MASK, any != 0)) {
                 u16* __restrict__ spos = J.slot_pos + c * slot;
