@@ -1,7 +1,7 @@
 """Time the dense kernels' shapes (groups per lane per step, blocks per multiprocessor) on a GPU:
 the measurement behind fused_fast.ENCODE_SHAPE / DECODE_SHAPE (benchmarks/NOTES.md).
 
-    python benchmarks/sweep_shapes.py [log2_values]      # default 28, BF16 and E5M2 real KV
+    python benchmarks/sweep_shapes.py [log2_values] [bf16|e5m2]   # default 28, BF16 and E5M2 real KV
     ncu -k regex:kvz_ python benchmarks/sweep_shapes.py 28 once   # one call per shape, for ncu
 
 Each line: one kernel's shape changed from the default, the wall time per call (CUDA events,
@@ -22,9 +22,10 @@ e5m2 = cupy.asarray(e5m2_bits(host, n))
 once = "once" in sys.argv[2:]
 timeit = _timer(cupy, 1, 0) if once else _timer(cupy, 20)
 # Shapes tried per value width in bytes.
-encode_shapes = {2: [(2, 4), (4, 3), (4, 4), (1, 4)], 1: [(4, 4), (2, 4), (8, 3)]}
-decode_shapes = {2: [(2, 3), (2, 4), (4, 3), (1, 4)], 1: [(2, 4), (2, 3), (4, 3)]}
-for name, x, width in [("bf16", bf16, 2), ("e5m2", e5m2, 1)]:
+encode_shapes = {2: [(2, 4), (4, 3), (4, 4), (1, 4)], 1: [(4, 4), (2, 4), (8, 3), (8, 2), (16, 2)]}
+decode_shapes = {2: [(2, 3), (2, 4), (4, 3), (1, 4)], 1: [(2, 4), (2, 3), (4, 3), (8, 2), (8, 3), (16, 2)]}
+only = [a for a in sys.argv[2:] if a in ("bf16", "e5m2")]  # one format only
+for name, x, width in [(m, x, w) for m, x, w in [("bf16", bf16, 2), ("e5m2", e5m2, 1)] if not only or m in only]:
     default = fused_fast.ENCODE_SHAPE[width], fused_fast.DECODE_SHAPE[width]
     for which, shapes in (("encode", encode_shapes[width]), ("decode", decode_shapes[width])):
         for shape in shapes:

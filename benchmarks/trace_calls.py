@@ -1,7 +1,10 @@
 """Where a compress/decompress call's wall time goes on a GPU (development aid, not a benchmark).
 
     python benchmarks/trace_calls.py [log2_values]      # default 19 (1 MiB of BF16)
-    python benchmarks/trace_calls.py ncu 28             # a plain workload to run under ncu
+    python benchmarks/trace_calls.py ncu 28 [bf16|e5m2|quantize]
+                                                        # a plain workload to run under ncu: the default
+                                                        # pipeline on BF16 or E5M2 values, or QuantizeFP8
+                                                        # + E5M2 on BF16
     python benchmarks/trace_calls.py profile 28         # cProfile of the host side (also the batch API on
                                                         # 64 parts of the tensor), no extra syncs
     python benchmarks/trace_calls.py host 19            # host time per step (cumulative), no syncs
@@ -30,9 +33,19 @@ blob = kvzip.compress(x, dtype="bf16")
 kvzip.decompress(blob)
 
 if mode == "ncu":
-    for _ in range(2):
-        blob = kvzip.compress(x, dtype="bf16")
-        kvzip.decompress(blob)
+    from kvzip import stages as S
+    from kvzip.bench import e5m2_bits
+
+    kind = args[1] if len(args) > 1 else "bf16"
+    pipe, data, dtype = kvzip.splitzip_pipeline(), x, "bf16"
+    if kind == "e5m2":
+        data, dtype = cupy.asarray(e5m2_bits(np.resize(sample, 1 << log2), 1 << log2)), "e5m2"
+    elif kind == "quantize":
+        pipe = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack("e5m2-kv"), S.EscapeStream(),
+                               S.Serialize()])
+    for _ in range(3):
+        blob = pipe.encode(data, dtype=dtype)
+        pipe.decode(blob)
     cupy.cuda.Device().synchronize()
     sys.exit(0)
 

@@ -9,7 +9,7 @@ Hypothesis profiles (pick one with HYPOTHESIS_PROFILE=...; default "ci"):
 
 tests/cuda_sim runs only in its own process with NUMBA_ENABLE_CUDASIM=1 set before numba is
 imported (the simulator replaces numba.cuda at import time); in the normal run it is not even
-collected.  tests/gpu is collected always and skips itself where there is no CUDA GPU.
+collected.  tests/gpu is collected only where CuPy sees a CUDA GPU.
 """
 from __future__ import annotations
 
@@ -41,3 +41,16 @@ def examples(n: int) -> int:
 collect_ignore: list[str] = []
 if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
     collect_ignore.append("cuda_sim")
+
+
+def _cuda_gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device
+        return False
+
+
+if not _cuda_gpu():  # tests/gpu imports CuPy at the top and needs a real GPU
+    collect_ignore.append("gpu")

@@ -4,18 +4,13 @@ caller's framework and stream, and rejects corrupted blobs."""
 import numpy as np
 import pytest
 
-cupy = pytest.importorskip("cupy")
-try:
-    if cupy.cuda.runtime.getDeviceCount() < 1:
-        raise RuntimeError
-except Exception:  # no driver / no device
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
 
-import kvzip  # noqa: E402
-from kvzip import stages as S  # noqa: E402
-from kvzip.stages import fused_fast  # noqa: E402
-from kvzip.data import load_sample  # noqa: E402
-from kvzip.formats import FORMATS  # noqa: E402
+import kvzip
+from kvzip import stages as S
+from kvzip.stages import fused_fast
+from kvzip.data import load_sample
+from kvzip.formats import FORMATS
 
 rng = np.random.default_rng(1234)
 

@@ -1,0 +1,103 @@
+"""The fast GPU path of QuantizeFP8 with one scale per tensor on bf16/fp16 input: CUDA C++
+kernels (quantize_fast.cu) that look values up in per-call tables built from kvzip/fp8_bits.py's
+logic, run through CuPy on the caller's stream.
+
+Per-channel scales and fp32 input stay on the Numba kernels of stages/quantize_fp8.py, which
+with the CPU twin are the reference these kernels are tested against byte for byte (tests/gpu).
+A quantize call is a memset and three launches (amax, scale + table, lookup); a dequantize call
+one launch (each block builds its 256-entry table from the scale).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from importlib.resources import files
+
+import numpy as np
+
+from kvzip.formats import FORMATS
+
+ENABLED = True          # tests switch this off to exercise the Numba kernels on a real GPU
+THREADS = 256           # quantize_fast.cu's THREADS; kvz_dequantize builds one table entry a thread
+SOURCES = ("bf16", "fp16")
+TARGETS = {"e5m2": "false", "e4m3": "true"}  # FP8 format -> finite-only ("fn") flag of the kernels
+TABLE_BYTES = 1 << 15   # one code per 15-bit source magnitude
+
+
+def _fields(name: str) -> str:
+    f = FORMATS[name]
+    return f"{f.exp_bits},{f.mant_bits}"
+
+
+def _names() -> tuple:
+    names = ["kvz_quantize"]
+    for src in SOURCES:
+        names.append(f"kvz_amax<{_fields(src)}>")
+        for fp8, fn in TARGETS.items():
+            names.append(f"kvz_quant_table<{_fields(src)},{_fields(fp8)},{fn}>")
+            names.append(f"kvz_dequantize<{_fields(fp8)},{fn},{_fields(src)}>")
+    return tuple(names)
+
+
+@lru_cache(maxsize=None)
+def _module(device_id: int):
+    import cupy
+
+    source = files("kvzip.stages").joinpath("quantize_fast.cu").read_text()
+    return cupy.RawModule(code=source, options=("-std=c++17", "-lineinfo"), name_expressions=list(_names()))
+
+
+@lru_cache(maxsize=None)
+def _kernel(name: str, device_id: int):
+    return _module(device_id).get_function(name)
+
+
+@lru_cache(maxsize=None)
+def _grid_cap(device_id: int) -> int:
+    """Blocks of the grid-stride kernels: enough to fill every multiprocessor several times."""
+    import cupy
+
+    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"] * 8
+
+
+def _grid(units: int, device_id: int) -> int:
+    return max(1, min(-(-units // THREADS), _grid_cap(device_id)))
+
+
+def usable(backend, source: str, fp8: str, granularity: str, *arrays) -> bool:
+    """True on a real GPU for per-tensor scales of bf16/fp16 input with 16-byte aligned buffers."""
+    return (ENABLED and backend.name == "cuda" and not backend.simulated and granularity == "tensor"
+            and source in SOURCES and fp8 in TARGETS and all(a.data.ptr % 16 == 0 for a in arrays))
+
+
+def quantize(src, source: str, fp8: str):
+    """(codes uint8[n], scales float32[1]) of the 16-bit values src, as QuantizeFP8 defines them."""
+    import cupy
+
+    dev, n = src.device.id, src.size
+    work = cupy.empty(TABLE_BYTES + 16, np.uint8)  # the table, then the amax (stream-ordered pool)
+    amax = work[TABLE_BYTES:TABLE_BYTES + 4].view(np.uint32)
+    amax.fill(0)
+    scales = cupy.empty(1, np.float32)
+    codes = cupy.empty(n, np.uint8)
+    P, N = np.uint64, np.int64(n)
+    _kernel(f"kvz_amax<{_fields(source)}>", dev)((_grid(n // 8, dev),), (THREADS,),
+                                                 (P(src.data.ptr), N, P(amax.data.ptr)))
+    _kernel(f"kvz_quant_table<{_fields(source)},{_fields(fp8)},{TARGETS[fp8]}>", dev)(
+        (TABLE_BYTES // THREADS,), (THREADS,), (P(amax.data.ptr), P(scales.data.ptr), P(work.data.ptr)))
+    if n:
+        _kernel("kvz_quantize", dev)((_grid(n // 8, dev),), (THREADS,),
+                                     (P(src.data.ptr), N, P(work.data.ptr), P(codes.data.ptr)))
+    return codes, scales
+
+
+def dequantize(codes, scales, fp8: str, source: str):
+    """The 16-bit values (uint16[n]) of FP8 codes with one float32 scale."""
+    import cupy
+
+    dev, n = codes.device.id, codes.size
+    out = cupy.empty(n, np.uint16)
+    if n:
+        P = np.uint64
+        _kernel(f"kvz_dequantize<{_fields(fp8)},{TARGETS[fp8]},{_fields(source)}>", dev)(
+            (_grid(n // 8, dev),), (THREADS,), (P(codes.data.ptr), np.int64(n), P(scales.data.ptr), P(out.data.ptr)))
+    return out

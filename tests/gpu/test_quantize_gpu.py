@@ -1,0 +1,92 @@
+"""QuantizeFP8's fast GPU path (stages/quantize_fast.py: tables built from fp8_bits' logic, then
+lookups) against the CPU twin, byte for byte, on the device machine (skipped without a GPU):
+every 16-bit pattern, scales spanning the whole exponent range, ragged lengths, misaligned
+input (which takes the Numba kernels), hostile scales on decode."""
+import numpy as np
+import pytest
+
+import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
+
+from kvzip.backends import get_backend
+from kvzip.formats import FORMATS
+from kvzip.frame import Frame
+from kvzip.stages import quantize_fast
+from kvzip.stages.quantize_fp8 import QuantizeFP8
+
+CPU, GPU = get_backend("cpu"), get_backend("cuda")
+PAIRS = [(src, fp8) for src in ("bf16", "fp16") for fp8 in ("e5m2", "e4m3")]
+rng = np.random.default_rng(7)
+
+
+def frame(backend, bits, fmt, **streams):
+    meta = {"dtype": FORMATS[fmt].dtype_name, "shape": [bits.size], "n": bits.size, "format": fmt}
+    return Frame(backend, {"data": backend.from_numpy(bits), **streams}, meta)
+
+
+def assert_same_both_ways(src, fp8, bits, expect_fast=True):
+    """Encode and decode on the CPU and the GPU; every stream byte-identical."""
+    stage = QuantizeFP8(fp8)
+    gpu_in = frame(GPU, bits, src)
+    assert quantize_fast.usable(GPU, src, fp8, "tensor", gpu_in.streams["data"]) == expect_fast
+    cpu, gpu = stage.encode(frame(CPU, bits, src)), stage.encode(gpu_in)
+    for name in ("data", "scales"):
+        assert cpu.streams[name].tobytes() == GPU.to_numpy(gpu.streams[name]).tobytes(), name
+    a, b = stage.decode(cpu).streams["data"], GPU.to_numpy(stage.decode(gpu).streams["data"])
+    assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("src,fp8", PAIRS)
+def test_every_16bit_pattern_matches_cpu(src, fp8):
+    # NaNs, infinities and subnormals included; the amax is the largest finite magnitude.
+    assert_same_both_ways(src, fp8, rng.permutation(np.arange(1 << 16, dtype=np.uint16)))
+
+
+@pytest.mark.parametrize("src,fp8", PAIRS)
+@pytest.mark.parametrize("top_exponent", [0, 1, 3, 9, 15, 20, 30, 127, 200, 254])
+def test_scales_across_the_exponent_range_match_cpu(src, fp8, top_exponent):
+    # Values with biased exponents up to top_exponent (clipped to the source's range), so the
+    # scale walks from the 2^-126 clamp to huge; rounding ties and subnormal codes are hit.
+    f = FORMATS[src]
+    top = min(top_exponent, (1 << f.exp_bits) - 2)
+    exps = rng.integers(0, top + 1, 100_003).astype(np.uint16)
+    bits = (rng.integers(0, 2, exps.size).astype(np.uint16) << 15) | (exps << f.mant_bits) | \
+        rng.integers(0, 1 << f.mant_bits, exps.size).astype(np.uint16)
+    assert_same_both_ways(src, fp8, bits)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 15, 17, 4095, 1 << 20])
+def test_ragged_lengths_match_cpu(n):
+    assert_same_both_ways("bf16", "e5m2", rng.integers(0, 1 << 16, n, dtype=np.uint64).astype(np.uint16))
+
+
+def test_misaligned_input_takes_the_numba_kernels_and_matches_cpu():
+    bits = rng.integers(0, 1 << 16, 5001, dtype=np.uint64).astype(np.uint16)
+    stage = QuantizeFP8("e5m2")
+    gpu_in = frame(GPU, bits, "bf16")
+    gpu_in.streams["data"] = cupy.asarray(np.concatenate([np.zeros(1, np.uint16), bits]))[1:]  # 2 bytes off alignment
+    assert not quantize_fast.usable(GPU, "bf16", "e5m2", "tensor", gpu_in.streams["data"])
+    cpu, gpu = stage.encode(frame(CPU, bits, "bf16")), stage.encode(gpu_in)
+    assert cpu.streams["data"].tobytes() == GPU.to_numpy(gpu.streams["data"]).tobytes()
+
+
+@pytest.mark.parametrize("src,fp8", PAIRS)
+@pytest.mark.parametrize("scale", [np.nan, np.inf, -np.inf, 0.0, -2.5, 1e-45, 2.0 ** -126, 3e38, 1.0, 0.0173])
+def test_decode_of_every_code_under_hostile_scales_matches_cpu(src, fp8, scale):
+    codes = np.tile(np.arange(256, dtype=np.uint8), 3)
+    outs = []
+    for backend in (CPU, GPU):
+        scales = backend.from_numpy(np.array([scale], np.float32))
+        f = Frame(backend, {"data": backend.from_numpy(codes), "scales": scales},
+                  {"dtype": FORMATS[src].dtype_name, "shape": [codes.size], "n": codes.size, "format": fp8,
+                   "quantize_fp8": {"source_format": src}})
+        outs.append(backend.to_numpy(QuantizeFP8(fp8).decode(f).streams["data"]))
+    assert outs[0].tobytes() == outs[1].tobytes()
+
+
+def test_fast_path_off_uses_numba_and_agrees(monkeypatch):
+    bits = rng.integers(0, 1 << 16, 10_000, dtype=np.uint64).astype(np.uint16)
+    fast = QuantizeFP8("e4m3").encode(frame(GPU, bits, "bf16"))
+    monkeypatch.setattr(quantize_fast, "ENABLED", False)
+    slow = QuantizeFP8("e4m3").encode(frame(GPU, bits, "bf16"))
+    for name in ("data", "scales"):
+        assert GPU.to_numpy(fast.streams[name]).tobytes() == GPU.to_numpy(slow.streams[name]).tobytes()
