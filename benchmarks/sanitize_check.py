@@ -59,4 +59,15 @@ for rate in (0.0, 0.01, 0.05, 0.002):
     xs = [cupy.asarray(bits), cupy.asarray(bits[::-1].copy())]
     backs = kvzip.decompress_many(kvzip.compress_many(xs, dtype="bf16"))
     assert all(bool(cupy.array_equal(a, b.reshape(-1).view(a.dtype))) for a, b in zip(xs, backs)), ("many", rate)
+# QuantizeFP8 per tensor (stages/quantize_fast.cu) in front, ragged lengths; repeated, so later
+# decodes take the remembered layout with the dequantize fused into kvz_decode.
+from kvzip import stages as S  # noqa: E402
+
+qpipe = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack(), S.EscapeStream(), S.Serialize()])
+for n in (70_001, 70_001, 70_001, 13):
+    bits = case(FORMATS["bf16"], n, False)
+    blob = qpipe.encode(cupy.asarray(bits), dtype="bf16")
+    first, again = qpipe.decode(blob), qpipe.decode(blob)
+    assert bool(cupy.array_equal(first, again)), ("quantized", n)
+    kvzip.decompress_many([blob, blob])
 print("sanitize workload done")

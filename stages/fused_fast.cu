@@ -686,18 +686,40 @@ __device__ __forceinline__ void patch_words(u32 w[8 / VPW], u32 pmask, u64 pexp)
     }
 }
 
-// Apply this lane's escapes (pmask bit j set: value j's exponent is byte j of pexp), then store.
-template <int E, int M, typename T>
-__device__ __forceinline__ void patch_store(T* __restrict__ dst, long long n, long long g, u32 v[8], u32 pmask, u64 pexp) {
+// Apply this lane's escapes (pmask bit j set: value j's exponent is byte j of pexp), then store
+// (DQ: FP8 codes turned into 16-bit values through table first).
+template <int E, int M, typename T, bool DQ>
+__device__ __forceinline__ void patch_store(void* __restrict__ dst, long long n, long long g, u32 v[8], u32 pmask,
+                                            u64 pexp, const u16* __restrict__ table) {
     if (pmask) {
 #pragma unroll
         for (int j = 0; j < 8; j++)
             if ((pmask >> j) & 1u) v[j] = (v[j] & ~(((1u << E) - 1u) << M)) | ((u32)((pexp >> (8 * j)) & 0xFF) << M);
     }
-    store_group(dst, n, g, v);
+    if constexpr (DQ) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = __ldg(table + (v[j] & 0xFFu));
+        store_group(static_cast<u16*>(dst), n, g, v);
+    } else {
+        store_group(static_cast<T*>(dst), n, g, v);
+    }
 }
 
-struct DecodeJob {  // all 8-byte fields: the host fills a uint64 array (ntensors, 14)
+template <bool B, typename A, typename C> struct Pick { using type = A; };  // std::conditional, NVRTC has no <type_traits>
+template <typename A, typename C> struct Pick<false, A, C> { using type = C; };
+
+// Eight FP8 codes (packed in two words) -> eight 16-bit values through table, one 16-byte store.
+__device__ __forceinline__ void store_dequantized(u16* __restrict__ dst, const u32 w[2], const u16* __restrict__ table) {
+    u32 o[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const u32 x = w[k >> 1] >> (16 * (k & 1));
+        o[k] = __ldg(table + (x & 0xFFu)) | ((u32)__ldg(table + ((x >> 8) & 0xFFu)) << 16);
+    }
+    *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+struct DecodeJob {  // all 8-byte fields: the host fills a uint64 array (ntensors, 15)
     static constexpr bool ENCODE = false;
     const u8* codes;
     const u8* rest;
@@ -712,6 +734,7 @@ struct DecodeJob {  // all 8-byte fields: the host fills a uint64 array (ntensor
     u64 dlo, dhi;           // the codebook: code c -> exponent byte c of dlo:dhi
     long long chunk_base;
     long long sb_base;
+    const u16* dq_table;    // kvz_decode<..., DQ = true>: FP8 code -> 16-bit value (QuantizeFP8's decode)
 };
 
 // A chunk's escapes, 32 at a time in registers: lane k holds escape base + k (position within the
@@ -740,8 +763,10 @@ __device__ __forceinline__ bool load_escapes(const DecodeJob& J, long long off, 
 
 // Dense pass, the mirror of kvz_encode: chunks dealt out statically, a warp walking its chunk in
 // steps of 32 * GPL groups, escapes applied in registers before one store per group.  Offsets
-// come from kvz_scan (chunk_off); a tensor it found broken is skipped.
-template <int E, int M, typename T, int GPL, int MINB>
+// come from kvz_scan (chunk_off); a tensor it found broken is skipped.  DQ (FP8 only): write each
+// value as J.dq_table maps it, QuantizeFP8's decode fused into the store (the codes never go to
+// memory: 2 bytes a value less traffic than decoding and then dequantizing).
+template <int E, int M, typename T, int GPL, int MINB, bool DQ = false>
 __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* __restrict__ jobs, int njobs,
                                                                 long long total_chunks, int chunk,
                                                                 const u64* __restrict__ chunk_off, u64* __restrict__ work) {
@@ -772,7 +797,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
         // this chunk's data, and group i of it at index i
         const u8* __restrict__ codes = J.codes + g0 * 4;
         const u8* __restrict__ rest = J.rest + g0 * R;
-        T* __restrict__ dst = static_cast<T*>(J.dst) + g0 * 8;
+        using Out = typename Pick<DQ, u16, T>::type;
+        Out* __restrict__ dst = static_cast<Out*>(J.dst) + g0 * 8;
+        const u16* __restrict__ table = J.dq_table;
         const u64 dlo = J.dlo, dhi = J.dhi;
         for (int s0 = 0; s0 < ng; s0 += STEP) {
             u32 w[GPL];
@@ -825,13 +852,14 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
                         u32 out[2];
                         decode_e5m2_words(w[q], (u32)rr[q].q[0], (u32)dlo, (u32)(dlo >> 32), (u32)dhi, (u32)(dhi >> 32), out);
                         if (pm[q]) patch_words<4, 2, 0x1Fu>(out, pm[q], pe[q]);
-                        *reinterpret_cast<uint2*>(dst + i * 8) = make_uint2(out[0], out[1]);
+                        if constexpr (DQ) store_dequantized(dst + i * 8, out, table);
+                        else *reinterpret_cast<uint2*>(dst + i * 8) = make_uint2(out[0], out[1]);
                         continue;
                     }
                 }
                 u32 v[8];
                 decode_raw<E, M>(w[q], rr[q], dlo, dhi, plane, high + HB * i, v);
-                patch_store<E, M, T>(dst, n, i, v, pm[q], pe[q]);
+                patch_store<E, M, T, DQ>(dst, n, i, v, pm[q], pe[q], table);
             }
         }
     }

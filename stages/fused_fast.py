@@ -59,6 +59,11 @@ def _instances(fmt):
             f"kvz_decode<{args},{dg},{db}>")
 
 
+def _dequantizing_decode(fmt) -> str:
+    """kvz_decode of an FP8 format writing 16-bit values through each job's dq_table."""
+    return _instances(fmt)[3][:-1] + ",true>"
+
+
 def slot_size(chunk: int) -> int:
     """Escapes kvz_encode keeps per chunk for kvz_scan to place (3 % of the chunk, at least 128:
     on the shipped real KV 0.15 % of 4096-value chunks hold 65 to 68); a chunk with more is
@@ -83,6 +88,7 @@ def _kernel(name: str, device_id: int):
         from kvzip.formats import FORMATS
 
         names = tuple(x for fmt in FORMATS.values() for x in _instances(fmt)) + ("kvz_finish_encode", "kvz_gather_heads")
+        names += tuple(_dequantizing_decode(fmt) for fmt in FORMATS.values() if fmt.itemsize == 1)
         k = _kernels[(name, device_id)] = _module(device_id, names).get_function(name)
     return k
 
@@ -435,31 +441,37 @@ def heads_from_block(block: np.ndarray, blobs) -> list[bytes]:
     return heads
 
 
+DECODE_COLUMNS = 15  # DecodeJob's 8-byte fields
+
+
 class _DecodeProgram:
     """The GPU side of decoding blobs of one format and chunk size holding ns values each: its
-    CallShape and the per-blob output offsets and chunk bases of the job table."""
+    CallShape and the per-blob output offsets and chunk bases of the job table.  dequantize: FP8
+    blobs whose values come out as 16-bit through each job's dq_table (column 14)."""
 
-    def __init__(self, fmt, chunk: int, ns: tuple, device: int):
+    def __init__(self, fmt, chunk: int, ns: tuple, device: int, dequantize: bool = False):
         k = len(ns)
         out_at, chunk_base, sb_base, fixed = 0, 0, 0, []
         self.views = []
+        itemsize = 2 if dequantize else fmt.itemsize
         for n in ns:
             fixed.append((out_at, chunk_base, sb_base))
             self.views.append((out_at, n))
-            out_at += -(-n * fmt.itemsize // BLOB_ALIGN) * BLOB_ALIGN
+            out_at += -(-n * itemsize // BLOB_ALIGN) * BLOB_ALIGN
             nchunks = -(-n // chunk)
             chunk_base += nchunks
             sb_base += -(-nchunks // SB_CHUNKS)
         self.fixed = np.array(fixed, np.uint64).reshape(k, 3)
-        self.out_bytes, self.dtype, self.errors_nb = out_at, fmt.uint_dtype, 8 * (1 + k)
+        self.out_bytes, self.dtype, self.errors_nb = out_at, np.dtype(np.uint16) if dequantize else fmt.uint_dtype, 8 * (1 + k)
         _, _, scan, dec = _instances(fmt)
+        dec = _dequantizing_decode(fmt) if dequantize else dec
         ops = [("upload", 1), ("zero", 1)]
         if chunk_base:
             ops += [_launch(scan, device, sb_base, (R(0), np.int32(k), np.int32(chunk), np.int32(0), P(0), R(1), R(2))),
                     _launch(dec, device, _chunk_grid(dec, device, chunk_base),
                             (R(0), np.int32(k), np.int64(chunk_base), np.int32(chunk), R(2), R(1)))]
         # Workspace: jobs | zeroed work (counter, per-tensor errors, look-back) | chunk offsets.
-        self.shape = call_graphs.CallShape((112 * k, 8 * (1 + k + sb_base), 8 * chunk_base),
+        self.shape = call_graphs.CallShape((8 * DECODE_COLUMNS * k, 8 * (1 + k + sb_base), 8 * chunk_base),
                                            tuple(ops) + (("download", 1, self.errors_nb),))
 
     def run(self, jobs: np.ndarray, stream, labels=None) -> list:
@@ -483,10 +495,12 @@ class _DecodeProgram:
         return [cupy.ndarray((n,), self.dtype, out.data + at) for at, n in self.views]
 
 
-def decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray, labels=None) -> list:
-    """Decode blobs from their job rows (kvz_decode's DecodeJob; columns 9, 12, 13 filled in here)."""
+def decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray, labels=None, dequantize: bool = False) -> list:
+    """Decode blobs from their job rows (kvz_decode's DecodeJob; columns 9, 12, 13 filled in here).
+    dequantize: FP8 blobs to 16-bit values through the tables column 14 points at."""
     device, stream = _current()
-    prog = call_graphs.cached(("decode", device, fmt.name, chunk, ns), lambda: _DecodeProgram(fmt, chunk, ns, device))
+    prog = call_graphs.cached(("decode", device, fmt.name, chunk, ns, dequantize),
+                              lambda: _DecodeProgram(fmt, chunk, ns, device, dequantize))
     return prog.run(jobs, stream, labels)
 
 
@@ -499,8 +513,8 @@ def decode_batch(frames: list[Frame], chunk: int, codebooks: list, labels=None) 
         st = frame.streams
         rows.append((st["codes"].data.ptr, st["rest"].data.ptr, st["esc_count"].data.ptr, st["esc_pos"].data.ptr,
                      st["esc_exp"].data.ptr, st["exp_high"].data.ptr, frame.n, st["esc_pos"].shape[0],
-                     st["exp_high"].shape[0], 0, *dlut_words(cb), 0, 0))
-    jobs = np.array(rows, np.uint64).reshape(len(frames), 14)
+                     st["exp_high"].shape[0], 0, *dlut_words(cb), 0, 0, 0))
+    jobs = np.array(rows, np.uint64).reshape(len(frames), DECODE_COLUMNS)
     return decode_jobs(frames[0].format, chunk, tuple(f.n for f in frames), jobs, labels)
 
 

@@ -8,7 +8,9 @@ stream table, except the three escape streams' sizes (and so the payload length 
 CRC), which follow each tensor's escape count.  After a blob decodes on the fast path, its header
 with those fields blanked is remembered as a *layout*.  A later blob whose header blanks to the
 same bytes only needs the varying fields checked: the CRC, the payload length, and escape
-streams laid out exactly as container.layout places them.  Anything else (a checksum, stored raw,
+streams laid out exactly as container.layout places them.  Pipelines with QuantizeFP8 (one scale
+per tensor) in front are remembered too: their codes decode the same way, then the stage turns
+them back into the caller's values with the blob's scale.  Anything else (a checksum, stored raw,
 other pipelines, a layout that differs) takes the general path, as before.  The kernels still
 check every value-dependent fact (escape counts, positions, totals) on each call.
 """
@@ -21,12 +23,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvzip import container
+from kvzip.backends import get_backend
 from kvzip.frame import Frame
 
-from . import fused_fast
+from . import fused_fast, quantize_fast
 
 MAX_LAYOUTS = 4096
 _FUSED_ONLY = ("exponent_split", "top16_pack", "escape_stream", "serialize")
+_QUANTIZED = ("quantize_fp8",) + _FUSED_ONLY  # QuantizeFP8 with one scale per tensor in front
 _ESCAPES = struct.Struct("<6Q")  # the last three stream table entries: esc_pos, esc_exp, exp_high (offset, bytes)
 _PREFIX = container.PREFIX.size
 
@@ -42,6 +46,7 @@ class Layout:
     escapes_at: int        # where the escape streams' table entries start in the header
     esc_pos_offset: int    # payload offset of esc_pos (fixed: every stream before it has a fixed size)
     row: np.ndarray        # the job row: codes, rest, esc_count addresses relative to the blob, n, codebook
+    dequantize: tuple | None = None  # (QuantizeFP8 stage, its frame meta, scales offset in the blob)
 
 
 _layouts: dict = {}
@@ -74,20 +79,27 @@ def remember(head: bytes, nbytes: int, opened: Frame, stages: list) -> None:
     (opened: its frame as serialize.open_blob gave it; stages: its recorded pipeline's)."""
     hdr = container.parse_header(head, nbytes)  # cached: the general path parsed it
     read = _read(head)
-    if hdr.flags or read is None or tuple(s.id for s in stages) != _FUSED_ONLY:
+    ids = tuple(s.id for s in stages)
+    if hdr.flags or read is None or ids not in (_FUSED_ONLY, _QUANTIZED):
         return
     if [s[0] for s in hdr.streams[-3:]] != ["esc_pos", "esc_exp", "exp_high"]:
         return
     from .top16_pack import frame_codebook
 
     at = {name: hdr.header_len + off for name, _, off, _ in hdr.streams}  # 16-byte multiples, like the header
+    dequantize = None
+    if ids == _QUANTIZED:
+        if stages[0].granularity != "tensor" or "scales" not in at:
+            return
+        meta = {k: opened.meta[k] for k in ("dtype", "shape", "n", "format", "quantize_fp8")}
+        dequantize = (stages[0], meta, at["scales"])
     row = np.array([[at["codes"], at["rest"], at["esc_count"], 0, 0, 0, opened.n, 0, 0, 0,
-                     *fused_fast.dlut_words(frame_codebook(opened)), 0, 0]], np.uint64)
+                     *fused_fast.dlut_words(frame_codebook(opened)), 0, 0, 0]], np.uint64)
     if len(_layouts) >= MAX_LAYOUTS:
         _layouts.clear()
     _layouts[read[0]] = Layout(opened.format, opened.dtype_format, tuple(opened.meta["shape"]), opened.n,
-                           stages[2].chunk, hdr.header_len, _PREFIX + 16 * (len(hdr.streams) - 3),
-                           hdr.streams[-3][2], row)
+                           stages[-2].chunk, hdr.header_len, _PREFIX + 16 * (len(hdr.streams) - 3),
+                           hdr.streams[-3][2], row, dequantize)
 
 
 def match(head: bytes, nbytes: int) -> tuple[Layout, np.ndarray] | None:
@@ -187,5 +199,33 @@ def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None) -> li
     """Decode blobs from their layouts and job rows (relative to each blob; changed in place).
     labels: what errors call each blob (its position in the caller's batch)."""
     jobs[:, :6] += np.array([b.data.ptr for b in blobs], np.uint64)[:, None]
-    return fused_fast.decode_jobs(layouts[0].fmt, layouts[0].chunk, tuple(layout.n for layout in layouts), jobs,
-                                  labels)
+    fmt, chunk, ns = layouts[0].fmt, layouts[0].chunk, tuple(layout.n for layout in layouts)
+    pair = _fused_dequantize(layouts, blobs)
+    if pair is not None:  # QuantizeFP8's decode applied by kvz_decode as it stores
+        tables = quantize_fast.dequantize_tables([b.data.ptr + layout.dequantize[2] for b, layout in zip(blobs, layouts)],
+                                                 *pair)
+        jobs[:, 14] = tables.data.ptr + 512 * np.arange(len(blobs), dtype=np.uint64)
+        return fused_fast.decode_jobs(fmt, chunk, ns, jobs, labels, dequantize=True)
+    bits = fused_fast.decode_jobs(fmt, chunk, ns, jobs, labels)
+    return [_dequantized(b, blob, layout) if layout.dequantize else b for b, blob, layout in zip(bits, blobs, layouts)]
+
+
+def _fused_dequantize(layouts: list, blobs: list) -> tuple | None:
+    """(fp8, source format) when every blob is of a quantized layout of one format pair that
+    quantize_fast handles (and its scale 16-byte aligned), else None."""
+    pairs = {(layout.fmt.name, layout.dequantize[1]["quantize_fp8"]["source_format"]) if layout.dequantize else None
+             for layout in layouts}
+    if len(pairs) != 1 or None in pairs:
+        return None
+    (pair,) = pairs
+    stage = layouts[0].dequantize[0]
+    aligned = all((b.data.ptr + layout.dequantize[2]) % 16 == 0 for b, layout in zip(blobs, layouts))
+    return pair if aligned and quantize_fast.usable(get_backend("cuda"), pair[1], pair[0], stage.granularity) else None
+
+
+def _dequantized(codes, blob, layout: Layout):
+    """The caller's values of a quantized layout: its QuantizeFP8 stage on the decoded codes and the
+    blob's scale (the stage checks the frame and takes the fast path where it can)."""
+    stage, meta, at = layout.dequantize
+    scales = blob[at:at + 4].view(np.float32)
+    return stage.decode(Frame(get_backend("cuda"), {"data": codes, "scales": scales}, dict(meta))).streams["data"]

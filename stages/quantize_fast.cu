@@ -9,6 +9,7 @@
 //   kvz_quant_table    scale from the amax, then code = quantize(magnitude) for all 2^15
 //   kvz_quantize       8 values per 16-byte load through the table in shared memory
 //   kvz_dequantize     the 256-entry table built per block from the scale, 8 codes per load
+//   kvz_dequant_tables tables alone, for fused_fast.cu's kvz_decode to apply as it stores
 //
 // The Numba kernels computed the rounding per value: on an H200 (2^28 bf16 values, ncu) amax
 // 573 us, quantize 1.52 ms and dequantize 1.51 ms, all at 91-95 % SM and 11-20 % DRAM
@@ -211,6 +212,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) kvz_quantize(const u16* sr
                           quantize_word(w.z, table) | (quantize_word(w.w, table) << 16));
     }
     for (i64 i = units * 8 + t; i < n; i += stride) out[i] = (u8)quantize_word(src[i], table);
+}
+
+// Block b: table b (256 entries: FP8 code -> 16-bit value) for the scale at scales[b], or at
+// single when scales is null.  For kvz_decode's dequantizing instance (fused_fast.cu).
+template <int E, int M, bool FN, int DE, int DM>
+__global__ void __launch_bounds__(THREADS) kvz_dequant_tables(const unsigned long long* scales, const float* single,
+                                                              u16* tables) {
+    const float* s = scales ? reinterpret_cast<const float*>(scales[blockIdx.x]) : single;
+    tables[256 * blockIdx.x + threadIdx.x] = (u16)dequantize(threadIdx.x, *s, E, M, FN, DE, DM);  // THREADS == 256
 }
 
 template <int E, int M, bool FN, int DE, int DM>

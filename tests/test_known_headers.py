@@ -98,17 +98,35 @@ def test_headers_it_cannot_vouch_for_are_refused(remembered):
     assert known_headers.match(head_of(checked), checked.shape[0]) is None
 
 
-def test_only_fused_fast_path_layouts_are_remembered():
-    known_headers._layouts.clear()
-    pipe = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack(), S.EscapeStream(), S.Serialize()])
-    blob = pipe.encode(real_bits(), dtype="bf16")
+def remember_blob(blob):
     head = head_of(blob)
     opened = open_blob(get_backend("cpu"), blob, head)
     known_headers.remember(head, blob.shape[0], opened, recorded_pipeline(opened.meta).stages)
-    checked = kvzip.compress(real_bits(), dtype="bf16", checksum=True)
-    head = head_of(checked)
-    opened = open_blob(get_backend("cpu"), checked, head)
-    known_headers.remember(head, checked.shape[0], opened, recorded_pipeline(opened.meta).stages)
+
+
+def quantized_pipeline(granularity):
+    return kvzip.Pipeline([S.QuantizeFP8("e5m2", granularity), S.ExponentSplit(), S.Top16Pack(), S.EscapeStream(),
+                           S.Serialize()])
+
+
+def test_per_tensor_quantized_layouts_are_remembered_with_their_scale():
+    known_headers._layouts.clear()
+    blob = quantized_pipeline("tensor").encode(real_bits(), dtype="bf16")
+    remember_blob(blob)
+    (layout,) = known_headers._layouts.values()
+    stage, meta, scales_at = layout.dequantize
+    hdr = container.parse_header(head_of(blob), blob.shape[0])
+    at = {name: hdr.header_len + off for name, _, off, _ in hdr.streams}
+    assert stage.id == "quantize_fp8" and stage.granularity == "tensor" and scales_at == at["scales"]
+    assert (layout.fmt.name, layout.dtype_format.name, meta["quantize_fp8"]) == ("e5m2", "bf16", {"source_format": "bf16"})
+    assert known_headers.match(head_of(blob), blob.shape[0])[0] is layout
+    known_headers._layouts.clear()
+
+
+def test_per_channel_quantized_and_checksummed_layouts_are_not_remembered():
+    known_headers._layouts.clear()
+    remember_blob(quantized_pipeline("channel").encode(real_bits().reshape(-1, 64), dtype="bf16"))
+    remember_blob(kvzip.compress(real_bits(), dtype="bf16", checksum=True))
     assert known_headers._layouts == {}
 
 

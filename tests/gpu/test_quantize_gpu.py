@@ -7,10 +7,13 @@ import pytest
 
 import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
 
+import kvzip
+from kvzip import stages as S
 from kvzip.backends import get_backend
+from kvzip.data import load_sample
 from kvzip.formats import FORMATS
 from kvzip.frame import Frame
-from kvzip.stages import quantize_fast
+from kvzip.stages import known_headers, quantize_fast
 from kvzip.stages.quantize_fp8 import QuantizeFP8
 
 CPU, GPU = get_backend("cpu"), get_backend("cuda")
@@ -90,3 +93,42 @@ def test_fast_path_off_uses_numba_and_agrees(monkeypatch):
     slow = QuantizeFP8("e4m3").encode(frame(GPU, bits, "bf16"))
     for name in ("data", "scales"):
         assert GPU.to_numpy(fast.streams[name]).tobytes() == GPU.to_numpy(slow.streams[name]).tobytes()
+
+
+def real_kv_bf16(n, part):
+    """Part `part` of the shipped real KV (BF16 bits), n values: compressible, as stored-raw blobs
+    would take the general path."""
+    sample = np.concatenate([v.view(np.uint16).ravel() for v in load_sample("prose").values()])
+    return sample[part * n:(part + 1) * n].copy()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_quantized_blobs_decode_through_remembered_layouts(fast, monkeypatch):
+    """After one decode of a QuantizeFP8 (per tensor) pipeline's blob, blobs of its layout skip the
+    header checks (stages/known_headers.py) and still decode to what the CPU gives, singly and
+    in a batch: dequantized by kvz_decode as it stores, or (fast path off) by the Numba kernel."""
+    monkeypatch.setattr(quantize_fast, "ENABLED", fast)
+    calls = []  # per blob decoded through a remembered layout: "fused" into kvz_decode, or "stage"
+    stage_decode, decode_jobs = known_headers._dequantized, known_headers.fused_fast.decode_jobs
+
+    def spy_jobs(*a, dequantize=False, **k):
+        calls.extend(["fused"] * a[3].shape[0] if dequantize else [])
+        return decode_jobs(*a, dequantize=dequantize, **k)
+
+    monkeypatch.setattr(known_headers, "_dequantized", lambda *a: calls.append("stage") or stage_decode(*a))
+    monkeypatch.setattr(known_headers.fused_fast, "decode_jobs", spy_jobs)
+    via = "fused" if fast else "stage"
+    known_headers._layouts.clear()
+    pipe = kvzip.Pipeline([QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack(), S.EscapeStream(), S.Serialize()])
+    inputs = [real_kv_bf16(3 * 4101, part) for part in range(3)]  # one shape, other values and scales
+    expect = [pipe.decode(pipe.encode(b.reshape(3, -1), dtype="bf16")).reshape(-1).view(np.uint16) for b in inputs]
+    blobs = [pipe.encode(cupy.asarray(b).reshape(3, -1), dtype="bf16") for b in inputs]
+    assert not any(kvzip.info(b)["stored_raw"] for b in blobs)
+    got = [pipe.decode(blob) for blob in blobs]
+    assert len(known_headers._layouts) == 1 and calls == [via] * 2  # the first blob took the general path
+    got += kvzip.decompress_many(blobs)
+    assert calls == [via] * 5
+    for g, e in zip(got, expect + expect):
+        assert g.shape == (3, 4101)
+        np.testing.assert_array_equal(g.reshape(-1).view(np.uint16).get(), e)
+    known_headers._layouts.clear()
