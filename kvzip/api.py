@@ -226,8 +226,7 @@ def _encode_many_general(pipe: Pipeline, xs, dtype, backend) -> list:
             for j, (i, frame, origin) in enumerate(members):
                 if batch.fits[j]:
                     blob = batch.blob(j)
-                    if len(steps) == 1 and not serialize.checksum:  # later tensors of this shape take the lane
-                        pipe._remember_lane(frame, batch.plans[j], fused)
+                    pipe._remember_lane(frame, batch.plans[j], steps, serialize.checksum)  # later tensors: the lane
                 else:  # incompressible: stored raw, as encode() would
                     blob = pipe._stored(frame).streams["blob"]
                 out[i] = arrays.export_bytes(blob, origin)

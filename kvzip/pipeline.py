@@ -128,8 +128,7 @@ class Pipeline:
                     batch = st.fused_fast.encode_batch([frame], step.top16, step.chunk, serialize.checksum)
                     if batch.fits[0]:
                         self.last_path = "fast"
-                        if i == 0 and not serialize.checksum:  # the whole body: let later tensors skip the set-up
-                            self._remember_lane(frame, batch.plans[0], step)
+                        self._remember_lane(frame, batch.plans[0], steps, serialize.checksum)
                         return Frame(frame.backend, {"blob": batch.blob(0)}, frame.meta)
                     return self._stored(before_split)
             frame = step.encode(frame)
@@ -137,15 +136,28 @@ class Pipeline:
             return self._stored(before_split)
         return serialize.encode(frame)
 
-    def _remember_lane(self, frame: Frame, plan, step) -> None:
+    def _remember_lane(self, frame: Frame, plan, steps: list, checksum: bool) -> None:
         """Keep what the fast path worked out for tensors of this format and shape (api.encode_with
-        sends the next one straight to it).  Stages are not changed after construction, so it
-        stays valid for this pipeline."""
+        sends the next one straight to it) when the program can do the whole body: the fused
+        step alone, or after QuantizeFP8 with one scale per tensor of 16-bit input (the program
+        then quantizes too).  frame: the fused step's input.  Stages are not changed after
+        construction, so a lane stays valid for this pipeline."""
+        st = _stages_module()
+        quantize = None
+        if checksum or len(steps) > 2:
+            return
+        if len(steps) == 2:
+            front = steps[0]
+            if not (isinstance(front, st.QuantizeFP8) and front.granularity == "tensor"):
+                return
+            quantize = frame.meta["quantize_fp8"]["source_format"]
+            if quantize not in st.quantize_fast.SOURCES:
+                return
         if len(self._encode_lanes) > 256:
             self._encode_lanes.clear()
-        fmt = frame.format
-        self._encode_lanes[(fmt.name, tuple(frame.meta["shape"]))] = _stages_module().fused_fast.EncodeLane(
-            plan, fmt, step.top16.codebook_for(fmt), step.chunk)
+        fmt, step = frame.format, steps[-1]
+        self._encode_lanes[(quantize or fmt.name, tuple(frame.meta["shape"]))] = st.fused_fast.EncodeLane(
+            plan, fmt, step.top16.codebook_for(fmt), step.chunk, quantize)
 
     def _stored(self, before_split: Frame) -> Frame:
         """The values raw (after any stages ahead of the split), flagged as a size fallback."""

@@ -120,6 +120,45 @@ __device__ __forceinline__ void load_raw(const T* __restrict__ src, long long n,
     }
 }
 
+// QuantizeFP8 (one scale per tensor) fused into the encode: the input is 16-bit (bf16/fp16) bits
+// and each value becomes its FP8 code as it loads, through table (2^15 entries: the code of each
+// magnitude, sign bit clear; stages/quantize_fast.cu builds it).  Same lookup as kvz_quantize.
+__device__ __forceinline__ u32 quantize_pair(u32 w, const u8* table) {
+    return (u32)table[w & 0x7FFFu] | ((w >> 8) & 0x80u) | (((u32)table[(w >> 16) & 0x7FFFu] | ((w >> 24) & 0x80u)) << 8);
+}
+
+__device__ __forceinline__ void load_quantized_full(const u16* __restrict__ src, long long g, Raw<u8>& r,
+                                                    const u8* table) {
+    const uint4 q = *reinterpret_cast<const uint4*>(src + g * 8);
+    r.w[0] = quantize_pair(q.x, table) | (quantize_pair(q.y, table) << 16);
+    r.w[1] = quantize_pair(q.z, table) | (quantize_pair(q.w, table) << 16);
+}
+
+__device__ __forceinline__ void load_quantized(const u16* __restrict__ src, long long n, long long g, Raw<u8>& r,
+                                               const u8* table) {
+    const long long i0 = g * 8;
+    if (i0 + 8 <= n) {
+        load_quantized_full(src, g, r, table);
+        return;
+    }
+    r.w[0] = r.w[1] = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        if (i0 + j < n) r.w[j >> 2] |= (quantize_pair(src[i0 + j], table) & 0xFFu) << (8 * (j & 3));
+}
+
+// load_group for the scan's redo paths: plain bits, or (table given) quantized ones.
+template <typename T>
+__device__ __forceinline__ void load_values(const void* src, long long n, long long g, u32 v[8], const u8* table) {
+    if (table) {
+        const u16* s16 = static_cast<const u16*>(src);
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = g * 8 + j < n ? quantize_pair(s16[g * 8 + j], table) & 0xFFu : 0u;
+    } else {
+        load_group(static_cast<const T*>(src), n, g, v);
+    }
+}
+
 template <typename T>
 __device__ __forceinline__ u32 raw_value(const Raw<T>& r, int j) {
     if constexpr (sizeof(T) == 1) return (r.w[j >> 2] >> (8 * (j & 3))) & 0xFF;
@@ -330,11 +369,11 @@ __device__ __forceinline__ u32 encode_raw(const Raw<T>& raw, long long n, long l
 
 // Rewrite one group of a plane-coded chunk: low exponent nibbles as codes, high bits in exp_high.
 template <int E, int M, typename T>
-__device__ __forceinline__ void encode_plane(const T* __restrict__ src, long long n, long long g, u8* __restrict__ codes,
-                                             u8* __restrict__ high_out) {
+__device__ __forceinline__ void encode_plane(const void* src, long long n, long long g, u8* __restrict__ codes,
+                                             u8* __restrict__ high_out, const u8* qtable) {
     constexpr int HB = E - 4;
     u32 v[8];
-    load_group(src, n, g, v);
+    load_values<T>(src, n, g, v, qtable);
     u32 word = 0;
     u64 high = 0;
 #pragma unroll
@@ -348,7 +387,7 @@ __device__ __forceinline__ void encode_plane(const T* __restrict__ src, long lon
     for (int k = 0; k < HB; k++) high_out[k] = (u8)(high >> (8 * k));
 }
 
-// One tensor of a batch.  All fields are 8 bytes wide: the host fills a uint64 array (ntensors, 12).
+// One tensor of a batch.  All fields are 8 bytes wide: the host fills a uint64 array (ntensors, 14).
 struct EncodeJob {
     static constexpr bool ENCODE = true;
     const void* src;        // the values' bits
@@ -363,6 +402,8 @@ struct EncodeJob {
     u8* slot_exp;
     long long chunk_base;   // this tensor's first chunk in the batch-wide chunk numbering
     long long sb_base;      // and its first scan block (SB_CHUNKS chunks each)
+    const u8* q_table;      // QT kernels: the quantize table (src is then 16-bit bits)
+    float* q_scale;         // QT: where the blob's scales stream goes (kvz_quant_table writes it)
 };
 
 // The tensor that batch-wide index key (a chunk, or a scan block) belongs to: the last job whose
@@ -386,13 +427,23 @@ __device__ __forceinline__ int find_job(const Job* jobs, int njobs, long long ke
 // prefetching across chunks, a cursor per warp, or a cp.async ring in shared memory spent ~170
 // instructions a group on bookkeeping and stalled at 52-60 % of DRAM bandwidth (NOTES.md, v3-v4).
 // GPL: groups a lane handles per step; MINB: blocks per multiprocessor to fit.
-template <int E, int M, typename T, int GPL, int MINB>
+// QT (FP8 formats, one job): the values come in as 16-bit bits and are quantized as they load,
+// through jobs[0].q_table copied to shared memory (QuantizeFP8 per tensor fused in: the FP8
+// codes never go to memory).
+template <int E, int M, typename T, int GPL, int MINB, bool QT = false>
 __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* __restrict__ jobs, int njobs,
                                                                 long long total_chunks, int chunk, int slot,
                                                                 const u8* __restrict__ lut) {
     constexpr int HB = E - 4, R = M + 1, STEP = 32 * GPL;
     __shared__ u8 slut[1 << E];
     for (int i = threadIdx.x; i < (1 << E); i += blockDim.x) slut[i] = lut[i];
+    const u8* qtable = nullptr;
+    if constexpr (QT) {
+        __shared__ uint4 qtab[(1 << 15) / 16];
+        const uint4* tg = reinterpret_cast<const uint4*>(jobs[0].q_table);
+        for (int i = threadIdx.x; i < (1 << 15) / 16; i += blockDim.x) qtab[i] = tg[i];
+        qtable = reinterpret_cast<const u8*>(qtab);
+    }
     __syncthreads();
     const int lane = threadIdx.x & 31;
     const int gpc = chunk / 8;
@@ -404,6 +455,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
         const int ng = (int)min((long long)gpc, (n + 7) / 8);
         // this chunk's data, and group i of it at index i
         const T* __restrict__ src = static_cast<const T*>(J.src) + g0 * 8;
+        const u16* __restrict__ src16 = static_cast<const u16*>(J.src) + g0 * 8;  // QT
         u8* __restrict__ codes = J.codes + g0 * 4;
         u8* __restrict__ rest = J.rest + g0 * R;
         int count = 0;
@@ -412,7 +464,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
             u32 m[GPL], any = 0;
             if (s0 + STEP <= ng && (long long)(s0 + STEP) * 8 <= n) {  // every group of the step full: no checks
 #pragma unroll
-                for (int q = 0; q < GPL; q++) load_raw_full(src, s0 + q * 32 + lane, v[q]);
+                for (int q = 0; q < GPL; q++) {
+                    if constexpr (QT) load_quantized_full(src16, s0 + q * 32 + lane, v[q], qtable);
+                    else load_raw_full(src, s0 + q * 32 + lane, v[q]);
+                }
 #pragma unroll
                 for (int q = 0; q < GPL; q++) {
                     m[q] = encode_raw<E, M, T, true>(v[q], n, s0 + q * 32 + lane, slut, codes, rest);
@@ -421,7 +476,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
             } else {
 #pragma unroll
                 for (int q = 0; q < GPL; q++)
-                    if (s0 + q * 32 + lane < ng) load_raw(src, n, s0 + q * 32 + lane, v[q]);
+                    if (s0 + q * 32 + lane < ng) {
+                        if constexpr (QT) load_quantized(src16, n, s0 + q * 32 + lane, v[q], qtable);
+                        else load_raw(src, n, s0 + q * 32 + lane, v[q]);
+                    }
 #pragma unroll
                 for (int q = 0; q < GPL; q++) {
                     const int i = s0 + q * 32 + lane;
@@ -497,7 +555,7 @@ __device__ __forceinline__ u64 block_exclusive_sum(u64 mine, u64* total) {
 //   to their final place, a thread per escape; chunks with more escapes than a slot, or
 //   plane-coded ones, are redone from the input by a warp each (only escape-heavy data).
 // work: [0] ticket, [1 + t] tensor t's totals (encode) or error (decode), [1 + njobs + sb] status.
-template <int E, int M, typename T, typename Job>
+template <int E, int M, typename T, typename Job, bool QT = false>
 __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* __restrict__ jobs, int njobs, int chunk, int slot,
                                                      const u8* __restrict__ lut, u64* __restrict__ work,
                                                      u64* __restrict__ chunk_off) {
@@ -572,14 +630,17 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* __restrict__ jo
             J.esc_pos[esc_base + k] = J.slot_pos[at];
             J.exp_scratch[esc_base + k] = J.slot_exp[at];
         }
-        const T* __restrict__ src = static_cast<const T*>(J.src);
+        const void* src = J.src;
+        const u8* qtable = nullptr;  // QT: redo from the 16-bit input through the table (global: rare path)
+        if constexpr (ENC && QT) qtable = J.q_table;
         for (int r = wid; r < s_nredo; r += WARPS) {
             const int i = s_redo[r];
             const long long g0 = (c0 + i) * gpc;
             const int ng = (int)min((long long)gpc, G - g0);
             if (s_cnt[i] == PLANE) {
                 u8* high = J.high_scratch + (long long)HB * (long long)((prefix & GROUPS_MASK) + s_goff[i]);
-                for (int g = lane; g < ng; g += 32) encode_plane<E, M, T>(src, n, g0 + g, J.codes, high + (long long)HB * g);
+                for (int g = lane; g < ng; g += 32)
+                    encode_plane<E, M, T>(src, n, g0 + g, J.codes, high + (long long)HB * g, qtable);
                 continue;
             }
             // More escapes than a slot holds: collect them again, in order, straight to the output.
@@ -589,7 +650,7 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* __restrict__ jo
                 const int g = s + lane;
                 u32 v[8], m = 0;
                 if (g < ng) {
-                    load_group(src, n, g0 + g, v);
+                    load_values<T>(src, n, g0 + g, v, qtable);
 #pragma unroll
                     for (int j = 0; j < 8; j++)
                         m |= (u32)((g0 + g) * 8 + j < n && (lut[(v[j] >> M) & ((1u << E) - 1u)] & ESC_FLAG)) << j;

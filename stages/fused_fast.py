@@ -59,6 +59,13 @@ def _instances(fmt):
             f"kvz_decode<{args},{dg},{db}>")
 
 
+def _quantizing_encode(fmt) -> tuple[str, str]:
+    """kvz_encode and its scan for an FP8 format reading 16-bit values and quantizing them as
+    they load (QuantizeFP8 per tensor fused in)."""
+    enc, scan, _, _ = _instances(fmt)
+    return enc[:-1] + ",true>", scan[:-1] + ",true>"
+
+
 def _dequantizing_decode(fmt) -> str:
     """kvz_decode of an FP8 format writing 16-bit values through each job's dq_table."""
     return _instances(fmt)[3][:-1] + ",true>"
@@ -88,7 +95,8 @@ def _kernel(name: str, device_id: int):
         from kvzip.formats import FORMATS
 
         names = tuple(x for fmt in FORMATS.values() for x in _instances(fmt)) + ("kvz_finish_encode", "kvz_gather_heads")
-        names += tuple(_dequantizing_decode(fmt) for fmt in FORMATS.values() if fmt.itemsize == 1)
+        names += tuple(x for fmt in FORMATS.values() if fmt.itemsize == 1
+                       for x in (_dequantizing_decode(fmt), *_quantizing_encode(fmt)))
         k = _kernels[(name, device_id)] = _module(device_id, names).get_function(name)
     return k
 
@@ -261,13 +269,24 @@ def _config_key(config) -> str:
     return hit[1]
 
 
+ENCODE_COLUMNS = 14  # EncodeJob's 8-byte fields
+QUANTIZE_TABLE = 1 << 15  # bytes of QuantizeFP8's table (a code per 15-bit magnitude)
+
+
 class _EncodeProgram:
     """The GPU side of encode_batch for one batch shape (the plans of its tensors, in order): its
     CallShape, and the job tables with every address that does not move between calls filled in
-    (the blobs' addresses are relative to the output buffer, the inputs' are added per call)."""
+    (the blobs' addresses are relative to the output buffer, the inputs' are added per call).
 
-    def __init__(self, plans: tuple, fmt, cb, chunk: int, device: int):
+    quantize (one tensor): the name of its 16-bit source format; the input is then those values,
+    and the program runs QuantizeFP8 (per tensor) first: amax and table kernels of
+    quantize_fast, the table kernel writing the blob's scales stream, then the quantizing
+    instances of kvz_encode and kvz_scan."""
+
+    def __init__(self, plans: tuple, fmt, cb, chunk: int, device: int, quantize: str | None = None):
         k = len(plans)
+        if quantize and k != 1:
+            raise ValueError("a quantizing encode program takes one tensor")
         self.plans = plans  # held: the cache key is their ids
         templates = {}
         for p in plans:
@@ -284,6 +303,17 @@ class _EncodeProgram:
         self.sizes_nb, work_nb = 24 * k, 8 * (1 + k + total_sb)
         enc, scan, _, _ = _instances(fmt)
         ops = [("upload", 3), ("zero", 3)]
+        if quantize:
+            from . import quantize_fast
+
+            enc, scan = _quantizing_encode(fmt)
+            amax, table = quantize_fast.kernels(quantize, fmt.name, device)
+            p = plans[0]
+            ops += [("zero", 9),
+                    ("launch", amax, (quantize_fast.grid(p.n // 8, device),), (quantize_fast.THREADS,),
+                     (P(0), R(0), np.int64(p.n), R(9))),  # src: word 0 of the job table
+                    ("launch", table, (QUANTIZE_TABLE // quantize_fast.THREADS,), (quantize_fast.THREADS,),
+                     (R(9), P(0), R(0), np.int32(13), np.int32(p.nxt["scales"] - p.off["scales"]), R(10)))]
         if total_chunks:
             lut = P(_device_lut(fmt.name, cb.exponents, device))
             ops += [_launch(enc, device, _chunk_grid(enc, device, total_chunks),
@@ -293,8 +323,12 @@ class _EncodeProgram:
         ops += [_launch("kvz_finish_encode", device, (max(1, min(128, total_chunks // 64)), k),
                         (R(1), R(3), np.int32(k), np.int32(fmt.high_exp_bits), R(4))),
                 ("download", 4, self.sizes_nb)]
-        ws = self.shape = call_graphs.CallShape((96 * k, 112 * k, tmpl_host.nbytes, work_nb, self.sizes_nb, exp_at[-1],
-                                                 high_at[-1], 2 * total_chunks * slot, total_chunks * slot), tuple(ops))
+        # Regions: encode jobs | finish jobs | templates | zeroed work | sizes | esc_exp and exp_high
+        # scratch | escape slots | (quantize) amax, table.
+        ws = self.shape = call_graphs.CallShape((8 * ENCODE_COLUMNS * k, 112 * k, tmpl_host.nbytes, work_nb,
+                                                 self.sizes_nb, exp_at[-1], high_at[-1], 2 * total_chunks * slot,
+                                                 total_chunks * slot) + ((16, QUANTIZE_TABLE) if quantize else ()),
+                                                tuple(ops))
         exp_ptr, high_ptr, slot_pos, slot_exp = ws.ptr(5), ws.ptr(6), ws.ptr(7), ws.ptr(8)
         enc_rows, fin_rows = [], []
         for i, p in enumerate(plans):
@@ -302,7 +336,8 @@ class _EncodeProgram:
             e_at, h_at = exp_ptr + exp_at[i], high_ptr + high_at[i]
             enc_rows.append((0, p.n, pay + p.off["codes"], pay + p.off["rest"], pay + p.off["esc_count"],
                              pay + p.off["esc_pos"], e_at, h_at, slot_pos + 2 * slot * chunk_base[i],
-                             slot_exp + slot * chunk_base[i], chunk_base[i], sb_base[i]))
+                             slot_exp + slot * chunk_base[i], chunk_base[i], sb_base[i],
+                             ws.ptr(10) if quantize else 0, pay + p.off["scales"] if quantize else 0))
             fin_rows.append((starts[i], ws.ptr(2) + templates[p.header], len(p.header), p.table_at, e_at, h_at,
                              p.off["esc_pos"], *p.pads, 0 if p.flags & container.FLAG_CHECKSUM else 1))
         ws.put(0, np.array(enc_rows, np.uint64))
@@ -311,8 +346,10 @@ class _EncodeProgram:
         # Per call only the inputs' and the output buffer's addresses change: where they go in the
         # staged tables (as uint64 indices), and the output-relative values to add the buffer to.
         fin_at = ws.offsets[1] // 8
-        self.src_at = np.arange(k) * 12
-        self.out_at = np.concatenate([(np.arange(k)[:, None] * 12 + np.arange(2, 6)).ravel(), fin_at + np.arange(k) * 14])
+        self.src_at = np.arange(k) * ENCODE_COLUMNS
+        out_cols = np.arange(2, 6) if not quantize else np.array([2, 3, 4, 5, 13])  # codes .. esc_pos (scales)
+        self.out_at = np.concatenate([(np.arange(k)[:, None] * ENCODE_COLUMNS + out_cols).ravel(),
+                                      fin_at + np.arange(k) * 14])
         self.out_rel = ws.staged[self.out_at].copy()  # codes, rest, esc_count, esc_pos; each blob's start
         self.starts = np.array(starts[:-1], np.int64)
         self.total = starts[-1]
@@ -342,7 +379,7 @@ def encode_batch(frames: list[Frame], top16, chunk: int, checksum: bool) -> Enco
         srcs.append(frame.expect("data", fmt.uint_dtype, frame.n).data.ptr)
     device, stream = _current()
     plans = tuple(plans)
-    prog = call_graphs.cached(("encode", device, *map(id, plans)),  # ids are safe: the program holds the plans
+    prog = call_graphs.cached(("encode", device, *map(id, plans), None),  # ids are safe: the program holds the plans
                               lambda: _EncodeProgram(plans, fmt, cb, chunk, device))
     buffer = cupy.empty(max(prog.total, 1), np.uint8)
     starts = prog.starts
@@ -383,22 +420,33 @@ class EncodeLane:
     fmt: object
     codebook: object
     chunk: int
+    quantize: str | None = None  # QuantizeFP8 per tensor in front: the 16-bit source format taken
 
     def encode(self, bits):
         """The blob of bits (a 16-byte aligned CuPy array of plan.n values), or None when the
-        payload comes out larger than the values (the general path then stores them raw)."""
+        payload comes out larger than the values (the general path then stores them raw) or
+        the lane quantizes and quantize_fast is off."""
         return encode_lanes([self], [bits])[0]
 
 
 def encode_lanes(lanes: list[EncodeLane], bits: list) -> list:
-    """EncodeLane.encode for several tensors of one pipeline and format in one program run."""
+    """EncodeLane.encode for several tensors of one pipeline and format in one program run
+    (quantizing lanes: a run each, their tables per tensor)."""
+    if any(lane.quantize for lane in lanes):
+        from . import quantize_fast
+
+        if not quantize_fast.ENABLED:
+            return [None] * len(lanes)
+        if len(lanes) > 1:
+            return [out for lane, b in zip(lanes, bits) for out in encode_lanes([lane], [b])]
     import cupy
 
     device, stream = _current()
     plans = tuple(lane.plan for lane in lanes)
     first = lanes[0]
-    prog = call_graphs.cached(("encode", device, *map(id, plans)),  # encode_batch's key for these plans
-                              lambda: _EncodeProgram(plans, first.fmt, first.codebook, first.chunk, device))
+    prog = call_graphs.cached(("encode", device, *map(id, plans), first.quantize),  # encode_batch's key too
+                              lambda: _EncodeProgram(plans, first.fmt, first.codebook, first.chunk, device,
+                                                     first.quantize))
     buffer = cupy.empty(prog.total, np.uint8)
     payloads = prog.run([b.data.ptr for b in bits], buffer.data.ptr, stream)[:, 2]
     return [cupy.ndarray((int(h + p),), np.uint8, buffer.data + int(s)) if p <= raw else None

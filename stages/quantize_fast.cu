@@ -147,8 +147,11 @@ constexpr int THREADS = 256;
 
 // Max finite magnitude bits of n 16-bit values of a format with SE exponent and SM mantissa bits,
 // folded into *out (zeroed by the caller) with one atomicMax per block.
+// src_at (when not null) holds src's address: a job table that a replayed CUDA graph updates per call.
 template <int SE, int SM>
-__global__ void __launch_bounds__(THREADS) kvz_amax(const u16* src, i64 n, unsigned* out) {
+__global__ void __launch_bounds__(THREADS) kvz_amax(const u16* src, const unsigned long long* src_at, i64 n,
+                                                    unsigned* out) {
+    if (src_at) src = reinterpret_cast<const u16*>(*src_at);
     constexpr unsigned INF = ((1u << SE) - 1) << SM;
     const unsigned INF2 = INF | (INF << 16);
     const uint4* v = reinterpret_cast<const uint4*>(src);
@@ -182,11 +185,18 @@ __global__ void __launch_bounds__(THREADS) kvz_amax(const u16* src, i64 n, unsig
 // The scale of the tensor into *scale, and the FP8 code (sign bit clear) of every 15-bit source
 // magnitude into table[0 .. 2^15): quantizing is symmetric, so a value's code is its magnitude's
 // with the sign bit copied.
+// addrs (when not null): the scale's address is word scale_word of it instead (the blob's scales
+// stream, from the job table of fused_fast's quantizing encode), and the scale_span - 4 bytes
+// after the scale are zeroed (the stream's padding).
 template <int SE, int SM, int E, int M, bool FN>
-__global__ void __launch_bounds__(THREADS) kvz_quant_table(const unsigned* amax, float* scale, u8* table) {
+__global__ void __launch_bounds__(THREADS) kvz_quant_table(const unsigned* amax, float* scale,
+                                                           const unsigned long long* addrs, int scale_word,
+                                                           int scale_span, u8* table) {
     float s = scale_from_amax(*amax, SE, SM, E, M, FN);
     int mag = blockIdx.x * THREADS + threadIdx.x;
+    if (addrs) scale = reinterpret_cast<float*>(addrs[scale_word]);
     if (mag == 0) *scale = s;
+    if (mag > 0 && mag < scale_span / 4) reinterpret_cast<unsigned*>(scale)[mag] = 0;
     if (mag < (1 << 15)) table[mag] = (u8)quantize(mag, SE, SM, s, E, M, FN);
 }
 

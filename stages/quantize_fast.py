@@ -62,7 +62,7 @@ def _grid_cap(device_id: int) -> int:
     return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"] * 8
 
 
-def _grid(units: int, device_id: int) -> int:
+def grid(units: int, device_id: int) -> int:
     return max(1, min(-(-units // THREADS), _grid_cap(device_id)))
 
 
@@ -70,6 +70,13 @@ def usable(backend, source: str, fp8: str, granularity: str, *arrays) -> bool:
     """True on a real GPU for per-tensor scales of bf16/fp16 input with 16-byte aligned buffers."""
     return (ENABLED and backend.name == "cuda" and not backend.simulated and granularity == "tensor"
             and source in SOURCES and fp8 in TARGETS and all(a.data.ptr % 16 == 0 for a in arrays))
+
+
+def kernels(source: str, fp8: str, device_id: int) -> tuple:
+    """(kvz_amax, kvz_quant_table) of a format pair: quantize() runs them, and fused_fast's
+    quantizing encode puts them in its CUDA graph ahead of kvz_encode."""
+    return (_kernel(f"kvz_amax<{_fields(source)}>", device_id),
+            _kernel(f"kvz_quant_table<{_fields(source)},{_fields(fp8)},{TARGETS[fp8]}>", device_id))
 
 
 def quantize(src, source: str, fp8: str):
@@ -83,12 +90,12 @@ def quantize(src, source: str, fp8: str):
     scales = cupy.empty(1, np.float32)
     codes = cupy.empty(n, np.uint8)
     P, N = np.uint64, np.int64(n)
-    _kernel(f"kvz_amax<{_fields(source)}>", dev)((_grid(n // 8, dev),), (THREADS,),
-                                                 (P(src.data.ptr), N, P(amax.data.ptr)))
-    _kernel(f"kvz_quant_table<{_fields(source)},{_fields(fp8)},{TARGETS[fp8]}>", dev)(
-        (TABLE_BYTES // THREADS,), (THREADS,), (P(amax.data.ptr), P(scales.data.ptr), P(work.data.ptr)))
+    amax_kernel, table_kernel = kernels(source, fp8, dev)
+    amax_kernel((grid(n // 8, dev),), (THREADS,), (P(src.data.ptr), P(0), N, P(amax.data.ptr)))
+    table_kernel((TABLE_BYTES // THREADS,), (THREADS,),
+                 (P(amax.data.ptr), P(scales.data.ptr), P(0), np.int32(0), np.int32(4), P(work.data.ptr)))
     if n:
-        _kernel("kvz_quantize", dev)((_grid(n // 8, dev),), (THREADS,),
+        _kernel("kvz_quantize", dev)((grid(n // 8, dev),), (THREADS,),
                                      (P(src.data.ptr), N, P(work.data.ptr), P(codes.data.ptr)))
     return codes, scales
 
@@ -102,7 +109,7 @@ def dequantize(codes, scales, fp8: str, source: str):
     if n:
         P = np.uint64
         _kernel(f"kvz_dequantize<{_fields(fp8)},{TARGETS[fp8]},{_fields(source)}>", dev)(
-            (_grid(n // 8, dev),), (THREADS,), (P(codes.data.ptr), np.int64(n), P(scales.data.ptr), P(out.data.ptr)))
+            (grid(n // 8, dev),), (THREADS,), (P(codes.data.ptr), np.int64(n), P(scales.data.ptr), P(out.data.ptr)))
     return out
 
 

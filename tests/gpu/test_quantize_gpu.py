@@ -132,3 +132,44 @@ def test_quantized_blobs_decode_through_remembered_layouts(fast, monkeypatch):
         assert g.shape == (3, 4101)
         np.testing.assert_array_equal(g.reshape(-1).view(np.uint16).get(), e)
     known_headers._layouts.clear()
+
+
+def with_outliers(bits, rate):
+    """bits with a fraction `rate` of values pushed to magnitudes far outside the rest, whose FP8
+    exponents then miss the codebook: escapes (3.6 % overfills kvz_encode's per-chunk slot, so
+    kvz_scan collects them again from the input; 10 % makes chunks plane-coded)."""
+    hit = rng.random(bits.size) < rate
+    out = bits.copy()
+    out[hit] = (out[hit] & 0x807F) | (rng.integers(60, 75, int(hit.sum())) << 7).astype(np.uint16)
+    return out
+
+
+@pytest.mark.parametrize("src,fp8", PAIRS)
+@pytest.mark.parametrize("rate", [0.0, 0.036, 0.10])
+@pytest.mark.parametrize("n", [4096 * 37 + 5, 1 << 18])
+def test_quantizing_lane_writes_the_general_paths_bytes(src, fp8, rate, n, monkeypatch):
+    """Once a QuantizeFP8 (per tensor) pipeline has encoded a shape on the fast path, later tensors
+    of the shape take its lane: one program that quantizes as it loads (kvz_encode<..., QT>).
+    Its blobs must be the CPU's, byte for byte, escapes redone from the input and plane-coded
+    chunks included."""
+    bits = with_outliers(real_kv_bf16(n, 0), rate)
+    if src == "fp16":  # the same magnitudes' spread in fp16 bits
+        bits = (bits.view(np.uint16) & 0x8000) | ((bits & 0x7FFF) >> 3)
+    pipe = kvzip.Pipeline([QuantizeFP8(fp8), S.ExponentSplit(), S.Top16Pack(), S.EscapeStream(), S.Serialize()])
+    cpu = pipe.encode(bits, dtype=src)
+    first = pipe.encode(cupy.asarray(bits), dtype=src)  # general path: registers the lane
+    np.testing.assert_array_equal(first.get(), cpu)
+    stored = kvzip.info(cpu)["stored_raw"]
+    lane = pipe._encode_lanes.get((src, (n,)))
+    assert stored or (lane is not None and lane.quantize == src)
+
+    def no_general_path(frame):
+        raise AssertionError("took the general path")
+
+    if not stored:
+        monkeypatch.setattr(pipe, "encode_frame", no_general_path)
+    for _ in range(2):  # the second run replays the CUDA graph
+        again = pipe.encode(cupy.asarray(bits), dtype=src)
+        np.testing.assert_array_equal(again.get(), cpu)
+    back = pipe.decode(again)
+    np.testing.assert_array_equal(back.reshape(-1).view(np.uint16).get(), pipe.decode(cpu).reshape(-1).view(np.uint16))
