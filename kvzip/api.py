@@ -92,8 +92,8 @@ def encode_with(pipe: Pipeline, x, *, dtype=None, backend=None):
     bits, fmt, shape, origin = arrays.import_tensor(x, dtype)
     be = get_backend(backend or origin.backend_name)
     with origin.stream_context():
-        lane = pipe._encode_lanes.get((fmt.name, shape))
-        if lane is not None and pipe.fuse and fused_fast.applicable(be, 0, bits):  # this shape ran fast before
+        lane = pipe._lane(fmt, shape, be, bits)
+        if lane is not None:  # this shape ran fast before
             blob = lane.encode(bits)
             if blob is not None:
                 pipe.last_path = "fast"
@@ -180,8 +180,8 @@ def _encode_many_by_lanes(pipe: Pipeline, xs, dtype, backend, out) -> list[int]:
     rest, groups = [], {}  # format -> [(index, bits, origin, lane)]
     for i, x in enumerate(xs):
         bits, fmt, shape, origin = arrays.import_tensor(x, dtype)
-        lane = pipe._encode_lanes.get((fmt.name, shape)) if pipe.fuse else None
-        if lane is not None and fused_fast.applicable(get_backend(backend or origin.backend_name), 0, bits):
+        lane = pipe._lane(fmt, shape, get_backend(backend or origin.backend_name), bits)
+        if lane is not None:
             groups.setdefault(fmt.name, []).append((i, bits, origin, lane))
         else:
             rest.append(i)

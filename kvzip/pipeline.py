@@ -136,6 +136,14 @@ class Pipeline:
             return self._stored(before_split)
         return serialize.encode(frame)
 
+    def _lane(self, fmt, shape: tuple, backend, bits):
+        """The lane for tensors of this format and shape, if there is one and bits (the input,
+        on backend) can take it; else None."""
+        lane = self._encode_lanes.get((fmt.name, shape)) if self.fuse else None
+        if lane is None or not _stages_module().fused_fast.applicable(backend, 0, bits):
+            return None
+        return lane
+
     def _remember_lane(self, frame: Frame, plan, steps: list, checksum: bool) -> None:
         """Keep what the fast path worked out for tensors of this format and shape (api.encode_with
         sends the next one straight to it) when the program can do the whole body: the fused

@@ -780,7 +780,7 @@ __device__ __forceinline__ void store_dequantized(u16* __restrict__ dst, const u
     *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-struct DecodeJob {  // all 8-byte fields: the host fills a uint64 array (ntensors, 15)
+struct DecodeJob {  // all 8-byte fields: the host fills a uint64 array (ntensors, 16)
     static constexpr bool ENCODE = false;
     const u8* codes;
     const u8* rest;
@@ -796,6 +796,7 @@ struct DecodeJob {  // all 8-byte fields: the host fills a uint64 array (ntensor
     long long chunk_base;
     long long sb_base;
     const u16* dq_table;    // kvz_decode<..., DQ = true>: FP8 code -> 16-bit value (QuantizeFP8's decode)
+    const float* dq_scale;  // and the blob's scale it is built from (quantize_fast.cu's kvz_dequant_tables)
 };
 
 // A chunk's escapes, 32 at a time in registers: lane k holds escape base + k (position within the

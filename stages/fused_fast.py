@@ -489,15 +489,18 @@ def heads_from_block(block: np.ndarray, blobs) -> list[bytes]:
     return heads
 
 
-DECODE_COLUMNS = 15  # DecodeJob's 8-byte fields
+DECODE_COLUMNS = 16  # DecodeJob's 8-byte fields
+DQ_TABLE, DQ_SCALE = 14, 15  # its columns for the dequantizing decode
 
 
 class _DecodeProgram:
     """The GPU side of decoding blobs of one format and chunk size holding ns values each: its
-    CallShape and the per-blob output offsets and chunk bases of the job table.  dequantize: FP8
-    blobs whose values come out as 16-bit through each job's dq_table (column 14)."""
+    CallShape and the per-blob output offsets and chunk bases of the job table.  dequantize:
+    (FP8 format, 16-bit format) of blobs of a QuantizeFP8 (per tensor) pipeline, whose values
+    come out in the 16-bit format: the program first builds each blob's table from the scale
+    column DQ_SCALE points at, and kvz_decode applies it as it stores."""
 
-    def __init__(self, fmt, chunk: int, ns: tuple, device: int, dequantize: bool = False):
+    def __init__(self, fmt, chunk: int, ns: tuple, device: int, dequantize: tuple | None = None):
         k = len(ns)
         out_at, chunk_base, sb_base, fixed = 0, 0, 0, []
         self.views = []
@@ -514,16 +517,24 @@ class _DecodeProgram:
         _, _, scan, dec = _instances(fmt)
         dec = _dequantizing_decode(fmt) if dequantize else dec
         ops = [("upload", 1), ("zero", 1)]
+        if dequantize:
+            from . import quantize_fast
+
+            ops.append(("launch", quantize_fast.dequant_tables_kernel(*dequantize, device), (k,), (256,),
+                        (R(0), np.int32(DQ_SCALE), np.int32(DECODE_COLUMNS), P(0), R(3))))
         if chunk_base:
             ops += [_launch(scan, device, sb_base, (R(0), np.int32(k), np.int32(chunk), np.int32(0), P(0), R(1), R(2))),
                     _launch(dec, device, _chunk_grid(dec, device, chunk_base),
                             (R(0), np.int32(k), np.int64(chunk_base), np.int32(chunk), R(2), R(1)))]
-        # Workspace: jobs | zeroed work (counter, per-tensor errors, look-back) | chunk offsets.
-        self.shape = call_graphs.CallShape((8 * DECODE_COLUMNS * k, 8 * (1 + k + sb_base), 8 * chunk_base),
+        # Workspace: jobs | zeroed work (counter, per-tensor errors, look-back) | chunk offsets
+        # (| dequantize tables).
+        self.shape = call_graphs.CallShape((8 * DECODE_COLUMNS * k, 8 * (1 + k + sb_base), 8 * chunk_base)
+                                           + ((512 * k,) if dequantize else ()),
                                            tuple(ops) + (("download", 1, self.errors_nb),))
+        self.tables = self.shape.ptr(3) + 512 * np.arange(k, dtype=np.uint64) if dequantize else None
 
     def run(self, jobs: np.ndarray, stream, labels=None) -> list:
-        """Decode the blobs jobs describe (columns 9, 12 and 13 are filled in here); returns their
+        """Decode the blobs jobs describe (columns 9, 12 and 13, and DQ_TABLE, are filled in here); returns their
         raw-bit arrays, views of one new buffer.  labels: what to call each blob in an error (its
         position in the caller's batch)."""
         import cupy
@@ -531,6 +542,8 @@ class _DecodeProgram:
         out = cupy.empty(max(self.out_bytes, 1), np.uint8)
         jobs[:, 9] = self.fixed[:, 0] + P(out.data.ptr)
         jobs[:, 12:14] = self.fixed[:, 1:3]
+        if self.tables is not None:
+            jobs[:, DQ_TABLE] = self.tables
         self.shape.put(0, jobs)
         # The validation result: the tensor errors after the work counter.
         errors = self.shape.run(stream)[8:self.errors_nb].view(np.uint64)
@@ -543,9 +556,10 @@ class _DecodeProgram:
         return [cupy.ndarray((n,), self.dtype, out.data + at) for at, n in self.views]
 
 
-def decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray, labels=None, dequantize: bool = False) -> list:
+def decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray, labels=None, dequantize: tuple | None = None) -> list:
     """Decode blobs from their job rows (kvz_decode's DecodeJob; columns 9, 12, 13 filled in here).
-    dequantize: FP8 blobs to 16-bit values through the tables column 14 points at."""
+    dequantize: (FP8 format, 16-bit format): blobs of a QuantizeFP8 (per tensor) pipeline, to
+    16-bit values, each with the scale column DQ_SCALE points at."""
     device, stream = _current()
     prog = call_graphs.cached(("decode", device, fmt.name, chunk, ns, dequantize),
                               lambda: _DecodeProgram(fmt, chunk, ns, device, dequantize))
@@ -561,7 +575,7 @@ def decode_batch(frames: list[Frame], chunk: int, codebooks: list, labels=None) 
         st = frame.streams
         rows.append((st["codes"].data.ptr, st["rest"].data.ptr, st["esc_count"].data.ptr, st["esc_pos"].data.ptr,
                      st["esc_exp"].data.ptr, st["exp_high"].data.ptr, frame.n, st["esc_pos"].shape[0],
-                     st["exp_high"].shape[0], 0, *dlut_words(cb), 0, 0, 0))
+                     st["exp_high"].shape[0], 0, *dlut_words(cb), 0, 0, 0, 0))
     jobs = np.array(rows, np.uint64).reshape(len(frames), DECODE_COLUMNS)
     return decode_jobs(frames[0].format, chunk, tuple(f.n for f in frames), jobs, labels)
 

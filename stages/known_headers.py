@@ -94,7 +94,7 @@ def remember(head: bytes, nbytes: int, opened: Frame, stages: list) -> None:
         meta = {k: opened.meta[k] for k in ("dtype", "shape", "n", "format", "quantize_fp8")}
         dequantize = (stages[0], meta, at["scales"])
     row = np.array([[at["codes"], at["rest"], at["esc_count"], 0, 0, 0, opened.n, 0, 0, 0,
-                     *fused_fast.dlut_words(frame_codebook(opened)), 0, 0, 0]], np.uint64)
+                     *fused_fast.dlut_words(frame_codebook(opened)), 0, 0, 0, 0]], np.uint64)
     if len(_layouts) >= MAX_LAYOUTS:
         _layouts.clear()
     _layouts[read[0]] = Layout(opened.format, opened.dtype_format, tuple(opened.meta["shape"]), opened.n,
@@ -202,10 +202,8 @@ def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None) -> li
     fmt, chunk, ns = layouts[0].fmt, layouts[0].chunk, tuple(layout.n for layout in layouts)
     pair = _fused_dequantize(layouts, blobs)
     if pair is not None:  # QuantizeFP8's decode applied by kvz_decode as it stores
-        tables = quantize_fast.dequantize_tables([b.data.ptr + layout.dequantize[2] for b, layout in zip(blobs, layouts)],
-                                                 *pair)
-        jobs[:, 14] = tables.data.ptr + 512 * np.arange(len(blobs), dtype=np.uint64)
-        return fused_fast.decode_jobs(fmt, chunk, ns, jobs, labels, dequantize=True)
+        jobs[:, fused_fast.DQ_SCALE] = [b.data.ptr + layout.dequantize[2] for b, layout in zip(blobs, layouts)]
+        return fused_fast.decode_jobs(fmt, chunk, ns, jobs, labels, dequantize=pair)
     bits = fused_fast.decode_jobs(fmt, chunk, ns, jobs, labels)
     return [_dequantized(b, blob, layout) if layout.dequantize else b for b, blob, layout in zip(bits, blobs, layouts)]
 

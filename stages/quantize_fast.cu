@@ -224,12 +224,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) kvz_quantize(const u16* sr
     for (i64 i = units * 8 + t; i < n; i += stride) out[i] = (u8)quantize_word(src[i], table);
 }
 
-// Block b: table b (256 entries: FP8 code -> 16-bit value) for the scale at scales[b], or at
-// single when scales is null.  For kvz_decode's dequantizing instance (fused_fast.cu).
+// Block b: table b (256 entries: FP8 code -> 16-bit value) for the scale whose address is word
+// word + b * stride of addrs (a job table of fused_fast's decode program), or at single when
+// addrs is null.  For kvz_decode's dequantizing instance (fused_fast.cu).
 template <int E, int M, bool FN, int DE, int DM>
-__global__ void __launch_bounds__(THREADS) kvz_dequant_tables(const unsigned long long* scales, const float* single,
-                                                              u16* tables) {
-    const float* s = scales ? reinterpret_cast<const float*>(scales[blockIdx.x]) : single;
+__global__ void __launch_bounds__(THREADS) kvz_dequant_tables(const unsigned long long* addrs, int word, int stride,
+                                                              const float* single, u16* tables) {
+    const float* s = addrs ? reinterpret_cast<const float*>(addrs[word + (long long)blockIdx.x * stride]) : single;
     tables[256 * blockIdx.x + threadIdx.x] = (u16)dequantize(threadIdx.x, *s, E, M, FN, DE, DM);  // THREADS == 256
 }
 

@@ -6,8 +6,8 @@ Per-channel scales and fp32 input stay on the Numba kernels of stages/quantize_f
 with the CPU twin are the reference these kernels are tested against byte for byte (tests/gpu).
 A quantize call is a memset and three launches (amax, scale + table, lookup); a dequantize call
 one launch (each block builds its 256-entry table from the scale).  Blobs whose layout
-stages/known_headers.py remembers skip the dequantize pass: kvz_decode applies the tables of
-dequantize_tables as it stores.
+stages/known_headers.py remembers skip the dequantize pass: fused_fast's decode program builds
+their tables (kvz_dequant_tables) and kvz_decode applies them as it stores.
 """
 from __future__ import annotations
 
@@ -113,18 +113,7 @@ def dequantize(codes, scales, fp8: str, source: str):
     return out
 
 
-def dequantize_tables(scale_ptrs: list[int], fp8: str, source: str):
-    """uint16[len(scale_ptrs), 256]: for each float32 scale (device addresses), FP8 code -> the
-    16-bit value dequantize gives.  kvz_decode applies them as it stores (fused_fast)."""
-    import cupy
 
-    k, P = len(scale_ptrs), np.uint64
-    tables = cupy.empty((k, 256), np.uint16)
-    if k == 1:
-        ptrs, single = P(0), P(scale_ptrs[0])
-    else:
-        held = cupy.asarray(np.array(scale_ptrs, np.uint64))  # freed after the launch: the pool is stream-ordered
-        ptrs, single = P(held.data.ptr), P(0)
-    _kernel(f"kvz_dequant_tables<{_fields(fp8)},{TARGETS[fp8]},{_fields(source)}>", tables.device.id)(
-        (k,), (THREADS,), (ptrs, single, P(tables.data.ptr)))
-    return tables
+def dequant_tables_kernel(fp8: str, source: str, device_id: int):
+    """kvz_dequant_tables of a format pair: fused_fast's dequantizing decode program runs it."""
+    return _kernel(f"kvz_dequant_tables<{_fields(fp8)},{TARGETS[fp8]},{_fields(source)}>", device_id)
