@@ -12,6 +12,11 @@ headers are written on the GPU.  Decoding reads the headers back once, then uplo
 runs two kernels (scan, dense pass) and reads back the validation result.  Each such sequence is
 a program cached per call shape and replayed as one CUDA graph (stages/call_graphs.py); the job
 tables keep every address that does not move between calls.
+
+QuantizeFP8 with one scale per tensor can ride inside: a quantizing encode program (one tensor)
+takes the 16-bit input, runs quantize_fast's amax and table kernels, and kvz_encode<..., QT>
+turns each value into its FP8 code as it loads; a dequantizing decode program builds each blob's
+256-entry table from its scale and kvz_decode<..., DQ> stores 16-bit values.
 """
 from __future__ import annotations
 

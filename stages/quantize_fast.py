@@ -5,9 +5,11 @@ logic, run through CuPy on the caller's stream.
 Per-channel scales and fp32 input stay on the Numba kernels of stages/quantize_fp8.py, which
 with the CPU twin are the reference these kernels are tested against byte for byte (tests/gpu).
 A quantize call is a memset and three launches (amax, scale + table, lookup); a dequantize call
-one launch (each block builds its 256-entry table from the scale).  Blobs whose layout
-stages/known_headers.py remembers skip the dequantize pass: fused_fast's decode program builds
-their tables (kvz_dequant_tables) and kvz_decode applies them as it stores.
+one launch (each block builds its 256-entry table from the scale).  Shapes a pipeline has
+encoded before skip the quantize pass: fused_fast's quantizing encode program runs amax and the
+table, then kvz_encode quantizes as it loads.  Blobs whose layout stages/known_headers.py
+remembers skip the dequantize pass: fused_fast's decode program builds their tables
+(kvz_dequant_tables) and kvz_decode applies them as it stores.
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ def _grid_cap(device_id: int) -> int:
 
 
 def grid(units: int, device_id: int) -> int:
+    """Blocks for a grid-stride kernel over `units` work items (at least one)."""
     return max(1, min(-(-units // THREADS), _grid_cap(device_id)))
 
 
@@ -77,6 +80,11 @@ def kernels(source: str, fp8: str, device_id: int) -> tuple:
     quantizing encode puts them in its CUDA graph ahead of kvz_encode."""
     return (_kernel(f"kvz_amax<{_fields(source)}>", device_id),
             _kernel(f"kvz_quant_table<{_fields(source)},{_fields(fp8)},{TARGETS[fp8]}>", device_id))
+
+
+def dequant_tables_kernel(fp8: str, source: str, device_id: int):
+    """kvz_dequant_tables of a format pair: fused_fast's dequantizing decode program runs it."""
+    return _kernel(f"kvz_dequant_tables<{_fields(fp8)},{TARGETS[fp8]},{_fields(source)}>", device_id)
 
 
 def quantize(src, source: str, fp8: str):
@@ -111,9 +119,3 @@ def dequantize(codes, scales, fp8: str, source: str):
         _kernel(f"kvz_dequantize<{_fields(fp8)},{TARGETS[fp8]},{_fields(source)}>", dev)(
             (grid(n // 8, dev),), (THREADS,), (P(codes.data.ptr), np.int64(n), P(scales.data.ptr), P(out.data.ptr)))
     return out
-
-
-
-def dequant_tables_kernel(fp8: str, source: str, device_id: int):
-    """kvz_dequant_tables of a format pair: fused_fast's dequantizing decode program runs it."""
-    return _kernel(f"kvz_dequant_tables<{_fields(fp8)},{TARGETS[fp8]},{_fields(source)}>", device_id)
