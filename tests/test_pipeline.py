@@ -327,3 +327,38 @@ def test_repr_and_stage_equality():
     p = kvzip.splitzip_pipeline(chunk=64)
     assert "EscapeStream(chunk=64)" in repr(p)
     assert ESC(64) == ESC(64) and ESC(64) != ESC(128) and SPLIT() != SER()
+
+
+def _frame_after(pipe, bits, fmt="bf16"):
+    """The frame the fused step would get: the pipeline's stages ahead of it run on the CPU."""
+    from kvzip.backends import get_backend
+    from kvzip.frame import Frame
+
+    frame = Frame(get_backend("cpu"), {"data": bits},
+                  {"dtype": FORMATS[fmt].dtype_name, "shape": [bits.size], "n": bits.size, "format": fmt})
+    steps = pipe._steps(pipe.stages[:-1])
+    for step in steps[:-1]:
+        frame = step.encode(frame)
+    return frame, steps
+
+
+@pytest.mark.parametrize("front,fmt,lane_key", [
+    ([], "bf16", "bf16"),
+    ([S.QuantizeFP8("e5m2")], "bf16", "bf16"),   # the lane quantizes: keyed by the caller's format
+    ([S.QuantizeFP8("e4m3")], "fp16", "fp16"),
+    ([S.QuantizeFP8("e5m2", "channel")], "bf16", None),  # a table per channel: no lane
+    ([S.QuantizeFP8("e5m2")], "fp32", None),      # 2^31 magnitudes: no table, no lane
+])
+def test_lanes_are_kept_only_for_bodies_one_program_can_run(front, fmt, lane_key):
+    pipe = kvzip.Pipeline(front + [S.ExponentSplit(), S.Top16Pack(), S.EscapeStream(), S.Serialize()])
+    bits = np.arange(4096, dtype=np.uint64).astype(FORMATS[fmt].uint_dtype)
+    frame, steps = _frame_after(pipe, bits, fmt)
+    pipe._remember_lane(frame, plan=None, steps=steps, checksum=True)
+    assert pipe._encode_lanes == {}  # a checksum is hashed on the host: never a lane
+    pipe._remember_lane(frame, plan=None, steps=steps, checksum=False)
+    if lane_key is None:
+        assert pipe._encode_lanes == {}
+    else:
+        (key, lane), = pipe._encode_lanes.items()
+        assert key == (lane_key, (4096,)) and lane.quantize == (fmt if front else None)
+        assert lane.fmt.name == ("bf16" if not front else front[0].format)
