@@ -31,9 +31,10 @@ import numpy as np
 from kvzip import container
 from kvzip.bitpack import groups
 from kvzip.errors import FormatError
+from kvzip.formats import FORMATS
 from kvzip.frame import Frame
 
-from . import call_graphs
+from . import call_graphs, quantize_fast
 from .call_graphs import Region as R
 from .fused import _ERRORS
 from .top16_pack import codebook_meta
@@ -97,8 +98,6 @@ _kernels: dict = {}
 def _kernel(name: str, device_id: int):
     k = _kernels.get((name, device_id))
     if k is None:
-        from kvzip.formats import FORMATS
-
         names = tuple(x for fmt in FORMATS.values() for x in _instances(fmt)) + ("kvz_finish_encode", "kvz_gather_heads")
         names += tuple(x for fmt in FORMATS.values() if fmt.itemsize == 1
                        for x in (_dequantizing_decode(fmt), *_quantizing_encode(fmt)))
@@ -275,6 +274,7 @@ def _config_key(config) -> str:
 
 
 ENCODE_COLUMNS = 14  # EncodeJob's 8-byte fields
+Q_SCALE = 13  # its column for the quantizing encode: where the blob's scale goes (q_table is 12)
 QUANTIZE_TABLE = 1 << 15  # bytes of QuantizeFP8's table (a code per 15-bit magnitude)
 
 
@@ -309,8 +309,6 @@ class _EncodeProgram:
         enc, scan, _, _ = _instances(fmt)
         ops = [("upload", 3), ("zero", 3)]
         if quantize:
-            from . import quantize_fast
-
             enc, scan = _quantizing_encode(fmt)
             amax, table = quantize_fast.kernels(quantize, fmt.name, device)
             p = plans[0]
@@ -318,7 +316,7 @@ class _EncodeProgram:
                     ("launch", amax, (quantize_fast.grid(p.n // 8, device),), (quantize_fast.THREADS,),
                      (P(0), R(0), np.int64(p.n), R(9))),  # src: word 0 of the job table
                     ("launch", table, (QUANTIZE_TABLE // quantize_fast.THREADS,), (quantize_fast.THREADS,),
-                     (R(9), P(0), R(0), np.int32(13), np.int32(p.nxt["scales"] - p.off["scales"]), R(10)))]
+                     (R(9), P(0), R(0), np.int32(Q_SCALE), np.int32(p.nxt["scales"] - p.off["scales"]), R(10)))]
         if total_chunks:
             lut = P(_device_lut(fmt.name, cb.exponents, device))
             ops += [_launch(enc, device, _chunk_grid(enc, device, total_chunks),
@@ -342,7 +340,7 @@ class _EncodeProgram:
             enc_rows.append((0, p.n, pay + p.off["codes"], pay + p.off["rest"], pay + p.off["esc_count"],
                              pay + p.off["esc_pos"], e_at, h_at, slot_pos + 2 * slot * chunk_base[i],
                              slot_exp + slot * chunk_base[i], chunk_base[i], sb_base[i],
-                             ws.ptr(10) if quantize else 0, pay + p.off["scales"] if quantize else 0))
+                             ws.ptr(10) if quantize else 0, pay + p.off["scales"] if quantize else 0))  # Q_TABLE, Q_SCALE
             fin_rows.append((starts[i], ws.ptr(2) + templates[p.header], len(p.header), p.table_at, e_at, h_at,
                              p.off["esc_pos"], *p.pads, 0 if p.flags & container.FLAG_CHECKSUM else 1))
         ws.put(0, np.array(enc_rows, np.uint64))
@@ -352,7 +350,7 @@ class _EncodeProgram:
         # staged tables (as uint64 indices), and the output-relative values to add the buffer to.
         fin_at = ws.offsets[1] // 8
         self.src_at = np.arange(k) * ENCODE_COLUMNS
-        out_cols = np.arange(2, 6) if not quantize else np.array([2, 3, 4, 5, 13])  # codes .. esc_pos (scales)
+        out_cols = np.arange(2, 6) if not quantize else np.array([2, 3, 4, 5, Q_SCALE])  # codes .. esc_pos (scales)
         self.out_at = np.concatenate([(np.arange(k)[:, None] * ENCODE_COLUMNS + out_cols).ravel(),
                                       fin_at + np.arange(k) * 14])
         self.out_rel = ws.staged[self.out_at].copy()  # codes, rest, esc_count, esc_pos; each blob's start
@@ -438,8 +436,6 @@ def encode_lanes(lanes: list[EncodeLane], bits: list) -> list:
     """EncodeLane.encode for several tensors of one pipeline and format in one program run
     (quantizing lanes: a run each, their tables per tensor)."""
     if any(lane.quantize for lane in lanes):
-        from . import quantize_fast
-
         if not quantize_fast.ENABLED:
             return [None] * len(lanes)
         if len(lanes) > 1:
@@ -509,22 +505,20 @@ class _DecodeProgram:
         k = len(ns)
         out_at, chunk_base, sb_base, fixed = 0, 0, 0, []
         self.views = []
-        itemsize = 2 if dequantize else fmt.itemsize
+        out_fmt = FORMATS[dequantize[1]] if dequantize else fmt  # what the blobs decode to
         for n in ns:
             fixed.append((out_at, chunk_base, sb_base))
             self.views.append((out_at, n))
-            out_at += -(-n * itemsize // BLOB_ALIGN) * BLOB_ALIGN
+            out_at += -(-n * out_fmt.itemsize // BLOB_ALIGN) * BLOB_ALIGN
             nchunks = -(-n // chunk)
             chunk_base += nchunks
             sb_base += -(-nchunks // SB_CHUNKS)
         self.fixed = np.array(fixed, np.uint64).reshape(k, 3)
-        self.out_bytes, self.dtype, self.errors_nb = out_at, np.dtype(np.uint16) if dequantize else fmt.uint_dtype, 8 * (1 + k)
+        self.out_bytes, self.dtype, self.errors_nb = out_at, out_fmt.uint_dtype, 8 * (1 + k)
         _, _, scan, dec = _instances(fmt)
         dec = _dequantizing_decode(fmt) if dequantize else dec
         ops = [("upload", 1), ("zero", 1)]
         if dequantize:
-            from . import quantize_fast
-
             ops.append(("launch", quantize_fast.dequant_tables_kernel(*dequantize, device), (k,), (256,),
                         (R(0), np.int32(DQ_SCALE), np.int32(DECODE_COLUMNS), P(0), R(3))))
         if chunk_base:
