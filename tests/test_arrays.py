@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from kvzip import FORMATS, get_format
-from kvzip.arrays import Origin, export_bytes, export_tensor, framework_of, import_bytes, import_tensor
+from kvzip.arrays import (Origin, export_bytes, export_tensor, export_tensors, framework_of, import_blobs, import_bytes,
+                          import_tensor, import_tensors)
 
 torch = pytest.importorskip("torch")
 
@@ -525,6 +526,100 @@ def test_cupy_round_trip(name, shape):
     assert isinstance(y, cupy.ndarray) and y.shape == shape
     assert y.dtype == (NP_DTYPE[name] if cupy_holds(name) else fmt.uint_dtype)
     assert (y.view(fmt.uint_dtype) == raw).all()
+
+
+# --------------------------------------------------------------------------------------- batches
+
+
+def _same_import(got, want):
+    (bits, fmt, shape, origin), (wbits, wfmt, wshape, worigin) = got, want
+    assert fmt is wfmt and shape == wshape and origin == worigin and type(bits) is type(wbits)
+    assert bits.dtype == wbits.dtype and bits.shape == wbits.shape
+    host = bits.get() if hasattr(bits, "get") else bits
+    whost = wbits.get() if hasattr(wbits, "get") else wbits
+    np.testing.assert_array_equal(host, whost)
+
+
+def test_import_tensors_equals_import_tensor_per_item():
+    xs = [numpy_tensor("bf16", (5, 3)), torch_tensor("fp16", (7,)), numpy_tensor("e5m2", (2, 3, 4))[:, ::2],
+          numpy_tensor("bf16", ())]
+    for got, x in zip(import_tensors(xs), xs):
+        _same_import(got, import_tensor(x))
+    raw = [raw_bits(FORMATS["bf16"], (9,), seed) for seed in range(3)]
+    for got, x in zip(import_tensors(raw, "bf16"), raw):
+        _same_import(got, import_tensor(x, "bf16"))
+    assert import_tensors([]) == []
+    with pytest.raises(TypeError, match="int64"):
+        import_tensors([numpy_tensor("bf16", (2,)), np.zeros(3, np.int64)])
+
+
+def test_import_blobs_equals_import_bytes_per_item():
+    blobs = [blob for _, blob, _ in _blob_variants()]
+    for (u8, origin), blob in zip(import_blobs(blobs), blobs):
+        want, worigin = import_bytes(blob)
+        assert origin == worigin and u8.tobytes() == want.tobytes()
+    with pytest.raises(TypeError):
+        import_blobs([PAYLOAD, np.zeros(3, np.uint16)])
+
+
+@needs_cuda
+def test_cupy_and_torch_batches_import_like_single_calls():
+    """import_tensors' shortcut for runs of CuPy arrays must give what import_tensor gives, with
+    runs broken by a non-contiguous array, another dtype, another framework; import_blobs too."""
+    base = cupy.asarray(raw_bits(FORMATS["bf16"], (6, 40)))
+    raw = [base[0], base[1], base[2], base.reshape(-1), base, base[:, ::2], base[4]]  # a strided one breaks the run
+    for got, x in zip(import_tensors(raw, "bf16"), raw):
+        _same_import(got, import_tensor(x, "bf16"))
+    typed = [base.view(cupy.float16), base[1].view(cupy.float16), torch.zeros(5, dtype=torch.bfloat16, device="cuda"),
+             base[2:4].view(cupy.float16), torch.ones(2, 3, dtype=torch.float16, device="cuda")]
+    for got, x in zip(import_tensors(typed), typed):
+        _same_import(got, import_tensor(x))
+    blobs = [cupy.arange(10, dtype=cupy.uint8), cupy.arange(7, dtype=cupy.uint8), cupy.arange(12, dtype=cupy.uint8)[::2],
+             torch.arange(4, dtype=torch.uint8, device="cuda"), PAYLOAD, cupy.arange(3, dtype=cupy.uint8)]
+    for (u8, origin), blob in zip(import_blobs(blobs), blobs):
+        want, worigin = import_bytes(blob)
+        assert origin == worigin and type(u8) is type(want) and bool((cupy.asarray(u8) == cupy.asarray(want)).all())
+
+
+@needs_cuda
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+def test_export_tensors_equals_export_tensor(framework):
+    buffer = cupy.asarray(np.random.default_rng(3).integers(0, 256, 4096, dtype=np.uint8))
+    pieces = [(0, FORMATS["bf16"], (4, 8)), (256, FORMATS["e5m2"], (33,)), (512, FORMATS["fp32"], ()),
+              (1024, FORMATS["fp16"], (0, 3))]
+    origin = Origin(framework, "cuda", cupy.cuda.runtime.getDevice())
+    for got, (at, fmt, shape) in zip(export_tensors(buffer, pieces, origin), pieces):
+        n = int(np.prod(shape))
+        want = export_tensor(buffer[at:at + n * fmt.itemsize].view(fmt.uint_dtype), fmt, shape, origin)
+        assert type(got) is type(want) and got.dtype == want.dtype and tuple(got.shape) == shape
+        if framework == "cupy":
+            assert bool((got.view(fmt.uint_dtype) == want.view(fmt.uint_dtype)).all())
+        else:
+            assert torch.equal(got.view(TORCH_INT[fmt.itemsize]), want.view(TORCH_INT[fmt.itemsize]))
+
+
+@needs_cuda
+def test_torch_cuda_fast_import_edge_cases():
+    """The direct (no DLPack) import of contiguous CUDA tensors: grads, a storage offset, one
+    value, the memory kept alive by the CuPy view, and a dtype kvzip does not take."""
+    x = torch_tensor("bf16", (4, 9)).cuda().requires_grad_()
+    bits, fmt, shape, origin = import_tensor(x)
+    assert bits.data.ptr == x.data_ptr() and shape == (4, 9) and fmt is FORMATS["bf16"]
+    np.testing.assert_array_equal(bits.get(), bits_of_torch(x.detach().cpu()))
+    row = x.detach()[2]  # a contiguous view at a storage offset
+    bits, *_ = import_tensor(row)
+    assert bits.data.ptr == row.data_ptr() and bits.shape == (9,)
+    one = torch.tensor(1.5, dtype=torch.float16, device="cuda")
+    bits, fmt, shape, _ = import_tensor(one)
+    assert shape == () and bits.shape == (1,) and int(bits.get()[0]) == 0x3E00
+    t = torch_tensor("fp16", (1000,)).cuda()
+    want = bits_of_torch(t.cpu())
+    bits, *_ = import_tensor(t)
+    del t  # the CuPy view keeps the tensor (and its memory) alive
+    torch.cuda.empty_cache()
+    np.testing.assert_array_equal(bits.get(), want)
+    with pytest.raises(TypeError, match="int64"):
+        import_tensor(torch.zeros(3, dtype=torch.int64, device="cuda"))
 
 
 @needs_cuda
