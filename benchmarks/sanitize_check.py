@@ -1,6 +1,7 @@
 """Small GPU workload for compute-sanitizer (memcheck, racecheck): every format, the fast
 CUDA C++ path and the Numba-CUDA kernels, escape-free / escape-heavy / plane-coded chunks, the
-batch API, a forged blob, and repeated shapes (graph replay, encode lanes, remembered layouts).  Run as
+batch API, forged blobs, and repeated shapes (graph replay, encode lanes, remembered
+layouts).  Run as
     compute-sanitizer --tool memcheck --error-exitcode 9 python benchmarks/sanitize_check.py
 """
 import cupy
@@ -59,6 +60,21 @@ for rate in (0.0, 0.01, 0.05, 0.002):
     xs = [cupy.asarray(bits), cupy.asarray(bits[::-1].copy())]
     backs = kvzip.decompress_many(kvzip.compress_many(xs, dtype="bf16"))
     assert all(bool(cupy.array_equal(a, b.reshape(-1).view(a.dtype))) for a, b in zip(xs, backs)), ("many", rate)
+# A longer batch (header checks on the GPU), repeated so the second pass takes the lanes and
+# remembered layouts; then a short blob and a forged one among them.
+xs = [cupy.asarray(case(FORMATS["bf16"], 20_000 + (i % 3), i == 5)) for i in range(19)]
+for _ in range(2):
+    blobs = kvzip.compress_many(xs, dtype="bf16")
+    backs = kvzip.decompress_many(blobs)
+    assert all(bool(cupy.array_equal(a, b.reshape(-1).view(a.dtype))) for a, b in zip(xs, backs)), "long batch"
+forged = list(blobs)
+forged[9] = blobs[9].copy()
+forged[9][-64:] = 255
+forged[3] = blobs[3][:20]
+try:
+    kvzip.decompress_many(forged)
+except kvzip.FormatError:
+    pass
 # QuantizeFP8 per tensor (stages/quantize_fast.cu) in front, ragged lengths; repeated, so later
 # decodes take the remembered layout with the dequantize fused into kvz_decode.
 from kvzip import stages as S  # noqa: E402

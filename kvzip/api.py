@@ -113,8 +113,7 @@ def decode_with(pipe: Pipeline, blob, *, backend=None):
         hit = known_headers.match(head, u8.shape[0])
         if hit is not None:  # a layout that passed every check before: straight to the kernels
             pipe.last_path = "fast"
-            bits = known_headers.decode([hit], [u8])[0]
-            return arrays.export_tensor(bits, hit[0].dtype_format, hit[0].shape, origin)
+            return known_headers.decode([hit], [u8], origin)[0]
         opened = serialize.open_blob(be, u8, head)
         out = _export_decoded(pipe.decode_opened(opened), origin)
         if pipe.last_path == "fast":
@@ -178,9 +177,13 @@ def _encode_many_by_lanes(pipe: Pipeline, xs, dtype, backend, out) -> list[int]:
     """Encode the tensors whose (format, shape) the pipeline has a lane for, a program per format;
     returns the indices left for the general path (no lane, or stored raw after all)."""
     rest, groups = [], {}  # format -> [(index, bits, origin, lane)]
-    for i, x in enumerate(xs):
-        bits, fmt, shape, origin = arrays.import_tensor(x, dtype)
-        lane = pipe._lane(fmt, shape, get_backend(backend or origin.backend_name), bits)
+    last = None  # (fmt, shape, origin, lane) of the last tensor that had a lane
+    for i, (bits, fmt, shape, origin) in enumerate(arrays.import_tensors(xs, dtype)):
+        if last is not None and fmt is last[0] and origin is last[2] and shape == last[1] and bits.data.ptr % 16 == 0:
+            lane = last[3]  # what _lane would say again (it checks the same alignment)
+        else:
+            lane = pipe._lane(fmt, shape, get_backend(backend or origin.backend_name), bits)
+            last = (fmt, shape, origin, lane) if lane is not None else None
         if lane is not None:
             groups.setdefault(fmt.name, []).append((i, bits, origin, lane))
         else:
@@ -240,62 +243,83 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
     blobs = list(blobs)
     out = [None] * len(blobs)
     gpu = []
-    for i, b in enumerate(blobs):
-        u8, origin = arrays.import_bytes(b)
-        be = get_backend(backend or origin.backend_name)
-        u8 = _to_backend(u8, be)
-        if st.fused_fast.applicable(be, 0, u8):
-            gpu.append((i, u8, origin, be))
-        else:
-            out[i] = decode_with(pipe, b, backend=backend)
+    seen = be = fast = None  # the last origin, its backend, whether the fast path runs there
+    for i, (u8, origin) in enumerate(arrays.import_blobs(blobs)):
+        if origin is not seen:
+            seen, be = origin, get_backend(backend or origin.backend_name)
+            fast = st.fused_fast.applicable(be)
+        if fast:
+            u8 = _to_backend(u8, be)
+            if u8.data.ptr % 16 == 0:  # the rest of applicable(be, 0, u8)
+                gpu.append((i, u8, origin, be))
+                continue
+        out[i] = decode_with(pipe, blobs[i], backend=backend)
     if not gpu:
         return out
     with gpu[0][2].stream_context():
-        block = st.fused_fast.head_block([g[1] for g in gpu])  # one read-back for every header
-        matched, rest = st.known_headers.match_many(block, [g[1].shape[0] for g in gpu]) if pipe.fuse else \
+        sizes = [g[1].shape[0] for g in gpu]
+        block, checks = st.fused_fast.head_block([g[1].data.ptr for g in gpu], sizes)  # one read-back for all
+        matched, unmatched = st.known_headers.match_many(block, sizes, checks) if pipe.fuse else \
             ([], list(range(len(gpu))))
-        _decode_known(matched, gpu, out)
-        groups: dict = {}
-        heads = st.fused_fast.heads_from_block(block[rest], [gpu[j][1] for j in rest])
-        for (i, u8, origin, be), head in zip([gpu[j] for j in rest], heads):
-            frame = st.serialize.open_blob(be, u8, head)
-            recorded = recorded_pipeline(frame.meta)
-            recorded.check_streams(frame)
-            steps = recorded._steps(recorded.stages[:-1])
-            if steps and isinstance(steps[-1], st.FusedSplitPackEscape) and st.fused_fast.decode_applicable(frame):
-                fused = steps[-1]
-                cb = fused.check(frame)
-                groups.setdefault((frame.format.name, fused.chunk), []).append((i, frame, origin, steps, cb, head, u8))
-            else:
-                out[i] = _export_decoded(recorded.decode_frame_steps(frame), origin)
-        for (_, chunk), members in groups.items():
-            dsts = st.fused_fast.decode_batch([m[1] for m in members], chunk, [m[4] for m in members],
-                                              [m[0] for m in members])
-            for (i, opened, origin, steps, _, head, u8), dst in zip(members, dsts):
-                frame = steps[-1].finish_decode(opened, dst)
-                for step in reversed(steps[:-1]):
-                    frame = step.decode(frame)
-                out[i] = _export_decoded(frame, origin)
-                if pipe.fuse:
-                    st.known_headers.remember(head, u8.shape[0], opened, recorded_pipeline(opened.meta).stages)
-    pipe.last_path = "fast" if groups or matched else pipe.last_path
+        heads = st.fused_fast.heads_from_block(block[unmatched], [gpu[j][1] for j in unmatched])
+        launched = _decode_known(matched, gpu, out)
+        fused = _decode_general(pipe, [(gpu[j], head) for j, head in zip(unmatched, heads)], out)
+    pipe.last_path = "fast" if launched or fused else pipe.last_path
     return out
 
 
-def _decode_known(matched: list, gpu: list, out: list) -> None:
+def _decode_general(pipe: Pipeline, rest: list, out: list) -> bool:
+    """Decode blobs no remembered layout matched (rest: their gpu entries and heads) with the full
+    checks: one fused decode run per format and chunk size, the other pipelines stage by stage.
+    Returns whether any fused run was made."""
+    from . import stages as st
+
+    groups: dict = {}
+    for (i, u8, origin, be), head in rest:
+        frame = st.serialize.open_blob(be, u8, head)
+        recorded = recorded_pipeline(frame.meta)
+        recorded.check_streams(frame)
+        steps = recorded._steps(recorded.stages[:-1])
+        if steps and isinstance(steps[-1], st.FusedSplitPackEscape) and st.fused_fast.decode_applicable(frame):
+            fused = steps[-1]
+            cb = fused.check(frame)
+            groups.setdefault((frame.format.name, fused.chunk), []).append((i, frame, origin, steps, cb, head, u8))
+        else:
+            out[i] = _export_decoded(recorded.decode_frame_steps(frame), origin)
+    for (_, chunk), members in groups.items():
+        dsts = st.fused_fast.decode_batch([m[1] for m in members], chunk, [m[4] for m in members],
+                                          [m[0] for m in members])
+        for (i, opened, origin, steps, _, head, u8), dst in zip(members, dsts):
+            frame = steps[-1].finish_decode(opened, dst)
+            for step in reversed(steps[:-1]):
+                frame = step.decode(frame)
+            out[i] = _export_decoded(frame, origin)
+            if pipe.fuse:
+                st.known_headers.remember(head, u8.shape[0], opened, recorded_pipeline(opened.meta).stages)
+    return bool(groups)
+
+
+def _decode_known(matched: list, gpu: list, out: list) -> bool:
     """Decode the blobs known_headers.match_many matched (groups of one layout, batch positions,
-    job rows): one program run per format and chunk size."""
-    runs: dict = {}  # (format, chunk) -> [(layout, positions, jobs)]
+    job rows): one program run per format, chunk size and caller framework.  Returns whether
+    there were any."""
+    runs: dict = {}  # (format, chunk, origin) -> [(layout, positions, jobs)]
     for layout, pos, jobs in matched:
-        runs.setdefault((layout.fmt.name, layout.chunk), []).append((layout, pos, jobs))
+        origins = [gpu[j][2] for j in pos.tolist()]
+        if all(o is origins[0] for o in origins):  # the usual batch: one framework and device
+            split = [(origins[0], slice(None))]
+        else:
+            split = [(o, np.array([x == o for x in origins])) for o in dict.fromkeys(origins)]
+        for origin, keep in split:
+            runs.setdefault((layout.fmt.name, layout.chunk, origin), []).append((layout, pos[keep], jobs[keep]))
     for members in runs.values():
-        pos = np.concatenate([m[1] for m in members])
+        pos = np.concatenate([m[1] for m in members]).tolist()
         layouts = [m[0] for m in members for _ in m[1]]
-        dsts = known_headers.decode_rows(layouts, np.concatenate([m[2] for m in members]), [gpu[j][1] for j in pos],
-                                         [gpu[j][0] for j in pos])
-        for j, layout, dst in zip(pos, layouts, dsts):
-            i, _, origin, _ = gpu[j]
-            out[i] = arrays.export_tensor(dst, layout.dtype_format, layout.shape, origin)
+        got = known_headers.decode_rows(layouts, np.concatenate([m[2] for m in members]), [gpu[j][1] for j in pos],
+                                        [gpu[j][0] for j in pos], gpu[pos[0]][2])
+        for j, value in zip(pos, got):
+            out[gpu[j][0]] = value
+    return bool(runs)
 
 
 def _export_decoded(frame: Frame, origin):

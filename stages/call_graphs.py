@@ -76,6 +76,12 @@ class CallShape:
     def run(self, stream) -> np.ndarray:
         """Issue the call on stream, wait for it, and return the downloaded bytes (a view of the
         staging buffer, valid until this shape's next run)."""
+        self.launch(stream)
+        return self.wait(stream)
+
+    def launch(self, stream) -> None:
+        """Issue the call on stream without waiting: the host may work meanwhile (on anything but
+        this shape's staging), then must call wait before this shape runs again."""
         rt = self.cupy.cuda.runtime
         if self.graph:
             rt.graphLaunch(self.graph.graphExec, stream.ptr)
@@ -88,6 +94,9 @@ class CallShape:
         else:
             self._issue(stream)
         self.uses += 1
+
+    def wait(self, stream) -> np.ndarray:
+        """Wait for the call launch issued; returns the downloaded bytes (as run does)."""
         stream.synchronize()
         return self.host_down
 

@@ -951,6 +951,28 @@ __device__ __forceinline__ void put_u64(u8* p, u64 v) {
 
 #define HEADER_SMEM 4096  // headers up to this size are built in shared memory (ours are < 2 KiB)
 
+// zlib's CRC-32, slicing-by-4: one thread walks a header a word at a time through four 256-entry
+// tables the whole block builds in shared memory first (a few microseconds for a 1 KiB header).
+__device__ void build_crc_tables(u32 crc_table[4][256]) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        u32 c = (u32)i;
+        for (int k = 0; k < 8; k++) c = (c & 1u) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_table[0][i] = c;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        u32 c = crc_table[0][i];
+        for (int k = 1; k < 4; k++) { c = (c >> 8) ^ crc_table[0][c & 0xFF]; crc_table[k][i] = c; }
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ u32 crc_word(const u32 crc_table[4][256], u32 crc, u32 word) {
+    crc ^= word;
+    return crc_table[3][crc & 0xFF] ^ crc_table[2][(crc >> 8) & 0xFF] ^ crc_table[1][(crc >> 16) & 0xFF] ^
+           crc_table[0][crc >> 24];
+}
+
 // grid = (x, ntensors).  sizes[3t..3t+2] = escapes, exp_high bytes, payload length.
 __global__ void __launch_bounds__(256) kvz_finish_encode(const FinishJob* __restrict__ jobs, const u64* __restrict__ work,
                                                          int njobs, int hb, u64* __restrict__ sizes) {
@@ -985,17 +1007,7 @@ __global__ void __launch_bounds__(256) kvz_finish_encode(const FinishJob* __rest
     const bool in_smem = H <= HEADER_SMEM;
     u8* h = in_smem ? head : J.blob;
     for (long long i = threadIdx.x; i < H; i += blockDim.x) h[i] = J.tmpl[i];
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-        u32 c = (u32)i;
-        for (int k = 0; k < 8; k++) c = (c & 1u) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-        crc_table[0][i] = c;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-        u32 c = crc_table[0][i];
-        for (int k = 1; k < 4; k++) { c = (c >> 8) ^ crc_table[0][c & 0xFF]; crc_table[k][i] = c; }
-    }
-    __syncthreads();
+    build_crc_tables(crc_table);
     if (threadIdx.x == 0) {
         put_u64(h + 16, (u64)end);
         put_u64(h + J.table_at, (u64)J.var_base);       put_u64(h + J.table_at + 8, (u64)(2 * ne));
@@ -1003,11 +1015,8 @@ __global__ void __launch_bounds__(256) kvz_finish_encode(const FinishJob* __rest
         put_u64(h + J.table_at + 32, (u64)cc);          put_u64(h + J.table_at + 40, (u64)nh);
         h[40] = h[41] = h[42] = h[43] = 0;
         u32 crc = 0xFFFFFFFFu;
-        for (long long i = 0; i < H; i += 4) {  // H is a multiple of 16
-            crc ^= (u32)h[i] | ((u32)h[i + 1] << 8) | ((u32)h[i + 2] << 16) | ((u32)h[i + 3] << 24);
-            crc = crc_table[3][crc & 0xFF] ^ crc_table[2][(crc >> 8) & 0xFF] ^ crc_table[1][(crc >> 16) & 0xFF] ^
-                  crc_table[0][crc >> 24];
-        }
+        for (long long i = 0; i < H; i += 4)  // H is a multiple of 16
+            crc = crc_word(crc_table, crc, (u32)h[i] | ((u32)h[i + 1] << 8) | ((u32)h[i + 2] << 16) | ((u32)h[i + 3] << 24));
         crc ^= 0xFFFFFFFFu;
         h[40] = (u8)crc; h[41] = (u8)(crc >> 8); h[42] = (u8)(crc >> 16); h[43] = (u8)(crc >> 24);
     }
@@ -1024,4 +1033,48 @@ __global__ void kvz_gather_heads(const u64* __restrict__ jobs /* (ntensors, 2): 
     const long long len = min((long long)span, (long long)jobs[2 * t + 1]);
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < len; i += (long long)gridDim.x * blockDim.x)
         dst[(long long)t * span + i] = src[i];
+}
+
+// ------------------------------------------------------------------ header checks (batched decode)
+// grid = ntensors.  For blob t (16-byte aligned), checks[8t .. 8t+7] = {1 if its header hangs
+// together, then esc_pos's, esc_exp's and exp_high's payload offsets, the escapes, the
+// high-exponent bytes; its header length; its stream count}.  "Hangs together": the header
+// fits the span and the blob, its CRC matches, the three escape streams follow one another as
+// container.layout places them, the payload ends after the last, at the blob's end.  Word 0 and
+// words 1-5 are 0 otherwise; words 6-7 are 0 for a blob shorter than the prefix.
+// known_headers.head_checks is the host twin, and the reference this is tested against.
+__global__ void __launch_bounds__(256) kvz_check_heads(const u64* __restrict__ jobs /* (ntensors, 2): ptr, len */,
+                                                       int span /* at most HEADER_SMEM */, u64* __restrict__ checks) {
+    __shared__ u32 crc_table[4][256];
+    __shared__ __align__(16) u8 head[HEADER_SMEM];  // the header, staged: the CRC walk reads it word by word
+    const int t = blockIdx.x;
+    const u8* b = reinterpret_cast<const u8*>(jobs[2 * t]);
+    const long long len = (long long)jobs[2 * t + 1];
+    const long long staged = min((long long)span, len) / 16 * 16;  // what the block copies (16-byte vectors)
+    for (long long i = threadIdx.x; i < staged / 16; i += blockDim.x)
+        reinterpret_cast<uint4*>(head)[i] = reinterpret_cast<const uint4*>(b)[i];
+    build_crc_tables(crc_table);  // ends with a barrier: head is complete too
+    if (threadIdx.x != 0) return;
+    u64 out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (len >= 48) {
+        const u32* w = reinterpret_cast<const u32*>(head);
+        const long long h = w[3], ns = w[9];
+        const long long at = 48 + 16 * (ns - 3);
+        out[6] = (u64)h; out[7] = (u64)ns;
+        if (ns >= 3 && h <= span && h <= len && at + 48 <= h) {
+            u32 crc = 0xFFFFFFFFu;
+            long long i = 0;
+            for (; i + 4 <= h && i + 4 <= staged; i += 4) crc = crc_word(crc_table, crc, i == 40 ? 0u : w[i / 4]);  // CRC field as 0
+            for (; i < h; i++) crc = crc_table[0][(crc ^ (i < staged ? head[i] : b[i])) & 0xFF] ^ (crc >> 8);
+            const u64* e = reinterpret_cast<const u64*>(head + at);  // (offset, bytes) of esc_pos, esc_exp, exp_high
+            const u64 payload = reinterpret_cast<const u64*>(head)[2];
+            const u64 big = 1ull << 48;  // every field below this before any sum: no wrap-around
+            bool ok = (crc ^ 0xFFFFFFFFu) == w[10] && payload < big;
+            for (int k = 0; k < 6; k++) ok = ok && e[k] < big;
+            ok = ok && e[2] == ((e[0] + e[1] + 15) & ~15ull) && e[4] == ((e[2] + e[3] + 15) & ~15ull) &&
+                 payload == ((e[4] + e[5] + 15) & ~15ull) && e[1] == 2 * e[3] && (u64)h + payload == (u64)len;
+            if (ok) { out[0] = 1; out[1] = e[0]; out[2] = e[2]; out[3] = e[4]; out[4] = e[3]; out[5] = e[5]; }
+        }
+    }
+    for (int k = 0; k < 8; k++) checks[8 * t + k] = out[k];
 }

@@ -8,8 +8,9 @@ twin, the reference these kernels are tested against byte for byte (tests/gpu).
 Every call is batched: a list of tensors costs the same launches as one tensor.  Encoding is a
 table upload, one memset, three kernels (dense pass, scan and escape placement, header) and one
 read-back of the escape totals (the host synchronisation that learns the compressed sizes); the
-headers are written on the GPU.  Decoding reads the headers back once, then uploads its table,
-runs two kernels (scan, dense pass) and reads back the validation result.  Each such sequence is
+headers are written on the GPU.  Decoding reads the headers back once (with what kvz_check_heads
+found of each: CRC, escape-table arithmetic, lengths), then uploads its table, runs two kernels
+(scan, dense pass) and reads back the validation result.  Each such sequence is
 a program cached per call shape and replayed as one CUDA graph (stages/call_graphs.py); the job
 tables keep every address that does not move between calls.
 
@@ -44,7 +45,9 @@ WARPS = 8
 THREADS = WARPS * 32
 MAX_VALUES = 1 << 33    # the look-back packs escape and group totals into 31 bits each
 BLOB_ALIGN = 256        # blobs of a batch start on 256-byte boundaries of one buffer
-HEAD_SPAN = 4096        # bytes read back per blob to parse its header (more only if it is longer)
+HEAD_SPAN = 2048        # bytes read back per blob to parse its header (more only if it is longer;
+                        # the default pipelines' headers are 624 to 848 bytes;
+                        # kvz_check_heads stages at most 4096 in shared memory)
 _TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
 _ESCAPE_STREAMS = ["esc_pos", "esc_exp", "exp_high"]
 SB_CHUNKS = 256         # chunks per block of kvz_scan (one thread each)
@@ -98,7 +101,8 @@ _kernels: dict = {}
 def _kernel(name: str, device_id: int):
     k = _kernels.get((name, device_id))
     if k is None:
-        names = tuple(x for fmt in FORMATS.values() for x in _instances(fmt)) + ("kvz_finish_encode", "kvz_gather_heads")
+        names = tuple(x for fmt in FORMATS.values() for x in _instances(fmt)) + ("kvz_finish_encode", "kvz_gather_heads",
+                                                                                 "kvz_check_heads")
         names += tuple(x for fmt in FORMATS.values() if fmt.itemsize == 1
                        for x in (_dequantizing_decode(fmt), *_quantizing_encode(fmt)))
         k = _kernels[(name, device_id)] = _module(device_id, names).get_function(name)
@@ -355,6 +359,7 @@ class _EncodeProgram:
                                       fin_at + np.arange(k) * 14])
         self.out_rel = ws.staged[self.out_at].copy()  # codes, rest, esc_count, esc_pos; each blob's start
         self.starts = np.array(starts[:-1], np.int64)
+        self.start_list = starts[:-1]
         self.total = starts[-1]
         self.header_lens = np.array([len(p.header) for p in plans], np.int64)
         self.raw_payloads = np.array([p.raw_payload for p in plans], np.int64)
@@ -362,10 +367,18 @@ class _EncodeProgram:
     def run(self, src_ptrs: list[int], out_ptr: int, stream) -> np.ndarray:
         """Encode into the buffer at out_ptr; returns (escapes, high-exponent bytes, payload bytes)
         per tensor, once the GPU is done."""
+        self.launch(src_ptrs, out_ptr, stream)
+        return self.wait(stream)
+
+    def launch(self, src_ptrs: list[int], out_ptr: int, stream) -> None:
+        """run's first half: start the encode and return (wait gives the result)."""
         staged = self.shape.staged
         staged[self.src_at] = src_ptrs
         staged[self.out_at] = self.out_rel + P(out_ptr)
-        got = self.shape.run(stream)[:self.sizes_nb]
+        self.shape.launch(stream)
+
+    def wait(self, stream) -> np.ndarray:
+        got = self.shape.wait(stream)[:self.sizes_nb]
         return got.view(np.uint64).reshape(-1, 3).astype(np.int64)
 
 
@@ -449,31 +462,51 @@ def encode_lanes(lanes: list[EncodeLane], bits: list) -> list:
                               lambda: _EncodeProgram(plans, first.fmt, first.codebook, first.chunk, device,
                                                      first.quantize))
     buffer = cupy.empty(prog.total, np.uint8)
-    payloads = prog.run([b.data.ptr for b in bits], buffer.data.ptr, stream)[:, 2]
-    return [cupy.ndarray((int(h + p),), np.uint8, buffer.data + int(s)) if p <= raw else None
-            for h, p, raw, s in zip(prog.header_lens, payloads, prog.raw_payloads, prog.starts)]
+    prog.launch([b.data.ptr for b in bits], buffer.data.ptr, stream)
+    at = buffer.data
+    places = [at + s for s in prog.start_list]  # while the GPU encodes
+    payloads = prog.wait(stream)[:, 2]
+    lengths = (prog.header_lens + payloads).tolist()
+    fits = (payloads <= prog.raw_payloads).tolist()
+    # One constructor a blob (slicing costs ~3 us, this ~1-2): a 64-tensor batch spends ~100 us here.
+    return [cupy.ndarray((n,), _U8, place) if ok else None for n, ok, place in zip(lengths, fits, places)]
+
+
+_U8 = np.dtype(np.uint8)
 
 
 # ----------------------------------------------------------------------------- decode
 class _HeadsProgram:
-    """head_block for k blobs: a gather kernel and one download."""
+    """head_block for k blobs: the gather and check kernels and one download."""
 
     def __init__(self, k: int, device: int):
         self.shape = call_graphs.CallShape(
-            (16 * k, k * HEAD_SPAN),
+            (16 * k, k * HEAD_SPAN, 64 * k),
             (("upload", 1), _launch("kvz_gather_heads", device, (4, k), (R(0), np.int32(HEAD_SPAN), R(1))),
-             ("download", 1, k * HEAD_SPAN)))
+             _launch("kvz_check_heads", device, k, (R(0), np.int32(HEAD_SPAN), R(2))),
+             ("download", 1, self.download_bytes(k))))
+        assert self.shape.offsets[2] == self.shape.offsets[1] + k * HEAD_SPAN  # one download takes both
+
+    @staticmethod
+    def download_bytes(k: int) -> int:
+        # Regions 1 and 2 back to back (a region is padded to 256 bytes; k * HEAD_SPAN already is).
+        return k * HEAD_SPAN + 64 * k
 
 
-def head_block(blobs) -> np.ndarray:
-    """The first HEAD_SPAN bytes of each blob (fewer where a blob is shorter; the rest of its row
-    is undefined) as one (len(blobs), HEAD_SPAN) array, with one device-to-host copy."""
-    k = len(blobs)
-    jobs = np.array([(b.data.ptr, b.shape[0]) for b in blobs], np.uint64).reshape(k, 2)
+def head_block(ptrs: list[int], sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The first HEAD_SPAN bytes of each blob (at device address ptrs[i], sizes[i] bytes long;
+    fewer where a blob is shorter, the rest of its row undefined) as one (len(ptrs), HEAD_SPAN)
+    array, and what kvz_check_heads found of each header (known_headers.head_checks' rows),
+    with one device-to-host copy.  Both are this thread's staging memory: valid until the next
+    head_block call for as many blobs."""
+    k = len(ptrs)
     device, stream = _current()
     ws = call_graphs.cached(("heads", device, k), lambda: _HeadsProgram(k, device)).shape
-    ws.put(0, jobs)
-    return ws.run(stream)[:k * HEAD_SPAN].reshape(k, HEAD_SPAN).copy()
+    ws.staged[0:2 * k:2] = ptrs
+    ws.staged[1:2 * k:2] = sizes
+    got = ws.run(stream)
+    return got[:k * HEAD_SPAN].reshape(k, HEAD_SPAN), got[k * HEAD_SPAN:_HeadsProgram.download_bytes(k)].view(
+        np.uint64).reshape(k, 8)
 
 
 def heads_from_block(block: np.ndarray, blobs) -> list[bytes]:
@@ -504,11 +537,12 @@ class _DecodeProgram:
     def __init__(self, fmt, chunk: int, ns: tuple, device: int, dequantize: tuple | None = None):
         k = len(ns)
         out_at, chunk_base, sb_base, fixed = 0, 0, 0, []
-        self.views = []
+        self.views, self.offsets = [], []  # (byte offset, values) of each blob's output; its byte offset
         out_fmt = FORMATS[dequantize[1]] if dequantize else fmt  # what the blobs decode to
         for n in ns:
             fixed.append((out_at, chunk_base, sb_base))
             self.views.append((out_at, n))
+            self.offsets.append(out_at)
             out_at += -(-n * out_fmt.itemsize // BLOB_ALIGN) * BLOB_ALIGN
             nchunks = -(-n // chunk)
             chunk_base += nchunks
@@ -532,10 +566,12 @@ class _DecodeProgram:
                                            tuple(ops) + (("download", 1, self.errors_nb),))
         self.tables = self.shape.ptr(3) + 512 * np.arange(k, dtype=np.uint64) if dequantize else None
 
-    def run(self, jobs: np.ndarray, stream, labels=None) -> list:
-        """Decode the blobs jobs describe (columns 9, 12 and 13, and DQ_TABLE, are filled in here); returns their
-        raw-bit arrays, views of one new buffer.  labels: what to call each blob in an error (its
-        position in the caller's batch)."""
+    def run(self, jobs: np.ndarray, stream, labels=None, views=None) -> list:
+        """Decode the blobs jobs describe (columns 9, 12 and 13, and DQ_TABLE, are filled in here).
+        Returns views(buffer, offsets): what to hand out for the values of blob i, which lie at
+        byte offsets[i] of buffer (a new CuPy uint8 array); by default their raw-bit arrays.
+        views runs while the GPU decodes; its results are dropped if a blob fails validation.
+        labels: what to call each blob in an error (its position in the caller's batch)."""
         import cupy
 
         out = cupy.empty(max(self.out_bytes, 1), np.uint8)
@@ -544,25 +580,32 @@ class _DecodeProgram:
         if self.tables is not None:
             jobs[:, DQ_TABLE] = self.tables
         self.shape.put(0, jobs)
+        self.shape.launch(stream)
+        got = views(out, self.offsets) if views is not None else self._raw_views(out)
         # The validation result: the tensor errors after the work counter.
-        errors = self.shape.run(stream)[8:self.errors_nb].view(np.uint64)
+        errors = self.shape.wait(stream)[8:self.errors_nb].view(np.uint64)
         if errors.any():
             i = int(np.nonzero(errors)[0][0])
             where = f"blob {labels[i]}: " if labels is not None else f"blob {i}: " if errors.shape[0] > 1 else ""
             raise FormatError(where + _ERRORS.get(int(errors[i]), f"decode error {int(errors[i])}"))
-        if len(self.views) == 1:
-            return [cupy.ndarray((self.views[0][1],), self.dtype, out.data)]
-        return [cupy.ndarray((n,), self.dtype, out.data + at) for at, n in self.views]
+        return got
+
+    def _raw_views(self, out) -> list:
+        import cupy
+
+        at = out.data
+        return [cupy.ndarray((n,), self.dtype, at + offset) for offset, n in self.views]
 
 
-def decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray, labels=None, dequantize: tuple | None = None) -> list:
+def decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray, labels=None, dequantize: tuple | None = None,
+                views=None) -> list:
     """Decode blobs from their job rows (kvz_decode's DecodeJob; columns 9, 12, 13 filled in here).
     dequantize: (FP8 format, 16-bit format): blobs of a QuantizeFP8 (per tensor) pipeline, to
-    16-bit values, each with the scale column DQ_SCALE points at."""
+    16-bit values, each with the scale column DQ_SCALE points at.  views: as _DecodeProgram.run."""
     device, stream = _current()
     prog = call_graphs.cached(("decode", device, fmt.name, chunk, ns, dequantize),
                               lambda: _DecodeProgram(fmt, chunk, ns, device, dequantize))
-    return prog.run(jobs, stream, labels)
+    return prog.run(jobs, stream, labels, views)
 
 
 def decode_batch(frames: list[Frame], chunk: int, codebooks: list, labels=None) -> list:

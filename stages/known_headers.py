@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvzip import container
+from kvzip import arrays, container
 from kvzip.backends import get_backend
 from kvzip.frame import Frame
 
@@ -126,43 +126,70 @@ def _up(x):
     return -(-x // container.ALIGN) * container.ALIGN
 
 
-def match_many(block: np.ndarray, nbytes) -> tuple[list, list]:
-    """match() for a batch at once: block holds the blobs' first bytes, a row each
-    (fused_fast.head_block), nbytes their lengths.  Returns (groups, rest): groups is a list of
-    (layout, positions, jobs) with the batch positions of the blobs of one remembered layout and
-    their job rows (relative to each blob), rest the positions left for the general path.  The
-    checks are match()'s, done on arrays; a row passes only if its header lies inside its blob
-    (header + payload length == the blob's), so bytes past a short blob's end never count."""
+def head_checks(block: np.ndarray, nbytes) -> np.ndarray:
+    """What fused_fast's kvz_check_heads finds of a batch's headers, computed on the host (the
+    kernel's reference): block holds the blobs' first bytes, a row each, nbytes their lengths.
+    A row of 8 words per blob: 1 if its header hangs together, then esc_pos's, esc_exp's and
+    exp_high's payload offsets, the escapes, the high-exponent bytes (all 0 unless it does);
+    the header length and stream count the prefix claims (0 for a blob shorter than it).
+    Hangs together: the header fits the row and the blob, its CRC matches, the escape streams
+    follow one another as container.layout places them and close the payload, which ends at
+    the blob's end.  What match() checks, less the comparison with a remembered layout."""
     k, span = block.shape
-    nbytes = np.asarray(nbytes, np.int64)
+    out = np.zeros((k, 8), np.uint64)
+    for t in range(k):
+        n = int(nbytes[t])
+        if n < _PREFIX:
+            continue
+        row = block[t]
+        h, ns = int(row[12:16].view("<u4")[0]), int(row[36:40].view("<u4")[0])
+        out[t, 6:8] = (h, ns)
+        at = _PREFIX + 16 * (ns - 3)
+        if ns < 3 or h > min(span, n) or at + 48 > h:
+            continue
+        head = bytearray(row[:h].tobytes())
+        crc = int.from_bytes(head[40:44], "little")
+        head[40:44] = bytes(4)
+        e = _ESCAPES.unpack_from(head, at)  # (offset, bytes) of esc_pos, esc_exp, exp_high
+        payload = int.from_bytes(head[16:24], "little")
+        if (zlib.crc32(head) == crc and max(*e, payload) < 1 << 48 and e[2] == _up(e[0] + e[1])
+                and e[4] == _up(e[2] + e[3]) and payload == _up(e[4] + e[5]) and e[1] == 2 * e[3] and h + payload == n):
+            out[t, :6] = (1, e[0], e[2], e[4], e[3], e[5])
+    return out
+
+
+def match_many(block: np.ndarray, nbytes, checks: np.ndarray | None = None) -> tuple[list, list]:
+    """match() for a batch at once: block holds the blobs' first bytes, a row each
+    (fused_fast.head_block), nbytes their lengths, checks what head_checks gives for them (from
+    the GPU; computed here if None).  Returns (groups, rest): groups is a list of (layout,
+    positions, jobs) with the batch positions of the blobs of one remembered layout and their
+    job rows (relative to each blob), rest the positions left for the general path.  A row
+    passes when its header hangs together (checks) and, with the fields that follow the escape
+    count blanked, is a remembered layout's, with esc_pos where that layout has it."""
+    k = block.shape[0]
+    if checks is None:
+        checks = head_checks(block, nbytes)
     taken = np.zeros(k, bool)
     groups = []
-    if k and span >= _PREFIX:
-        header_len = block[:, 12:16].copy().view("<u4")[:, 0].astype(np.int64)
-        nstreams = block[:, 36:40].copy().view("<u4")[:, 0].astype(np.int64)
-        for h, ns in {(int(a), int(b)) for a, b in zip(header_len, nstreams)}:
-            at = _PREFIX + 16 * (ns - 3)
-            if h > span or ns < 3 or at + 48 > h:
-                continue
-            pos = np.nonzero((header_len == h) & (nstreams == ns))[0]
-            groups += _match_rows(block[pos, :h].copy(), pos, nbytes[pos], h, at, taken)
+    sel = np.nonzero(checks[:, 0] == 1)[0]
+    if sel.size:
+        sizes = checks[sel, 6] << np.uint64(32) | checks[sel, 7]  # header length, stream count
+        one = bool((sizes == sizes[0]).all())  # the usual batch: one layout
+        for size in ([int(sizes[0])] if one else np.unique(sizes).tolist()):
+            h, ns = size >> 32, size & 0xFFFFFFFF
+            pos = sel if one else sel[sizes == size]
+            rows = block[:, :h].copy() if pos.size == k else block[pos, :h]  # a copy either way: blanked below
+            groups += _match_rows(rows, pos, checks[pos], h, _PREFIX + 16 * (ns - 3), taken)
     return groups, np.nonzero(~taken)[0].tolist()
 
 
-def _match_rows(b: np.ndarray, pos, nbytes, h: int, at: int, taken) -> list:
-    """match_many for rows b (headers of length h, escape entries at byte at)."""
-    crc = b[:, 40:44].copy().view("<u4")[:, 0].astype(np.int64)
-    b[:, 40:44] = 0
-    crc_ok = np.array([zlib.crc32(row) for row in b], np.int64) == crc
-    esc = b[:, at:at + 48].copy().view("<u8")  # (rows, 6): esc_pos, esc_exp, exp_high (offset, bytes)
-    payload = b[:, 16:24].copy().view("<u8")[:, 0]
-    # Every field below the blob's length before any arithmetic: no wrap-around in int64.
-    sane = (payload < np.uint64(1 << 48)) & (esc < np.uint64(1 << 48)).all(axis=1)
-    esc, payload = esc.astype(np.int64), payload.astype(np.int64)
-    b[:, 16:24] = 0
-    b[:, at:at + 48] = 0
-    if (b == b[0]).all():  # the usual batch: one layout
-        by_key = {b[0].tobytes(): np.arange(b.shape[0])}
+def _match_rows(b: np.ndarray, pos, checks, h: int, at: int, taken) -> list:
+    """match_many for rows b (consistent headers of length h, escape entries at byte at)."""
+    b[:, 16:24] = 0   # payload length
+    b[:, 40:44] = 0   # CRC
+    b[:, at:at + 48] = 0  # escape entries
+    if (b == b[0]).all():
+        by_key = {b[0].tobytes(): slice(None)}
     else:
         by_key = {}
         for j, row in enumerate(b):
@@ -172,40 +199,49 @@ def _match_rows(b: np.ndarray, pos, nbytes, h: int, at: int, taken) -> list:
         layout = _layouts.get(key)
         if layout is None:
             continue
-        js = np.asarray(js)
-        e, pay = esc[js], payload[js]
-        ok = (sane[js] & crc_ok[js] & (h + pay == nbytes[js]) & (e[:, 0] == layout.esc_pos_offset)
-              & (e[:, 1] == 2 * e[:, 3]) & (e[:, 2] == _up(e[:, 0] + e[:, 1])) & (e[:, 4] == _up(e[:, 2] + e[:, 3]))
-              & (pay == _up(e[:, 4] + e[:, 5])))
-        js, e = js[ok], e[ok]
+        js = np.arange(b.shape[0])[js]
+        c = checks[js]
+        ok = c[:, 1] == layout.esc_pos_offset
+        if not ok.all():
+            js, c = js[ok], c[ok]
         if not js.size:
             continue
         jobs = np.repeat(layout.row, js.size, axis=0)
-        jobs[:, 3:6] = h + e[:, 0:5:2]    # esc_pos, esc_exp, exp_high
-        jobs[:, 7:9] = e[:, 3:6:2]        # escapes (esc_exp bytes); high-exponent bytes
+        jobs[:, 3:6] = h + c[:, 1:4]   # esc_pos, esc_exp, exp_high
+        jobs[:, 7:9] = c[:, 4:6]       # escapes (esc_exp bytes); high-exponent bytes
         taken[pos[js]] = True
         out.append((layout, pos[js], jobs))
     return out
 
 
-def decode(matches: list, blobs: list) -> list:
+def decode(matches: list, blobs: list, origin=None) -> list:
     """Decode blobs (16-byte aligned, all of one format and chunk size) from match()'s results;
-    returns their raw-bit arrays."""
+    returns their raw-bit arrays, or with origin (kvzip.arrays.Origin) the caller's tensors."""
     rows = np.concatenate([row for _, row in matches]) if len(matches) > 1 else matches[0][1]
-    return decode_rows([m[0] for m in matches], rows, blobs)
+    return decode_rows([m[0] for m in matches], rows, blobs, origin=origin)
 
 
-def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None) -> list:
+def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None, origin=None) -> list:
     """Decode blobs from their layouts and job rows (relative to each blob; changed in place).
-    labels: what errors call each blob (its position in the caller's batch)."""
+    labels: what errors call each blob (its position in the caller's batch).  origin: hand the
+    results out as that caller's tensors (built while the GPU decodes where the values come
+    straight out of the kernel), else as raw-bit arrays."""
     jobs[:, :6] += np.array([b.data.ptr for b in blobs], np.uint64)[:, None]
     fmt, chunk, ns = layouts[0].fmt, layouts[0].chunk, tuple(layout.n for layout in layouts)
     pair = _fused_dequantize(layouts, blobs)
+    views = None
+    if origin is not None and (pair is not None or not any(layout.dequantize for layout in layouts)):
+        def views(buffer, offsets):
+            pieces = [(at, layout.dtype_format, layout.shape) for at, layout in zip(offsets, layouts)]
+            return arrays.export_tensors(buffer, pieces, origin)
     if pair is not None:  # QuantizeFP8's decode applied by kvz_decode as it stores
         jobs[:, fused_fast.DQ_SCALE] = [b.data.ptr + layout.dequantize[2] for b, layout in zip(blobs, layouts)]
-        return fused_fast.decode_jobs(fmt, chunk, ns, jobs, labels, dequantize=pair)
-    bits = fused_fast.decode_jobs(fmt, chunk, ns, jobs, labels)
-    return [_dequantized(b, blob, layout) if layout.dequantize else b for b, blob, layout in zip(bits, blobs, layouts)]
+    got = fused_fast.decode_jobs(fmt, chunk, ns, jobs, labels, dequantize=pair, views=views)
+    if pair is None and views is None:
+        got = [_dequantized(b, blob, layout) if layout.dequantize else b for b, blob, layout in zip(got, blobs, layouts)]
+    if views is not None or origin is None:
+        return got
+    return [arrays.export_tensor(b, layout.dtype_format, layout.shape, origin) for b, layout in zip(got, layouts)]
 
 
 def _fused_dequantize(layouts: list, blobs: list) -> tuple | None:

@@ -226,6 +226,97 @@ def test_torch_batch_round_trip():
         assert y.dtype == torch.bfloat16 and torch.equal(x.view(torch.int16), y.view(torch.int16))
 
 
+def test_torch_batch_on_a_side_stream():
+    """A batch on the caller's torch side stream; the second round goes through the lanes and
+    remembered layouts."""
+    torch = pytest.importorskip("torch")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        xs = [torch.randn(2, 256, 64, device="cuda", dtype=torch.bfloat16) * (i + 1) for i in range(24)]
+        rounds = []
+        for _ in range(2):
+            blobs = kvzip.compress_many(xs)
+            rounds.append((blobs, kvzip.decompress_many(blobs)))
+    side.synchronize()
+    for blobs, backs in rounds:
+        for x, b, y in zip(xs, blobs, backs):
+            np.testing.assert_array_equal(b.cpu().numpy(), kvzip.compress(x.cpu()).numpy())
+            assert y.dtype == torch.bfloat16 and torch.equal(x.view(torch.int16), y.view(torch.int16))
+
+
+def test_long_mixed_batches_through_lanes_match_single_calls():
+    """A long batch through its lanes (the second call): every blob must still be the CPU's, with
+    formats mixed, an incompressible tensor stored raw mid-batch, and a quantizing pipeline's
+    lanes (a program run each)."""
+    from kvzip.stages import call_graphs
+
+    call_graphs.release()
+    e5m2 = FORMATS["e5m2"]
+    shapes = [(1 << 14,), (3, 4096), (1 << 14,), (77, 129)]
+    xs, dtypes = [], []
+    for i in range(37):
+        if i % 9 == 4:
+            xs.append(cupy.asarray(random_bits(e5m2, 5000 + i)))
+            dtypes.append("e5m2")
+        else:
+            shape = shapes[i % len(shapes)]
+            xs.append(cupy.asarray(np.roll(real_bf16(int(np.prod(shape))), i)).reshape(shape))
+            dtypes.append("bf16")
+    xs[20] = cupy.asarray(random_bits(FORMATS["bf16"], 1 << 14))  # no escapes saved: stored raw
+    for d in ("bf16", "e5m2"):
+        idx = [i for i, t in enumerate(dtypes) if t == d]
+        for _ in range(2):  # the second call goes through the lanes the first one left
+            for i, blob in zip(idx, kvzip.compress_many([xs[i] for i in idx], dtype=d)):
+                np.testing.assert_array_equal(blob.get(), kvzip.compress(xs[i].get(), dtype=d))
+    assert any(e.shape.graph for e in call_graphs.entries())  # the lanes' programs replayed
+    qpipe = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack("e5m2-kv"), S.EscapeStream(),
+                            S.Serialize()])
+    qs = [cupy.asarray(real_bf16(4096 * 3 + i)) for i in range(12)]
+    for _ in range(2):
+        for q, blob in zip(qs, qpipe.encode_many(qs, dtype="bf16")):
+            np.testing.assert_array_equal(blob.get(), qpipe.encode(q.get(), dtype="bf16"))
+
+
+def test_batches_mixing_frameworks_shapes_and_formats_match_single_calls():
+    """compress_many / decompress_many on one list holding CuPy arrays (1-D raw bits, N-D typed,
+    strided), CUDA torch tensors and a NumPy array: each blob is the one compress gives, and each
+    result comes back in its blob's framework, dtype and shape, the first time (full checks)
+    and the second (remembered layouts, one decode run per framework)."""
+    torch = pytest.importorskip("torch")
+    from kvzip.stages import known_headers
+
+    known_headers._layouts.clear()
+    bits = real_bf16(3 * 4096 * 8 + 11)
+    cu = cupy.asarray(bits)
+    half = cupy.asarray(random_bits(FORMATS["fp16"], 4096)).view(cupy.float16).reshape(64, 64)
+    xs = [cu[:4096], cu[4096:8192], torch.as_tensor(bits[:8192].view(np.int16), device="cuda").view(torch.bfloat16),
+          half, cu[:8192].reshape(2, 4096)[:, ::2], bits[:4096].view(np.uint16), cu[8192:12288],
+          torch.as_tensor(bits[:3000].view(np.int16), device="cuda").view(torch.bfloat16).reshape(30, 100)]
+    dtypes = ["bf16", "bf16", None, None, "bf16", "bf16", "bf16", None]
+    singles = [kvzip.compress(x, dtype=d) for x, d in zip(xs, dtypes)]
+    for round_ in range(2):
+        blobs = [kvzip.compress_many(xs[i:i + 1], dtype=d)[0] for i, d in enumerate(dtypes)] if round_ else []
+        raw = [i for i, d in enumerate(dtypes) if d]
+        typed = [i for i, d in enumerate(dtypes) if not d]
+        many = [None] * len(xs)
+        for idx, d in ((raw, "bf16"), (typed, None)):
+            for i, blob in zip(idx, kvzip.compress_many([xs[i] for i in idx], dtype=d)):
+                many[i] = blob
+        for got, want in zip(many + blobs, singles + (singles if round_ else [])):
+            host = lambda b: b.cpu().numpy() if hasattr(b, "cpu") else b.get() if hasattr(b, "get") else b
+            np.testing.assert_array_equal(host(got), host(want))
+        backs = kvzip.decompress_many(many)
+        for x, y in zip(xs, backs):
+            assert type(y) is type(x) and tuple(y.shape) == tuple(x.shape)
+            if isinstance(x, torch.Tensor):
+                assert y.dtype == x.dtype and y.is_cuda and torch.equal(y.view(torch.int16), x.view(torch.int16))
+            else:
+                xb = x.get() if hasattr(x, "get") else x
+                yb = y.get() if hasattr(y, "get") else y
+                np.testing.assert_array_equal(np.ascontiguousarray(yb).view(xb.dtype) if yb.dtype != xb.dtype else yb,
+                                              xb)
+
+
 def test_replayed_call_shapes_match_cpu_and_still_catch_forgeries(monkeypatch):
     """From its second use a call shape runs as one CUDA graph (stages/call_graphs.py), encode
     goes through the pipeline's lane for the shape and decode through the remembered layout
@@ -238,7 +329,8 @@ def test_replayed_call_shapes_match_cpu_and_still_catch_forgeries(monkeypatch):
     known_headers._layouts.clear()
     lane_decodes = []
     real_decode = known_headers.decode
-    monkeypatch.setattr(known_headers, "decode", lambda m, b: lane_decodes.append(len(m)) or real_decode(m, b))
+    monkeypatch.setattr(known_headers, "decode",
+                        lambda m, b, origin=None: lane_decodes.append(len(m)) or real_decode(m, b, origin))
     base = real_bf16((1 << 18) + 3)
     pipe = pipeline()
     for rate in (0.0, 0.001, 0.02, 0.06):

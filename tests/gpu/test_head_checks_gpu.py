@@ -1,0 +1,125 @@
+"""kvz_check_heads (the batched decode's header checks on the GPU) against its host twin,
+known_headers.head_checks, on valid headers and on every way a header can fail to hang
+together; and decompress_many still refusing forged blobs that pass through it."""
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
+
+import kvzip
+from kvzip import container
+from kvzip.data import load_sample
+from kvzip.stages import fused_fast, known_headers
+
+rng = np.random.default_rng(77)
+
+
+def real_bf16(n, seed=0):
+    sample = np.concatenate([v.view(np.uint16).ravel() for v in load_sample().values()])
+    return np.roll(np.resize(sample, n), seed)
+
+
+def escapes_at(blob: bytes) -> int:
+    ns = int.from_bytes(blob[36:40], "little")
+    return container.PREFIX.size + 16 * (ns - 3)
+
+
+def resealed(blob: bytes, change) -> bytes:
+    """blob with change(bytearray of it) applied to the header and the header CRC made right again."""
+    b = bytearray(blob)
+    change(b)
+    h = min(int.from_bytes(b[12:16], "little"), len(b))
+    b[40:44] = bytes(4)
+    struct.pack_into("<I", b, 40, zlib.crc32(bytes(b[:h])))
+    return bytes(b)
+
+
+def put_u64(offset, value):
+    return lambda b: struct.pack_into("<Q", b, offset, value)
+
+
+def cases() -> list[bytes]:
+    valid = [kvzip.compress(real_bf16(n, n), dtype="bf16").tobytes() for n in (4096 * 5, 100_003, 64)]
+    noisy = real_bf16(1 << 15, 3)
+    hit = rng.random(noisy.shape[0]) < 0.03
+    noisy[hit] = (noisy[hit] & 0x807F) | (rng.integers(200, 250, int(hit.sum())) << 7).astype(np.uint16)
+    valid.append(kvzip.compress(noisy, dtype="bf16").tobytes())
+    b = valid[3]
+    at = escapes_at(b)
+    flipped = bytearray(b)
+    flipped[at + 8] ^= 2  # the CRC no longer matches
+    return valid + [
+        bytes(flipped),
+        resealed(b, put_u64(at + 8, struct.unpack_from("<Q", b, at + 8)[0] + 2)),  # esc_pos bytes != 2 x escapes
+        resealed(b, put_u64(at + 8, 1 << 63)),                                      # would wrap in int64
+        resealed(b, put_u64(at + 16, struct.unpack_from("<Q", b, at + 16)[0] + 16)),  # esc_exp not where layout puts it
+        resealed(b, put_u64(16, struct.unpack_from("<Q", b, 16)[0] + 16)),           # payload past the blob
+        b + bytes(16),                                                                # blob longer than its payload
+        b[:200],                                                                      # blob shorter than its header
+        b[:10],                                                                       # shorter than the prefix
+        resealed(b, lambda x: struct.pack_into("<I", x, 36, 2)),                      # fewer than 3 streams
+        resealed(b, lambda x: struct.pack_into("<I", x, 36, 0xFFFFFFFF)),             # escape table past the header
+        resealed(b, lambda x: struct.pack_into("<I", x, 12, 4000)),                   # header longer than the span
+        resealed(b, lambda x: struct.pack_into("<I", x, 12, 203)),                    # a header length not a multiple of 4
+        kvzip.compress(real_bf16(5000), dtype="bf16", checksum=True).tobytes(),
+        rng.integers(0, 256, 3000, dtype=np.uint8).tobytes(),
+    ]
+
+
+def test_gpu_checks_equal_the_host_twin():
+    blobs = [cupy.asarray(np.frombuffer(c, np.uint8)) for c in cases()]
+    sizes = [b.shape[0] for b in blobs]
+    block, checks = fused_fast.head_block([b.data.ptr for b in blobs], sizes)
+    want = known_headers.head_checks(block, sizes)
+    np.testing.assert_array_equal(checks, want)
+    assert checks[:4, 0].tolist() == [1, 1, 1, 1] and checks[4:-2, 0].tolist() == [0] * (len(blobs) - 6)
+    assert checks[-2, 0] == 1  # a checksummed blob's header hangs together too (match_many then rejects its layout)
+
+
+def test_decompress_many_refuses_forgeries_that_pass_the_gpu_checks():
+    """A blob whose header hangs together but whose escape counts lie is caught by the decode
+    kernels, named by its place in the batch; one with an unknown layout takes the full checks."""
+    xs = [cupy.asarray(real_bf16(1 << 16, s)) for s in range(4)]
+    blobs = kvzip.compress_many(xs, dtype="bf16")
+    for back, x in zip(kvzip.decompress_many(blobs), xs):  # remembers the layout
+        assert bool(cupy.array_equal(back.reshape(-1).view(x.dtype), x))
+    host = blobs[2].get().tobytes()
+    hdr = container.parse_header(host, len(host))
+    count_at = hdr.header_len + next(off for name, _, off, _ in hdr.streams if name == "esc_count")
+    bad = [b.copy() for b in blobs]
+    bad[2][count_at:count_at + 2] = cupy.asarray([0xA0, 0x0F], np.uint8)  # chunk 0 claims 4000 escapes
+    with pytest.raises(kvzip.FormatError, match="blob 2"):
+        kvzip.decompress_many(bad)
+    entry = container.PREFIX.size + 16 * [name for name, *_ in hdr.streams].index("esc_count") + 8
+    wrong = resealed(host, put_u64(entry, struct.unpack_from("<Q", host, entry)[0] + 2))  # esc_count's length
+    bad = [b.copy() for b in blobs]
+    bad[3] = cupy.asarray(np.frombuffer(wrong, np.uint8))
+    with pytest.raises(kvzip.FormatError):
+        kvzip.decompress_many(bad)
+
+
+def test_long_batch_with_forged_and_unknown_blobs():
+    """decompress_many over a long batch: a forged blob mid-batch is named by its place and the
+    next call works; a blob of a new layout mid-batch takes the full checks while the others
+    stay on their remembered layout."""
+    xs = [cupy.asarray(real_bf16(1 << 15, s)) for s in range(21)]
+    blobs = kvzip.compress_many(xs, dtype="bf16")
+    kvzip.decompress_many(blobs)  # remembers the layout
+    host = blobs[13].get().tobytes()
+    hdr = container.parse_header(host, len(host))
+    count_at = hdr.header_len + next(off for name, _, off, _ in hdr.streams if name == "esc_count")
+    bad = list(blobs)
+    bad[13] = blobs[13].copy()
+    bad[13][count_at:count_at + 2] = cupy.asarray([0xA0, 0x0F], np.uint8)
+    with pytest.raises(kvzip.FormatError, match="blob 13"):
+        kvzip.decompress_many(bad)
+    odd = cupy.asarray(real_bf16(3 * 4099, 9)).reshape(3, -1)
+    mixed = blobs[:10] + [kvzip.compress(odd, dtype="bf16")] + blobs[10:]
+    for _ in range(2):  # a new layout, then a remembered one
+        backs = kvzip.decompress_many(mixed)
+        for back, x in zip(backs[:10] + backs[11:], xs):
+            assert bool(cupy.array_equal(back.reshape(-1).view(x.dtype), x))
+        assert backs[10].shape == odd.shape and bool(cupy.array_equal(backs[10].view(odd.dtype), odd))
