@@ -8,9 +8,11 @@ stream table, except the three escape streams' sizes (and so the payload length 
 CRC), which follow each tensor's escape count.  After a blob decodes on the fast path, its header
 with those fields blanked is remembered as a *layout*.  A later blob whose header blanks to the
 same bytes only needs the varying fields checked: the CRC, the payload length, and escape
-streams laid out exactly as container.layout places them.  Pipelines with QuantizeFP8 (one scale
-per tensor) in front are remembered too: their codes decode the same way, then the stage turns
-them back into the caller's values with the blob's scale.  Anything else (a checksum, stored raw,
+streams laid out exactly as container.layout places them (for a decompress_many batch,
+fused_fast's kvz_check_heads checks them on the GPU as the headers are read back; head_checks
+here is its host twin).  Pipelines with QuantizeFP8 (one scale per tensor) in front are
+remembered too: their codes decode the same way, then the stage turns them back into the
+caller's values with the blob's scale.  Anything else (a checksum, stored raw,
 other pipelines, a layout that differs) takes the general path, as before.  The kernels still
 check every value-dependent fact (escape counts, positions, totals) on each call.
 """
