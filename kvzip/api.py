@@ -94,10 +94,10 @@ def encode_with(pipe: Pipeline, x, *, dtype=None, backend=None):
     with origin.stream_context():
         lane = pipe._lane(fmt, shape, be, bits)
         if lane is not None:  # this shape ran fast before
-            blob = lane.encode(bits)
+            blob = lane.encode(bits, origin)
             if blob is not None:
                 pipe.last_path = "fast"
-                return arrays.export_bytes(blob, origin)
+                return blob
         frame = _tensor_frame(bits, fmt, shape, be)
         blob = pipe.encode_frame(frame).streams["blob"]
         return arrays.export_bytes(_to_origin(blob, origin), origin)
@@ -174,9 +174,9 @@ def encode_many_with(pipe: Pipeline, xs, *, dtype=None, backend=None) -> list:
 
 
 def _encode_many_by_lanes(pipe: Pipeline, xs, dtype, backend, out) -> list[int]:
-    """Encode the tensors whose (format, shape) the pipeline has a lane for, a program per format;
-    returns the indices left for the general path (no lane, or stored raw after all)."""
-    rest, groups = [], {}  # format -> [(index, bits, origin, lane)]
+    """Encode the tensors whose (format, shape) the pipeline has a lane for, a program per format
+    and caller; returns the indices left for the general path (no lane, or stored raw after all)."""
+    rest, groups = [], {}  # (format, id of the origin) -> [(index, bits, origin, lane)]
     last = None  # (fmt, shape, origin, lane) of the last tensor that had a lane
     for i, (bits, fmt, shape, origin) in enumerate(arrays.import_tensors(xs, dtype)):
         if last is not None and fmt is last[0] and origin is last[2] and shape == last[1] and bits.data.ptr % 16 == 0:
@@ -184,18 +184,19 @@ def _encode_many_by_lanes(pipe: Pipeline, xs, dtype, backend, out) -> list[int]:
         else:
             lane = pipe._lane(fmt, shape, get_backend(backend or origin.backend_name), bits)
             last = (fmt, shape, origin, lane) if lane is not None else None
-        if lane is not None:
-            groups.setdefault(fmt.name, []).append((i, bits, origin, lane))
+        if lane is not None:  # a program per format and caller (the blobs come out in its framework)
+            groups.setdefault((fmt.name, id(origin)), []).append((i, bits, origin, lane))
         else:
             rest.append(i)
     for members in groups.values():
-        with members[0][2].stream_context():
-            blobs = fused_fast.encode_lanes([m[3] for m in members], [m[1] for m in members])
-        for (i, _, origin, _), blob in zip(members, blobs):
+        origin = members[0][2]
+        with origin.stream_context():
+            blobs = fused_fast.encode_lanes([m[3] for m in members], [m[1] for m in members], origin)
+        for (i, *_), blob in zip(members, blobs):
             if blob is None:
                 rest.append(i)
             else:
-                out[i] = arrays.export_bytes(blob, origin)
+                out[i] = blob
         pipe.last_path = "fast"
     return sorted(rest)
 

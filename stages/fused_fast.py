@@ -29,7 +29,7 @@ from importlib.resources import files
 
 import numpy as np
 
-from kvzip import container
+from kvzip import arrays, container
 from kvzip.bitpack import groups
 from kvzip.errors import FormatError
 from kvzip.formats import FORMATS
@@ -438,41 +438,34 @@ class EncodeLane:
     chunk: int
     quantize: str | None = None  # QuantizeFP8 per tensor in front: the 16-bit source format taken
 
-    def encode(self, bits):
+    def encode(self, bits, origin=None):
         """The blob of bits (a 16-byte aligned CuPy array of plan.n values), or None when the
         payload comes out larger than the values (the general path then stores them raw) or
-        the lane quantizes and quantize_fast is off."""
-        return encode_lanes([self], [bits])[0]
+        the lane quantizes and quantize_fast is off.  origin (kvzip.arrays.Origin): hand the
+        blob out as that caller's array (else CuPy's)."""
+        return encode_lanes([self], [bits], origin)[0]
 
 
-def encode_lanes(lanes: list[EncodeLane], bits: list) -> list:
-    """EncodeLane.encode for several tensors of one pipeline and format in one program run
-    (quantizing lanes: a run each, their tables per tensor)."""
+def encode_lanes(lanes: list[EncodeLane], bits: list, origin=None) -> list:
+    """EncodeLane.encode for several tensors of one pipeline and format (and caller, origin) in
+    one program run (quantizing lanes: a run each, their tables per tensor)."""
     if any(lane.quantize for lane in lanes):
         if not quantize_fast.ENABLED:
             return [None] * len(lanes)
         if len(lanes) > 1:
-            return [out for lane, b in zip(lanes, bits) for out in encode_lanes([lane], [b])]
-    import cupy
-
+            return [out for lane, b in zip(lanes, bits) for out in encode_lanes([lane], [b], origin)]
     device, stream = _current()
     plans = tuple(lane.plan for lane in lanes)
     first = lanes[0]
     prog = call_graphs.cached(("encode", device, *map(id, plans), first.quantize),  # encode_batch's key too
                               lambda: _EncodeProgram(plans, first.fmt, first.codebook, first.chunk, device,
                                                      first.quantize))
-    buffer = cupy.empty(prog.total, np.uint8)
-    prog.launch([b.data.ptr for b in bits], buffer.data.ptr, stream)
-    at = buffer.data
-    places = [at + s for s in prog.start_list]  # while the GPU encodes
+    buffer = arrays.ResultBuffer(prog.total, origin)
+    prog.launch([b.data.ptr for b in bits], buffer.array.data.ptr, stream)
     payloads = prog.wait(stream)[:, 2]
     lengths = (prog.header_lens + payloads).tolist()
     fits = (payloads <= prog.raw_payloads).tolist()
-    # One constructor a blob (slicing costs ~3 us, this ~1-2): a 64-tensor batch spends ~100 us here.
-    return [cupy.ndarray((n,), _U8, place) if ok else None for n, ok, place in zip(lengths, fits, places)]
-
-
-_U8 = np.dtype(np.uint8)
+    return buffer.blobs(prog.start_list, [n if ok else None for n, ok in zip(lengths, fits)])
 
 
 # ----------------------------------------------------------------------------- decode
@@ -566,16 +559,15 @@ class _DecodeProgram:
                                            tuple(ops) + (("download", 1, self.errors_nb),))
         self.tables = self.shape.ptr(3) + 512 * np.arange(k, dtype=np.uint64) if dequantize else None
 
-    def run(self, jobs: np.ndarray, stream, labels=None, views=None) -> list:
+    def run(self, jobs: np.ndarray, stream, labels=None, views=None, origin=None) -> list:
         """Decode the blobs jobs describe (columns 9, 12 and 13, and DQ_TABLE, are filled in here).
         Returns views(buffer, offsets): what to hand out for the values of blob i, which lie at
-        byte offsets[i] of buffer (a new CuPy uint8 array); by default their raw-bit arrays.
-        views runs while the GPU decodes; its results are dropped if a blob fails validation.
-        labels: what to call each blob in an error (its position in the caller's batch)."""
-        import cupy
-
-        out = cupy.empty(max(self.out_bytes, 1), np.uint8)
-        jobs[:, 9] = self.fixed[:, 0] + P(out.data.ptr)
+        byte offsets[i] of buffer (a new kvzip.arrays.ResultBuffer for origin's caller); by
+        default their raw-bit CuPy arrays.  views runs while the GPU decodes; its results are
+        dropped if a blob fails validation.  labels: what to call each blob in an error (its
+        position in the caller's batch)."""
+        out = arrays.ResultBuffer(self.out_bytes, origin)
+        jobs[:, 9] = self.fixed[:, 0] + P(out.array.data.ptr)
         jobs[:, 12:14] = self.fixed[:, 1:3]
         if self.tables is not None:
             jobs[:, DQ_TABLE] = self.tables
@@ -593,19 +585,20 @@ class _DecodeProgram:
     def _raw_views(self, out) -> list:
         import cupy
 
-        at = out.data
+        at = out.array.data
         return [cupy.ndarray((n,), self.dtype, at + offset) for offset, n in self.views]
 
 
 def decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray, labels=None, dequantize: tuple | None = None,
-                views=None) -> list:
+                views=None, origin=None) -> list:
     """Decode blobs from their job rows (kvz_decode's DecodeJob; columns 9, 12, 13 filled in here).
     dequantize: (FP8 format, 16-bit format): blobs of a QuantizeFP8 (per tensor) pipeline, to
-    16-bit values, each with the scale column DQ_SCALE points at.  views: as _DecodeProgram.run."""
+    16-bit values, each with the scale column DQ_SCALE points at.  views, origin: as
+    _DecodeProgram.run."""
     device, stream = _current()
     prog = call_graphs.cached(("decode", device, fmt.name, chunk, ns, dequantize),
                               lambda: _DecodeProgram(fmt, chunk, ns, device, dequantize))
-    return prog.run(jobs, stream, labels, views)
+    return prog.run(jobs, stream, labels, views, origin)
 
 
 def decode_batch(frames: list[Frame], chunk: int, codebooks: list, labels=None) -> list:

@@ -234,11 +234,11 @@ def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None, origi
     views = None
     if origin is not None and (pair is not None or not any(layout.dequantize for layout in layouts)):
         def views(buffer, offsets):
-            pieces = [(at, layout.dtype_format, layout.shape) for at, layout in zip(offsets, layouts)]
-            return arrays.export_tensors(buffer, pieces, origin)
+            return buffer.tensors([(at, layout.dtype_format, layout.shape) for at, layout in zip(offsets, layouts)])
     if pair is not None:  # QuantizeFP8's decode applied by kvz_decode as it stores
         jobs[:, fused_fast.DQ_SCALE] = [b.data.ptr + layout.dequantize[2] for b, layout in zip(blobs, layouts)]
-    got = fused_fast.decode_jobs(fmt, chunk, ns, jobs, labels, dequantize=pair, views=views)
+    got = fused_fast.decode_jobs(fmt, chunk, ns, jobs, labels, dequantize=pair, views=views,
+                                 origin=origin if views is not None else None)
     if pair is None and views is None:
         got = [_dequantized(b, blob, layout) if layout.dequantize else b for b, blob, layout in zip(got, blobs, layouts)]
     if views is not None or origin is None:

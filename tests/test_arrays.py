@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from kvzip import FORMATS, get_format
-from kvzip.arrays import (Origin, export_bytes, export_tensor, export_tensors, framework_of, import_blobs, import_bytes,
-                          import_tensor, import_tensors)
+from kvzip.arrays import (Origin, ResultBuffer, export_bytes, export_tensor, export_tensors, framework_of, import_blobs,
+                          import_bytes, import_tensor, import_tensors)
 
 torch = pytest.importorskip("torch")
 
@@ -596,6 +596,39 @@ def test_export_tensors_equals_export_tensor(framework):
             assert bool((got.view(fmt.uint_dtype) == want.view(fmt.uint_dtype)).all())
         else:
             assert torch.equal(got.view(TORCH_INT[fmt.itemsize]), want.view(TORCH_INT[fmt.itemsize]))
+
+
+@needs_cuda
+@pytest.mark.parametrize("framework", ["cupy", "torch", "jax"])
+def test_result_buffers_hand_out_what_export_gives(framework):
+    """A ResultBuffer's blobs and tensors equal export_bytes / export_tensor of the same bytes, in
+    the caller's framework; a torch caller's are slices of one torch tensor the kernels wrote
+    through the CuPy view."""
+    if framework == "jax" and not _jax_gpus():
+        pytest.skip("needs jax with CUDA")
+    origin = Origin(framework, "cuda", cupy.cuda.runtime.getDevice())
+    buf = ResultBuffer(4096, origin)
+    buf.array[:] = cupy.asarray(np.random.default_rng(5).integers(0, 256, 4096, dtype=np.uint8))
+    raw = buf.array.get()
+    starts, lengths = [0, 256, 1024, 4000], [100, None, 0, 96]
+    for got, s, n in zip(buf.blobs(starts, lengths), starts, lengths):
+        if n is None:
+            assert got is None
+            continue
+        want = export_bytes(cupy.asarray(raw[s:s + n]), origin)
+        host = got.cpu().numpy() if framework == "torch" else got.get() if framework == "cupy" else np.asarray(got)
+        assert type(got) is type(want) and host.tobytes() == raw[s:s + n].tobytes()
+    pieces = [(0, FORMATS["bf16"], (4, 8)), (256, FORMATS["e5m2"], (33,)), (512, FORMATS["fp32"], ()),
+              (1024, FORMATS["fp16"], (0, 3)), (2048, FORMATS["e4m3"], (2, 2, 2))]
+    for got, (at, fmt, shape) in zip(buf.tensors(pieces), pieces):
+        n = int(np.prod(shape))
+        want = export_tensor(cupy.asarray(raw[at:at + n * fmt.itemsize]).view(fmt.uint_dtype), fmt, shape, origin)
+        assert type(got) is type(want) and got.dtype == want.dtype and tuple(got.shape) == shape
+        host = got.cpu().view(TORCH_INT[fmt.itemsize]).numpy() if framework == "torch" else np.asarray(
+            got.get() if hasattr(got, "get") else got)
+        assert host.tobytes() == raw[at:at + n * fmt.itemsize].tobytes()
+    if framework == "torch":
+        assert buf.tensor.data_ptr() == buf.array.data.ptr and buf.blobs([8], [8])[0].data_ptr() == buf.array.data.ptr + 8
 
 
 @needs_cuda
