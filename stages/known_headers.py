@@ -115,8 +115,7 @@ def match(head: bytes, nbytes: int) -> tuple[Layout, np.ndarray] | None:
     h = layout.header_len
     if not crc_ok or h + payload != nbytes:
         return None
-    if (pos_at != layout.esc_pos_offset or pos_nb != 2 * exp_nb or exp_at != _up(pos_at + pos_nb)
-            or high_at != _up(exp_at + exp_nb) or payload != _up(high_at + high_nb)):
+    if pos_at != layout.esc_pos_offset or not _laid_out(payload, read[3]):
         return None  # laid out otherwise than container.layout would: the general path decides
     row = layout.row.copy()
     row[0, 3:6] = (h + pos_at, h + exp_at, h + high_at)
@@ -126,6 +125,14 @@ def match(head: bytes, nbytes: int) -> tuple[Layout, np.ndarray] | None:
 
 def _up(x):
     return -(-x // container.ALIGN) * container.ALIGN
+
+
+def _laid_out(payload: int, escapes: tuple) -> bool:
+    """Whether the escape streams (offset, bytes of esc_pos, esc_exp, exp_high) follow one another
+    as container.layout places them, esc_pos two bytes an escape, and close the payload."""
+    pos_at, pos_nb, exp_at, exp_nb, high_at, high_nb = escapes
+    return (pos_nb == 2 * exp_nb and exp_at == _up(pos_at + pos_nb) and high_at == _up(exp_at + exp_nb)
+            and payload == _up(high_at + high_nb))
 
 
 def head_checks(block: np.ndarray, nbytes) -> np.ndarray:
@@ -146,16 +153,12 @@ def head_checks(block: np.ndarray, nbytes) -> np.ndarray:
         row = block[t]
         h, ns = int(row[12:16].view("<u4")[0]), int(row[36:40].view("<u4")[0])
         out[t, 6:8] = (h, ns)
-        at = _PREFIX + 16 * (ns - 3)
-        if ns < 3 or h > min(span, n) or at + 48 > h:
+        read = _read(row[:min(h, span, n)].tobytes())  # None when the header does not fit (or its table)
+        if read is None:
             continue
-        head = bytearray(row[:h].tobytes())
-        crc = int.from_bytes(head[40:44], "little")
-        head[40:44] = bytes(4)
-        e = _ESCAPES.unpack_from(head, at)  # (offset, bytes) of esc_pos, esc_exp, exp_high
-        payload = int.from_bytes(head[16:24], "little")
-        if (zlib.crc32(head) == crc and max(*e, payload) < 1 << 48 and e[2] == _up(e[0] + e[1])
-                and e[4] == _up(e[2] + e[3]) and payload == _up(e[4] + e[5]) and e[1] == 2 * e[3] and h + payload == n):
+        _, crc_ok, payload, e = read
+        # Below 2^48, as the kernel requires before summing fields in 64 bits.
+        if crc_ok and max(*e, payload) < 1 << 48 and _laid_out(payload, e) and h + payload == n:
             out[t, :6] = (1, e[0], e[2], e[4], e[3], e[5])
     return out
 
