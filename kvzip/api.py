@@ -179,8 +179,8 @@ def _encode_many_by_lanes(pipe: Pipeline, xs, dtype, backend, out) -> list[int]:
     rest, groups = [], {}  # (format, id of the origin) -> [(index, bits, origin, lane)]
     last = None  # (fmt, shape, origin, lane) of the last tensor that had a lane
     for i, (bits, fmt, shape, origin) in enumerate(arrays.import_tensors(xs, dtype)):
-        if last is not None and fmt is last[0] and origin is last[2] and shape == last[1] and bits.data.ptr % 16 == 0:
-            lane = last[3]  # what _lane would say again (it checks the same alignment)
+        if last is not None and fmt is last[0] and origin is last[2] and shape == last[1] and fused_fast.aligned(bits):
+            lane = last[3]  # what _lane would say again (its other checks are the backend's)
         else:
             lane = pipe._lane(fmt, shape, get_backend(backend or origin.backend_name), bits)
             last = (fmt, shape, origin, lane) if lane is not None else None
@@ -251,7 +251,7 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
             fast = st.fused_fast.applicable(be)
         if fast:
             u8 = _to_backend(u8, be)
-            if u8.data.ptr % 16 == 0:  # the rest of applicable(be, 0, u8)
+            if st.fused_fast.aligned(u8):  # the rest of applicable(be, 0, u8)
                 gpu.append((i, u8, origin, be))
                 continue
         out[i] = decode_with(pipe, blobs[i], backend=backend)

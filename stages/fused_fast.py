@@ -159,7 +159,8 @@ def release_workspace() -> None:
     call_graphs.release()
 
 
-def _aligned(a) -> bool:
+def aligned(a) -> bool:
+    """Whether a CuPy array starts on a 16-byte boundary (the kernels' vector loads need it)."""
     return a.data.ptr % 16 == 0
 
 
@@ -168,11 +169,11 @@ def applicable(backend, n: int = 0, src=None) -> bool:
     given) 16-byte aligned."""
     if not ENABLED or backend.name != "cuda" or backend.simulated or n >= MAX_VALUES:
         return False
-    return src is None or _aligned(src)
+    return src is None or aligned(src)
 
 
 def decode_applicable(frame: Frame) -> bool:
-    return applicable(frame.backend, frame.n) and all(_aligned(frame.streams[k]) for k in ("codes", "rest")
+    return applicable(frame.backend, frame.n) and all(aligned(frame.streams[k]) for k in ("codes", "rest")
                                                       if k in frame.streams)
 
 
@@ -182,7 +183,7 @@ class EncodedBatch:
     """Blobs of one encode call, back to back in one device buffer."""
 
     buffer: object                # cupy uint8 array
-    starts: np.ndarray            # byte offset of each blob in buffer
+    starts: list                  # byte offset of each blob in buffer
     lengths: np.ndarray           # byte length of each blob
     fits: np.ndarray              # False where the payload came out larger than the values (store raw)
     plans: tuple
@@ -279,7 +280,7 @@ def _config_key(config) -> str:
 
 ENCODE_COLUMNS = 14  # EncodeJob's 8-byte fields
 Q_SCALE = 13  # its column for the quantizing encode: where the blob's scale goes (q_table is 12)
-QUANTIZE_TABLE = 1 << 15  # bytes of QuantizeFP8's table (a code per 15-bit magnitude)
+FINISH_COLUMNS = 14  # FinishJob's 8-byte fields
 
 
 class _EncodeProgram:
@@ -319,7 +320,7 @@ class _EncodeProgram:
             ops += [("zero", 9),
                     ("launch", amax, (quantize_fast.grid(p.n // 8, device),), (quantize_fast.THREADS,),
                      (P(0), R(0), np.int64(p.n), R(9))),  # src: word 0 of the job table
-                    ("launch", table, (QUANTIZE_TABLE // quantize_fast.THREADS,), (quantize_fast.THREADS,),
+                    ("launch", table, (quantize_fast.TABLE_BYTES // quantize_fast.THREADS,), (quantize_fast.THREADS,),
                      (R(9), P(0), R(0), np.int32(Q_SCALE), np.int32(p.nxt["scales"] - p.off["scales"]), R(10)))]
         if total_chunks:
             lut = P(_device_lut(fmt.name, cb.exponents, device))
@@ -332,9 +333,9 @@ class _EncodeProgram:
                 ("download", 4, self.sizes_nb)]
         # Regions: encode jobs | finish jobs | templates | zeroed work | sizes | esc_exp and exp_high
         # scratch | escape slots | (quantize) amax, table.
-        ws = self.shape = call_graphs.CallShape((8 * ENCODE_COLUMNS * k, 112 * k, tmpl_host.nbytes, work_nb,
+        ws = self.shape = call_graphs.CallShape((8 * ENCODE_COLUMNS * k, 8 * FINISH_COLUMNS * k, tmpl_host.nbytes, work_nb,
                                                  self.sizes_nb, exp_at[-1], high_at[-1], 2 * total_chunks * slot,
-                                                 total_chunks * slot) + ((16, QUANTIZE_TABLE) if quantize else ()),
+                                                 total_chunks * slot) + ((16, quantize_fast.TABLE_BYTES) if quantize else ()),
                                                 tuple(ops))
         exp_ptr, high_ptr, slot_pos, slot_exp = ws.ptr(5), ws.ptr(6), ws.ptr(7), ws.ptr(8)
         enc_rows, fin_rows = [], []
@@ -356,10 +357,9 @@ class _EncodeProgram:
         self.src_at = np.arange(k) * ENCODE_COLUMNS
         out_cols = np.arange(2, 6) if not quantize else np.array([2, 3, 4, 5, Q_SCALE])  # codes .. esc_pos (scales)
         self.out_at = np.concatenate([(np.arange(k)[:, None] * ENCODE_COLUMNS + out_cols).ravel(),
-                                      fin_at + np.arange(k) * 14])
+                                      fin_at + np.arange(k) * FINISH_COLUMNS])
         self.out_rel = ws.staged[self.out_at].copy()  # codes, rest, esc_count, esc_pos; each blob's start
-        self.starts = np.array(starts[:-1], np.int64)
-        self.start_list = starts[:-1]
+        self.starts = starts[:-1]  # each blob's byte offset in the output buffer
         self.total = starts[-1]
         self.header_lens = np.array([len(p.header) for p in plans], np.int64)
         self.raw_payloads = np.array([p.raw_payload for p in plans], np.int64)
@@ -465,7 +465,7 @@ def encode_lanes(lanes: list[EncodeLane], bits: list, origin=None) -> list:
     payloads = prog.wait(stream)[:, 2]
     lengths = (prog.header_lens + payloads).tolist()
     fits = (payloads <= prog.raw_payloads).tolist()
-    return buffer.blobs(prog.start_list, [n if ok else None for n, ok in zip(lengths, fits)])
+    return buffer.blobs(prog.starts, [n if ok else None for n, ok in zip(lengths, fits)])
 
 
 # ----------------------------------------------------------------------------- decode
@@ -530,11 +530,10 @@ class _DecodeProgram:
     def __init__(self, fmt, chunk: int, ns: tuple, device: int, dequantize: tuple | None = None):
         k = len(ns)
         out_at, chunk_base, sb_base, fixed = 0, 0, 0, []
-        self.views, self.offsets = [], []  # (byte offset, values) of each blob's output; its byte offset
+        self.ns, self.offsets = ns, []  # values of each blob, and the byte offset of its output
         out_fmt = FORMATS[dequantize[1]] if dequantize else fmt  # what the blobs decode to
         for n in ns:
             fixed.append((out_at, chunk_base, sb_base))
-            self.views.append((out_at, n))
             self.offsets.append(out_at)
             out_at += -(-n * out_fmt.itemsize // BLOB_ALIGN) * BLOB_ALIGN
             nchunks = -(-n // chunk)
@@ -586,7 +585,7 @@ class _DecodeProgram:
         import cupy
 
         at = out.array.data
-        return [cupy.ndarray((n,), self.dtype, at + offset) for offset, n in self.views]
+        return [cupy.ndarray((n,), self.dtype, at + offset) for offset, n in zip(self.offsets, self.ns)]
 
 
 def decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray, labels=None, dequantize: tuple | None = None,
