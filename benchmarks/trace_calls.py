@@ -102,7 +102,7 @@ extra = [(pipeline.Pipeline, "encode_frame"), (pipeline.Pipeline, "decode_frame"
          (pipeline, "recorded_pipeline"), (container, "stream_views")] if mode == "host" else []
 for mod, name in extra + [(api.arrays, "import_tensor"), (api.arrays, "export_bytes"), (api.arrays, "import_bytes"),
                   (api.arrays, "export_tensor"), (fused_fast, "encode_batch"), (fused_fast, "decode_batch"),
-                  (call_graphs.CallShape, "run"),
+                  (call_graphs.CallShape, "launch"), (call_graphs.CallShape, "wait"),  # run calls both
                   (container, "read_head"), (container, "parse_header"), (serialize, "open_blob")]:
     wrap(mod, name)
 N = 20
