@@ -86,4 +86,22 @@ for n in (70_001, 70_001, 70_001, 13):
     first, again = qpipe.decode(blob), qpipe.decode(blob)
     assert bool(cupy.array_equal(first, again)), ("quantized", n)
     kvzip.decompress_many([blob, blob])
+# Guessed layouts (no header read-back; kvz_guess_heads): a blob of another shape, one cut at
+# the guessed layout's fixed bytes, one with a broken header: each must miss on the GPU without
+# reading past its blob, and go the checked way.
+from kvzip.stages import known_headers  # noqa: E402
+
+x = cupy.asarray(case(FORMATS["bf16"], 50_000, False))
+blob = kvzip.compress(x, dtype="bf16")
+kvzip.decompress(blob)
+layout = known_headers.guess(blob.shape[0])
+assert layout is not None
+broken = blob.copy()
+broken[44] ^= 1
+for b in (kvzip.compress(x.reshape(100, 500), dtype="bf16"), blob[:layout.fixed_bytes], broken, blob):
+    for call in (kvzip.decompress, lambda b: kvzip.decompress_many([blob, b, blob])):
+        try:
+            call(b)
+        except kvzip.FormatError:
+            pass
 print("sanitize workload done")

@@ -109,6 +109,12 @@ def decode_with(pipe: Pipeline, blob, *, backend=None):
     with origin.stream_context():
         if not (pipe.fuse and fused_fast.applicable(be, 0, u8)):
             return _export_decoded(pipe.decode_frame(Frame(be, {"blob": _to_backend(u8, be)}, {})), origin)
+        layout = known_headers.guess(u8.shape[0])
+        if layout is not None:  # most blobs are of the layout decoded last: no header read-back
+            got, misses = known_headers.decode_guessed([layout], [u8], origin=origin)
+            if not misses:
+                pipe.last_path = "fast"
+                return got[0]
         head = container.read_head(be, u8)
         hit = known_headers.match(head, u8.shape[0])
         if hit is not None:  # a layout that passed every check before: straight to the kernels
@@ -258,12 +264,20 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
     if not gpu:
         return out
     with gpu[0][2].stream_context():
+        launched = False
+        if pipe.fuse:  # first on the layouts guessed from the blobs' lengths, no header read-back
+            left = _decode_guessed(gpu, out)
+            launched = len(left) < len(gpu)
+            gpu = [gpu[j] for j in left]
+        if not gpu:
+            pipe.last_path = "fast"
+            return out
         sizes = [g[1].shape[0] for g in gpu]
         block, checks = st.fused_fast.head_block([g[1].data.ptr for g in gpu], sizes)  # one read-back for all
         matched, unmatched = st.known_headers.match_many(block, sizes, checks) if pipe.fuse else \
             ([], list(range(len(gpu))))
         heads = st.fused_fast.heads_from_block(block[unmatched], [gpu[j][1] for j in unmatched])
-        launched = _decode_known(matched, gpu, out)
+        launched = _decode_known(matched, gpu, out) or launched
         fused = _decode_general(pipe, [(gpu[j], head) for j, head in zip(unmatched, heads)], out)
     pipe.last_path = "fast" if launched or fused else pipe.last_path
     return out
@@ -298,6 +312,27 @@ def _decode_general(pipe: Pipeline, rest: list, out: list) -> bool:
             if pipe.fuse:
                 st.known_headers.remember(head, u8.shape[0], opened, recorded_pipeline(opened.meta).stages)
     return bool(groups)
+
+
+def _decode_guessed(gpu: list, out: list) -> list[int]:
+    """Decode the blobs of gpu (entries (index, bytes, origin, backend)) whose layout
+    known_headers.guess_many can guess: one program run per format, chunk size and caller
+    framework, each header checked against its guess on the GPU.  Returns the positions in gpu
+    left to decode the checked way (no guess, or a wrong one)."""
+    left, runs = [], {}  # (format, chunk, origin) -> [(position, layout)]
+    for j, layout in enumerate(known_headers.guess_many([g[1].shape[0] for g in gpu])):
+        if layout is None:
+            left.append(j)
+        else:
+            runs.setdefault((layout.fmt.name, layout.chunk, gpu[j][2]), []).append((j, layout))
+    for (*_, origin), members in runs.items():
+        got, misses = known_headers.decode_guessed([m[1] for m in members], [gpu[j][1] for j, _ in members],
+                                                   [gpu[j][0] for j, _ in members], origin)
+        for (j, _), value in zip(members, got):
+            if value is not None:
+                out[gpu[j][0]] = value
+        left += [members[i][0] for i in misses]
+    return sorted(left)
 
 
 def _decode_known(matched: list, gpu: list, out: list) -> bool:

@@ -102,7 +102,7 @@ def _kernel(name: str, device_id: int):
     k = _kernels.get((name, device_id))
     if k is None:
         names = tuple(x for fmt in FORMATS.values() for x in _instances(fmt)) + ("kvz_finish_encode", "kvz_gather_heads",
-                                                                                 "kvz_check_heads")
+                                                                                 "kvz_check_heads", "kvz_guess_heads")
         names += tuple(x for fmt in FORMATS.values() if fmt.itemsize == 1
                        for x in (_dequantizing_decode(fmt), *_quantizing_encode(fmt)))
         k = _kernels[(name, device_id)] = _module(device_id, names).get_function(name)
@@ -518,6 +518,7 @@ def heads_from_block(block: np.ndarray, blobs) -> list[bytes]:
 
 DECODE_COLUMNS = 16  # DecodeJob's 8-byte fields
 DQ_TABLE, DQ_SCALE = 14, 15  # its columns for the dequantizing decode
+GUESS_MISSED = 255  # kvz_guess_heads' error for a blob whose header is not the guessed layout's
 
 
 class _DecodeProgram:
@@ -525,9 +526,13 @@ class _DecodeProgram:
     CallShape and the per-blob output offsets and chunk bases of the job table.  dequantize:
     (FP8 format, 16-bit format) of blobs of a QuantizeFP8 (per tensor) pipeline, whose values
     come out in the 16-bit format: the program first builds each blob's table from the scale
-    column DQ_SCALE points at, and kvz_decode applies it as it stores."""
+    column DQ_SCALE points at, and kvz_decode applies it as it stores.  expect: for a decode on
+    guessed layouts, each blob's expected header with the escape-dependent fields blanked
+    (at most HEAD_SPAN bytes; known_headers.Layout.key): the program first checks each blob's
+    header against it on the GPU (kvz_guess_heads) and fills in the escape fields of its row."""
 
-    def __init__(self, fmt, chunk: int, ns: tuple, device: int, dequantize: tuple | None = None):
+    def __init__(self, fmt, chunk: int, ns: tuple, device: int, dequantize: tuple | None = None,
+                 expect: tuple | None = None):
         k = len(ns)
         out_at, chunk_base, sb_base, fixed = 0, 0, 0, []
         self.ns, self.offsets = ns, []  # values of each blob, and the byte offset of its output
@@ -543,43 +548,63 @@ class _DecodeProgram:
         self.out_bytes, self.dtype, self.errors_nb = out_at, out_fmt.uint_dtype, 8 * (1 + k)
         _, _, scan, dec = _instances(fmt)
         dec = _dequantizing_decode(fmt) if dequantize else dec
-        ops = [("upload", 1), ("zero", 1)]
+        # Workspace: jobs (| heads: blob address and length) | zeroed work (counter, per-tensor
+        # errors, look-back) | chunk offsets (| expected headers) (| dequantize tables).
+        guess = expect is not None
+        sizes = [8 * DECODE_COLUMNS * k] + ([16 * k] if guess else [])
+        jobs, heads, work, offs = R(0), R(1), R(len(sizes)), R(len(sizes) + 1)
+        sizes += [8 * (1 + k + sb_base), 8 * chunk_base]
+        ops = [("upload", work), ("zero", work)]
+        if guess:
+            ops.append(_launch("kvz_guess_heads", device, k, (heads, np.int32(HEAD_SPAN), R(len(sizes)), jobs, work)))
+            sizes.append(k * HEAD_SPAN)
         if dequantize:
             ops.append(("launch", quantize_fast.dequant_tables_kernel(*dequantize, device), (k,), (256,),
-                        (R(0), np.int32(DQ_SCALE), np.int32(DECODE_COLUMNS), P(0), R(3))))
+                        (jobs, np.int32(DQ_SCALE), np.int32(DECODE_COLUMNS), P(0), R(len(sizes)))))
+            sizes.append(512 * k)
         if chunk_base:
-            ops += [_launch(scan, device, sb_base, (R(0), np.int32(k), np.int32(chunk), np.int32(0), P(0), R(1), R(2))),
+            ops += [_launch(scan, device, sb_base, (jobs, np.int32(k), np.int32(chunk), np.int32(0), P(0), work, offs)),
                     _launch(dec, device, _chunk_grid(dec, device, chunk_base),
-                            (R(0), np.int32(k), np.int64(chunk_base), np.int32(chunk), R(2), R(1)))]
-        # Workspace: jobs | zeroed work (counter, per-tensor errors, look-back) | chunk offsets
-        # (| dequantize tables).
-        self.shape = call_graphs.CallShape((8 * DECODE_COLUMNS * k, 8 * (1 + k + sb_base), 8 * chunk_base)
-                                           + ((512 * k,) if dequantize else ()),
-                                           tuple(ops) + (("download", 1, self.errors_nb),))
-        self.tables = self.shape.ptr(3) + 512 * np.arange(k, dtype=np.uint64) if dequantize else None
+                            (jobs, np.int32(k), np.int64(chunk_base), np.int32(chunk), offs, work))]
+        self.shape = call_graphs.CallShape(tuple(sizes), tuple(ops) + (("download", work, self.errors_nb),))
+        self.tables = self.shape.ptr(len(sizes) - 1) + 512 * np.arange(k, dtype=np.uint64) if dequantize else None
+        if guess:
+            rows = np.zeros((k, HEAD_SPAN), np.uint8)
+            for row, key in zip(rows, expect):
+                row[:len(key)] = np.frombuffer(key, np.uint8)
+            self.shape.buffer[self.shape.offsets[work + 2]:][:rows.size].set(rows.ravel())
 
-    def run(self, jobs: np.ndarray, stream, labels=None, views=None, origin=None) -> list:
+    def run(self, jobs: np.ndarray, stream, labels=None, views=None, origin=None, heads=None):
         """Decode the blobs jobs describe (columns 9, 12 and 13, and DQ_TABLE, are filled in here).
         Returns views(buffer, offsets): what to hand out for the values of blob i, which lie at
         byte offsets[i] of buffer (a new kvzip.arrays.ResultBuffer for origin's caller); by
         default their raw-bit CuPy arrays.  views runs while the GPU decodes; its results are
         dropped if a blob fails validation.  labels: what to call each blob in an error (its
-        position in the caller's batch)."""
+        position in the caller's batch).  heads ((k, 2) uint64: each blob's address and length)
+        goes with a program on guessed layouts, whose run returns (results, misses): the
+        positions of the blobs whose header was not the expected one (their results are not
+        decoded values)."""
         out = arrays.ResultBuffer(self.out_bytes, origin)
         jobs[:, 9] = self.fixed[:, 0] + P(out.array.data.ptr)
         jobs[:, 12:14] = self.fixed[:, 1:3]
         if self.tables is not None:
             jobs[:, DQ_TABLE] = self.tables
         self.shape.put(0, jobs)
+        if heads is not None:
+            self.shape.put(1, heads)
         self.shape.launch(stream)
         got = views(out, self.offsets) if views is not None else self._raw_views(out)
         # The validation result: the tensor errors after the work counter.
         errors = self.shape.wait(stream)[8:self.errors_nb].view(np.uint64)
+        misses = []
         if errors.any():
-            i = int(np.nonzero(errors)[0][0])
-            where = f"blob {labels[i]}: " if labels is not None else f"blob {i}: " if errors.shape[0] > 1 else ""
-            raise FormatError(where + _ERRORS.get(int(errors[i]), f"decode error {int(errors[i])}"))
-        return got
+            bad = np.nonzero(errors)[0]
+            misses = bad[errors[bad] == GUESS_MISSED].tolist() if heads is not None else []
+            if len(misses) < bad.size:
+                i = int(bad[errors[bad] != GUESS_MISSED][0]) if heads is not None else int(bad[0])
+                where = f"blob {labels[i]}: " if labels is not None else f"blob {i}: " if errors.shape[0] > 1 else ""
+                raise FormatError(where + _ERRORS.get(int(errors[i]), f"decode error {int(errors[i])}"))
+        return (got, misses) if heads is not None else got
 
     def _raw_views(self, out) -> list:
         import cupy
@@ -589,15 +614,18 @@ class _DecodeProgram:
 
 
 def decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray, labels=None, dequantize: tuple | None = None,
-                views=None, origin=None) -> list:
+                views=None, origin=None, guessed: tuple | None = None):
     """Decode blobs from their job rows (kvz_decode's DecodeJob; columns 9, 12, 13 filled in here).
     dequantize: (FP8 format, 16-bit format): blobs of a QuantizeFP8 (per tensor) pipeline, to
     16-bit values, each with the scale column DQ_SCALE points at.  views, origin: as
-    _DecodeProgram.run."""
+    _DecodeProgram.run.  guessed: (expected blanked headers, (k, 2) blob addresses and lengths)
+    for rows built from guessed layouts whose escape fields the GPU fills in from each header;
+    then returns (results, misses) as _DecodeProgram.run."""
     device, stream = _current()
-    prog = call_graphs.cached(("decode", device, fmt.name, chunk, ns, dequantize),
-                              lambda: _DecodeProgram(fmt, chunk, ns, device, dequantize))
-    return prog.run(jobs, stream, labels, views, origin)
+    expect, heads = guessed if guessed is not None else (None, None)
+    prog = call_graphs.cached(("decode", device, fmt.name, chunk, ns, dequantize, expect),
+                              lambda: _DecodeProgram(fmt, chunk, ns, device, dequantize, expect))
+    return prog.run(jobs, stream, labels, views, origin, heads)
 
 
 def decode_batch(frames: list[Frame], chunk: int, codebooks: list, labels=None) -> list:

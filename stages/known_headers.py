@@ -18,8 +18,10 @@ check every value-dependent fact (escape counts, positions, totals) on each call
 """
 from __future__ import annotations
 
+import bisect
 import struct
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +33,7 @@ from kvzip.frame import Frame
 from . import fused_fast, quantize_fast
 
 MAX_LAYOUTS = 4096
+MAX_RECENT = 16  # layouts guess() tries, most recently decoded first
 _FUSED_ONLY = ("exponent_split", "top16_pack", "escape_stream", "serialize")
 _QUANTIZED = ("quantize_fp8",) + _FUSED_ONLY  # QuantizeFP8 with one scale per tensor in front
 _ESCAPES = struct.Struct("<6Q")  # the last three stream table entries: esc_pos, esc_exp, exp_high (offset, bytes)
@@ -48,10 +51,17 @@ class Layout:
     escapes_at: int        # where the escape streams' table entries start in the header
     esc_pos_offset: int    # payload offset of esc_pos (fixed: every stream before it has a fixed size)
     row: np.ndarray        # the job row: codes, rest, esc_count addresses relative to the blob, n, codebook
+    key: bytes             # the header with the escape-dependent fields blanked (what _layouts maps)
     dequantize: tuple | None = None  # (QuantizeFP8 stage, its frame meta, scales offset in the blob)
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes up to esc_pos: every blob of this layout has at least these."""
+        return self.header_len + self.esc_pos_offset
 
 
 _layouts: dict = {}
+_recent: OrderedDict = OrderedDict()  # key -> Layout of the latest layouts decoded, most recent last
 
 
 def _read(head: bytes):
@@ -98,10 +108,71 @@ def remember(head: bytes, nbytes: int, opened: Frame, stages: list) -> None:
     row = np.array([[at["codes"], at["rest"], at["esc_count"], 0, 0, 0, opened.n, 0, 0, 0,
                      *fused_fast.dlut_words(frame_codebook(opened)), 0, 0, 0, 0]], np.uint64)
     if len(_layouts) >= MAX_LAYOUTS:
-        _layouts.clear()
-    _layouts[read[0]] = Layout(opened.format, opened.dtype_format, tuple(opened.meta["shape"]), opened.n,
-                           stages[-2].chunk, hdr.header_len, _PREFIX + 16 * (len(hdr.streams) - 3),
-                           hdr.streams[-3][2], row, dequantize)
+        forget()
+    layout = _layouts[read[0]] = Layout(opened.format, opened.dtype_format, tuple(opened.meta["shape"]), opened.n,
+                                        stages[-2].chunk, hdr.header_len, _PREFIX + 16 * (len(hdr.streams) - 3),
+                                        hdr.streams[-3][2], row, read[0], dequantize)
+    _note(layout)
+
+
+def forget() -> None:
+    """Drop every remembered layout (the next blobs take the general path)."""
+    global _table
+    _layouts.clear()
+    _recent.clear()
+    _table = None
+
+
+def _note(layout: Layout) -> None:
+    """Record that a blob of layout was just decoded (what guess() goes by)."""
+    global _table
+    if layout.key in _recent:
+        _recent.move_to_end(layout.key)
+        return
+    _recent[layout.key] = layout
+    if len(_recent) > MAX_RECENT:
+        _recent.popitem(last=False)
+    _table = None
+
+
+_table = None  # (fixed_bytes ascending, their layouts, the longest blob of each) from _recent
+
+
+def _guess_table() -> tuple:
+    global _table
+    if _table is None:
+        by_fixed = {}  # fixed_bytes -> the most recent layout with them
+        for layout in _recent.values():
+            if layout.header_len <= fused_fast.HEAD_SPAN:  # what kvz_guess_heads compares
+                by_fixed[layout.fixed_bytes] = layout
+        fixed = sorted(by_fixed)
+        layouts = [by_fixed[f] for f in fixed]
+        # Escape streams: at most 2 + 1 bytes an escape and a byte of high exponents a value, padded.
+        _table = (fixed, layouts, np.array(fixed, np.int64), np.array([f + 4 * x.n + 48 for f, x in zip(fixed, layouts)],
+                                                                       np.int64))
+    return _table
+
+
+def guess(nbytes: int) -> Layout | None:
+    """The layout a blob of nbytes most likely has, without reading its header: of the last
+    MAX_RECENT layouts decoded, the one with the most fixed bytes (header and the streams before
+    the escapes) that a blob of nbytes can have.  Only a guess: decode_guessed checks it against
+    the header on the GPU.  The blob is at least the layout's fixed_bytes long, so every stream
+    the GPU reads before that check lies inside it."""
+    fixed, layouts, _, longest = _guess_table()
+    i = bisect.bisect_right(fixed, nbytes) - 1
+    return layouts[i] if i >= 0 and nbytes <= longest[i] else None
+
+
+def guess_many(nbytes) -> list:
+    """guess() for each of a batch's blob lengths."""
+    _, layouts, fixed, longest = _guess_table()
+    if not layouts:
+        return [None] * len(nbytes)
+    sizes = np.asarray(nbytes, np.int64)
+    i = np.searchsorted(fixed, sizes, "right") - 1
+    ok = (i >= 0) & (sizes <= longest[np.maximum(i, 0)])
+    return [layouts[j] if hit else None for j, hit in zip(i.tolist(), ok.tolist())]
 
 
 def match(head: bytes, nbytes: int) -> tuple[Layout, np.ndarray] | None:
@@ -120,6 +191,7 @@ def match(head: bytes, nbytes: int) -> tuple[Layout, np.ndarray] | None:
     row = layout.row.copy()
     row[0, 3:6] = (h + pos_at, h + exp_at, h + high_at)
     row[0, 7:9] = (exp_nb, high_nb)  # escapes; high-exponent bytes
+    _note(layout)
     return layout, row
 
 
@@ -215,6 +287,7 @@ def _match_rows(b: np.ndarray, pos, checks, h: int, at: int, taken) -> list:
         jobs[:, 3:6] = h + c[:, 1:4]   # esc_pos, esc_exp, exp_high
         jobs[:, 7:9] = c[:, 4:6]       # escapes (esc_exp bytes); high-exponent bytes
         taken[pos[js]] = True
+        _note(layout)
         out.append((layout, pos[js], jobs))
     return out
 
@@ -226,11 +299,24 @@ def decode(matches: list, blobs: list, origin=None) -> list:
     return decode_rows([m[0] for m in matches], rows, blobs, origin=origin)
 
 
-def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None, origin=None) -> list:
+def decode_guessed(layouts: list, blobs: list, labels=None, origin=None) -> tuple[list, list]:
+    """Decode blobs (16-byte aligned, of one format and chunk size) on layouts guess() gave, with
+    no header read-back: the GPU checks each header against its guess (fused_fast's
+    kvz_guess_heads) and fills in the escape fields as it goes.  Returns (results as
+    decode_rows', misses): the positions of the blobs whose guess was wrong, whose results are
+    None (decode them the checked way)."""
+    jobs = np.concatenate([layout.row for layout in layouts])
+    jobs[:, 3] = [layout.fixed_bytes for layout in layouts]  # esc_pos where the guess puts it
+    heads = np.array([[b.data.ptr, b.shape[0]] for b in blobs], np.uint64)
+    return decode_rows(layouts, jobs, blobs, labels, origin, heads)
+
+
+def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None, origin=None, heads=None):
     """Decode blobs from their layouts and job rows (relative to each blob; changed in place).
     labels: what errors call each blob (its position in the caller's batch).  origin: hand the
     results out as that caller's tensors (built while the GPU decodes where the values come
-    straight out of the kernel), else as raw-bit arrays."""
+    straight out of the kernel), else as raw-bit arrays.  heads: as decode_guessed (each blob's
+    address and length) for rows on guessed layouts; then returns (results, misses)."""
     jobs[:, :6] += np.array([b.data.ptr for b in blobs], np.uint64)[:, None]
     fmt, chunk, ns = layouts[0].fmt, layouts[0].chunk, tuple(layout.n for layout in layouts)
     pair = _fused_dequantize(layouts, blobs)
@@ -240,13 +326,25 @@ def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None, origi
             return buffer.tensors([(at, layout.dtype_format, layout.shape) for at, layout in zip(offsets, layouts)])
     if pair is not None:  # QuantizeFP8's decode applied by kvz_decode as it stores
         jobs[:, fused_fast.DQ_SCALE] = [b.data.ptr + layout.dequantize[2] for b, layout in zip(blobs, layouts)]
+    guessed = (tuple(layout.key for layout in layouts), heads) if heads is not None else None
     got = fused_fast.decode_jobs(fmt, chunk, ns, jobs, labels, dequantize=pair, views=views,
-                                 origin=origin if views is not None else None)
+                                 origin=origin if views is not None else None, guessed=guessed)
+    got, misses = got if guessed is not None else (got, [])
+    if misses:
+        got = list(got)
+        for i in misses:
+            got[i] = None
+        for layout in {id(layouts[i]): layouts[i] for i in range(len(layouts)) if got[i] is not None}.values():
+            _note(layout)
+    elif guessed is not None:
+        _note(layouts[0])
     if pair is None and views is None:
-        got = [_dequantized(b, blob, layout) if layout.dequantize else b for b, blob, layout in zip(got, blobs, layouts)]
-    if views is not None or origin is None:
-        return got
-    return [arrays.export_tensor(b, layout.dtype_format, layout.shape, origin) for b, layout in zip(got, layouts)]
+        got = [_dequantized(b, blob, layout) if layout.dequantize and b is not None else b
+               for b, blob, layout in zip(got, blobs, layouts)]
+    if views is None and origin is not None:
+        got = [arrays.export_tensor(b, layout.dtype_format, layout.shape, origin) if b is not None else None
+               for b, layout in zip(got, layouts)]
+    return (got, misses) if guessed is not None else got
 
 
 def _fused_dequantize(layouts: list, blobs: list) -> tuple | None:

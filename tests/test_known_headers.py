@@ -41,13 +41,13 @@ def head_of(blob):
 
 @pytest.fixture
 def remembered():
-    known_headers._layouts.clear()
+    known_headers.forget()
     blob = with_escapes(0.001)
     head = head_of(blob)
     opened = open_blob(get_backend("cpu"), blob, head)
     known_headers.remember(head, blob.shape[0], opened, recorded_pipeline(opened.meta).stages)
     yield blob
-    known_headers._layouts.clear()
+    known_headers.forget()
 
 
 def expected_row(blob):
@@ -110,7 +110,7 @@ def quantized_pipeline(granularity):
 
 
 def test_per_tensor_quantized_layouts_are_remembered_with_their_scale():
-    known_headers._layouts.clear()
+    known_headers.forget()
     blob = quantized_pipeline("tensor").encode(real_bits(), dtype="bf16")
     remember_blob(blob)
     (layout,) = known_headers._layouts.values()
@@ -120,11 +120,11 @@ def test_per_tensor_quantized_layouts_are_remembered_with_their_scale():
     assert stage.id == "quantize_fp8" and stage.granularity == "tensor" and scales_at == at["scales"]
     assert (layout.fmt.name, layout.dtype_format.name, meta["quantize_fp8"]) == ("e5m2", "bf16", {"source_format": "bf16"})
     assert known_headers.match(head_of(blob), blob.shape[0])[0] is layout
-    known_headers._layouts.clear()
+    known_headers.forget()
 
 
 def test_per_channel_quantized_and_checksummed_layouts_are_not_remembered():
-    known_headers._layouts.clear()
+    known_headers.forget()
     remember_blob(quantized_pipeline("channel").encode(real_bits().reshape(-1, 64), dtype="bf16"))
     remember_blob(kvzip.compress(real_bits(), dtype="bf16", checksum=True))
     assert known_headers._layouts == {}
@@ -159,3 +159,33 @@ def test_batch_matching_agrees_with_one_at_a_time(remembered):
         else:
             assert batch[i][0] is one[0] and list(batch[i][1]) == list(one[1][0]), i
     assert len(batch) == 4  # the four valid blobs of the remembered layout
+
+
+def test_guess_picks_the_recent_layout_with_the_most_fixed_bytes_a_blob_can_have():
+    """guess(nbytes): among the recently decoded layouts, the one with the most fixed bytes
+    (header and streams before the escapes) at most nbytes, if nbytes is not longer than a blob
+    of it can be; guess_many gives the same for a batch; forget() drops them all."""
+    known_headers.forget()
+    small = kvzip.compress(real_bits()[:10_000], dtype="bf16")
+    large = with_escapes(0.01)
+    assert known_headers.guess(large.shape[0]) is None
+    remember_blob(small)
+    remember_blob(large)
+    by_len = {layout.n: layout for layout in known_headers._recent.values()}
+    lo, hi = by_len[10_000], by_len[N]
+    assert lo.fixed_bytes < hi.fixed_bytes <= large.shape[0]
+    sizes = [lo.fixed_bytes - 1, lo.fixed_bytes, small.shape[0], hi.fixed_bytes - 1, large.shape[0],
+             hi.fixed_bytes + 4 * N + 48, hi.fixed_bytes + 4 * N + 49]
+    below_hi = lo if hi.fixed_bytes - 1 <= lo.fixed_bytes + 4 * lo.n + 48 else None  # past lo's longest blob
+    want = [None, lo, lo, below_hi, hi, hi, None]
+    assert [known_headers.guess(s) for s in sizes] == want
+    assert known_headers.guess_many(sizes) == want
+    again = kvzip.compress(real_bits()[:10_000].reshape(100, 100), dtype="bf16")  # another header
+    remember_blob(again)
+    if known_headers.guess(again.shape[0]).key != lo.key:  # of lo's fixed bytes: the most recent wins
+        assert known_headers._read(head_of(again))[0] == known_headers.guess(again.shape[0]).key
+    for _ in range(known_headers.MAX_RECENT):  # only the last MAX_RECENT layouts are kept
+        remember_blob(kvzip.compress(real_bits()[:5000 + len(known_headers._layouts)], dtype="bf16"))
+    assert known_headers.guess(large.shape[0]) is None
+    known_headers.forget()
+    assert known_headers.guess(small.shape[0]) is None and known_headers.guess_many([small.shape[0]]) == [None]

@@ -123,3 +123,73 @@ def test_long_batch_with_forged_and_unknown_blobs():
         for back, x in zip(backs[:10] + backs[11:], xs):
             assert bool(cupy.array_equal(back.reshape(-1).view(x.dtype), x))
         assert backs[10].shape == odd.shape and bool(cupy.array_equal(backs[10].view(odd.dtype), odd))
+
+
+def test_guessed_layout_decodes_exactly_where_the_host_match_would():
+    """kvz_guess_heads (decode without a header read-back) takes a blob's guessed layout exactly
+    when known_headers.match, the host's checks, would give that layout for its header; on every
+    other case (forgeries, other layouts, checksums, junk) it reports a miss, decodes nothing of
+    that blob and raises nothing, and the blobs it takes decode to their values.  Blobs shorter
+    than the layout's fixed bytes are never guessed."""
+    known_headers.forget()
+    blobs = [cupy.asarray(np.frombuffer(c, np.uint8)) for c in cases()]
+    kvzip.decompress(blobs[3])  # remembers the layout of the escape-heavy blob
+    layout = known_headers.guess(blobs[3].shape[0])
+    assert layout is not None and layout.key == known_headers._read(cases()[3])[0]
+    eligible = [b for b in blobs if b.shape[0] >= layout.fixed_bytes]
+    assert all(known_headers.guess(b.shape[0]) is None for b in blobs if b.shape[0] < layout.fixed_bytes)
+    want_hits = []
+    for b in eligible:
+        host = b.get().tobytes()
+        hit = known_headers.match(host[:min(len(host), fused_fast.HEAD_SPAN)], len(host))
+        want_hits.append(hit is not None and hit[0] is layout)
+    assert sum(want_hits) == 1 and len(eligible) > 10
+    for batch in ([[b] for b in eligible], [eligible]):  # one blob a call, then all in one program
+        misses, start = [], 0
+        for part in batch:
+            got, missed = known_headers.decode_guessed([layout] * len(part), part)
+            misses += [start + i for i in missed]
+            start += len(part)
+            for value, b, m in zip(got, part, range(len(part))):
+                assert (value is None) == (m in missed)
+                if value is not None:
+                    want = kvzip.decompress(b.get())
+                    np.testing.assert_array_equal(value.get().view(np.uint16), want.view(np.uint16).ravel())
+        assert [i not in misses for i in range(len(eligible))] == want_hits
+
+
+def test_wrong_guesses_fall_back_to_the_checked_decode():
+    """Blobs of two layouts of one length alternate, so each single decode's guess is the other
+    layout's; a header broken after its layout was remembered; a batch mixing both layouts and
+    an unknown one: every result is exact, and a broken header is still refused."""
+    known_headers.forget()
+    x = cupy.asarray(real_bf16(3 * 4096 * 4, 5))
+    a, b = kvzip.compress(x, dtype="bf16"), kvzip.compress(x.reshape(3, -1), dtype="bf16")
+    odd = kvzip.compress(cupy.asarray(real_bf16(7000, 2)), dtype="bf16")
+    misses = []
+    real_guessed = known_headers.decode_guessed
+
+    def spy(*args, **kwargs):
+        got, missed = real_guessed(*args, **kwargs)
+        misses.append(len(missed))
+        return got, missed
+
+    known_headers.decode_guessed = spy
+    try:
+        for blob in (a, b, a, b, a):
+            back = kvzip.decompress(blob)
+            assert bool(cupy.array_equal(back.reshape(-1).view(cupy.uint16), x))
+        for _ in range(2):
+            backs = kvzip.decompress_many([a, b, odd, b, a])
+            for back, want in zip(backs, [x, x, None, x, x]):
+                if want is not None:
+                    assert bool(cupy.array_equal(back.reshape(-1).view(cupy.uint16), want))
+        broken = a.copy()
+        broken[44] ^= 1  # the header CRC
+        with pytest.raises(kvzip.FormatError):
+            kvzip.decompress(broken)
+        with pytest.raises(kvzip.FormatError):
+            kvzip.decompress_many([a, broken])
+    finally:
+        known_headers.decode_guessed = real_guessed
+    assert len(misses) >= 4 and sum(misses) >= 1  # guesses were made, and some were wrong

@@ -118,7 +118,7 @@ def test_quantized_blobs_decode_through_remembered_layouts(fast, monkeypatch):
     monkeypatch.setattr(known_headers, "_dequantized", lambda *a: calls.append("stage") or stage_decode(*a))
     monkeypatch.setattr(known_headers.fused_fast, "decode_jobs", spy_jobs)
     via = "fused" if fast else "stage"
-    known_headers._layouts.clear()
+    known_headers.forget()
     pipe = kvzip.Pipeline([QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack(), S.EscapeStream(), S.Serialize()])
     inputs = [real_kv_bf16(3 * 4101, part) for part in range(3)]  # one shape, other values and scales
     expect = [pipe.decode(pipe.encode(b.reshape(3, -1), dtype="bf16")).reshape(-1).view(np.uint16) for b in inputs]
@@ -131,7 +131,7 @@ def test_quantized_blobs_decode_through_remembered_layouts(fast, monkeypatch):
     for g, e in zip(got, expect + expect):
         assert g.shape == (3, 4101)
         np.testing.assert_array_equal(g.reshape(-1).view(np.uint16).get(), e)
-    known_headers._layouts.clear()
+    known_headers.forget()
 
 
 def with_outliers(bits, rate):
