@@ -973,6 +973,51 @@ __device__ __forceinline__ u32 crc_word(const u32 crc_table[4][256], u32 crc, u3
            crc_table[0][crc >> 24];
 }
 
+// A header's CRC by one warp.  The register after A then B is reg(A) * x^(8 |B|) ^ reg0(B), where
+// reg0 starts from 0 and the product is modulo the CRC polynomial in zlib's reflected bit order
+// (bit 31 is x^0; zlib's crc32_combine).  So each lane runs the tables over CRC_WORDS words and
+// shifts its register over the words of the lanes after it: a product with a constant,
+// CRC_SHIFT[j] = x^(8 * 4 * CRC_WORDS * j) mod P (from zlib's x2nmodp).  Rounds of 32 * CRC_WORDS
+// words, the last one aligned to the end, so the shifts stay these constants.
+#define CRC_WORDS 16
+__constant__ u32 CRC_SHIFT[32] = {0x80000000u, 0x88d14467u, 0xd7bbfe6au, 0x62b6ca4bu, 0xec447f11u, 0x7c69160du, 0xb72d2b3cu, 0xb34988bbu, 0x8e7ea170u, 0x54e00eefu, 0x7e91368au, 0x9b577d5cu, 0x05616c82u, 0x6b85d8d7u, 0x3277f3e0u, 0x979966f5u, 0x6427800eu, 0x4a080ee0u, 0xb1436b58u, 0x7242d7fau, 0x5ef840e2u, 0x56c3cb9cu, 0xb3a2be1cu, 0x36b74585u, 0xbf110f7eu, 0xa52f4d76u, 0x3ea21cf9u, 0x5e665234u, 0x118f848eu, 0xc7916f54u, 0x34163bd1u, 0xb58f9792u};
+
+__device__ __forceinline__ u32 multmodp(u32 a, u32 b) {
+    u32 m = 1u << 31, p = 0;
+    for (;;) {
+        if (a & m) {
+            p ^= b;
+            if ((a & (m - 1)) == 0) break;
+        }
+        m >>= 1;
+        b = (b & 1u) ? (b >> 1) ^ 0xEDB88320u : b >> 1;
+    }
+    return p;
+}
+
+// zlib's CRC-32 register (initial 0xFFFFFFFF, not yet inverted) after the nwords words of w (word
+// skip read as 0), by one warp; every lane gets it.  ~1 000 cycles for a 1 KiB header where one
+// thread walking it takes several thousand.
+__device__ u32 warp_crc32(const u32 crc_table[4][256], const u32* w, long long nwords, long long skip, int lane) {
+    u32 reg = 0xFFFFFFFFu;
+    for (long long start = 0; start < nwords;) {
+        const long long len = min((long long)(32 * CRC_WORDS), nwords - start);
+        const long long e = start + len - CRC_WORDS * (31 - lane);
+        const long long a = max(start, e - CRC_WORDS);
+        u32 r = 0;
+        if (a < e) {
+            r = a == start ? reg : 0u;  // the lane the round starts in carries the register so far
+            for (long long i = a; i < e; i++) r = crc_word(crc_table, r, i == skip ? 0u : w[i]);
+            if (lane != 31) r = multmodp(CRC_SHIFT[31 - lane], r);
+        }
+#pragma unroll
+        for (int d = 16; d; d >>= 1) r ^= __shfl_xor_sync(FULL_MASK, r, d);
+        reg = r;
+        start += len;
+    }
+    return reg;
+}
+
 // grid = (x, ntensors).  sizes[3t..3t+2] = escapes, exp_high bytes, payload length.
 __global__ void __launch_bounds__(256) kvz_finish_encode(const FinishJob* __restrict__ jobs, const u64* __restrict__ work,
                                                          int njobs, int hb, u64* __restrict__ sizes) {
@@ -1008,17 +1053,17 @@ __global__ void __launch_bounds__(256) kvz_finish_encode(const FinishJob* __rest
     u8* h = in_smem ? head : J.blob;
     for (long long i = threadIdx.x; i < H; i += blockDim.x) h[i] = J.tmpl[i];
     build_crc_tables(crc_table);
-    if (threadIdx.x == 0) {
-        put_u64(h + 16, (u64)end);
-        put_u64(h + J.table_at, (u64)J.var_base);       put_u64(h + J.table_at + 8, (u64)(2 * ne));
-        put_u64(h + J.table_at + 16, (u64)b);           put_u64(h + J.table_at + 24, (u64)ne);
-        put_u64(h + J.table_at + 32, (u64)cc);          put_u64(h + J.table_at + 40, (u64)nh);
-        h[40] = h[41] = h[42] = h[43] = 0;
-        u32 crc = 0xFFFFFFFFu;
-        for (long long i = 0; i < H; i += 4)  // H is a multiple of 16
-            crc = crc_word(crc_table, crc, (u32)h[i] | ((u32)h[i + 1] << 8) | ((u32)h[i + 2] << 16) | ((u32)h[i + 3] << 24));
-        crc ^= 0xFFFFFFFFu;
-        h[40] = (u8)crc; h[41] = (u8)(crc >> 8); h[42] = (u8)(crc >> 16); h[43] = (u8)(crc >> 24);
+    if (threadIdx.x < 32) {
+        if (threadIdx.x == 0) {
+            put_u64(h + 16, (u64)end);
+            put_u64(h + J.table_at, (u64)J.var_base);       put_u64(h + J.table_at + 8, (u64)(2 * ne));
+            put_u64(h + J.table_at + 16, (u64)b);           put_u64(h + J.table_at + 24, (u64)ne);
+            put_u64(h + J.table_at + 32, (u64)cc);          put_u64(h + J.table_at + 40, (u64)nh);
+        }
+        __syncwarp();  // the fields are in place for the whole warp
+        // H is a multiple of 16 and h 16-byte aligned; the CRC field (word 10) counts as 0.
+        const u32 crc = warp_crc32(crc_table, reinterpret_cast<const u32*>(h), H / 4, 10, threadIdx.x) ^ 0xFFFFFFFFu;
+        if (threadIdx.x == 0) { h[40] = (u8)crc; h[41] = (u8)(crc >> 8); h[42] = (u8)(crc >> 16); h[43] = (u8)(crc >> 24); }
     }
     __syncthreads();
     if (in_smem)
@@ -1046,7 +1091,8 @@ __device__ __forceinline__ long long stage_head(const u8* b, long long len, int 
     return staged;
 }
 
-// One thread: what kvz_check_heads reports of the header staged in head (out: 8 words).
+// One warp (every lane gets the result): what kvz_check_heads reports of the header staged in
+// head (out: 8 words).
 __device__ void head_facts(const u8* b, long long len, int span, const u8* head, long long staged,
                            const u32 crc_table[4][256], u64 out[8]) {
     for (int k = 0; k < 8; k++) out[k] = 0;
@@ -1056,10 +1102,9 @@ __device__ void head_facts(const u8* b, long long len, int span, const u8* head,
     const long long at = 48 + 16 * (ns - 3);
     out[6] = (u64)h; out[7] = (u64)ns;
     if (!(ns >= 3 && h <= span && h <= len && at + 48 <= h)) return;
-    u32 crc = 0xFFFFFFFFu;
-    long long i = 0;
-    for (; i + 4 <= h && i + 4 <= staged; i += 4) crc = crc_word(crc_table, crc, i == 40 ? 0u : w[i / 4]);  // CRC field as 0
-    for (; i < h; i++) crc = crc_table[0][(crc ^ (i < staged ? head[i] : b[i])) & 0xFF] ^ (crc >> 8);
+    const long long words = min(h, staged) / 4;  // the staged words; the CRC field (word 10) as 0
+    u32 crc = warp_crc32(crc_table, w, words, 10, threadIdx.x & 31);
+    for (long long i = 4 * words; i < h; i++) crc = crc_table[0][(crc ^ (i < staged ? head[i] : b[i])) & 0xFF] ^ (crc >> 8);
     const u64* e = reinterpret_cast<const u64*>(head + at);  // (offset, bytes) of esc_pos, esc_exp, exp_high
     const u64 payload = reinterpret_cast<const u64*>(head)[2];
     const u64 big = 1ull << 48;  // every field below this before any sum: no wrap-around
@@ -1085,10 +1130,11 @@ __global__ void __launch_bounds__(256) kvz_check_heads(const u64* __restrict__ j
     const u8* b = reinterpret_cast<const u8*>(jobs[2 * t]);
     const long long len = (long long)jobs[2 * t + 1];
     const long long staged = stage_head(b, len, span, head, crc_table);
-    if (threadIdx.x != 0) return;
+    if (threadIdx.x >= 32) return;
     u64 out[8];
     head_facts(b, len, span, head, staged, crc_table, out);
-    for (int k = 0; k < 8; k++) checks[8 * t + k] = out[k];
+    if (threadIdx.x == 0)
+        for (int k = 0; k < 8; k++) checks[8 * t + k] = out[k];
 }
 
 // ------------------------------------------------------------------ guessed layouts (decode)
@@ -1117,9 +1163,10 @@ __global__ void __launch_bounds__(256) kvz_guess_heads(const u64* __restrict__ h
         same = (blank ? 0 : i < staged ? head[i] : b[i]) == expect[(long long)t * span + i];
     }
     same = __syncthreads_and(same);
-    if (threadIdx.x != 0) return;
+    if (threadIdx.x >= 32) return;
     u64 out[8];
     head_facts(b, len, span, head, staged, crc_table, out);
+    if (threadIdx.x != 0) return;
     DecodeJob& J = jobs[t];
     const u8* payload = b + h;
     if (same && out[0] == 1 && reinterpret_cast<const u8*>(J.esc_pos) == payload + out[1]) {
