@@ -183,17 +183,19 @@ def _encode_many_by_lanes(pipe: Pipeline, xs, dtype, backend, out) -> list[int]:
     """Encode the tensors whose (format, shape) the pipeline has a lane for, a program per format
     and caller; returns the indices left for the general path (no lane, or stored raw after all)."""
     rest, groups = [], {}  # (format, id of the origin) -> [(index, bits, origin, lane)]
-    last = None  # (fmt, shape, origin, lane) of the last tensor that had a lane
+    last = None  # (fmt, shape, origin, lane, its group) of the last tensor that had a lane
     for i, (bits, fmt, shape, origin) in enumerate(arrays.import_tensors(xs, dtype)):
         if last is not None and fmt is last[0] and origin is last[2] and shape == last[1] and fused_fast.aligned(bits):
-            lane = last[3]  # what _lane would say again (its other checks are the backend's)
-        else:
-            lane = pipe._lane(fmt, shape, get_backend(backend or origin.backend_name), bits)
-            last = (fmt, shape, origin, lane) if lane is not None else None
+            last[4].append((i, bits, origin, last[3]))  # what _lane would say again (its other checks are the backend's)
+            continue
+        lane = pipe._lane(fmt, shape, get_backend(backend or origin.backend_name), bits)
         if lane is not None:  # a program per format and caller (the blobs come out in its framework)
-            groups.setdefault((fmt.name, id(origin)), []).append((i, bits, origin, lane))
+            group = groups.setdefault((fmt.name, id(origin)), [])
+            group.append((i, bits, origin, lane))
+            last = (fmt, shape, origin, lane, group)
         else:
             rest.append(i)
+            last = None
     for members in groups.values():
         origin = members[0][2]
         with origin.stream_context():
@@ -255,8 +257,10 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
         if origin is not seen:
             seen, be = origin, get_backend(backend or origin.backend_name)
             fast = st.fused_fast.applicable(be)
+            move = be.name != origin.backend_name  # NumPy bytes for the GPU backend
         if fast:
-            u8 = _to_backend(u8, be)
+            if move:
+                u8 = _to_backend(u8, be)
             if st.fused_fast.aligned(u8):  # the rest of applicable(be, 0, u8)
                 gpu.append((i, u8, origin, be))
                 continue
@@ -319,19 +323,25 @@ def _decode_guessed(gpu: list, out: list) -> list[int]:
     known_headers.guess_many can guess: one program run per format, chunk size and caller
     framework, each header checked against its guess on the GPU.  Returns the positions in gpu
     left to decode the checked way (no guess, or a wrong one)."""
-    left, runs = [], {}  # (format, chunk, origin) -> [(position, layout)]
-    for j, layout in enumerate(known_headers.guess_many([g[1].shape[0] for g in gpu])):
-        if layout is None:
-            left.append(j)
-        else:
-            runs.setdefault((layout.fmt.name, layout.chunk, gpu[j][2]), []).append((j, layout))
-    for (*_, origin), members in runs.items():
-        got, misses = known_headers.decode_guessed([m[1] for m in members], [gpu[j][1] for j, _ in members],
-                                                   [gpu[j][0] for j, _ in members], origin)
-        for (j, _), value in zip(members, got):
+    guesses = known_headers.guess_many([g[1].shape[0] for g in gpu])
+    origin = gpu[0][2]
+    if guesses[0] is not None and all(g is guesses[0] for g in guesses) and all(g[2] is origin for g in gpu):
+        runs = {None: (list(range(len(gpu))), guesses)}  # the usual batch: one layout and caller
+    else:
+        runs = {}  # (format, chunk, id of the origin) -> (positions, layouts)
+        for j, layout in enumerate(guesses):
+            if layout is not None:
+                pos, layouts = runs.setdefault((layout.fmt.name, layout.chunk, id(gpu[j][2])), ([], []))
+                pos.append(j)
+                layouts.append(layout)
+    left = [j for j, layout in enumerate(guesses) if layout is None]
+    for pos, layouts in runs.values():
+        got, misses = known_headers.decode_guessed(layouts, [gpu[j][1] for j in pos], [gpu[j][0] for j in pos],
+                                                   gpu[pos[0]][2])
+        for j, value in zip(pos, got):
             if value is not None:
                 out[gpu[j][0]] = value
-        left += [members[i][0] for i in misses]
+        left += [pos[i] for i in misses]
     return sorted(left)
 
 

@@ -471,14 +471,22 @@ class ResultBuffer:
         else:
             self.array = cupy.empty(nbytes, _U8)
 
-    def blobs(self, starts, lengths) -> list:
+    def places(self, starts) -> list:
+        """What blobs() needs of each start, worked out ahead (while the GPU runs): the CuPy
+        memory pointers, ~15 % of building a CuPy array."""
+        if self.tensor is not None:
+            return list(starts)
+        at = self.array.data
+        return [at + s for s in starts]
+
+    def blobs(self, starts, lengths, places=None) -> list:
         """The bytes [start, start + length) as 1-D uint8 arrays of the caller's framework (CuPy
-        without an origin); None where length is None."""
+        without an origin); None where length is None.  places: self.places(starts), if taken."""
         if self.tensor is not None:
             t = self.tensor
             return [None if n is None else t.narrow(0, s, n) for s, n in zip(starts, lengths)]
-        cupy, at = _cupy(), self.array.data
-        out = [None if n is None else cupy.ndarray((n,), _U8, at + s) for s, n in zip(starts, lengths)]
+        cupy = _cupy()
+        out = [None if n is None else cupy.ndarray((n,), _U8, p) for p, n in zip(places or self.places(starts), lengths)]
         if self.origin is None or self.origin.framework == "cupy":
             return out
         return [None if b is None else export_bytes(b, self.origin) for b in out]

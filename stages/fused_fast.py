@@ -462,10 +462,11 @@ def encode_lanes(lanes: list[EncodeLane], bits: list, origin=None) -> list:
                                                      first.quantize))
     buffer = arrays.ResultBuffer(prog.total, origin)
     prog.launch([b.data.ptr for b in bits], buffer.array.data.ptr, stream)
+    places = buffer.places(prog.starts)  # while the GPU encodes
     payloads = prog.wait(stream)[:, 2]
     lengths = (prog.header_lens + payloads).tolist()
     fits = (payloads <= prog.raw_payloads).tolist()
-    return buffer.blobs(prog.starts, [n if ok else None for n, ok in zip(lengths, fits)])
+    return buffer.blobs(prog.starts, [n if ok else None for n, ok in zip(lengths, fits)], places)
 
 
 # ----------------------------------------------------------------------------- decode

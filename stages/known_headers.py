@@ -166,9 +166,13 @@ def guess(nbytes: int) -> Layout | None:
 
 def guess_many(nbytes) -> list:
     """guess() for each of a batch's blob lengths."""
-    _, layouts, fixed, longest = _guess_table()
+    fixed_list, layouts, fixed, longest = _guess_table()
     if not layouts:
         return [None] * len(nbytes)
+    lo, hi = min(nbytes), max(nbytes)
+    i = bisect.bisect_right(fixed_list, lo) - 1
+    if i >= 0 and hi <= longest[i] and (i + 1 == len(fixed_list) or hi < fixed_list[i + 1]):
+        return [layouts[i]] * len(nbytes)  # the usual batch: every blob of one layout's
     sizes = np.asarray(nbytes, np.int64)
     i = np.searchsorted(fixed, sizes, "right") - 1
     ok = (i >= 0) & (sizes <= longest[np.maximum(i, 0)])
@@ -305,9 +309,13 @@ def decode_guessed(layouts: list, blobs: list, labels=None, origin=None) -> tupl
     kvz_guess_heads) and fills in the escape fields as it goes.  Returns (results as
     decode_rows', misses): the positions of the blobs whose guess was wrong, whose results are
     None (decode them the checked way)."""
-    jobs = np.concatenate([layout.row for layout in layouts])
-    jobs[:, 3] = [layout.fixed_bytes for layout in layouts]  # esc_pos where the guess puts it
-    heads = np.array([[b.data.ptr, b.shape[0]] for b in blobs], np.uint64)
+    first, k = layouts[0], len(layouts)
+    same = all(layout is first for layout in layouts)
+    jobs = np.repeat(first.row, k, axis=0) if same else np.concatenate([layout.row for layout in layouts])
+    jobs[:, 3] = first.fixed_bytes if same else [layout.fixed_bytes for layout in layouts]  # esc_pos, as guessed
+    heads = np.empty((k, 2), np.uint64)
+    heads[:, 0] = [b.data.ptr for b in blobs]
+    heads[:, 1] = [b.shape[0] for b in blobs]
     return decode_rows(layouts, jobs, blobs, labels, origin, heads)
 
 
@@ -317,16 +325,21 @@ def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None, origi
     results out as that caller's tensors (built while the GPU decodes where the values come
     straight out of the kernel), else as raw-bit arrays.  heads: as decode_guessed (each blob's
     address and length) for rows on guessed layouts; then returns (results, misses)."""
-    jobs[:, :6] += np.array([b.data.ptr for b in blobs], np.uint64)[:, None]
-    fmt, chunk, ns = layouts[0].fmt, layouts[0].chunk, tuple(layout.n for layout in layouts)
+    first, k = layouts[0], len(layouts)
+    same = all(layout is first for layout in layouts)  # the usual batch: spare the per-blob loops
+    jobs[:, :6] += (heads[:, :1] if heads is not None else np.array([b.data.ptr for b in blobs], np.uint64)[:, None])
+    fmt, chunk, ns = first.fmt, first.chunk, (first.n,) * k if same else tuple(layout.n for layout in layouts)
     pair = _fused_dequantize(layouts, blobs)
     views = None
-    if origin is not None and (pair is not None or not any(layout.dequantize for layout in layouts)):
+    distinct = layouts[:1] if same else layouts
+    if origin is not None and (pair is not None or not any(layout.dequantize for layout in distinct)):
         def views(buffer, offsets):
             return buffer.tensors([(at, layout.dtype_format, layout.shape) for at, layout in zip(offsets, layouts)])
     if pair is not None:  # QuantizeFP8's decode applied by kvz_decode as it stores
         jobs[:, fused_fast.DQ_SCALE] = [b.data.ptr + layout.dequantize[2] for b, layout in zip(blobs, layouts)]
-    guessed = (tuple(layout.key for layout in layouts), heads) if heads is not None else None
+    guessed = None
+    if heads is not None:
+        guessed = ((first.key,) * k if same else tuple(layout.key for layout in layouts), heads)
     got = fused_fast.decode_jobs(fmt, chunk, ns, jobs, labels, dequantize=pair, views=views,
                                  origin=origin if views is not None else None, guessed=guessed)
     got, misses = got if guessed is not None else (got, [])
@@ -350,6 +363,8 @@ def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None, origi
 def _fused_dequantize(layouts: list, blobs: list) -> tuple | None:
     """(fp8, source format) when every blob is of a quantized layout of one format pair that
     quantize_fast handles (and its scale 16-byte aligned), else None."""
+    if layouts[0].dequantize is None:
+        return None
     pairs = {(layout.fmt.name, layout.dequantize[1]["quantize_fp8"]["source_format"]) if layout.dequantize else None
              for layout in layouts}
     if len(pairs) != 1 or None in pairs:

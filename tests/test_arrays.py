@@ -598,6 +598,14 @@ def test_export_tensors_equals_export_tensor(framework):
             assert torch.equal(got.view(TORCH_INT[fmt.itemsize]), want.view(TORCH_INT[fmt.itemsize]))
 
 
+def _same(a, b) -> bool:
+    """Both None, or arrays of the same type and bytes."""
+    if a is None or b is None:
+        return a is b
+    host = lambda x: x.cpu().numpy() if hasattr(x, "cpu") else x.get() if hasattr(x, "get") else np.asarray(x)  # noqa: E731
+    return type(a) is type(b) and host(a).tobytes() == host(b).tobytes()
+
+
 @needs_cuda
 @pytest.mark.parametrize("framework", ["cupy", "torch", "jax"])
 def test_result_buffers_hand_out_what_export_gives(framework):
@@ -611,7 +619,9 @@ def test_result_buffers_hand_out_what_export_gives(framework):
     buf.array[:] = cupy.asarray(np.random.default_rng(5).integers(0, 256, 4096, dtype=np.uint8))
     raw = buf.array.get()
     starts, lengths = [0, 256, 1024, 4000], [100, None, 0, 96]
-    for got, s, n in zip(buf.blobs(starts, lengths), starts, lengths):
+    blobs = buf.blobs(starts, lengths)
+    assert [_same(a, b) for a, b in zip(blobs, buf.blobs(starts, lengths, buf.places(starts)))] == [True] * 4
+    for got, s, n in zip(blobs, starts, lengths):
         if n is None:
             assert got is None
             continue
