@@ -185,7 +185,7 @@ def _encode_many_by_lanes(pipe: Pipeline, xs, dtype, backend, out) -> list[int]:
     rest, groups = [], {}  # (format, id of the origin) -> [(index, bits, origin, lane)]
     last = None  # (fmt, shape, origin, lane, its group) of the last tensor that had a lane
     for i, (bits, fmt, shape, origin) in enumerate(arrays.import_tensors(xs, dtype)):
-        if last is not None and fmt is last[0] and origin is last[2] and shape == last[1] and fused_fast.aligned(bits):
+        if last is not None and fmt is last[0] and origin is last[2] and shape == last[1] and arrays.aligned(bits):
             last[4].append((i, bits, origin, last[3]))  # what _lane would say again (its other checks are the backend's)
             continue
         lane = pipe._lane(fmt, shape, get_backend(backend or origin.backend_name), bits)
@@ -261,7 +261,7 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
         if fast:
             if move:
                 u8 = _to_backend(u8, be)
-            if st.fused_fast.aligned(u8):  # the rest of applicable(be, 0, u8)
+            if arrays.aligned(u8):  # the rest of applicable(be, 0, u8)
                 gpu.append((i, u8, origin, be))
                 continue
         out[i] = decode_with(pipe, blobs[i], backend=backend)

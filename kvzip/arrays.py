@@ -100,8 +100,6 @@ class Origin:
 
 
 _NO_SWITCH = contextlib.nullcontext()
-_CUPY_ORIGINS: dict = {}  # device ordinal -> Origin of CuPy arrays there
-_TORCH_ORIGINS: dict = {}  # device ordinal -> Origin of CUDA torch tensors there
 _TORCH_NAMES: dict = {}   # torch dtype -> its name without "torch."
 _DTYPE_NAMES: dict = {}   # dtype -> its name (numpy's dtype.name is a slow Python property)
 
@@ -195,7 +193,7 @@ def import_tensor(x, dtype=None) -> tuple[object, FloatFormat, tuple[int, ...], 
 
 def _bits_of(arr, fmt: FloatFormat, origin: Origin):
     """arr (NumPy or CuPy, of fmt's width) as the 1-D C-contiguous uint array the codec takes."""
-    if arr.flags.c_contiguous:
+    if _c_contiguous(arr):
         if arr.ndim == 1 and arr.dtype == fmt.uint_dtype:
             return arr  # already what the codec works on
         if origin.device == "cuda" and arr.size:  # one constructor: ravel() and view() cost ~1.3 us each
@@ -213,10 +211,8 @@ def import_tensors(xs, dtype=None) -> list[tuple]:
     run = None  # (dtype, fmt, origin) of the last CuPy array imported in full
     for x in xs:
         if run is not None and type(x) is nd and x.dtype is run[0] and x.data.device_id == run[2].device_index \
-                and _cupy_contiguous(x) and x.size:
-            fmt = run[1]
-            bits = x if x.ndim == 1 and x.dtype is fmt.uint_dtype else nd((x.size,), fmt.uint_dtype, x.data)
-            out.append((bits, fmt, x.shape, run[2]))
+                and _c_contiguous(x) and x.size:
+            out.append((_bits_of(x, run[1], run[2]), run[1], x.shape, run[2]))
             continue
         got = import_tensor(x, dtype)
         out.append(got)
@@ -224,11 +220,16 @@ def import_tensors(xs, dtype=None) -> list[tuple]:
     return out
 
 
-def _cupy_contiguous(a) -> bool:
-    try:
-        return a._c_contiguous  # CuPy's own flag; a.flags builds an object (~0.5 us)
-    except AttributeError:  # pragma: no cover - a CuPy without it
-        return a.flags.c_contiguous
+def aligned(a) -> bool:
+    """Whether a CuPy array starts on a 16-byte boundary (the fast kernels' vector loads need it)."""
+    return a.data.ptr % 16 == 0
+
+
+def _c_contiguous(a) -> bool:
+    """a.flags.c_contiguous, from CuPy's own flag where a has it (CuPy's a.flags builds an
+    object: ~0.5 us)."""
+    flag = getattr(a, "_c_contiguous", None)
+    return a.flags.c_contiguous if flag is None else flag
 
 
 def import_bytes(blob) -> tuple[object, Origin]:
@@ -266,7 +267,7 @@ def import_blobs(blobs) -> list[tuple]:
     origin = None  # of the last CuPy blob
     for b in blobs:
         if origin is not None and type(b) is nd and b.dtype is _U8 and b.ndim == 1 \
-                and b.data.device_id == origin.device_index and _cupy_contiguous(b):
+                and b.data.device_id == origin.device_index and _c_contiguous(b):
             out.append((b, origin))
             continue
         got = import_bytes(b)
@@ -289,14 +290,16 @@ def _borrow(x, framework: str | None = None) -> tuple[object, str, Origin]:
     if framework == "torch":
         return _borrow_torch(x)
     if framework == "cupy":
-        device = x.data.device_id
-        origin = _CUPY_ORIGINS.get(device)
-        if origin is None:
-            origin = _CUPY_ORIGINS[device] = Origin("cupy", "cuda", device)
-        return x, _dtype_name(x.dtype), origin
+        return x, _dtype_name(x.dtype), _cuda_origin("cupy", x.data.device_id)
     if framework == "jax":
         return _borrow_jax(x)
     return _borrow_foreign(x)
+
+
+@lru_cache(maxsize=None)
+def _cuda_origin(framework: str, device: int) -> Origin:
+    """One Origin per framework and CUDA device (the batch paths group results by its identity)."""
+    return Origin(framework, "cuda", device)
 
 
 def _borrow_torch(t):
@@ -312,9 +315,7 @@ def _borrow_torch(t):
         if width is None:
             raise _unsupported(name, "torch")
         index = t.get_device()
-        origin = _TORCH_ORIGINS.get(index)
-        if origin is None:
-            origin = _TORCH_ORIGINS[index] = Origin("torch", "cuda", index)
+        origin = _cuda_origin("torch", index)
         cupy = _cupy()
         memory = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t, index)
         return cupy.ndarray(tuple(t.shape), width, cupy.cuda.MemoryPointer(memory, 0)), name, origin

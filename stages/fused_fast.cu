@@ -121,11 +121,8 @@ __device__ __forceinline__ void load_raw(const T* __restrict__ src, long long n,
 }
 
 // QuantizeFP8 (one scale per tensor) fused into the encode: the input is 16-bit (bf16/fp16) bits
-// and each value becomes its FP8 code as it loads, through table (2^15 entries: the code of each
-// magnitude, sign bit clear; stages/quantize_fast.cu builds it).  Same lookup as kvz_quantize.
-__device__ __forceinline__ u32 quantize_pair(u32 w, const u8* table) {
-    return (u32)table[w & 0x7FFFu] | ((w >> 8) & 0x80u) | (((u32)table[(w >> 16) & 0x7FFFu] | ((w >> 24) & 0x80u)) << 8);
-}
+// and each value becomes its FP8 code as it loads, through quantize_pair (quantize_lookup.cuh,
+// which the loader puts in front of this file), the lookup kvz_quantize makes.
 
 __device__ __forceinline__ void load_quantized_full(const u16* __restrict__ src, long long g, Raw<u8>& r,
                                                     const u8* table) {
@@ -267,10 +264,11 @@ __device__ __forceinline__ u64 look_back(u64* status, long long c, u64 mine, int
     return prefix;
 }
 
-__device__ __forceinline__ int warp_inclusive_sum(int x, int lane) {
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_sum(T x, int lane) {
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
-        const int y = __shfl_up_sync(FULL_MASK, x, d);
+        const T y = __shfl_up_sync(FULL_MASK, x, d);
         if (lane >= d) x += y;
     }
     return x;
@@ -520,25 +518,17 @@ __device__ __forceinline__ void set_error(u64* err, u64 code) { atomicCAS(err, 0
 
 #define SB_CHUNKS 256      // chunks per scan block: one thread each
 
-__device__ __forceinline__ u64 warp_inclusive_sum64(u64 x, int lane) {
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        const u64 y = __shfl_up_sync(FULL_MASK, x, d);
-        if (lane >= d) x += y;
-    }
-    return x;
-}
 
 // Exclusive prefix over a block of SB_CHUNKS threads; returns it and sets *total to the block's sum.
 __device__ __forceinline__ u64 block_exclusive_sum(u64 mine, u64* total) {
     __shared__ u64 warp_sums[WARPS];
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    const u64 incl = warp_inclusive_sum64(mine, lane);
+    const u64 incl = warp_inclusive_sum(mine, lane);
     if (lane == 31) warp_sums[wid] = incl;
     __syncthreads();
     if (wid == 0) {
         u64 w = lane < WARPS ? warp_sums[lane] : 0;
-        w = warp_inclusive_sum64(w, lane);
+        w = warp_inclusive_sum(w, lane);
         if (lane < WARPS) warp_sums[lane] = w;
     }
     __syncthreads();

@@ -25,7 +25,6 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
-from importlib.resources import files
 
 import numpy as np
 
@@ -91,8 +90,8 @@ def slot_size(chunk: int) -> int:
 def _module(device_id: int, names: tuple):
     import cupy
 
-    source = files("kvzip.stages").joinpath("fused_fast.cu").read_text()
-    return cupy.RawModule(code=source, options=("-std=c++17", "-lineinfo"), name_expressions=list(names))
+    return cupy.RawModule(code=quantize_fast.cuda_source("fused_fast.cu"), options=("-std=c++17", "-lineinfo"),
+                          name_expressions=list(names))
 
 
 _kernels: dict = {}
@@ -159,21 +158,16 @@ def release_workspace() -> None:
     call_graphs.release()
 
 
-def aligned(a) -> bool:
-    """Whether a CuPy array starts on a 16-byte boundary (the kernels' vector loads need it)."""
-    return a.data.ptr % 16 == 0
-
-
 def applicable(backend, n: int = 0, src=None) -> bool:
     """True on a real GPU for a tensor of n values the kernels' counters hold, with src (when
     given) 16-byte aligned."""
     if not ENABLED or backend.name != "cuda" or backend.simulated or n >= MAX_VALUES:
         return False
-    return src is None or aligned(src)
+    return src is None or arrays.aligned(src)
 
 
 def decode_applicable(frame: Frame) -> bool:
-    return applicable(frame.backend, frame.n) and all(aligned(frame.streams[k]) for k in ("codes", "rest")
+    return applicable(frame.backend, frame.n) and all(arrays.aligned(frame.streams[k]) for k in ("codes", "rest")
                                                       if k in frame.streams)
 
 

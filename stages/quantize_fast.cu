@@ -200,13 +200,6 @@ __global__ void __launch_bounds__(THREADS) kvz_quant_table(const unsigned* amax,
     if (mag < (1 << 15)) table[mag] = (u8)quantize(mag, SE, SM, s, E, M, FN);
 }
 
-__device__ __forceinline__ unsigned quantize_word(unsigned w, const u8* table) {
-    // Two 16-bit values -> two codes in the low 16 bits: magnitude through the table, sign copied.
-    unsigned lo = table[w & 0x7FFFu] | ((w >> 8) & 0x80u);
-    unsigned hi = table[(w >> 16) & 0x7FFFu] | ((w >> 24) & 0x80u);
-    return lo | (hi << 8);
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS) kvz_quantize(const u16* src, i64 n, const u8* table_g, u8* out) {
     __shared__ unsigned table_w[(1 << 15) / 4];
     const uint4* tg = reinterpret_cast<const uint4*>(table_g);
@@ -218,10 +211,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) kvz_quantize(const u16* sr
     i64 units = n / 8, t = (i64)blockIdx.x * THREADS + threadIdx.x, stride = (i64)gridDim.x * THREADS;
     for (i64 u = t; u < units; u += stride) {
         uint4 w = v[u];
-        o[u] = make_uint2(quantize_word(w.x, table) | (quantize_word(w.y, table) << 16),
-                          quantize_word(w.z, table) | (quantize_word(w.w, table) << 16));
+        o[u] = make_uint2(quantize_pair(w.x, table) | (quantize_pair(w.y, table) << 16),
+                          quantize_pair(w.z, table) | (quantize_pair(w.w, table) << 16));
     }
-    for (i64 i = units * 8 + t; i < n; i += stride) out[i] = (u8)quantize_word(src[i], table);
+    for (i64 i = units * 8 + t; i < n; i += stride) out[i] = (u8)quantize_pair(src[i], table);
 }
 
 // Block b: table b (256 entries: FP8 code -> 16-bit value) for the scale whose address is word

@@ -18,6 +18,7 @@ from importlib.resources import files
 
 import numpy as np
 
+from kvzip.arrays import aligned
 from kvzip.formats import FORMATS
 
 ENABLED = True          # tests switch this off to exercise the Numba kernels on a real GPU
@@ -43,12 +44,19 @@ def _names() -> tuple:
     return tuple(names)
 
 
+def cuda_source(name: str) -> str:
+    """The CUDA source of stages/name with quantize_lookup.cuh (the per-tensor quantize lookup it
+    shares with the other module) in front: one text, so CuPy's compile cache sees any change."""
+    stages = files("kvzip.stages")
+    return stages.joinpath("quantize_lookup.cuh").read_text() + stages.joinpath(name).read_text()
+
+
 @lru_cache(maxsize=None)
 def _module(device_id: int):
     import cupy
 
-    source = files("kvzip.stages").joinpath("quantize_fast.cu").read_text()
-    return cupy.RawModule(code=source, options=("-std=c++17", "-lineinfo"), name_expressions=list(_names()))
+    return cupy.RawModule(code=cuda_source("quantize_fast.cu"), options=("-std=c++17", "-lineinfo"),
+                          name_expressions=list(_names()))
 
 
 @lru_cache(maxsize=None)
@@ -72,7 +80,7 @@ def grid(units: int, device_id: int) -> int:
 def usable(backend, source: str, fp8: str, granularity: str, *arrays) -> bool:
     """True on a real GPU for per-tensor scales of bf16/fp16 input with 16-byte aligned buffers."""
     return (ENABLED and backend.name == "cuda" and not backend.simulated and granularity == "tensor"
-            and source in SOURCES and fp8 in TARGETS and all(a.data.ptr % 16 == 0 for a in arrays))
+            and source in SOURCES and fp8 in TARGETS and all(map(aligned, arrays)))
 
 
 def kernels(source: str, fp8: str, device_id: int) -> tuple:
