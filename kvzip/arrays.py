@@ -193,13 +193,20 @@ def import_tensor(x, dtype=None) -> tuple[object, FloatFormat, tuple[int, ...], 
 
 def _bits_of(arr, fmt: FloatFormat, origin: Origin):
     """arr (NumPy or CuPy, of fmt's width) as the 1-D C-contiguous uint array the codec takes."""
-    if _c_contiguous(arr):
-        if arr.ndim == 1 and arr.dtype == fmt.uint_dtype:
-            return arr  # already what the codec works on
-        if origin.device == "cuda" and arr.size:  # one constructor: ravel() and view() cost ~1.3 us each
-            return _cupy().ndarray((arr.size,), fmt.uint_dtype, arr.data)
+    bits = _contiguous_bits(arr, fmt, origin) if _c_contiguous(arr) else None
+    if bits is not None:
+        return bits
     with origin.stream_context():  # a non-contiguous input is copied on the caller's stream
         return arr.ravel().view(fmt.uint_dtype)
+
+
+def _contiguous_bits(arr, fmt: FloatFormat, origin: Origin):
+    """_bits_of for a C-contiguous arr without a copy, or None where that takes ravel/view."""
+    if arr.ndim == 1 and arr.dtype == fmt.uint_dtype:
+        return arr  # already what the codec works on
+    if origin.device == "cuda" and arr.size:  # one constructor: ravel() and view() cost ~1.3 us each
+        return _cupy().ndarray((arr.size,), fmt.uint_dtype, arr.data)
+    return None
 
 
 def import_tensors(xs, dtype=None) -> list[tuple]:
@@ -212,7 +219,7 @@ def import_tensors(xs, dtype=None) -> list[tuple]:
     for x in xs:
         if run is not None and type(x) is nd and x.dtype is run[0] and x.data.device_id == run[2].device_index \
                 and _c_contiguous(x) and x.size:
-            out.append((_bits_of(x, run[1], run[2]), run[1], x.shape, run[2]))
+            out.append((_contiguous_bits(x, run[1], run[2]), run[1], x.shape, run[2]))  # never None here
             continue
         got = import_tensor(x, dtype)
         out.append(got)
