@@ -8,9 +8,11 @@ twin, the reference these kernels are tested against byte for byte (tests/gpu).
 Every call is batched: a list of tensors costs the same launches as one tensor.  Encoding is a
 table upload, one memset, three kernels (dense pass, scan and escape placement, header) and one
 read-back of the escape totals (the host synchronisation that learns the compressed sizes); the
-headers are written on the GPU.  Decoding reads the headers back once (with what kvz_check_heads
-found of each: CRC, escape-table arithmetic, lengths), then uploads its table, runs two kernels
-(scan, dense pass) and reads back the validation result.  Each such sequence is
+headers are written on the GPU.  Decoding blobs of a layout decoded before uploads its table and
+runs three kernels: kvz_guess_heads checks each header against the guessed layout and fills in
+its escape fields, then scan and dense pass; one read-back returns the validation result.  Blobs
+of unknown layouts (or a wrong guess) have their headers read back once first (with what
+kvz_check_heads found of each: CRC, escape-table arithmetic, lengths).  Each such sequence is
 a program cached per call shape and replayed as one CUDA graph (stages/call_graphs.py); the job
 tables keep every address that does not move between calls.
 

@@ -15,6 +15,14 @@ remembered too: their codes decode the same way, then the stage turns them back 
 caller's values with the blob's scale.  Anything else (a checksum, stored raw,
 other pipelines, a layout that differs) takes the general path, as before.  The kernels still
 check every value-dependent fact (escape counts, positions, totals) on each call.
+
+Reading a header back costs a host synchronisation before the decode can launch.  So a blob is
+first decoded on a *guessed* layout (guess: of the recently decoded layouts, the one whose fixed
+bytes best fit the blob's length), with no read-back: fused_fast's kvz_guess_heads, the decode
+program's first node, makes match()'s checks on the GPU against the guessed layout's blanked
+header and fills in the escape fields of the job row from the header.  A wrong guess (or a
+header that does not hang together) flags the blob, the decode kernels skip it, and the host
+decodes it the way above (match, else the general path).
 """
 from __future__ import annotations
 
@@ -120,63 +128,84 @@ def forget() -> None:
     global _table
     _layouts.clear()
     _recent.clear()
+    _stamps.clear()
     _table = None
+
+
+_stamps: dict = {}  # key -> when its layout was last decoded (a counter), for ties between guesses
+_clock = iter(range(1 << 62))
 
 
 def _note(layout: Layout) -> None:
     """Record that a blob of layout was just decoded (what guess() goes by)."""
     global _table
-    if layout.key in _recent:
+    _stamps[layout.key] = next(_clock)
+    known = _recent.get(layout.key)
+    if known is not None:
         _recent.move_to_end(layout.key)
-        return
-    _recent[layout.key] = layout
+        if known is layout:
+            return
+    _recent[layout.key] = layout  # new, or remembered anew by the general path
     if len(_recent) > MAX_RECENT:
-        _recent.popitem(last=False)
+        del _stamps[_recent.popitem(last=False)[0]]
     _table = None
 
 
-_table = None  # (fixed_bytes ascending, their layouts, the longest blob of each) from _recent
+_table = None  # (band starts ascending, each band's layouts) from _recent
+NEAR = 64      # layouts whose fixed bytes are within 1/NEAR of each other share a band
 
 
 def _guess_table() -> tuple:
+    """_recent's layouts (those kvz_guess_heads can check) in bands of near-equal fixed bytes: a
+    blob's length cannot tell the layouts of a band apart."""
     global _table
     if _table is None:
-        by_fixed = {}  # fixed_bytes -> the most recent layout with them
-        for layout in _recent.values():
-            if layout.header_len <= fused_fast.HEAD_SPAN:  # what kvz_guess_heads compares
-                by_fixed[layout.fixed_bytes] = layout
-        fixed = sorted(by_fixed)
-        layouts = [by_fixed[f] for f in fixed]
-        # Escape streams: at most 2 + 1 bytes an escape and a byte of high exponents a value, padded.
-        _table = (fixed, layouts, np.array(fixed, np.int64), np.array([f + 4 * x.n + 48 for f, x in zip(fixed, layouts)],
-                                                                       np.int64))
+        starts, bands = [], []
+        for layout in sorted((x for x in _recent.values() if x.header_len <= fused_fast.HEAD_SPAN),
+                             key=lambda x: x.fixed_bytes):
+            if bands and layout.fixed_bytes <= bands[-1][-1].fixed_bytes * (NEAR + 1) // NEAR:
+                bands[-1].append(layout)
+            else:
+                starts.append(layout.fixed_bytes)
+                bands.append([layout])
+        _table = (starts, bands)
     return _table
+
+
+def _fits(layout: Layout, nbytes: int) -> bool:
+    # Escape streams: at most 2 + 1 bytes an escape and a byte of high exponents a value, padded.
+    return layout.fixed_bytes <= nbytes <= layout.fixed_bytes + 4 * layout.n + 48
 
 
 def guess(nbytes: int) -> Layout | None:
     """The layout a blob of nbytes most likely has, without reading its header: of the last
-    MAX_RECENT layouts decoded, the one with the most fixed bytes (header and the streams before
-    the escapes) that a blob of nbytes can have.  Only a guess: decode_guessed checks it against
-    the header on the GPU.  The blob is at least the layout's fixed_bytes long, so every stream
-    the GPU reads before that check lies inside it."""
-    fixed, layouts, _, longest = _guess_table()
-    i = bisect.bisect_right(fixed, nbytes) - 1
-    return layouts[i] if i >= 0 and nbytes <= longest[i] else None
+    MAX_RECENT layouts decoded, one with the most fixed bytes (header and the streams before the
+    escapes) that a blob of nbytes can have; where several have about as many, the one decoded
+    last.  Only a guess: decode_guessed checks it against the header on the GPU.  The blob is
+    at least the layout's fixed_bytes long, so every stream the GPU reads before that check
+    lies inside it."""
+    starts, bands = _guess_table()
+    i = bisect.bisect_right(starts, nbytes) - 1
+    if i < 0:
+        return None
+    band = bands[i]
+    if len(band) == 1:
+        return band[0] if _fits(band[0], nbytes) else None
+    fitting = [x for x in band if _fits(x, nbytes)]
+    return max(fitting, key=lambda x: _stamps[x.key]) if fitting else None
 
 
 def guess_many(nbytes) -> list:
     """guess() for each of a batch's blob lengths."""
-    fixed_list, layouts, fixed, longest = _guess_table()
-    if not layouts:
+    starts, bands = _guess_table()
+    if not bands:
         return [None] * len(nbytes)
     lo, hi = min(nbytes), max(nbytes)
-    i = bisect.bisect_right(fixed_list, lo) - 1
-    if i >= 0 and hi <= longest[i] and (i + 1 == len(fixed_list) or hi < fixed_list[i + 1]):
-        return [layouts[i]] * len(nbytes)  # the usual batch: every blob of one layout's
-    sizes = np.asarray(nbytes, np.int64)
-    i = np.searchsorted(fixed, sizes, "right") - 1
-    ok = (i >= 0) & (sizes <= longest[np.maximum(i, 0)])
-    return [layouts[j] if hit else None for j, hit in zip(i.tolist(), ok.tolist())]
+    i = bisect.bisect_right(starts, lo) - 1
+    if i >= 0 and len(bands[i]) == 1 and _fits(bands[i][0], lo) and _fits(bands[i][0], hi) and \
+            (i + 1 == len(starts) or hi < starts[i + 1]):
+        return [bands[i][0]] * len(nbytes)  # the usual batch: every blob of one layout's
+    return [guess(n) for n in nbytes]
 
 
 def match(head: bytes, nbytes: int) -> tuple[Layout, np.ndarray] | None:
