@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import struct
+import threading
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -123,13 +124,17 @@ def remember(head: bytes, nbytes: int, opened: Frame, stages: list) -> None:
     _note(layout)
 
 
+_lock = threading.Lock()  # _recent, _stamps and _table change together (decodes on several threads)
+
+
 def forget() -> None:
     """Drop every remembered layout (the next blobs take the general path)."""
     global _table
-    _layouts.clear()
-    _recent.clear()
-    _stamps.clear()
-    _table = None
+    with _lock:
+        _layouts.clear()
+        _recent.clear()
+        _stamps.clear()
+        _table = None
 
 
 _stamps: dict = {}  # key -> when its layout was last decoded (a counter), for ties between guesses
@@ -139,16 +144,17 @@ _clock = iter(range(1 << 62))
 def _note(layout: Layout) -> None:
     """Record that a blob of layout was just decoded (what guess() goes by)."""
     global _table
-    _stamps[layout.key] = next(_clock)
-    known = _recent.get(layout.key)
-    if known is not None:
-        _recent.move_to_end(layout.key)
-        if known is layout:
-            return
-    _recent[layout.key] = layout  # new, or remembered anew by the general path
-    if len(_recent) > MAX_RECENT:
-        del _stamps[_recent.popitem(last=False)[0]]
-    _table = None
+    with _lock:
+        _stamps[layout.key] = next(_clock)
+        known = _recent.get(layout.key)
+        if known is not None:
+            _recent.move_to_end(layout.key)
+            if known is layout:
+                return
+        _recent[layout.key] = layout  # new, or remembered anew by the general path
+        if len(_recent) > MAX_RECENT:
+            _stamps.pop(_recent.popitem(last=False)[0], None)
+        _table = None
 
 
 _table = None  # (band starts ascending, each band's layouts) from _recent
@@ -159,7 +165,10 @@ def _guess_table() -> tuple:
     """_recent's layouts (those kvz_guess_heads can check) in bands of near-equal fixed bytes: a
     blob's length cannot tell the layouts of a band apart."""
     global _table
-    if _table is None:
+    table = _table
+    if table is not None:
+        return table
+    with _lock:
         starts, bands = [], []
         for layout in sorted((x for x in _recent.values() if x.header_len <= fused_fast.HEAD_SPAN),
                              key=lambda x: x.fixed_bytes):
@@ -168,8 +177,8 @@ def _guess_table() -> tuple:
             else:
                 starts.append(layout.fixed_bytes)
                 bands.append([layout])
-        _table = (starts, bands)
-    return _table
+        _table = table = (starts, bands)
+    return table
 
 
 def _fits(layout: Layout, nbytes: int) -> bool:
@@ -192,7 +201,7 @@ def guess(nbytes: int) -> Layout | None:
     if len(band) == 1:
         return band[0] if _fits(band[0], nbytes) else None
     fitting = [x for x in band if _fits(x, nbytes)]
-    return max(fitting, key=lambda x: _stamps[x.key]) if fitting else None
+    return max(fitting, key=lambda x: _stamps.get(x.key, -1)) if fitting else None
 
 
 def guess_many(nbytes) -> list:

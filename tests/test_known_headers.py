@@ -197,3 +197,41 @@ def test_guess_picks_the_recent_layout_with_the_most_fixed_bytes_a_blob_can_have
     assert known_headers.guess(large.shape[0]) is None
     known_headers.forget()
     assert known_headers.guess(small.shape[0]) is None and known_headers.guess_many([small.shape[0]]) == [None]
+
+
+def test_layouts_are_noted_and_guessed_from_several_threads():
+    """Decodes on several threads note layouts and guess at once (the serving case): no thread
+    sees a layout table mid-change, and every guess is a layout that fits."""
+    import threading
+
+    known_headers.forget()
+    blobs = [kvzip.compress(real_bits()[:4000 + 512 * i], dtype="bf16") for i in range(24)]  # > MAX_RECENT layouts
+    errors = []
+
+    def work(offset):
+        try:
+            for r in range(40):
+                blob = blobs[(offset + r) % len(blobs)]
+                remember_blob(blob)
+                sizes = [blob.shape[0]] + [b.shape[0] for b in blobs]
+                guesses = [known_headers.guess(sizes[0])] + known_headers.guess_many(sizes[1:])
+                assert all(g is None or known_headers._fits(g, n) for g, n in zip(guesses, sizes))
+                if r % 13 == 0:
+                    known_headers.forget()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    import sys
+
+    threads = [threading.Thread(target=work, args=(i * 5,)) for i in range(6)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch inside the table's updates, not only between calls
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    known_headers.forget()
+    assert errors == []
