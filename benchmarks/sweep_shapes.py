@@ -1,7 +1,8 @@
 """Time the dense kernels' shapes (groups per lane per step, blocks per multiprocessor) on a GPU:
 the measurement behind fused_fast.ENCODE_SHAPE / DECODE_SHAPE (benchmarks/NOTES.md).
 
-    python benchmarks/sweep_shapes.py [log2_values] [bf16|e5m2]   # default 28, BF16 and E5M2 real KV
+    python benchmarks/sweep_shapes.py [log2_values] [bf16|e5m2] [encode|decode]
+                                                  # default 28, both formats and kernels, real KV
     ncu -k regex:kvz_ python benchmarks/sweep_shapes.py 28 once   # one call per shape, for ncu
 
 Each line: one kernel's shape changed from the default, the wall time per call (CUDA events,
@@ -27,7 +28,8 @@ decode_shapes = {2: [(2, 3), (2, 4), (4, 3), (1, 4)], 1: [(2, 4), (2, 3), (4, 3)
 only = [a for a in sys.argv[2:] if a in ("bf16", "e5m2")]  # one format only
 for name, x, width in [(m, x, w) for m, x, w in [("bf16", bf16, 2), ("e5m2", e5m2, 1)] if not only or m in only]:
     default = fused_fast.ENCODE_SHAPE[width], fused_fast.DECODE_SHAPE[width]
-    for which, shapes in (("encode", encode_shapes[width]), ("decode", decode_shapes[width])):
+    kernels = [k for k in ("encode", "decode") if k in sys.argv[2:]] or ["encode", "decode"]
+    for which, shapes in [(k, (encode_shapes if k == "encode" else decode_shapes)[width]) for k in kernels]:
         for shape in shapes:
             fused_fast.ENCODE_SHAPE[width], fused_fast.DECODE_SHAPE[width] = default
             (fused_fast.ENCODE_SHAPE if which == "encode" else fused_fast.DECODE_SHAPE)[width] = shape

@@ -163,6 +163,16 @@ __device__ __forceinline__ u32 raw_value(const Raw<T>& r, int j) {
     else return r.w[j];
 }
 
+// E5M2 rest fields (24 bits a group) of the warp's 32 consecutive groups, one a lane, to the 96
+// bytes at p as 24 whole words: word k holds bytes 4k..4k+3, which lie in groups 4k / 3 and the
+// one after (two shuffles).  Three byte stores a group took 11 us more of the E5M2 encode (ncu,
+// NOTES v15; the same for loads in the decoder made it slower).  p must be 4-byte aligned.
+__device__ __forceinline__ void store_rest24_warp(u8* __restrict__ p, u32 bits, int lane) {
+    const int g = (4 * lane) / 3, off = 4 * lane - 3 * g;
+    const u32 a = __shfl_sync(FULL_MASK, bits, g & 31), b = __shfl_sync(FULL_MASK, bits, (g + 1) & 31);
+    if (lane < 24) reinterpret_cast<u32*>(p)[lane] = (u32)((((u64)b << 24) | a) >> (8 * off));
+}
+
 // R bytes of packed rest bits (kvzip/bitpack.py layout: LSB first, value j at bits j*R).
 template <int R>
 __device__ __forceinline__ void store_rest(u8* __restrict__ rest, long long g, const u32 r[8]) {
@@ -274,6 +284,22 @@ __device__ __forceinline__ T warp_inclusive_sum(T x, int lane) {
     return x;
 }
 
+// A per-lane count 0..15: its exclusive prefix over the lanes, and (in *total) the warp's sum, from
+// one ballot per bit of the count.  No shuffle chain: kvz_encode's escape slots took 18 % of its
+// stall samples with a shuffle scan per step (ncu, NOTES v15).
+__device__ __forceinline__ int warp_exclusive_count(u32 k, int lane, int* total) {
+    const u32 below = (1u << lane) - 1u;
+    int before = 0, all = 0;
+#pragma unroll
+    for (int b = 0; b < 4; b++) {
+        const u32 v = __ballot_sync(FULL_MASK, (k >> b) & 1u);
+        before += __popc(v & below) << b;
+        all += __popc(v) << b;
+    }
+    *total = all;
+    return before;
+}
+
 // ------------------------------------------------------------------ encode
 // The device LUT maps an exponent to its code (0..15) or to ESC_FLAG for "not in the codebook", so a
 // code is (c & 0xF) and the escape bit (c >> 7): no compare or select per value.
@@ -317,8 +343,9 @@ __device__ __forceinline__ u32 encode_bf16_full(const Raw<u16>& raw, long long g
 }
 
 // E5M2, a whole group: two words of four values.  Rest is 3 bits a value, 24 bits a group.
+// rest24 given: the rest bits go there (for store_rest24_warp) instead of to rest.
 __device__ __forceinline__ u32 encode_e5m2_full(const Raw<u8>& raw, long long g, const u8* slut,
-                                                u8* __restrict__ codes, u8* __restrict__ rest) {
+                                                u8* __restrict__ codes, u8* __restrict__ rest, u32* rest24 = nullptr) {
     u32 word = 0, mask = 0, bits = 0;
 #pragma unroll
     for (int k = 0; k < 2; k++) {
@@ -333,8 +360,12 @@ __device__ __forceinline__ u32 encode_e5m2_full(const Raw<u8>& raw, long long g,
         }
     }
     reinterpret_cast<u32*>(codes)[g] = word;
-    u8* p = rest + g * 3;
-    p[0] = (u8)bits; p[1] = (u8)(bits >> 8); p[2] = (u8)(bits >> 16);
+    if (rest24) {
+        *rest24 = bits;
+    } else {
+        u8* p = rest + g * 3;
+        p[0] = (u8)bits; p[1] = (u8)(bits >> 8); p[2] = (u8)(bits >> 16);
+    }
     return mask;
 }
 
@@ -383,6 +414,59 @@ __device__ __forceinline__ void encode_plane(const void* src, long long n, long 
     reinterpret_cast<u32*>(codes)[g] = word;
 #pragma unroll
     for (int k = 0; k < HB; k++) high_out[k] = (u8)(high >> (8 * k));
+}
+
+// The biased exponents of a group's 8 values as the bytes of a word (value j: byte j), so an escape
+// loop can take value j's with a shift whatever j is (indexing Raw's words by a j known only at
+// run time puts them in local memory).
+template <int E, int M, typename T>
+__device__ __forceinline__ u64 exponent_bytes(const Raw<T>& v) {
+    constexpr u32 EMASK = (1u << E) - 1u;
+    if constexpr (sizeof(T) == 1 && E + M <= 8) {  // FP8: one shift and mask for all 8 (sign bits masked off)
+        const u64 x = (u64)v.w[0] | ((u64)v.w[1] << 32);
+        return (x >> M) & (0x0101010101010101ull * EMASK);
+    } else if constexpr (sizeof(T) == 2 && E == 8 && M == 7) {  // BF16: as encode_bf16_full gathers them
+        return (u64)__byte_perm(v.w[0] << 1, v.w[1] << 1, 0x7531) |
+               ((u64)__byte_perm(v.w[2] << 1, v.w[3] << 1, 0x7531) << 32);
+    } else {
+        u64 e = 0;
+#pragma unroll
+        for (int j = 0; j < 8; j++) e |= (u64)((raw_value(v, j) >> M) & EMASK) << (8 * j);
+        return e;
+    }
+}
+
+// kvz_encode: the escapes of one group a lane (bits of m; the group's first value at position p0 of
+// the chunk) to the chunk's slot after the count already there, in position order.  Returns the
+// new count (every lane).  Slots past `slot` are dropped: kvz_scan collects such chunks again.
+// Usually one lane of the warp holds one escape, so a lane's place is a ballot's population
+// count below it unless some lane holds several (then one ballot per bit of the counts).
+template <int E, int M, typename T>
+__device__ __forceinline__ int slot_escapes(const Raw<T>& v, u32 m, int p0, int count, int slot, u16* __restrict__ spos,
+                                            u8* __restrict__ sexp, int lane) {
+    const u32 k = __popc(m);
+    int idx, total;
+    const u32 some = __ballot_sync(FULL_MASK, k != 0), several = __ballot_sync(FULL_MASK, k > 1);
+    if (several) {
+        idx = warp_exclusive_count(k, lane, &total);
+    } else {
+        idx = __popc(some & ((1u << lane) - 1u));
+        total = __popc(some);
+    }
+    idx += count;
+    if (m) {
+        const u64 ex = exponent_bytes<E, M>(v);
+        do {
+            const int j = __ffs(m) - 1;
+            if (idx < slot) {
+                spos[idx] = (u16)(p0 + j);
+                sexp[idx] = (u8)(ex >> (8 * j));
+            }
+            idx++;
+            m &= m - 1u;
+        } while (m);
+    }
+    return count + total;
 }
 
 // One tensor of a batch.  All fields are 8 bytes wide: the host fills a uint64 array (ntensors, 14).
@@ -466,10 +550,21 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
                     if constexpr (QT) load_quantized_full(src16, s0 + q * 32 + lane, v[q], qtable);
                     else load_raw_full(src, s0 + q * 32 + lane, v[q]);
                 }
+                if constexpr (E == 5 && M == 2 && sizeof(T) == 1) {  // rest as whole words (store_rest24_warp)
+                    u32 bits[GPL];
 #pragma unroll
-                for (int q = 0; q < GPL; q++) {
-                    m[q] = encode_raw<E, M, T, true>(v[q], n, s0 + q * 32 + lane, slut, codes, rest);
-                    any |= m[q];
+                    for (int q = 0; q < GPL; q++) {
+                        m[q] = encode_e5m2_full(v[q], s0 + q * 32 + lane, slut, codes, rest, &bits[q]);
+                        any |= m[q];
+                    }
+#pragma unroll
+                    for (int q = 0; q < GPL; q++) store_rest24_warp(rest + (s0 + q * 32) * 3, bits[q], lane);
+                } else {
+#pragma unroll
+                    for (int q = 0; q < GPL; q++) {
+                        m[q] = encode_raw<E, M, T, true>(v[q], n, s0 + q * 32 + lane, slut, codes, rest);
+                        any |= m[q];
+                    }
                 }
             } else {
 #pragma unroll
@@ -489,23 +584,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
                 u16* __restrict__ spos = J.slot_pos + c * slot;
                 u8* __restrict__ sexp = J.slot_exp + c * slot;
 #pragma unroll
-                for (int q = 0; q < GPL; q++) {
-                    const int i = s0 + q * 32 + lane;
-                    const int k = __popc(m[q]);
-                    const int incl = warp_inclusive_sum(k, lane);
-                    int idx = count + incl - k;
-#pragma unroll
-                    for (int j = 0; j < 8; j++) {
-                        if ((m[q] >> j) & 1u) {
-                            if (idx < slot) {
-                                spos[idx] = (u16)(i * 8 + j);
-                                sexp[idx] = (u8)((raw_value(v[q], j) >> M) & ((1u << E) - 1u));
-                            }
-                            idx++;
-                        }
-                    }
-                    count += __shfl_sync(FULL_MASK, incl, 31);
-                }
+                for (int q = 0; q < GPL; q++)
+                    if (__any_sync(FULL_MASK, m[q] != 0u))
+                        count = slot_escapes<E, M>(v[q], m[q], (s0 + q * 32 + lane) * 8, count, slot, spos, sexp, lane);
             }
         }
         if (lane == 0) J.esc_count[c] = count > HB * ng / 3 ? (u16)PLANE : (u16)count;
@@ -645,9 +726,8 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* __restrict__ jo
                     for (int j = 0; j < 8; j++)
                         m |= (u32)((g0 + g) * 8 + j < n && (lut[(v[j] >> M) & ((1u << E) - 1u)] & ESC_FLAG)) << j;
                 }
-                const int k = __popc(m);
-                const int incl = warp_inclusive_sum(k, lane);
-                int idx = idx0 + incl - k;
+                int total;
+                int idx = idx0 + warp_exclusive_count(__popc(m), lane, &total);
 #pragma unroll
                 for (int j = 0; j < 8; j++) {
                     if ((m >> j) & 1u) {
@@ -656,7 +736,7 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* __restrict__ jo
                         idx++;
                     }
                 }
-                idx0 += __shfl_sync(FULL_MASK, incl, 31);
+                idx0 += total;
             }
         }
     }
@@ -843,9 +923,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
         const long long esc_off = (long long)(off >> 31);
         const u8* __restrict__ high = J.exp_high + (long long)HB * (long long)(off & GROUPS_MASK);
         const int len = (int)min((long long)chunk, n);
-        int base = 0, pos;
-        u32 exp;
-        if (!load_escapes<E>(J, esc_off, 0, cnt, len, -1, lane, pos, exp, err)) cnt = 0;
+        int base = 0, pos = NONE;
+        u32 exp = 0;
         // this chunk's data, and group i of it at index i
         const u8* __restrict__ codes = J.codes + g0 * 4;
         const u8* __restrict__ rest = J.rest + g0 * R;
@@ -861,6 +940,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
                 const int i = s0 + q * 32 + lane;
                 if (i < ng) { w[q] = reinterpret_cast<const u32*>(codes)[i]; load_rest_raw<R>(rest, i, rr[q]); }
             }
+            // The chunk's first 32 escapes, loaded once its first step's loads are in flight (their
+            // address waits on chunk_off; ncu, 2^28: E5M2 243 -> 237 us, BF16 the same, NOTES v15).
+            if (s0 == 0 && cnt > 0 && !load_escapes<E>(J, esc_off, 0, cnt, len, -1, lane, pos, exp, err)) cnt = 0;
             // This step's escapes: the lanes holding positions below the step's end (earlier ones
             // were used by earlier steps).  Warp-uniform loop, a shuffle per escape.
             u32 pm[GPL];
