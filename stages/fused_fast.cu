@@ -314,8 +314,11 @@ __device__ __forceinline__ u32 pack4(u32 c0, u32 c1, u32 c2, u32 c3, u32* flags)
     return t | (t >> 4);  // bytes 0 and 2 hold codes 0|1 and 2|3
 }
 
-__device__ __forceinline__ u32 flag_bits(u32 f) {  // escape flags at bits 7, 15, 23, 31 -> bits 0-3
-    return ((f >> 7) & 1u) | ((f >> 14) & 2u) | ((f >> 21) & 4u) | ((f >> 28) & 8u);
+// pack4's escape flags of values 0-3 (fa) and 4-7 (fb) -> bit j for value j.  The product gathers
+// bits 0, 8, 16, 24 of f >> 7 into bits 24-27 with nothing above them or in bits 20-23 (its
+// partial products land on distinct bits, so nothing carries): six instructions, no branch.
+__device__ __forceinline__ u32 escape_mask(u32 fa, u32 fb) {
+    return (((fa >> 7) * 0x01020408u) >> 24) | (((fb >> 7) * 0x01020408u) >> 20);
 }
 
 // BF16, a whole group, SIMD-within-a-register.  The exponents of all 8 values are gathered into two
@@ -339,34 +342,31 @@ __device__ __forceinline__ u32 encode_bf16_full(const Raw<u16>& raw, long long g
     const u32 hi0 = __byte_perm(raw.w[0], raw.w[1], 0x7531), hi1 = __byte_perm(raw.w[2], raw.w[3], 0x7531);
     *reinterpret_cast<uint2*>(rest + g * 8) = make_uint2((lo0 & 0x7F7F7F7Fu) | (hi0 & 0x80808080u),
                                                          (lo1 & 0x7F7F7F7Fu) | (hi1 & 0x80808080u));
-    return (fa | fb) ? flag_bits(fa) | (flag_bits(fb) << 4) : 0u;
+    return escape_mask(fa, fb);
 }
 
-// E5M2, a whole group: two words of four values.  Rest is 3 bits a value, 24 bits a group.
+// E5M2, a whole group: two words of four values, looked up as BF16's are (the exponents of four
+// values are one shift and mask of their word).  Rest is 3 bits a value, 24 bits a group.
 // rest24 given: the rest bits go there (for store_rest24_warp) instead of to rest.
 __device__ __forceinline__ u32 encode_e5m2_full(const Raw<u8>& raw, long long g, const u8* slut,
                                                 u8* __restrict__ codes, u8* __restrict__ rest, u32* rest24 = nullptr) {
-    u32 word = 0, mask = 0, bits = 0;
+    u32 t[2], f[2], bits = 0;
 #pragma unroll
     for (int k = 0; k < 2; k++) {
         const u32 w = raw.w[k];
         const u32 rb = ((w >> 5) & 0x04040404u) | (w & 0x03030303u);  // sign << 2 | mantissa, per byte
         bits |= ((rb & 7) | ((rb >> 5) & 0x38) | ((rb >> 10) & 0x1C0) | ((rb >> 15) & 0xE00)) << (12 * k);
-#pragma unroll
-        for (int b = 0; b < 4; b++) {
-            const u32 c = slut[(w >> (8 * b + 2)) & 0x1F];
-            word |= (c & 0xF) << (4 * (4 * k + b));
-            mask |= (c >> 7) << (4 * k + b);
-        }
+        const u32 e = (w >> 2) & 0x1F1F1F1Fu;
+        t[k] = pack4(slut[e & 0xFF], slut[(e >> 8) & 0xFF], slut[(e >> 16) & 0xFF], slut[e >> 24], &f[k]);
     }
-    reinterpret_cast<u32*>(codes)[g] = word;
+    reinterpret_cast<u32*>(codes)[g] = __byte_perm(t[0], t[1], 0x6420);
     if (rest24) {
         *rest24 = bits;
     } else {
         u8* p = rest + g * 3;
         p[0] = (u8)bits; p[1] = (u8)(bits >> 8); p[2] = (u8)(bits >> 16);
     }
-    return mask;
+    return escape_mask(f[0], f[1]);
 }
 
 // FULL: the caller knows the group holds 8 values (whole steps of kvz_encode).
