@@ -36,7 +36,9 @@ class CallShape:
 
     ops is a tuple of
       ("upload", m)                    host regions 0..m-1 -> device (one copy),
-      ("zero", i)                      memset region i,
+      ("zero", i)                      memset region i (right after ("upload", i): region i's
+                                       staging, kept zero, goes with the upload instead: one
+                                       copy node rather than a copy and a memset),
       ("launch", kernel, grid, block, args)
       ("download", i, nbytes)          the first nbytes of region i -> host.
     Each call ends with a host synchronisation on its stream, so the workspace and staging are
@@ -52,14 +54,19 @@ class CallShape:
             self.offsets.append(at)
             at += -(-max(nb, 1) // 256) * 256
         self.sizes = sizes
-        self.ops = ops
         self.nbytes = at
         self.buffer = cupy.empty(max(at, 1), np.uint8)
         self.base = self.buffer.data.ptr
         up = [op[1] for op in ops if op[0] == "upload"]
+        self.zeroed = None  # the region uploaded from zeroed staging in place of a memset
+        if up and ("zero", up[0]) in ops:
+            self.zeroed = up[0]
+            ops = tuple(op for op in ops if op != ("zero", self.zeroed))
+            up = [up[0] + 1]
+        self.ops = ops
         self.up_bytes = self.offsets[up[0] - 1] + sizes[up[0] - 1] if up else 0
         down = [op[2] for op in ops if op[0] == "download"]
-        self.host_up = cupyx.empty_pinned(max(-(-self.up_bytes // 8) * 8, 8), np.uint8)
+        self.host_up = cupyx.zeros_pinned(max(-(-self.up_bytes // 8) * 8, 8), np.uint8)
         self.staged = self.host_up.view(np.uint64)  # the upload area as 64-bit words (job tables)
         self.host_down = cupyx.empty_pinned(max(down[0] if down else 0, 1), np.uint8)
         self.graph = None       # cupy.cuda.Graph once captured; False if capture failed
@@ -70,6 +77,8 @@ class CallShape:
 
     def put(self, i: int, table: np.ndarray) -> None:
         """Stage table for region i (uploaded by the next run)."""
+        if i == self.zeroed:
+            raise ValueError(f"region {i} is zeroed by the upload; its staging must stay zero")
         flat = table.reshape(-1).view(np.uint8)
         self.host_up[self.offsets[i]:self.offsets[i] + flat.shape[0]] = flat
 

@@ -306,7 +306,7 @@ class _EncodeProgram:
         tmpl_host = np.frombuffer(b"".join(templates), np.uint8)
         # Workspace: encode jobs | finish jobs | templates | zeroed work | sizes | esc_exp and
         # exp_high scratch | escape slots.
-        self.sizes_nb, work_nb = 24 * k, 8 * (1 + k + total_sb)
+        self.sizes_nb, work_nb = 24 * k, 8 * (2 + k + total_sb)  # ..., look-back, kvz_encode's chunk queue
         enc, scan, _, _ = _instances(fmt)
         ops = [("upload", 3), ("zero", 3)]
         if quantize:
@@ -321,7 +321,8 @@ class _EncodeProgram:
         if total_chunks:
             lut = P(_device_lut(fmt.name, cb.exponents, device))
             ops += [_launch(enc, device, _chunk_grid(enc, device, total_chunks),
-                            (R(0), np.int32(k), np.int64(total_chunks), np.int32(chunk), np.int32(slot), lut)),
+                            (R(0), np.int32(k), np.int64(total_chunks), np.int32(chunk), np.int32(slot), lut, R(3),
+                             np.int64(1 + k + total_sb))),
                     _launch(scan, device, total_sb, (R(0), np.int32(k), np.int32(chunk), np.int32(slot), lut, R(3), R(3)))]
         # Enough blocks that copying the escapes (~0.1 % of values) is not latency-bound on one SM's worth.
         ops += [_launch("kvz_finish_encode", device, (max(1, min(128, total_chunks // 64)), k),
@@ -545,15 +546,16 @@ class _DecodeProgram:
         self.out_bytes, self.dtype, self.errors_nb = out_at, out_fmt.uint_dtype, 8 * (1 + k)
         _, _, scan, dec = _instances(fmt)
         dec = _dequantizing_decode(fmt) if dequantize else dec
-        # Workspace: jobs (| heads: blob address and length) | zeroed work (counter, per-tensor
-        # errors, look-back) | chunk offsets (| expected headers) (| dequantize tables).
+        # Workspace: jobs (| heads: blob address and length) | zeroed work (scan ticket, per-tensor
+        # errors, look-back, decode chunk queue) | chunk offsets (| expected headers) (| dequantize tables).
         guess = expect is not None
         sizes = [8 * DECODE_COLUMNS * k] + ([16 * k] if guess else [])
         jobs, heads, work, offs = R(0), R(1), R(len(sizes)), R(len(sizes) + 1)
-        sizes += [8 * (1 + k + sb_base), 8 * chunk_base]
+        sizes += [8 * (2 + k + sb_base), 8 * chunk_base]  # work ends with kvz_decode's chunk queue
         ops = [("upload", work), ("zero", work)]
         if guess:
-            ops.append(_launch("kvz_guess_heads", device, k, (heads, np.int32(HEAD_SPAN), R(len(sizes)), jobs, work)))
+            expected = len(sizes)  # region of the expected headers, written once below
+            ops.append(_launch("kvz_guess_heads", device, k, (heads, np.int32(HEAD_SPAN), R(expected), jobs, work)))
             sizes.append(k * HEAD_SPAN)
         if dequantize:
             ops.append(("launch", quantize_fast.dequant_tables_kernel(*dequantize, device), (k,), (256,),
@@ -562,14 +564,15 @@ class _DecodeProgram:
         if chunk_base:
             ops += [_launch(scan, device, sb_base, (jobs, np.int32(k), np.int32(chunk), np.int32(0), P(0), work, offs)),
                     _launch(dec, device, _chunk_grid(dec, device, chunk_base),
-                            (jobs, np.int32(k), np.int64(chunk_base), np.int32(chunk), offs, work))]
+                            (jobs, np.int32(k), np.int64(chunk_base), np.int32(chunk), offs, work,
+                             np.int64(1 + k + sb_base)))]
         self.shape = call_graphs.CallShape(tuple(sizes), tuple(ops) + (("download", work, self.errors_nb),))
         self.tables = self.shape.ptr(len(sizes) - 1) + 512 * np.arange(k, dtype=np.uint64) if dequantize else None
         if guess:
             rows = np.zeros((k, HEAD_SPAN), np.uint8)
             for row, key in zip(rows, expect):
                 row[:len(key)] = np.frombuffer(key, np.uint8)
-            self.shape.buffer[self.shape.offsets[work + 2]:][:rows.size].set(rows.ravel())
+            self.shape.buffer[self.shape.offsets[expected]:][:rows.size].set(rows.ravel())
 
     def run(self, jobs: np.ndarray, stream, labels=None, views=None, origin=None, heads=None):
         """Decode the blobs jobs describe (columns 9, 12 and 13, and DQ_TABLE, are filled in here).

@@ -385,10 +385,10 @@ def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None, origi
         got = list(got)
         for i in misses:
             got[i] = None
-        for layout in {id(layouts[i]): layouts[i] for i in range(len(layouts)) if got[i] is not None}.values():
+    if guessed is not None:  # every layout a blob was decoded on, once
+        hits = distinct if not misses else [layouts[i] for i in range(k) if got[i] is not None]
+        for layout in {id(layout): layout for layout in hits}.values() if len(hits) > 1 else hits:
             _note(layout)
-    elif guessed is not None:
-        _note(layouts[0])
     if pair is None and views is None:
         got = [_dequantized(b, blob, layout) if layout.dequantize and b is not None else b
                for b, blob, layout in zip(got, blobs, layouts)]

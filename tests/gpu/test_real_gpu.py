@@ -317,6 +317,29 @@ def test_batches_mixing_frameworks_shapes_and_formats_match_single_calls():
                                               xb)
 
 
+def test_call_shape_zeroes_the_region_after_its_upload_every_run():
+    """A ("zero", i) right after ("upload", i) rides on the upload (region i's staging stays zero)
+    instead of a memset node: a kernel that counts into region i sees it zeroed on every run,
+    eager and replayed, and staging region i is refused."""
+    from kvzip.stages import call_graphs
+
+    bump = cupy.RawKernel(r"""extern "C" __global__ void bump(const unsigned long long* table, unsigned long long* counts) {
+        atomicAdd(&counts[threadIdx.x], table[threadIdx.x]);
+    }""", "bump")
+    R = call_graphs.Region
+    shape = call_graphs.CallShape((8 * 32, 8 * 32), (("upload", 1), ("zero", 1),
+                                                     ("launch", bump, (1,), (32,), (R(0), R(1))), ("download", 1, 8 * 32)))
+    assert ("zero", 1) not in shape.ops and shape.zeroed == 1
+    stream = cupy.cuda.get_current_stream()
+    for run in range(4):  # eager, capture, then graph replays
+        table = np.arange(32, dtype=np.uint64) + run
+        shape.put(0, table)
+        np.testing.assert_array_equal(shape.run(stream).view(np.uint64), table)
+    assert shape.graph
+    with pytest.raises(ValueError, match="zeroed"):
+        shape.put(1, np.ones(32, np.uint64))
+
+
 def test_replayed_call_shapes_match_cpu_and_still_catch_forgeries(monkeypatch):
     """From its second use a call shape runs as one CUDA graph (stages/call_graphs.py), encode
     goes through the pipeline's lane for the shape and decode through the remembered layout
