@@ -1,10 +1,11 @@
 """Where a compress/decompress call's wall time goes on a GPU (development aid, not a benchmark).
 
     python benchmarks/trace_calls.py [log2_values]      # default 19 (1 MiB of BF16)
-    python benchmarks/trace_calls.py ncu 28 [bf16|e5m2|quantize]
+    python benchmarks/trace_calls.py ncu 28 [bf16|e5m2|quantize] [noescapes]
                                                         # a plain workload to run under ncu: the default
                                                         # pipeline on BF16 or E5M2 values, or QuantizeFP8
-                                                        # + E5M2 on BF16
+                                                        # + E5M2 on BF16; noescapes: every exponent set
+                                                        # to one in the codebook (what escapes cost)
     python benchmarks/trace_calls.py profile 28         # cProfile of the host side (also the batch API on
                                                         # 64 parts of the tensor), no extra syncs
     python benchmarks/trace_calls.py host 19            # host time per step (cumulative), no syncs
@@ -40,7 +41,9 @@ if mode == "ncu":
     pipe, data, dtype = kvzip.splitzip_pipeline(), x, "bf16"
     if kind == "e5m2":
         data, dtype = cupy.asarray(e5m2_bits(np.resize(sample, 1 << log2), 1 << log2)), "e5m2"
-    elif kind == "quantize":
+    if "noescapes" in args[2:]:  # exponent 120 (BF16) / 20 (E5M2): in the default codebooks
+        data = (data & 0x83) | (20 << 2) if dtype == "e5m2" else (data & 0x807F) | (120 << 7)
+    if kind == "quantize":
         pipe = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack("e5m2-kv"), S.EscapeStream(),
                                S.Serialize()])
     for _ in range(3):

@@ -1,7 +1,8 @@
 """Replayable GPU calls for the fast path (stages/fused_fast.py).
 
-A fast-path call is a short fixed sequence: upload the job tables from pinned memory, zero some
-counters, launch two or three kernels, download a few bytes of results.  Through CuPy each of
+A fast-path call is a short fixed sequence: upload the job tables from pinned memory (with the
+counters the kernels need zeroed, from staging kept zero), launch two or three kernels, download a
+few bytes of results.  Through CuPy each of
 those costs 5 to 10 us of host time, which on 1 to 64 MiB tensors is more than the kernels take.
 So every *call shape* (the same kernels, grids, scalar arguments and workspace layout; the tables'
 contents may differ) gets its own device workspace and pinned staging buffers, and from its second

@@ -6,7 +6,8 @@ in stages/fused.py remain the generic path (simulator, misaligned buffers) and, 
 twin, the reference these kernels are tested against byte for byte (tests/gpu).
 
 Every call is batched: a list of tensors costs the same launches as one tensor.  Encoding is a
-table upload, one memset, three kernels (dense pass, scan and escape placement, header) and one
+table upload (which also zeroes the kernels' counters), three kernels (dense pass, scan and
+escape placement, header) and one
 read-back of the escape totals (the host synchronisation that learns the compressed sizes); the
 headers are written on the GPU.  Decoding blobs of a layout decoded before uploads its table and
 runs three kernels: kvz_guess_heads checks each header against the guessed layout and fills in
