@@ -111,10 +111,10 @@ def decode_with(pipe: Pipeline, blob, *, backend=None):
             return _export_decoded(pipe.decode_frame(Frame(be, {"blob": _to_backend(u8, be)}, {})), origin)
         layout = known_headers.guess(u8.shape[0])
         if layout is not None:  # most blobs are of the layout decoded last: no header read-back
-            got, misses = known_headers.decode_guessed([layout], [u8], origin=origin)
-            if not misses:
+            got = known_headers.decode_one_guessed(layout, u8, origin)
+            if got is not None:
                 pipe.last_path = "fast"
-                return got[0]
+                return got
         head = container.read_head(be, u8)
         hit = known_headers.match(head, u8.shape[0])
         if hit is not None:  # a layout that passed every check before: straight to the kernels

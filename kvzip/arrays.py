@@ -457,27 +457,35 @@ def export_tensor(bits, fmt: FloatFormat, shape, origin: Origin):
 
 
 class ResultBuffer:
-    """Device memory for a call's results; .array is a CuPy uint8 array over it for the kernels.
+    """Device memory for a call's results: .ptr its address for the kernels, .array a CuPy uint8
+    array over it.
 
     For a CUDA torch caller the memory comes from torch's allocator, on the caller's current
     stream (where kvzip's work runs), and results are slices of that tensor: narrow() and view()
     cost a few microseconds where a DLPack export of a CuPy array costs 15-25 on the H200's
     host.  Other callers get CuPy memory and export_tensors' / export_bytes' results."""
 
-    __slots__ = ("array", "tensor", "origin")
+    __slots__ = ("_array", "tensor", "origin", "ptr")
 
     def __init__(self, nbytes: int, origin: Origin | None = None):
-        cupy = _cupy()
-        nbytes = max(nbytes, 1)
-        self.origin, self.tensor = origin, None
+        self.origin, self.tensor, self._array = origin, None, None
         if origin is not None and origin.framework == "torch" and origin.device == "cuda":
             import torch
 
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", origin.device_index))
-            memory = cupy.cuda.UnownedMemory(self.tensor.data_ptr(), nbytes, self.tensor, origin.device_index)
-            self.array = cupy.ndarray((nbytes,), _U8, cupy.cuda.MemoryPointer(memory, 0))
+            self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=torch.device("cuda", origin.device_index))
+            self.ptr = self.tensor.data_ptr()  # all the kernels need: the CuPy view is built only if asked for
         else:
-            self.array = cupy.empty(nbytes, _U8)
+            self._array = _cupy().empty(max(nbytes, 1), _U8)
+            self.ptr = self._array.data.ptr
+
+    @property
+    def array(self):
+        """The buffer as a CuPy uint8 array (for a torch buffer, a view of its tensor)."""
+        if self._array is None:
+            cupy, t = _cupy(), self.tensor
+            memory = cupy.cuda.UnownedMemory(self.ptr, t.numel(), t, self.origin.device_index)
+            self._array = cupy.ndarray((t.numel(),), _U8, cupy.cuda.MemoryPointer(memory, 0))
+        return self._array
 
     def places(self, starts) -> list:
         """What blobs() needs of each start, worked out ahead (while the GPU runs): the CuPy

@@ -459,7 +459,7 @@ def encode_lanes(lanes: list[EncodeLane], bits: list, origin=None) -> list:
                               lambda: _EncodeProgram(plans, first.fmt, first.codebook, first.chunk, device,
                                                      first.quantize))
     buffer = arrays.ResultBuffer(prog.total, origin)
-    prog.launch([b.data.ptr for b in bits], buffer.array.data.ptr, stream)
+    prog.launch([b.data.ptr for b in bits], buffer.ptr, stream)
     places = buffer.places(prog.starts)  # while the GPU encodes
     payloads = prog.wait(stream)[:, 2]
     lengths = (prog.header_lens + payloads).tolist()
@@ -568,6 +568,8 @@ class _DecodeProgram:
                             (jobs, np.int32(k), np.int64(chunk_base), np.int32(chunk), offs, work,
                              np.int64(1 + k + sb_base)))]
         self.shape = call_graphs.CallShape(tuple(sizes), tuple(ops) + (("download", work, self.errors_nb),))
+        self.heads_at = self.shape.offsets[1] // 8 if guess else None  # heads' first word in the staging
+        self.staged_row = None  # the layout row run_one last staged whole (None after a run)
         self.tables = self.shape.ptr(len(sizes) - 1) + 512 * np.arange(k, dtype=np.uint64) if dequantize else None
         if guess:
             rows = np.zeros((k, HEAD_SPAN), np.uint8)
@@ -586,11 +588,12 @@ class _DecodeProgram:
         positions of the blobs whose header was not the expected one (their results are not
         decoded values)."""
         out = arrays.ResultBuffer(self.out_bytes, origin)
-        jobs[:, 9] = self.fixed[:, 0] + P(out.array.data.ptr)
+        jobs[:, 9] = self.fixed[:, 0] + P(out.ptr)
         jobs[:, 12:14] = self.fixed[:, 1:3]
         if self.tables is not None:
             jobs[:, DQ_TABLE] = self.tables
         self.shape.put(0, jobs)
+        self.staged_row = None
         if heads is not None:
             self.shape.put(1, heads)
         self.shape.launch(stream)
@@ -606,6 +609,35 @@ class _DecodeProgram:
                 where = f"blob {labels[i]}: " if labels is not None else f"blob {i}: " if errors.shape[0] > 1 else ""
                 raise FormatError(where + _ERRORS.get(int(errors[i]), f"decode error {int(errors[i])}"))
         return (got, misses) if heads is not None else got
+
+    def run_one(self, row: np.ndarray, blob_ptr: int, blob_len: int, stream, views=None, origin=None,
+                scale_at: int | None = None):
+        """run() for one blob on a guessed layout (a program built with one expected header),
+        decompress's usual call, with the least host work: row is the layout's job row (addresses
+        relative to the blob, esc_pos where the guess puts it) and stays staged from one call to
+        the next, so a call writes only the blob's and the output's addresses, the blob's length
+        and (scale_at: the scale's offset in the blob) the dequantizing decode's scale address.
+        Returns (result as run's views give it, missed: the header was not the expected one)."""
+        out = arrays.ResultBuffer(self.out_bytes, origin)
+        staged = self.shape.staged
+        if self.staged_row is not row:
+            staged[:DECODE_COLUMNS] = row[0]
+            staged[12:14] = self.fixed[0, 1:3]
+            if self.tables is not None:
+                staged[DQ_TABLE] = self.tables[0]
+            self.staged_row = row
+        np.add(row[0, :6], P(blob_ptr), out=staged[:6])
+        staged[9] = self.fixed[0, 0] + P(out.ptr)
+        if scale_at is not None:
+            staged[DQ_SCALE] = blob_ptr + scale_at
+        staged[self.heads_at] = blob_ptr
+        staged[self.heads_at + 1] = blob_len
+        self.shape.launch(stream)
+        got = views(out, self.offsets) if views is not None else self._raw_views(out)
+        error = int(self.shape.wait(stream)[8:16].view(np.uint64)[0])
+        if error and error != GUESS_MISSED:
+            raise FormatError(_ERRORS.get(error, f"decode error {error}"))
+        return got[0], error == GUESS_MISSED
 
     def _raw_views(self, out) -> list:
         import cupy
@@ -627,6 +659,16 @@ def decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray, labels=None, dequa
     prog = call_graphs.cached(("decode", device, fmt.name, chunk, ns, dequantize, expect),
                               lambda: _DecodeProgram(fmt, chunk, ns, device, dequantize, expect))
     return prog.run(jobs, stream, labels, views, origin, heads)
+
+
+def decode_one(fmt, chunk: int, n: int, expect: bytes, row: np.ndarray, blob, dequantize: tuple | None = None,
+               scale_at: int | None = None, views=None, origin=None):
+    """decode_jobs for a single blob on a guessed layout (_DecodeProgram.run_one; the same
+    program as decode_jobs' for it): returns (result, missed)."""
+    device, stream = _current()
+    prog = call_graphs.cached(("decode", device, fmt.name, chunk, (n,), dequantize, (expect,)),
+                              lambda: _DecodeProgram(fmt, chunk, (n,), device, dequantize, (expect,)))
+    return prog.run_one(row, blob.data.ptr, blob.shape[0], stream, views, origin, scale_at)
 
 
 def decode_batch(frames: list[Frame], chunk: int, codebooks: list, labels=None) -> list:

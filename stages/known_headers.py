@@ -32,6 +32,7 @@ import threading
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -67,6 +68,14 @@ class Layout:
     def fixed_bytes(self) -> int:
         """Bytes up to esc_pos: every blob of this layout has at least these."""
         return self.header_len + self.esc_pos_offset
+
+    @cached_property
+    def guess_row(self) -> np.ndarray:
+        """The job row for a blob guessed to be of this layout: esc_pos where the guess puts it
+        (kvz_guess_heads checks that and fills in the other escape fields)."""
+        row = self.row.copy()
+        row[:, 3] = self.fixed_bytes
+        return row
 
 
 _layouts: dict = {}
@@ -349,12 +358,50 @@ def decode_guessed(layouts: list, blobs: list, labels=None, origin=None) -> tupl
     None (decode them the checked way)."""
     first, k = layouts[0], len(layouts)
     same = all(layout is first for layout in layouts)
-    jobs = np.repeat(first.row, k, axis=0) if same else np.concatenate([layout.row for layout in layouts])
-    jobs[:, 3] = first.fixed_bytes if same else [layout.fixed_bytes for layout in layouts]  # esc_pos, as guessed
+    jobs = np.repeat(first.guess_row, k, axis=0) if same else np.concatenate([layout.guess_row for layout in layouts])
     heads = np.empty((k, 2), np.uint64)
     heads[:, 0] = [b.data.ptr for b in blobs]
     heads[:, 1] = [b.shape[0] for b in blobs]
     return decode_rows(layouts, jobs, blobs, labels, origin, heads)
+
+
+def decode_one_guessed(layout: Layout, blob, origin=None):
+    """decode_guessed for one blob, with the least host work (fused_fast.decode_one: the
+    program keeps the layout's row staged).  Returns the result, or None if the guess was wrong."""
+    pair = _fused_dequantize((layout,), (blob,))
+    views = _views((layout,), pair, origin)
+    got, missed = fused_fast.decode_one(layout.fmt, layout.chunk, layout.n, layout.key, layout.guess_row, blob,
+                                        pair, layout.dequantize[2] if pair is not None else None, views,
+                                        origin if views is not None else None)
+    if missed:
+        return None
+    _note(layout)
+    return _handed_out([got], [blob], (layout,), pair, views, origin)[0]
+
+
+def _views(layouts, pair, origin, distinct=None):
+    """What a decode program hands out as it runs (see fused_fast._DecodeProgram.run): origin's
+    tensors straight from the kernels' output where the values come out final, else None (raw
+    bits, for _handed_out to finish).  distinct: the different layouts among layouts, if known."""
+    if origin is None or (pair is None and any(layout.dequantize for layout in distinct or layouts)):
+        return None
+
+    def views(buffer, offsets):
+        return buffer.tensors([(at, layout.dtype_format, layout.shape) for at, layout in zip(offsets, layouts)])
+    return views
+
+
+def _handed_out(got: list, blobs, layouts, pair, views, origin) -> list:
+    """A decode's results as the caller gets them: where the program handed out raw bits,
+    QuantizeFP8's decode applied on the host side (if the kernels did not) and the export to
+    origin's framework.  None stays None (a blob left to another path)."""
+    if pair is None and views is None:
+        got = [_dequantized(b, blob, layout) if layout.dequantize and b is not None else b
+               for b, blob, layout in zip(got, blobs, layouts)]
+    if views is None and origin is not None:
+        got = [arrays.export_tensor(b, layout.dtype_format, layout.shape, origin) if b is not None else None
+               for b, layout in zip(got, layouts)]
+    return got
 
 
 def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None, origin=None, heads=None):
@@ -368,11 +415,8 @@ def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None, origi
     jobs[:, :6] += (heads[:, :1] if heads is not None else np.array([b.data.ptr for b in blobs], np.uint64)[:, None])
     fmt, chunk, ns = first.fmt, first.chunk, (first.n,) * k if same else tuple(layout.n for layout in layouts)
     pair = _fused_dequantize(layouts, blobs)
-    views = None
     distinct = layouts[:1] if same else layouts
-    if origin is not None and (pair is not None or not any(layout.dequantize for layout in distinct)):
-        def views(buffer, offsets):
-            return buffer.tensors([(at, layout.dtype_format, layout.shape) for at, layout in zip(offsets, layouts)])
+    views = _views(layouts, pair, origin, distinct)
     if pair is not None:  # QuantizeFP8's decode applied by kvz_decode as it stores
         jobs[:, fused_fast.DQ_SCALE] = [b.data.ptr + layout.dequantize[2] for b, layout in zip(blobs, layouts)]
     guessed = None
@@ -389,12 +433,7 @@ def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None, origi
         hits = distinct if not misses else [layouts[i] for i in range(k) if got[i] is not None]
         for layout in {id(layout): layout for layout in hits}.values() if len(hits) > 1 else hits:
             _note(layout)
-    if pair is None and views is None:
-        got = [_dequantized(b, blob, layout) if layout.dequantize and b is not None else b
-               for b, blob, layout in zip(got, blobs, layouts)]
-    if views is None and origin is not None:
-        got = [arrays.export_tensor(b, layout.dtype_format, layout.shape, origin) if b is not None else None
-               for b, layout in zip(got, layouts)]
+    got = _handed_out(got, blobs, layouts, pair, views, origin)
     return (got, misses) if guessed is not None else got
 
 

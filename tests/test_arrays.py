@@ -638,7 +638,7 @@ def test_result_buffers_hand_out_what_export_gives(framework):
             got.get() if hasattr(got, "get") else got)
         assert host.tobytes() == raw[at:at + n * fmt.itemsize].tobytes()
     if framework == "torch":
-        assert buf.tensor.data_ptr() == buf.array.data.ptr and buf.blobs([8], [8])[0].data_ptr() == buf.array.data.ptr + 8
+        assert buf.tensor.data_ptr() == buf.ptr == buf.array.data.ptr and buf.blobs([8], [8])[0].data_ptr() == buf.ptr + 8
 
 
 @needs_cuda

@@ -148,6 +148,11 @@ def test_guessed_layout_decodes_exactly_where_the_host_match_would():
         misses, start = [], 0
         for part in batch:
             got, missed = known_headers.decode_guessed([layout] * len(part), part)
+            if len(part) == 1:  # decompress's single-blob path must take and refuse the same blobs
+                one = known_headers.decode_one_guessed(layout, part[0])
+                assert (one is None) == bool(missed)
+                if one is not None:
+                    np.testing.assert_array_equal(one.get(), got[0].get())
             misses += [start + i for i in missed]
             start += len(part)
             for value, b, m in zip(got, part, range(len(part))):
@@ -167,14 +172,19 @@ def test_wrong_guesses_fall_back_to_the_checked_decode():
     a, b = kvzip.compress(x, dtype="bf16"), kvzip.compress(x.reshape(3, -1), dtype="bf16")
     odd = kvzip.compress(cupy.asarray(real_bf16(7000, 2)), dtype="bf16")
     misses = []
-    real_guessed = known_headers.decode_guessed
+    real_guessed, real_one = known_headers.decode_guessed, known_headers.decode_one_guessed
 
     def spy(*args, **kwargs):
         got, missed = real_guessed(*args, **kwargs)
         misses.append(len(missed))
         return got, missed
 
-    known_headers.decode_guessed = spy
+    def spy_one(*args, **kwargs):
+        got = real_one(*args, **kwargs)
+        misses.append(int(got is None))
+        return got
+
+    known_headers.decode_guessed, known_headers.decode_one_guessed = spy, spy_one
     try:
         for blob in (a, b, a, b, a):
             back = kvzip.decompress(blob)
@@ -191,5 +201,5 @@ def test_wrong_guesses_fall_back_to_the_checked_decode():
         with pytest.raises(kvzip.FormatError):
             kvzip.decompress_many([a, broken])
     finally:
-        known_headers.decode_guessed = real_guessed
+        known_headers.decode_guessed, known_headers.decode_one_guessed = real_guessed, real_one
     assert len(misses) >= 4 and sum(misses) >= 1  # guesses were made, and some were wrong
