@@ -501,8 +501,9 @@ __device__ __forceinline__ int find_job(const Job* jobs, int njobs, long long ke
 }
 
 // The dense passes' chunks: the first W (one a warp) dealt out statically, then each warp's next
-// from a queue, an atomic counter (work[queue_at], zeroed) that lane 0 claims from at the start of the chunk
-// before, so the claim's round trip overlaps that chunk's work and no warp waits on another.
+// from a queue, an atomic counter (work[queue_at], zeroed) that lane 0 claims from at the start
+// of the chunk before, so the claim's round trip overlaps that chunk's work and no warp waits on
+// another.
 // Dealing every chunk statically (warp w: w, w + W, ...) left the warps whose chunks held many
 // escapes finishing last (ncu, E5M2 decode: 82 % of the warps active on average against 91 %
 // without escapes; NOTES v15).  The bytes never depend on which warp takes which chunk.
@@ -510,9 +511,10 @@ __device__ __forceinline__ long long claim_chunk(u64* queue, long long W, int la
     return lane == 0 ? W + (long long)atomicAdd(queue, 1ull) : 0;
 }
 
-// Dense pass.  Chunks come from the queue above; a warp walks its chunk in steps of 32 * GPL groups, each lane loading its GPL groups
-// with vector loads, encoding them and storing codes and rest in place.  Escapes go to a per-chunk
-// slot in position order (slot_escapes); kvz_scan moves them to their final place.
+// Dense pass.  Chunks come from the queue above; a warp walks its chunk in steps of 32 * GPL
+// groups, each lane loading its GPL groups with vector loads, encoding them and storing codes
+// and rest in place.  Escapes go to a per-chunk slot in position order (slot_escapes); kvz_scan
+// moves them to their final place.
 // The loop is kept this plain on purpose: the same traffic with nothing else (benchmarks/
 // access_patterns.py) moves 3.8 TB/s on the H200, while earlier versions of this kernel with
 // prefetching across chunks, a cursor per warp, or a cp.async ring in shared memory spent ~170

@@ -607,7 +607,7 @@ class _DecodeProgram:
             if len(misses) < bad.size:
                 i = int(bad[errors[bad] != GUESS_MISSED][0]) if heads is not None else int(bad[0])
                 where = f"blob {labels[i]}: " if labels is not None else f"blob {i}: " if errors.shape[0] > 1 else ""
-                raise FormatError(where + _ERRORS.get(int(errors[i]), f"decode error {int(errors[i])}"))
+                raise FormatError(where + _error_text(int(errors[i])))
         return (got, misses) if heads is not None else got
 
     def run_one(self, row: np.ndarray, blob_ptr: int, blob_len: int, stream, views=None, origin=None,
@@ -636,7 +636,7 @@ class _DecodeProgram:
         got = views(out, self.offsets) if views is not None else self._raw_views(out)
         error = int(self.shape.wait(stream)[8:16].view(np.uint64)[0])
         if error and error != GUESS_MISSED:
-            raise FormatError(_ERRORS.get(error, f"decode error {error}"))
+            raise FormatError(_error_text(error))
         return got[0], error == GUESS_MISSED
 
     def _raw_views(self, out) -> list:
@@ -654,10 +654,8 @@ def decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray, labels=None, dequa
     _DecodeProgram.run.  guessed: (expected blanked headers, (k, 2) blob addresses and lengths)
     for rows built from guessed layouts whose escape fields the GPU fills in from each header;
     then returns (results, misses) as _DecodeProgram.run."""
-    device, stream = _current()
     expect, heads = guessed if guessed is not None else (None, None)
-    prog = call_graphs.cached(("decode", device, fmt.name, chunk, ns, dequantize, expect),
-                              lambda: _DecodeProgram(fmt, chunk, ns, device, dequantize, expect))
+    prog, stream = _decode_program(fmt, chunk, ns, dequantize, expect)
     return prog.run(jobs, stream, labels, views, origin, heads)
 
 
@@ -665,10 +663,22 @@ def decode_one(fmt, chunk: int, n: int, expect: bytes, row: np.ndarray, blob, de
                scale_at: int | None = None, views=None, origin=None):
     """decode_jobs for a single blob on a guessed layout (_DecodeProgram.run_one; the same
     program as decode_jobs' for it): returns (result, missed)."""
-    device, stream = _current()
-    prog = call_graphs.cached(("decode", device, fmt.name, chunk, (n,), dequantize, (expect,)),
-                              lambda: _DecodeProgram(fmt, chunk, (n,), device, dequantize, (expect,)))
+    prog, stream = _decode_program(fmt, chunk, (n,), dequantize, (expect,))
     return prog.run_one(row, blob.data.ptr, blob.shape[0], stream, views, origin, scale_at)
+
+
+def _decode_program(fmt, chunk: int, ns: tuple, dequantize, expect) -> tuple:
+    """(this thread's _DecodeProgram for the call shape, the current stream): one key for
+    decode_jobs and decode_one, so a layout's single and batched decodes share a program."""
+    device, stream = _current()
+    prog = call_graphs.cached(("decode", device, fmt.name, chunk, ns, dequantize, expect),
+                              lambda: _DecodeProgram(fmt, chunk, ns, device, dequantize, expect))
+    return prog, stream
+
+
+def _error_text(code: int) -> str:
+    """What a decode error code from the kernels means (stages/fused.py's table)."""
+    return _ERRORS.get(code, f"decode error {code}")
 
 
 def decode_batch(frames: list[Frame], chunk: int, codebooks: list, labels=None) -> list:
