@@ -86,7 +86,7 @@ for n in (70_001, 70_001, 70_001, 13):
     first, again = qpipe.decode(blob), qpipe.decode(blob)
     assert bool(cupy.array_equal(first, again)), ("quantized", n)
     kvzip.decompress_many([blob, blob])
-# Guessed layouts (no header read-back; kvz_guess_heads): a blob of another shape, one cut at
+# Guessed layouts (no header read-back; the scan's guess_head): a blob of another shape, one cut at
 # the guessed layout's fixed bytes, one with a broken header: each must miss on the GPU without
 # reading past its blob, and go the checked way.
 from kvzip.stages import known_headers  # noqa: E402

@@ -1,9 +1,9 @@
 """Replayable GPU calls for the fast path (stages/fused_fast.py).
 
-A fast-path call is a short fixed sequence: upload the job tables from pinned memory (with the
-counters the kernels need zeroed, from staging kept zero), launch two or three kernels, download a
-few bytes of results.  Through CuPy each of
-those costs 5 to 10 us of host time, which on 1 to 64 MiB tensors is more than the kernels take.
+A fast-path call is a short fixed sequence: upload the job tables from pinned memory (and zero the
+counters the kernels need zeroed), launch two or three kernels, download a few bytes of results.
+Through CuPy each of those costs 5 to 10 us of host time, which on 1 to 64 MiB tensors is more
+than the kernels take.
 So every *call shape* (the same kernels, grids, scalar arguments and workspace layout; the tables'
 contents may differ) gets its own device workspace and pinned staging buffers, and from its second
 use a CUDA graph of the whole sequence: a repeated call is then one graph launch and one
@@ -18,12 +18,41 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from functools import lru_cache
 
 import numpy as np
 
 MAX_SHAPES = 32             # call shapes kept per thread, all devices together (least recently used dropped)
 MAX_BYTES = 1 << 30         # and at most this much device workspace between them (per thread)
 _local = threading.local()
+
+# The upload and download are a kernel that copies between the pinned staging (mapped into the
+# device's address space: UVA) and the workspace, 16 bytes a thread, and zeroes a region.  As copy
+# nodes they cost far more: in a replayed graph on the H200 a 2 KiB host-to-device copy added
+# 10.7 us and a 64-byte download 2.0 us, a kernel reading and writing pinned memory 0.9 us
+# (benchmarks/graph_nodes.py; NOTES.md, v16).
+_STAGE_SOURCE = r"""
+extern "C" __global__ void kvz_stage(const uint4* __restrict__ src, uint4* __restrict__ dst, long long n,
+                                     uint4* __restrict__ zero, long long nz) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (long long i = first; i < n; i += stride) dst[i] = src[i];
+    for (long long i = first; i < nz; i += stride) zero[i] = make_uint4(0u, 0u, 0u, 0u);
+}
+"""
+STAGE_THREADS = 256
+STAGE_MAX_BLOCKS = 64  # 1 MiB a round; the tables are a few KiB
+
+
+@lru_cache(maxsize=None)
+def _stage_kernel():
+    import cupy
+
+    return cupy.RawKernel(_STAGE_SOURCE, "kvz_stage")
+
+
+def _stage_grid(n16: int) -> tuple:
+    return (max(1, min(STAGE_MAX_BLOCKS, -(-n16 // STAGE_THREADS))),)
 
 
 class Region(int):
@@ -36,10 +65,10 @@ class CallShape:
     """The device workspace, pinned staging and (once replayed) CUDA graph of one call shape.
 
     ops is a tuple of
-      ("upload", m)                    host regions 0..m-1 -> device (one copy),
-      ("zero", i)                      memset region i (right after ("upload", i): region i's
-                                       staging, kept zero, goes with the upload instead: one
-                                       copy node rather than a copy and a memset),
+      ("upload", m)                    host regions 0..m-1 -> device (one copy kernel),
+      ("zero", i)                      memset region i (right after ("upload", i): the upload's
+                                       kernel zeroes region i as it copies, one node instead of
+                                       two),
       ("launch", kernel, grid, block, args)
       ("download", i, nbytes)          the first nbytes of region i -> host.
     Each call ends with a host synchronisation on its stream, so the workspace and staging are
@@ -59,17 +88,18 @@ class CallShape:
         self.buffer = cupy.empty(max(at, 1), np.uint8)
         self.base = self.buffer.data.ptr
         up = [op[1] for op in ops if op[0] == "upload"]
-        self.zeroed = None  # the region uploaded from zeroed staging in place of a memset
+        self.zeroed = None  # the region the upload zeroes in place of a memset
         if up and ("zero", up[0]) in ops:
             self.zeroed = up[0]
             ops = tuple(op for op in ops if op != ("zero", self.zeroed))
-            up = [up[0] + 1]
         self.ops = ops
         self.up_bytes = self.offsets[up[0] - 1] + sizes[up[0] - 1] if up else 0
         down = [op[2] for op in ops if op[0] == "download"]
-        self.host_up = cupyx.zeros_pinned(max(-(-self.up_bytes // 8) * 8, 8), np.uint8)
+        # Whole 16-byte words both ways (the regions are 256-byte aligned, so the rounding stays
+        # inside the last one's padding).
+        self.host_up = cupyx.zeros_pinned(max(-(-self.up_bytes // 16) * 16, 16), np.uint8)
         self.staged = self.host_up.view(np.uint64)  # the upload area as 64-bit words (job tables)
-        self.host_down = cupyx.empty_pinned(max(down[0] if down else 0, 1), np.uint8)
+        self.host_down = cupyx.zeros_pinned(max(-(-(down[0] if down else 0) // 16) * 16, 16), np.uint8)
         self.graph = None       # cupy.cuda.Graph once captured; False if capture failed
         self.uses = 0
 
@@ -79,7 +109,7 @@ class CallShape:
     def put(self, i: int, table: np.ndarray) -> None:
         """Stage table for region i (uploaded by the next run)."""
         if i == self.zeroed:
-            raise ValueError(f"region {i} is zeroed by the upload; its staging must stay zero")
+            raise ValueError(f"region {i} is zeroed on the device by the upload; nothing staged there is uploaded")
         flat = table.reshape(-1).view(np.uint8)
         self.host_up[self.offsets[i]:self.offsets[i] + flat.shape[0]] = flat
 
@@ -119,11 +149,19 @@ class CallShape:
                 args = tuple(np.uint64(self.base + self.offsets[a]) if type(a) is Region else a for a in args)
                 kernel(grid, block, args, stream=stream)
             elif kind == "upload":
-                rt.memcpyAsync(self.base, self.host_up.ctypes.data, self.up_bytes, 1, stream.ptr)
+                n16 = -(-self.up_bytes // 16)
+                z16 = -(-self.sizes[self.zeroed] // 16) if self.zeroed is not None else 0
+                zero = self.ptr(self.zeroed) if self.zeroed is not None else 0
+                _stage_kernel()(_stage_grid(max(n16, z16)), (STAGE_THREADS,),
+                                (np.uint64(self.host_up.ctypes.data), np.uint64(self.base), np.int64(n16),
+                                 np.uint64(zero), np.int64(z16)), stream=stream)
             elif kind == "zero":
                 rt.memsetAsync(self.ptr(op[1]), 0, self.sizes[op[1]], stream.ptr)
             else:  # download
-                rt.memcpyAsync(self.host_down.ctypes.data, self.ptr(op[1]), op[2], 2, stream.ptr)
+                n16 = -(-op[2] // 16)
+                _stage_kernel()(_stage_grid(n16), (STAGE_THREADS,),
+                                (np.uint64(self.ptr(op[1])), np.uint64(self.host_down.ctypes.data), np.int64(n16),
+                                 np.uint64(0), np.int64(0)), stream=stream)
 
     def _capture(self) -> None:
         """Record the sequence into a CUDA graph on a private stream (relaxed capture mode, so

@@ -12,8 +12,9 @@
 // with vector loads, writing 4 code bytes and R rest bytes a group in place in the blob and noting
 // escapes, which ballots put in position order into a per-chunk slot.  kvz_scan (a block per 256
 // chunks, chained per tensor by a decoupled look-back) turns the per-chunk counts into offsets,
-// moves the escapes to their final place and redoes plane-coded or over-full chunks from the
-// input; kvz_finish_encode places the escape exponents and writes the header.  Decode: kvz_scan
+// moves the escapes to their final place (the totals, which fix where the escape exponents go,
+// are kvz_encode's sums) and redoes plane-coded or over-full chunks from the input; each
+// tensor's first scan block also zeroes the blob's padding and writes its header.  Decode: kvz_scan
 // computes every chunk's offsets and checks the counts, kvz_decode walks the chunks like the
 // encoder and applies escapes from registers.  No dense pass ever waits on another warp.
 
@@ -469,7 +470,7 @@ __device__ __forceinline__ int slot_escapes(const Raw<T>& v, u32 m, int p0, int 
     return count + total;
 }
 
-// One tensor of a batch.  All fields are 8 bytes wide: the host fills a uint64 array (ntensors, 14).
+// One tensor of a batch.  All fields are 8 bytes wide: the host fills a uint64 array (ntensors, 12).
 struct EncodeJob {
     static constexpr bool ENCODE = true;
     const void* src;        // the values' bits
@@ -477,15 +478,33 @@ struct EncodeJob {
     u8* codes;              // output streams, in place in the blob
     u8* rest;
     u16* esc_count;
-    u16* esc_pos;
-    u8* exp_scratch;        // esc_exp and exp_high go here first (their offsets depend on the total)
-    u8* high_scratch;
+    u16* esc_pos;           // esc_exp and exp_high follow it, where the escape totals put them
     u16* slot_pos;          // kvz_encode's per-chunk escape slots (SLOT entries a chunk) for this tensor
     u8* slot_exp;
     long long chunk_base;   // this tensor's first chunk in the batch-wide chunk numbering
     long long sb_base;      // and its first scan block (SB_CHUNKS chunks each)
     const u8* q_table;      // QT kernels: the quantize table (src is then 16-bit bits)
     float* q_scale;         // QT: where the blob's scales stream goes (kvz_quant_table writes it)
+};
+
+// One blob of a decode batch (the mirror of EncodeJob).
+struct DecodeJob {  // all 8-byte fields: the host fills a uint64 array (ntensors, 16)
+    static constexpr bool ENCODE = false;
+    const u8* codes;
+    const u8* rest;
+    const u16* esc_count;
+    const u16* esc_pos;
+    const u8* esc_exp;
+    const u8* exp_high;
+    long long n;
+    long long n_esc;        // lengths of esc_pos/esc_exp and exp_high as the container says
+    long long n_high;
+    void* dst;
+    u64 dlo, dhi;           // the codebook: code c -> exponent byte c of dlo:dhi
+    long long chunk_base;
+    long long sb_base;
+    const u16* dq_table;    // kvz_decode<..., DQ = true>: FP8 code -> 16-bit value (QuantizeFP8's decode)
+    const float* dq_scale;  // and the blob's scale it is built from (quantize_fast.cu's kvz_dequant_tables)
 };
 
 // The tensor that batch-wide index key (a chunk, or a scan block) belongs to: the last job whose
@@ -519,6 +538,9 @@ __device__ __forceinline__ long long claim_chunk(u64* queue, long long W, int la
 // access_patterns.py) moves 3.8 TB/s on the H200, while earlier versions of this kernel with
 // prefetching across chunks, a cursor per warp, or a cp.async ring in shared memory spent ~170
 // instructions a group on bookkeeping and stalled at 52-60 % of DRAM bandwidth (NOTES.md, v3-v4).
+// Each warp also sums its chunks' escapes and plane-coded groups per tensor into work[1 + t] (one
+// atomic per warp and tensor), so kvz_scan knows the totals, and with them where the escape
+// exponents go, from its start.
 // GPL: groups a lane handles per step; MINB: blocks per multiprocessor to fit.
 // QT (FP8 formats, one job): the values come in as 16-bit bits and are quantized as they load,
 // through jobs[0].q_table copied to shared memory (QuantizeFP8 per tensor fused in: the FP8
@@ -543,10 +565,13 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
     const int gpc = chunk / 8;
     const long long W = (long long)gridDim.x * WARPS;
     long long next = 0;
+    u64 sum = 0;  // escapes << 31 | plane-coded groups of this warp's chunks of tensor sum_job
+    int sum_job = 0;
     for (long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); gc < total_chunks;
          gc = __shfl_sync(FULL_MASK, next, 0)) {
         next = claim_chunk(work + queue_at, W, lane);
-        const EncodeJob& J = jobs[find_job(jobs, njobs, gc, &EncodeJob::chunk_base)];
+        const int job = find_job(jobs, njobs, gc, &EncodeJob::chunk_base);
+        const EncodeJob& J = jobs[job];
         const long long c = gc - J.chunk_base, g0 = c * gpc;
         const long long n = J.n - g0 * 8;  // values from the chunk's start to the tensor's end
         const int ng = (int)min((long long)gpc, (n + 7) / 8);
@@ -604,8 +629,272 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
                         count = slot_escapes<E, M>(v[q], m[q], (s0 + q * 32 + lane) * 8, count, slot, spos, sexp, lane);
             }
         }
-        if (lane == 0) J.esc_count[c] = count > HB * ng / 3 ? (u16)PLANE : (u16)count;
+        const bool plane = count > HB * ng / 3;
+        if (lane == 0) J.esc_count[c] = plane ? (u16)PLANE : (u16)count;
+        if (job != sum_job) {
+            if (lane == 0 && sum) atomicAdd(work + 1 + sum_job, sum);
+            sum = 0;
+            sum_job = job;
+        }
+        sum += plane ? (u64)ng : (u64)count << 31;
     }
+    if (lane == 0 && sum) atomicAdd(work + 1 + sum_job, sum);
+}
+
+// ------------------------------------------------------------------ blob epilogue (encode)
+// Once the escape totals are known (on the device): zero every padding byte between streams and
+// write the header, a host-built template whose payload length, last three stream-table entries
+// and CRC-32 are filled in here, so the host never waits to build headers.
+struct FinishJob {  // all 8-byte fields: uint64 array (ntensors, 12)
+    u8* blob;               // header at blob[0], payload at blob[header_len]
+    const u8* tmpl;         // header template
+    long long header_len;
+    long long table_at;     // header offset of esc_pos's stream-table entry (esc_exp, exp_high follow)
+    long long var_base;     // payload offset of esc_pos (the escape streams close the payload)
+    long long pad[6];       // three (start, end) payload ranges of padding known before encoding
+    long long write_header; // 0 when the host writes the header itself (payload checksum)
+};
+
+__device__ __forceinline__ void put_u64(u8* p, u64 v) {
+#pragma unroll
+    for (int k = 0; k < 8; k++) p[k] = (u8)(v >> (8 * k));
+}
+
+#define HEADER_SMEM 4096  // headers up to this size are built in shared memory (ours are < 2 KiB)
+
+// zlib's CRC-32, slicing-by-4: one thread walks a header a word at a time through four 256-entry
+// tables the whole block builds in shared memory first (a few microseconds for a 1 KiB header).
+__device__ void build_crc_tables(u32 crc_table[4][256]) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        u32 c = (u32)i;
+        for (int k = 0; k < 8; k++) c = (c & 1u) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_table[0][i] = c;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        u32 c = crc_table[0][i];
+        for (int k = 1; k < 4; k++) { c = (c >> 8) ^ crc_table[0][c & 0xFF]; crc_table[k][i] = c; }
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ u32 crc_word(const u32 crc_table[4][256], u32 crc, u32 word) {
+    crc ^= word;
+    return crc_table[3][crc & 0xFF] ^ crc_table[2][(crc >> 8) & 0xFF] ^ crc_table[1][(crc >> 16) & 0xFF] ^
+           crc_table[0][crc >> 24];
+}
+
+// A header's CRC by one warp.  The register after A then B is reg(A) * x^(8 |B|) ^ reg0(B), where
+// reg0 starts from 0 and the product is modulo the CRC polynomial in zlib's reflected bit order
+// (bit 31 is x^0; zlib's crc32_combine).  So each lane runs the tables over CRC_WORDS words and
+// shifts its register over the words of the lanes after it: a product with a constant,
+// CRC_SHIFT[j] = x^(8 * 4 * CRC_WORDS * j) mod P (from zlib's x2nmodp).  Rounds of 32 * CRC_WORDS
+// words, the last one aligned to the end, so the shifts stay these constants.
+#define CRC_WORDS 16
+__constant__ u32 CRC_SHIFT[32] = {0x80000000u, 0x88d14467u, 0xd7bbfe6au, 0x62b6ca4bu, 0xec447f11u, 0x7c69160du, 0xb72d2b3cu, 0xb34988bbu, 0x8e7ea170u, 0x54e00eefu, 0x7e91368au, 0x9b577d5cu, 0x05616c82u, 0x6b85d8d7u, 0x3277f3e0u, 0x979966f5u, 0x6427800eu, 0x4a080ee0u, 0xb1436b58u, 0x7242d7fau, 0x5ef840e2u, 0x56c3cb9cu, 0xb3a2be1cu, 0x36b74585u, 0xbf110f7eu, 0xa52f4d76u, 0x3ea21cf9u, 0x5e665234u, 0x118f848eu, 0xc7916f54u, 0x34163bd1u, 0xb58f9792u};
+
+__device__ __forceinline__ u32 multmodp(u32 a, u32 b) {
+    u32 m = 1u << 31, p = 0;
+    for (;;) {
+        if (a & m) {
+            p ^= b;
+            if ((a & (m - 1)) == 0) break;
+        }
+        m >>= 1;
+        b = (b & 1u) ? (b >> 1) ^ 0xEDB88320u : b >> 1;
+    }
+    return p;
+}
+
+// zlib's CRC-32 register (initial 0xFFFFFFFF, not yet inverted) after the nwords words of w (word
+// skip read as 0), by one warp; every lane gets it.  ~1 000 cycles for a 1 KiB header where one
+// thread walking it takes several thousand.
+__device__ u32 warp_crc32(const u32 crc_table[4][256], const u32* w, long long nwords, long long skip, int lane) {
+    u32 reg = 0xFFFFFFFFu;
+    for (long long start = 0; start < nwords;) {
+        const long long len = min((long long)(32 * CRC_WORDS), nwords - start);
+        const long long e = start + len - CRC_WORDS * (31 - lane);
+        const long long a = max(start, e - CRC_WORDS);
+        u32 r = 0;
+        if (a < e) {
+            r = a == start ? reg : 0u;  // the lane the round starts in carries the register so far
+            for (long long i = a; i < e; i++) r = crc_word(crc_table, r, i == skip ? 0u : w[i]);
+            if (lane != 31) r = multmodp(CRC_SHIFT[31 - lane], r);
+        }
+#pragma unroll
+        for (int d = 16; d; d >>= 1) r ^= __shfl_xor_sync(FULL_MASK, r, d);
+        reg = r;
+        start += len;
+    }
+    return reg;
+}
+
+__device__ __forceinline__ long long align16(long long x) { return (x + 15) & ~15ll; }
+
+// Blob J's padding, header and sizes (escapes, exp_high bytes, payload length) from its totals
+// (escapes << 31 | plane-coded groups), by one whole block (it synchronises).  The streams after
+// esc_pos start on 16-byte boundaries of the payload (var_base is one): esc_exp at
+// align16(var_base + 2 * escapes), exp_high after it.
+__device__ void finish_blob(const FinishJob& J, u64 totals, int hb, u64* __restrict__ sizes) {
+    __shared__ u32 crc_table[4][256];
+    __shared__ __align__(16) u8 head[HEADER_SMEM];
+    const long long ne = (long long)(totals >> 31), nh = (long long)hb * (long long)(totals & GROUPS_MASK);
+    const long long a_end = J.var_base + 2 * ne;
+    const long long b = align16(a_end), b_end = b + ne;
+    const long long cc = align16(b_end), c_end = cc + nh;
+    const long long end = align16(c_end);
+    u8* __restrict__ payload = J.blob + J.header_len;
+    if (threadIdx.x == 0) { sizes[0] = ne; sizes[1] = nh; sizes[2] = end; }
+    if (threadIdx.x < 16) {
+        const long long k = threadIdx.x;
+        for (int r = 0; r < 3; r++)
+            if (J.pad[2 * r] + k < J.pad[2 * r + 1]) payload[J.pad[2 * r] + k] = 0;
+        if (a_end + k < b) payload[a_end + k] = 0;
+        if (b_end + k < cc) payload[b_end + k] = 0;
+        if (c_end + k < end) payload[c_end + k] = 0;
+    }
+    if (!J.write_header) return;  // the host writes it (payload checksum)
+    // The template with the fields that depend on the totals, then its CRC-32 by a warp with the CRC
+    // field zeroed.
+    const long long H = J.header_len;
+    const bool in_smem = H <= HEADER_SMEM;
+    u8* h = in_smem ? head : J.blob;
+    for (long long i = threadIdx.x; i < H; i += blockDim.x) h[i] = J.tmpl[i];
+    build_crc_tables(crc_table);
+    if (threadIdx.x < 32) {
+        if (threadIdx.x == 0) {
+            put_u64(h + 16, (u64)end);
+            put_u64(h + J.table_at, (u64)J.var_base);       put_u64(h + J.table_at + 8, (u64)(2 * ne));
+            put_u64(h + J.table_at + 16, (u64)b);           put_u64(h + J.table_at + 24, (u64)ne);
+            put_u64(h + J.table_at + 32, (u64)cc);          put_u64(h + J.table_at + 40, (u64)nh);
+        }
+        __syncwarp();  // the fields are in place for the whole warp
+        // H is a multiple of 16 and h 16-byte aligned; the CRC field (word 10) counts as 0.
+        const u32 crc = warp_crc32(crc_table, reinterpret_cast<const u32*>(h), H / 4, 10, threadIdx.x) ^ 0xFFFFFFFFu;
+        if (threadIdx.x == 0) { h[40] = (u8)crc; h[41] = (u8)(crc >> 8); h[42] = (u8)(crc >> 16); h[43] = (u8)(crc >> 24); }
+    }
+    __syncthreads();
+    if (in_smem)
+        for (long long i = threadIdx.x; i < H; i += blockDim.x) J.blob[i] = head[i];
+}
+
+// ------------------------------------------------------------------ header gather (batched decode)
+// dst[t * span .. ] = the first min(span, len_t) bytes of blob t: one read-back for a batch's headers.
+__global__ void kvz_gather_heads(const u64* __restrict__ jobs /* (ntensors, 2): ptr, len */, int span, u8* __restrict__ dst) {
+    const int t = blockIdx.y;
+    const u8* src = reinterpret_cast<const u8*>(jobs[2 * t]);
+    const long long len = min((long long)span, (long long)jobs[2 * t + 1]);
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < len; i += (long long)gridDim.x * blockDim.x)
+        dst[(long long)t * span + i] = src[i];
+}
+
+// ------------------------------------------------------------------ header checks (batched decode)
+// Blob t of heads ((ntensors, 2): address, length): its address and length, its first
+// min(span, len) bytes (16-byte vectors) staged in head, and the CRC tables built; ends with a
+// barrier.  Returns how many bytes were staged.
+__device__ __forceinline__ long long stage_head(const u64* heads, int t, int span, u8* head, u32 crc_table[4][256],
+                                                const u8*& b, long long& len) {
+    b = reinterpret_cast<const u8*>(heads[2 * t]);
+    len = (long long)heads[2 * t + 1];
+    const long long staged = min((long long)span, len) / 16 * 16;
+    for (long long i = threadIdx.x; i < staged / 16; i += blockDim.x)
+        reinterpret_cast<uint4*>(head)[i] = reinterpret_cast<const uint4*>(b)[i];
+    build_crc_tables(crc_table);  // ends with a barrier: head is complete too
+    return staged;
+}
+
+// One warp (every lane gets the result): what kvz_check_heads reports of the header staged in
+// head (out: 8 words).
+__device__ void head_facts(const u8* b, long long len, int span, const u8* head, long long staged,
+                           const u32 crc_table[4][256], u64 out[8]) {
+    for (int k = 0; k < 8; k++) out[k] = 0;
+    if (len < 48) return;
+    const u32* w = reinterpret_cast<const u32*>(head);
+    const long long h = w[3], ns = w[9];
+    const long long at = 48 + 16 * (ns - 3);
+    out[6] = (u64)h; out[7] = (u64)ns;
+    if (!(ns >= 3 && h <= span && h <= len && at + 48 <= h)) return;
+    const long long words = min(h, staged) / 4;  // the staged words; the CRC field (word 10) as 0
+    u32 crc = warp_crc32(crc_table, w, words, 10, threadIdx.x & 31);
+    for (long long i = 4 * words; i < h; i++) crc = crc_table[0][(crc ^ (i < staged ? head[i] : b[i])) & 0xFF] ^ (crc >> 8);
+    const u64* e = reinterpret_cast<const u64*>(head + at);  // (offset, bytes) of esc_pos, esc_exp, exp_high
+    const u64 payload = reinterpret_cast<const u64*>(head)[2];
+    const u64 big = 1ull << 48;  // every field below this before any sum: no wrap-around
+    bool ok = (crc ^ 0xFFFFFFFFu) == w[10] && payload < big;
+    for (int k = 0; k < 6; k++) ok = ok && e[k] < big;
+    ok = ok && e[2] == ((e[0] + e[1] + 15) & ~15ull) && e[4] == ((e[2] + e[3] + 15) & ~15ull) &&
+         payload == ((e[4] + e[5] + 15) & ~15ull) && e[1] == 2 * e[3] && (u64)h + payload == (u64)len;
+    if (ok) { out[0] = 1; out[1] = e[0]; out[2] = e[2]; out[3] = e[4]; out[4] = e[3]; out[5] = e[5]; }
+}
+
+// grid = ntensors.  For blob t (16-byte aligned), checks[8t .. 8t+7] = {1 if its header hangs
+// together, then esc_pos's, esc_exp's and exp_high's payload offsets, the escapes, the
+// high-exponent bytes; its header length; its stream count}.  "Hangs together": the header
+// fits the span and the blob, its CRC matches, the three escape streams follow one another as
+// container.layout places them, the payload ends after the last, at the blob's end.  Word 0 and
+// words 1-5 are 0 otherwise; words 6-7 are 0 for a blob shorter than the prefix.
+// known_headers.head_checks is the host twin, and the reference this is tested against.
+__global__ void __launch_bounds__(256) kvz_check_heads(const u64* __restrict__ heads /* (ntensors, 2): ptr, len */,
+                                                       int span /* at most HEADER_SMEM */, u64* __restrict__ checks) {
+    __shared__ u32 crc_table[4][256];
+    __shared__ __align__(16) u8 head[HEADER_SMEM];
+    const u8* b;
+    long long len;
+    const long long staged = stage_head(heads, blockIdx.x, span, head, crc_table, b, len);
+    if (threadIdx.x >= 32) return;
+    u64 out[8];
+    head_facts(b, len, span, head, staged, crc_table, out);
+    if (threadIdx.x == 0)
+        for (int k = 0; k < 8; k++) checks[8 * blockIdx.x + k] = out[k];
+}
+
+// ------------------------------------------------------------------ guessed layouts (decode)
+// A decode launched on guessed layouts (known_headers.guess) starts its scan with one block a blob
+// doing this: blob t's header must hang together (as kvz_check_heads says), equal expect's row t
+// once the fields that follow the escape count are blanked (payload length, CRC, escape entries),
+// and put esc_pos where J already points.  Then J's escape fields are filled in from the header;
+// otherwise its escape streams are emptied and its error set to GUESS_MISSED, so the scan reads
+// only the fixed streams the host made sure lie inside the blob and kvz_decode skips it, and the
+// host decodes that blob the checked way.  J.n_high, staged as GUESS_PENDING, is written last:
+// the scan blocks that need the verdict wait for it (await_guess).
+#define GUESS_MISSED 255
+#define GUESS_PENDING (-1ll)
+__device__ void guess_head(const u64* heads, int t, int span, const u8* expect, DecodeJob& J, u64* work) {
+    __shared__ u32 crc_table[4][256];
+    __shared__ __align__(16) u8 head[HEADER_SMEM];
+    const u8* b;
+    long long len;
+    const long long staged = stage_head(heads, t, span, head, crc_table, b, len);
+    const u32* w = reinterpret_cast<const u32*>(head);
+    const long long h = len >= 48 ? w[3] : 0, at = len >= 48 ? 48 + 16 * ((long long)w[9] - 3) : 0;
+    bool same = len >= 48 && h <= span && h <= len;  // within expect's row: i < h <= span
+    for (long long i = threadIdx.x; same && i < h; i += blockDim.x) {
+        const bool blank = (i >= 16 && i < 24) || (i >= 40 && i < 44) || (i >= at && i < at + 48);
+        same = (blank ? 0 : i < staged ? head[i] : b[i]) == expect[(long long)t * span + i];
+    }
+    same = __syncthreads_and(same);
+    if (threadIdx.x >= 32) return;
+    u64 out[8];
+    head_facts(b, len, span, head, staged, crc_table, out);
+    if (threadIdx.x != 0) return;
+    const u8* payload = b + h;
+    const bool hit = same && out[0] == 1 && reinterpret_cast<const u8*>(J.esc_pos) == payload + out[1];
+    if (hit) {
+        J.esc_exp = payload + out[2];
+        J.exp_high = payload + out[3];
+        J.n_esc = (long long)out[4];
+    } else {
+        J.n_esc = 0;
+        work[1 + t] = GUESS_MISSED;
+    }
+    __threadfence();
+    *reinterpret_cast<volatile long long*>(&J.n_high) = hit ? (long long)out[5] : 0;
+}
+
+// Wait for guess_head's verdict on J (one thread).
+__device__ __forceinline__ void await_guess(const DecodeJob& J) {
+    while (*reinterpret_cast<const volatile long long*>(&J.n_high) == GUESS_PENDING) __nanosleep(64);
+    __threadfence();
 }
 
 // ------------------------------------------------------------------ scan (encode and decode)
@@ -637,14 +926,23 @@ __device__ __forceinline__ u64 block_exclusive_sum(u64 mine, u64* total) {
 // in order).  A chunk's value is escapes << 31 | plane-coded groups.
 //   Decode: writes each chunk's exclusive offset to chunk_off and checks every count against the
 //   listing capacity and the tensor's totals against its stream lengths (error per tensor).
-//   Encode: writes the totals for kvz_finish_encode and moves the escapes from kvz_encode's slots
-//   to their final place, a thread per escape; chunks with more escapes than a slot, or
-//   plane-coded ones, are redone from the input by a warp each (only escape-heavy data).
-// work: [0] ticket, [1 + t] tensor t's totals (encode) or error (decode), [1 + njobs + sb] status.
+//   Encode: moves the escapes from kvz_encode's slots to their final place, a thread per escape
+//   (positions in esc_pos, exponents in esc_exp, which starts where kvz_encode's totals put it);
+//   chunks with more escapes than a slot, or plane-coded ones, are redone from the input by a warp
+//   each (only escape-heavy data).  Each tensor's first block also finishes its blob (finish_blob:
+//   padding, header, sizes[3t ..]); every tensor has at least one block.
+// work: [0] ticket, [1 + t] tensor t's totals (encode: kvz_encode's sums) or error (decode),
+// [1 + njobs + sb] status.  fin, sizes: encode only.  heads, expect, span: a decode on guessed
+// layouts, whose first njobs blocks (by ticket) run guess_head for each blob; the blocks that set a
+// blob's errors or check its totals wait for that verdict first (a wrong guess's counts mean
+// nothing).  Tickets hand the guesses out first, so no block waits on one that has not started.
+// (The guess used to be a kernel of its own: ~8 us and a graph node before the scan.)
 template <int E, int M, typename T, typename Job, bool QT = false>
-__global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* __restrict__ jobs, int njobs, int chunk, int slot,
+__global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs, int chunk, int slot,
                                                      const u8* __restrict__ lut, u64* __restrict__ work,
-                                                     u64* __restrict__ chunk_off) {
+                                                     u64* __restrict__ chunk_off, const FinishJob* __restrict__ fin,
+                                                     u64* __restrict__ sizes, const u64* __restrict__ heads,
+                                                     const u8* __restrict__ expect, int span) {
     constexpr int HB = E - 4;
     constexpr bool ENC = Job::ENCODE;
     __shared__ long long s_ticket;
@@ -657,7 +955,16 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* __restrict__ jo
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     if (tid == 0) { s_ticket = (long long)atomicAdd(&work[0], 1ull); s_nredo = 0; }
     __syncthreads();
-    const long long sb = s_ticket;
+    long long sb = s_ticket;
+    if constexpr (!ENC) {
+        if (heads != nullptr) {
+            if (sb < njobs) {
+                guess_head(heads, (int)sb, span, expect, const_cast<Job&>(jobs[sb]), work);
+                return;
+            }
+            sb -= njobs;
+        }
+    }
     const int job = find_job(jobs, njobs, sb, &Job::sb_base);
     const Job& J = jobs[job];
     const long long n = J.n, G = (n + 7) / 8, nchunks = (n + chunk - 1) / chunk;
@@ -667,13 +974,14 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* __restrict__ jo
     u64* err = work + 1 + job;
     u32 stored = 0;
     u64 mine = 0;
+    bool over = false;  // decode: a count past what a chunk can list (error 1)
     if (c < nchunks) {
         const int ng = (int)min((long long)gpc, G - c * gpc);
         stored = J.esc_count[c];
         if (stored == PLANE) {
             mine = (u64)ng;
         } else {
-            if (!ENC && stored > (u32)(HB * ng / 3)) { set_error(err, 1); stored = 0; }
+            if (!ENC && stored > (u32)(HB * ng / 3)) { over = true; stored = 0; }
             mine = (u64)stored << 31;
         }
     }
@@ -683,20 +991,25 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* __restrict__ jo
         const u64 p = look_back(work + 1 + njobs + J.sb_base, lsb, agg, lane);
         if (lane == 0) s_prefix = p;
     }
-    __syncthreads();
+    const bool any_over = __syncthreads_or(over);
     const u64 prefix = s_prefix;
-    if (tid == 0 && lsb == nsb - 1) {
-        const u64 tot = prefix + agg;
-        if constexpr (ENC) {
-            work[1 + job] = tot;
-        } else {
-            if ((long long)(tot >> 31) != J.n_esc) set_error(err, 2);
-            if ((long long)HB * (long long)(tot & GROUPS_MASK) != J.n_high) set_error(err, 5);
-        }
-    }
     if constexpr (!ENC) {
+        if (tid == 0 && (any_over || lsb == nsb - 1)) {
+            if (heads != nullptr) await_guess(J);
+            if (any_over) set_error(err, 1);
+            if (lsb == nsb - 1) {
+                const u64 tot = prefix + agg;
+                const long long n_esc = *reinterpret_cast<const volatile long long*>(&J.n_esc);
+                const long long n_high = *reinterpret_cast<const volatile long long*>(&J.n_high);
+                if ((long long)(tot >> 31) != n_esc) set_error(err, 2);
+                if ((long long)HB * (long long)(tot & GROUPS_MASK) != n_high) set_error(err, 5);
+            }
+        }
         if (c < nchunks) chunk_off[J.chunk_base + c] = prefix + excl;
     } else {
+        const u64 totals = work[1 + job];
+        u8* __restrict__ exp_out = reinterpret_cast<u8*>(J.esc_pos) + align16(2 * (long long)(totals >> 31));
+        u8* __restrict__ high_out = exp_out + align16((long long)(totals >> 31));
         s_eoff[tid] = (u32)(excl >> 31);
         s_goff[tid] = (u32)(excl & GROUPS_MASK);
         s_cnt[tid] = (u16)stored;
@@ -714,7 +1027,7 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* __restrict__ jo
             if (s_cnt[lo] > (u32)slot) continue;  // redone below
             const long long at = (c0 + lo) * slot + (k - s_eoff[lo]);
             J.esc_pos[esc_base + k] = J.slot_pos[at];
-            J.exp_scratch[esc_base + k] = J.slot_exp[at];
+            exp_out[esc_base + k] = J.slot_exp[at];
         }
         const void* src = J.src;
         const u8* qtable = nullptr;  // QT: redo from the 16-bit input through the table (global: rare path)
@@ -724,7 +1037,7 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* __restrict__ jo
             const long long g0 = (c0 + i) * gpc;
             const int ng = (int)min((long long)gpc, G - g0);
             if (s_cnt[i] == PLANE) {
-                u8* high = J.high_scratch + (long long)HB * (long long)((prefix & GROUPS_MASK) + s_goff[i]);
+                u8* high = high_out + (long long)HB * (long long)((prefix & GROUPS_MASK) + s_goff[i]);
                 for (int g = lane; g < ng; g += 32)
                     encode_plane<E, M, T>(src, n, g0 + g, J.codes, high + (long long)HB * g, qtable);
                 continue;
@@ -747,13 +1060,14 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* __restrict__ jo
                 for (int j = 0; j < 8; j++) {
                     if ((m >> j) & 1u) {
                         J.esc_pos[out + idx] = (u16)(g * 8 + j);
-                        J.exp_scratch[out + idx] = (u8)((v[j] >> M) & ((1u << E) - 1u));
+                        exp_out[out + idx] = (u8)((v[j] >> M) & ((1u << E) - 1u));
                         idx++;
                     }
                 }
                 idx0 += total;
             }
         }
+        if (lsb == 0) finish_blob(fin[job], totals, HB, sizes + 3 * job);
     }
 }
 
@@ -864,25 +1178,6 @@ __device__ __forceinline__ void store_dequantized(u16* __restrict__ dst, const u
     }
     *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
 }
-
-struct DecodeJob {  // all 8-byte fields: the host fills a uint64 array (ntensors, 16)
-    static constexpr bool ENCODE = false;
-    const u8* codes;
-    const u8* rest;
-    const u16* esc_count;
-    const u16* esc_pos;
-    const u8* esc_exp;
-    const u8* exp_high;
-    long long n;
-    long long n_esc;        // lengths of esc_pos/esc_exp and exp_high as the container says
-    long long n_high;
-    void* dst;
-    u64 dlo, dhi;           // the codebook: code c -> exponent byte c of dlo:dhi
-    long long chunk_base;
-    long long sb_base;
-    const u16* dq_table;    // kvz_decode<..., DQ = true>: FP8 code -> 16-bit value (QuantizeFP8's decode)
-    const float* dq_scale;  // and the blob's scale it is built from (quantize_fast.cu's kvz_dequant_tables)
-};
 
 // A chunk's escapes, 32 at a time in registers: lane k holds escape base + k (position within the
 // chunk, or NONE past the end, and its exponent).  Checked as they are loaded: positions inside
@@ -1015,259 +1310,5 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
                 patch_store<E, M, T, DQ>(dst, n, i, v, pm[q], pe[q], table);
             }
         }
-    }
-}
-
-// ------------------------------------------------------------------ encode epilogue
-// After kvz_encode: move esc_exp and exp_high from scratch to their final offsets (which depend on
-// the escape totals, known on the device), zero every padding byte between streams, and write the
-// header: a host-built template whose payload length, last three stream-table entries and CRC-32
-// are filled in here, so the host never waits to build headers.
-struct FinishJob {  // all 8-byte fields: uint64 array (ntensors, 14)
-    u8* blob;               // header at blob[0], payload at blob[header_len]
-    const u8* tmpl;         // header template
-    long long header_len;
-    long long table_at;     // header offset of esc_pos's stream-table entry (esc_exp, exp_high follow)
-    const u8* exp_src;
-    const u8* high_src;
-    long long var_base;     // payload offset of esc_pos (the escape streams close the payload)
-    long long pad[6];       // three (start, end) payload ranges of padding known before encoding
-    long long write_header; // 0 when the host writes the header itself (payload checksum)
-};
-
-__device__ __forceinline__ void put_u64(u8* p, u64 v) {
-#pragma unroll
-    for (int k = 0; k < 8; k++) p[k] = (u8)(v >> (8 * k));
-}
-
-#define HEADER_SMEM 4096  // headers up to this size are built in shared memory (ours are < 2 KiB)
-
-// zlib's CRC-32, slicing-by-4: one thread walks a header a word at a time through four 256-entry
-// tables the whole block builds in shared memory first (a few microseconds for a 1 KiB header).
-__device__ void build_crc_tables(u32 crc_table[4][256]) {
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-        u32 c = (u32)i;
-        for (int k = 0; k < 8; k++) c = (c & 1u) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-        crc_table[0][i] = c;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-        u32 c = crc_table[0][i];
-        for (int k = 1; k < 4; k++) { c = (c >> 8) ^ crc_table[0][c & 0xFF]; crc_table[k][i] = c; }
-    }
-    __syncthreads();
-}
-
-__device__ __forceinline__ u32 crc_word(const u32 crc_table[4][256], u32 crc, u32 word) {
-    crc ^= word;
-    return crc_table[3][crc & 0xFF] ^ crc_table[2][(crc >> 8) & 0xFF] ^ crc_table[1][(crc >> 16) & 0xFF] ^
-           crc_table[0][crc >> 24];
-}
-
-// A header's CRC by one warp.  The register after A then B is reg(A) * x^(8 |B|) ^ reg0(B), where
-// reg0 starts from 0 and the product is modulo the CRC polynomial in zlib's reflected bit order
-// (bit 31 is x^0; zlib's crc32_combine).  So each lane runs the tables over CRC_WORDS words and
-// shifts its register over the words of the lanes after it: a product with a constant,
-// CRC_SHIFT[j] = x^(8 * 4 * CRC_WORDS * j) mod P (from zlib's x2nmodp).  Rounds of 32 * CRC_WORDS
-// words, the last one aligned to the end, so the shifts stay these constants.
-#define CRC_WORDS 16
-__constant__ u32 CRC_SHIFT[32] = {0x80000000u, 0x88d14467u, 0xd7bbfe6au, 0x62b6ca4bu, 0xec447f11u, 0x7c69160du, 0xb72d2b3cu, 0xb34988bbu, 0x8e7ea170u, 0x54e00eefu, 0x7e91368au, 0x9b577d5cu, 0x05616c82u, 0x6b85d8d7u, 0x3277f3e0u, 0x979966f5u, 0x6427800eu, 0x4a080ee0u, 0xb1436b58u, 0x7242d7fau, 0x5ef840e2u, 0x56c3cb9cu, 0xb3a2be1cu, 0x36b74585u, 0xbf110f7eu, 0xa52f4d76u, 0x3ea21cf9u, 0x5e665234u, 0x118f848eu, 0xc7916f54u, 0x34163bd1u, 0xb58f9792u};
-
-__device__ __forceinline__ u32 multmodp(u32 a, u32 b) {
-    u32 m = 1u << 31, p = 0;
-    for (;;) {
-        if (a & m) {
-            p ^= b;
-            if ((a & (m - 1)) == 0) break;
-        }
-        m >>= 1;
-        b = (b & 1u) ? (b >> 1) ^ 0xEDB88320u : b >> 1;
-    }
-    return p;
-}
-
-// zlib's CRC-32 register (initial 0xFFFFFFFF, not yet inverted) after the nwords words of w (word
-// skip read as 0), by one warp; every lane gets it.  ~1 000 cycles for a 1 KiB header where one
-// thread walking it takes several thousand.
-__device__ u32 warp_crc32(const u32 crc_table[4][256], const u32* w, long long nwords, long long skip, int lane) {
-    u32 reg = 0xFFFFFFFFu;
-    for (long long start = 0; start < nwords;) {
-        const long long len = min((long long)(32 * CRC_WORDS), nwords - start);
-        const long long e = start + len - CRC_WORDS * (31 - lane);
-        const long long a = max(start, e - CRC_WORDS);
-        u32 r = 0;
-        if (a < e) {
-            r = a == start ? reg : 0u;  // the lane the round starts in carries the register so far
-            for (long long i = a; i < e; i++) r = crc_word(crc_table, r, i == skip ? 0u : w[i]);
-            if (lane != 31) r = multmodp(CRC_SHIFT[31 - lane], r);
-        }
-#pragma unroll
-        for (int d = 16; d; d >>= 1) r ^= __shfl_xor_sync(FULL_MASK, r, d);
-        reg = r;
-        start += len;
-    }
-    return reg;
-}
-
-// grid = (x, ntensors).  sizes[3t..3t+2] = escapes, exp_high bytes, payload length.
-__global__ void __launch_bounds__(256) kvz_finish_encode(const FinishJob* __restrict__ jobs, const u64* __restrict__ work,
-                                                         int njobs, int hb, u64* __restrict__ sizes) {
-    __shared__ u32 crc_table[4][256];
-    __shared__ __align__(16) u8 head[HEADER_SMEM];
-    const int t = blockIdx.y;
-    const FinishJob& J = jobs[t];
-    const u64 totals = work[1 + t];
-    const long long ne = (long long)(totals >> 31), nh = (long long)hb * (long long)(totals & GROUPS_MASK);
-    const long long a_end = J.var_base + 2 * ne;
-    const long long b = (a_end + 15) / 16 * 16, b_end = b + ne;
-    const long long cc = (b_end + 15) / 16 * 16, c_end = cc + nh;
-    const long long end = (c_end + 15) / 16 * 16;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    u8* __restrict__ payload = J.blob + J.header_len;
-    if (tid == 0) { sizes[3 * t] = ne; sizes[3 * t + 1] = nh; sizes[3 * t + 2] = end; }
-    for (long long i = tid; i < ne; i += stride) payload[b + i] = J.exp_src[i];
-    for (long long i = tid; i < nh; i += stride) payload[cc + i] = J.high_src[i];
-    if (tid < 16) {
-        const long long k = tid;
-        for (int r = 0; r < 3; r++)
-            if (J.pad[2 * r] + k < J.pad[2 * r + 1]) payload[J.pad[2 * r] + k] = 0;
-        if (a_end + k < b) payload[a_end + k] = 0;
-        if (b_end + k < cc) payload[b_end + k] = 0;
-        if (c_end + k < end) payload[c_end + k] = 0;
-    }
-    if (blockIdx.x != 0 || !J.write_header) return;
-    // Header: the template with the fields that depend on the totals, then its CRC-32 (zlib's,
-    // slicing-by-4 over shared memory: one thread, a few microseconds) with the CRC field zeroed.
-    const long long H = J.header_len;
-    const bool in_smem = H <= HEADER_SMEM;
-    u8* h = in_smem ? head : J.blob;
-    for (long long i = threadIdx.x; i < H; i += blockDim.x) h[i] = J.tmpl[i];
-    build_crc_tables(crc_table);
-    if (threadIdx.x < 32) {
-        if (threadIdx.x == 0) {
-            put_u64(h + 16, (u64)end);
-            put_u64(h + J.table_at, (u64)J.var_base);       put_u64(h + J.table_at + 8, (u64)(2 * ne));
-            put_u64(h + J.table_at + 16, (u64)b);           put_u64(h + J.table_at + 24, (u64)ne);
-            put_u64(h + J.table_at + 32, (u64)cc);          put_u64(h + J.table_at + 40, (u64)nh);
-        }
-        __syncwarp();  // the fields are in place for the whole warp
-        // H is a multiple of 16 and h 16-byte aligned; the CRC field (word 10) counts as 0.
-        const u32 crc = warp_crc32(crc_table, reinterpret_cast<const u32*>(h), H / 4, 10, threadIdx.x) ^ 0xFFFFFFFFu;
-        if (threadIdx.x == 0) { h[40] = (u8)crc; h[41] = (u8)(crc >> 8); h[42] = (u8)(crc >> 16); h[43] = (u8)(crc >> 24); }
-    }
-    __syncthreads();
-    if (in_smem)
-        for (long long i = threadIdx.x; i < H; i += blockDim.x) J.blob[i] = head[i];
-}
-
-// ------------------------------------------------------------------ header gather (batched decode)
-// dst[t * span .. ] = the first min(span, len_t) bytes of blob t: one read-back for a batch's headers.
-__global__ void kvz_gather_heads(const u64* __restrict__ jobs /* (ntensors, 2): ptr, len */, int span, u8* __restrict__ dst) {
-    const int t = blockIdx.y;
-    const u8* src = reinterpret_cast<const u8*>(jobs[2 * t]);
-    const long long len = min((long long)span, (long long)jobs[2 * t + 1]);
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < len; i += (long long)gridDim.x * blockDim.x)
-        dst[(long long)t * span + i] = src[i];
-}
-
-// ------------------------------------------------------------------ header checks (batched decode)
-// Blob t's first min(span, len) bytes (16-byte vectors) into head, and the CRC tables built; ends
-// with a barrier.  Returns how many bytes were staged.
-__device__ __forceinline__ long long stage_head(const u8* b, long long len, int span, u8* head, u32 crc_table[4][256]) {
-    const long long staged = min((long long)span, len) / 16 * 16;
-    for (long long i = threadIdx.x; i < staged / 16; i += blockDim.x)
-        reinterpret_cast<uint4*>(head)[i] = reinterpret_cast<const uint4*>(b)[i];
-    build_crc_tables(crc_table);  // ends with a barrier: head is complete too
-    return staged;
-}
-
-// One warp (every lane gets the result): what kvz_check_heads reports of the header staged in
-// head (out: 8 words).
-__device__ void head_facts(const u8* b, long long len, int span, const u8* head, long long staged,
-                           const u32 crc_table[4][256], u64 out[8]) {
-    for (int k = 0; k < 8; k++) out[k] = 0;
-    if (len < 48) return;
-    const u32* w = reinterpret_cast<const u32*>(head);
-    const long long h = w[3], ns = w[9];
-    const long long at = 48 + 16 * (ns - 3);
-    out[6] = (u64)h; out[7] = (u64)ns;
-    if (!(ns >= 3 && h <= span && h <= len && at + 48 <= h)) return;
-    const long long words = min(h, staged) / 4;  // the staged words; the CRC field (word 10) as 0
-    u32 crc = warp_crc32(crc_table, w, words, 10, threadIdx.x & 31);
-    for (long long i = 4 * words; i < h; i++) crc = crc_table[0][(crc ^ (i < staged ? head[i] : b[i])) & 0xFF] ^ (crc >> 8);
-    const u64* e = reinterpret_cast<const u64*>(head + at);  // (offset, bytes) of esc_pos, esc_exp, exp_high
-    const u64 payload = reinterpret_cast<const u64*>(head)[2];
-    const u64 big = 1ull << 48;  // every field below this before any sum: no wrap-around
-    bool ok = (crc ^ 0xFFFFFFFFu) == w[10] && payload < big;
-    for (int k = 0; k < 6; k++) ok = ok && e[k] < big;
-    ok = ok && e[2] == ((e[0] + e[1] + 15) & ~15ull) && e[4] == ((e[2] + e[3] + 15) & ~15ull) &&
-         payload == ((e[4] + e[5] + 15) & ~15ull) && e[1] == 2 * e[3] && (u64)h + payload == (u64)len;
-    if (ok) { out[0] = 1; out[1] = e[0]; out[2] = e[2]; out[3] = e[4]; out[4] = e[3]; out[5] = e[5]; }
-}
-
-// grid = ntensors.  For blob t (16-byte aligned), checks[8t .. 8t+7] = {1 if its header hangs
-// together, then esc_pos's, esc_exp's and exp_high's payload offsets, the escapes, the
-// high-exponent bytes; its header length; its stream count}.  "Hangs together": the header
-// fits the span and the blob, its CRC matches, the three escape streams follow one another as
-// container.layout places them, the payload ends after the last, at the blob's end.  Word 0 and
-// words 1-5 are 0 otherwise; words 6-7 are 0 for a blob shorter than the prefix.
-// known_headers.head_checks is the host twin, and the reference this is tested against.
-__global__ void __launch_bounds__(256) kvz_check_heads(const u64* __restrict__ jobs /* (ntensors, 2): ptr, len */,
-                                                       int span /* at most HEADER_SMEM */, u64* __restrict__ checks) {
-    __shared__ u32 crc_table[4][256];
-    __shared__ __align__(16) u8 head[HEADER_SMEM];
-    const int t = blockIdx.x;
-    const u8* b = reinterpret_cast<const u8*>(jobs[2 * t]);
-    const long long len = (long long)jobs[2 * t + 1];
-    const long long staged = stage_head(b, len, span, head, crc_table);
-    if (threadIdx.x >= 32) return;
-    u64 out[8];
-    head_facts(b, len, span, head, staged, crc_table, out);
-    if (threadIdx.x == 0)
-        for (int k = 0; k < 8; k++) checks[8 * t + k] = out[k];
-}
-
-// ------------------------------------------------------------------ guessed layouts (decode)
-// The first node of a decode launched on guessed layouts (known_headers.guess), grid = ntensors:
-// blob t's header must hang together (as kvz_check_heads says), equal expect's row t once the
-// fields that follow the escape count are blanked (payload length, CRC, escape entries), and put
-// esc_pos where jobs[t] already points.  Then the escape fields of jobs[t] are filled in from the
-// header; otherwise its escape streams are emptied and its error set to GUESS_MISSED, so the
-// scan reads only the fixed streams the host made sure lie inside the blob and kvz_decode skips
-// it, and the host decodes that blob the checked way.
-#define GUESS_MISSED 255
-__global__ void __launch_bounds__(256) kvz_guess_heads(const u64* __restrict__ heads /* (ntensors, 2): ptr, len */,
-                                                       int span, const u8* __restrict__ expect, DecodeJob* jobs,
-                                                       u64* __restrict__ work) {
-    __shared__ u32 crc_table[4][256];
-    __shared__ __align__(16) u8 head[HEADER_SMEM];
-    const int t = blockIdx.x;
-    const u8* b = reinterpret_cast<const u8*>(heads[2 * t]);
-    const long long len = (long long)heads[2 * t + 1];
-    const long long staged = stage_head(b, len, span, head, crc_table);
-    const u32* w = reinterpret_cast<const u32*>(head);
-    const long long h = len >= 48 ? w[3] : 0, at = len >= 48 ? 48 + 16 * ((long long)w[9] - 3) : 0;
-    bool same = len >= 48 && h <= span && h <= len;  // within expect's row: i < h <= span
-    for (long long i = threadIdx.x; same && i < h; i += blockDim.x) {
-        const bool blank = (i >= 16 && i < 24) || (i >= 40 && i < 44) || (i >= at && i < at + 48);
-        same = (blank ? 0 : i < staged ? head[i] : b[i]) == expect[(long long)t * span + i];
-    }
-    same = __syncthreads_and(same);
-    if (threadIdx.x >= 32) return;
-    u64 out[8];
-    head_facts(b, len, span, head, staged, crc_table, out);
-    if (threadIdx.x != 0) return;
-    DecodeJob& J = jobs[t];
-    const u8* payload = b + h;
-    if (same && out[0] == 1 && reinterpret_cast<const u8*>(J.esc_pos) == payload + out[1]) {
-        J.esc_exp = payload + out[2];
-        J.exp_high = payload + out[3];
-        J.n_esc = (long long)out[4];
-        J.n_high = (long long)out[5];
-    } else {
-        J.n_esc = 0;
-        J.n_high = 0;
-        work[1 + t] = GUESS_MISSED;
     }
 }

@@ -6,13 +6,12 @@ in stages/fused.py remain the generic path (simulator, misaligned buffers) and, 
 twin, the reference these kernels are tested against byte for byte (tests/gpu).
 
 Every call is batched: a list of tensors costs the same launches as one tensor.  Encoding is a
-table upload (which also zeroes the kernels' counters), three kernels (dense pass, scan and
-escape placement, header) and one
-read-back of the escape totals (the host synchronisation that learns the compressed sizes); the
-headers are written on the GPU.  Decoding blobs of a layout decoded before uploads its table and
-runs three kernels: kvz_guess_heads checks each header against the guessed layout and fills in
-its escape fields, then scan and dense pass; one read-back returns the validation result.  Blobs
-of unknown layouts (or a wrong guess) have their headers read back once first (with what
+table upload (which also zeroes the kernels' counters), two kernels (the dense pass, which also
+sums the escapes; the scan, which places them and writes each blob's padding and header) and one
+read-back of the escape totals (the host synchronisation that learns the compressed sizes).
+Decoding blobs of a layout decoded before uploads its table and runs two kernels: the scan, whose
+first blocks check each header against the guessed layout and fill in its escape fields, and the
+dense pass; one read-back returns the validation result.  Blobs of unknown layouts (or a wrong guess) have their headers read back once first (with what
 kvz_check_heads found of each: CRC, escape-table arithmetic, lengths).  Each such sequence is
 a program cached per call shape and replayed as one CUDA graph (stages/call_graphs.py); the job
 tables keep every address that does not move between calls.
@@ -103,8 +102,8 @@ _kernels: dict = {}
 def _kernel(name: str, device_id: int):
     k = _kernels.get((name, device_id))
     if k is None:
-        names = tuple(x for fmt in FORMATS.values() for x in _instances(fmt)) + ("kvz_finish_encode", "kvz_gather_heads",
-                                                                                 "kvz_check_heads", "kvz_guess_heads")
+        names = tuple(x for fmt in FORMATS.values() for x in _instances(fmt)) + ("kvz_gather_heads",
+                                                                                 "kvz_check_heads")
         names += tuple(x for fmt in FORMATS.values() if fmt.itemsize == 1
                        for x in (_dequantizing_decode(fmt), *_quantizing_encode(fmt)))
         k = _kernels[(name, device_id)] = _module(device_id, names).get_function(name)
@@ -222,9 +221,8 @@ class _Plan:
     pads: tuple
     table_at: int
     raw_payload: int         # payload bytes of the values stored raw (the size fallback's)
-    blob_bytes: int          # worst-case blob size (BLOB_ALIGN-rounded)
-    exp_bytes: int           # scratch for esc_exp
-    high_bytes: int          # scratch for exp_high
+    blob_bytes: int          # worst-case blob size (BLOB_ALIGN-rounded): escape streams of at most
+                             # HB bytes a group (a chunk is plane-coded past HB * groups / 3 escapes)
 
 
 _plans: dict = {}
@@ -253,8 +251,7 @@ def _plan(frame: Frame, fmt, cb, chunk: int, flags: int, pipeline_key: str) -> _
     plan = _Plan(n, G, nchunks, flags, header, tuple(table), off, nxt, pads,
                  container.PREFIX.size + 16 * (len(table) - 3),  # esc_pos's entry; esc_exp, exp_high follow
                  container.layout([a.nbytes for a in frame.streams.values()])[1],
-                 -(-(len(header) + off["esc_pos"] + HB * G + 48) // BLOB_ALIGN) * BLOB_ALIGN,
-                 HB * G // 3 + 1, HB * G + 1)
+                 -(-(len(header) + off["esc_pos"] + HB * G + 48) // BLOB_ALIGN) * BLOB_ALIGN)
     if len(_plans) > 4096:
         _plans.clear()
     _plans[key] = plan
@@ -275,9 +272,9 @@ def _config_key(config) -> str:
     return hit[1]
 
 
-ENCODE_COLUMNS = 14  # EncodeJob's 8-byte fields
-Q_SCALE = 13  # its column for the quantizing encode: where the blob's scale goes (q_table is 12)
-FINISH_COLUMNS = 14  # FinishJob's 8-byte fields
+ENCODE_COLUMNS = 12  # EncodeJob's 8-byte fields
+Q_SCALE = 11  # its column for the quantizing encode: where the blob's scale goes (q_table is 10)
+FINISH_COLUMNS = 12  # FinishJob's 8-byte fields
 
 
 class _EncodeProgram:
@@ -300,13 +297,10 @@ class _EncodeProgram:
             templates.setdefault(p.header, sum(len(h) for h in templates))
         starts = list(accumulate((p.blob_bytes for p in plans), initial=0))
         chunk_base = list(accumulate((p.nchunks for p in plans), initial=0))
-        sb_base = list(accumulate((-(-p.nchunks // SB_CHUNKS) for p in plans), initial=0))
-        exp_at = list(accumulate((p.exp_bytes for p in plans), initial=0))
-        high_at = list(accumulate((p.high_bytes for p in plans), initial=0))
+        # Every tensor gets a scan block, an empty one too: its first block finishes the blob.
+        sb_base = list(accumulate((max(1, -(-p.nchunks // SB_CHUNKS)) for p in plans), initial=0))
         total_chunks, total_sb, slot = chunk_base[-1], sb_base[-1], slot_size(chunk)
         tmpl_host = np.frombuffer(b"".join(templates), np.uint8)
-        # Workspace: encode jobs | finish jobs | templates | zeroed work | sizes | esc_exp and
-        # exp_high scratch | escape slots.
         self.sizes_nb, work_nb = 24 * k, 8 * (2 + k + total_sb)  # ..., look-back, kvz_encode's chunk queue
         enc, scan, _, _ = _instances(fmt)
         ops = [("upload", 3), ("zero", 3)]
@@ -314,37 +308,35 @@ class _EncodeProgram:
             enc, scan = _quantizing_encode(fmt)
             amax, table = quantize_fast.kernels(quantize, fmt.name, device)
             p = plans[0]
-            ops += [("zero", 9),
+            ops += [("zero", 7),
                     ("launch", amax, (quantize_fast.grid(p.n // 8, device),), (quantize_fast.THREADS,),
-                     (P(0), R(0), np.int64(p.n), R(9))),  # src: word 0 of the job table
+                     (P(0), R(0), np.int64(p.n), R(7))),  # src: word 0 of the job table
                     ("launch", table, (quantize_fast.TABLE_BYTES // quantize_fast.THREADS,), (quantize_fast.THREADS,),
-                     (R(9), P(0), R(0), np.int32(Q_SCALE), np.int32(p.nxt["scales"] - p.off["scales"]), R(10)))]
+                     (R(7), P(0), R(0), np.int32(Q_SCALE), np.int32(p.nxt["scales"] - p.off["scales"]), R(8)))]
+        lut = P(_device_lut(fmt.name, cb.exponents, device))
         if total_chunks:
-            lut = P(_device_lut(fmt.name, cb.exponents, device))
-            ops += [_launch(enc, device, _chunk_grid(enc, device, total_chunks),
-                            (R(0), np.int32(k), np.int64(total_chunks), np.int32(chunk), np.int32(slot), lut, R(3),
-                             np.int64(1 + k + total_sb))),
-                    _launch(scan, device, total_sb, (R(0), np.int32(k), np.int32(chunk), np.int32(slot), lut, R(3), R(3)))]
-        # Enough blocks that copying the escapes (~0.1 % of values) is not latency-bound on one SM's worth.
-        ops += [_launch("kvz_finish_encode", device, (max(1, min(128, total_chunks // 64)), k),
-                        (R(1), R(3), np.int32(k), np.int32(fmt.high_exp_bits), R(4))),
+            ops.append(_launch(enc, device, _chunk_grid(enc, device, total_chunks),
+                               (R(0), np.int32(k), np.int64(total_chunks), np.int32(chunk), np.int32(slot), lut, R(3),
+                                np.int64(1 + k + total_sb))))
+        ops += [_launch(scan, device, total_sb,
+                        (R(0), np.int32(k), np.int32(chunk), np.int32(slot), lut, R(3), P(0), R(1), R(4),
+                         P(0), P(0), np.int32(0))),
                 ("download", 4, self.sizes_nb)]
-        # Regions: encode jobs | finish jobs | templates | zeroed work | sizes | esc_exp and exp_high
-        # scratch | escape slots | (quantize) amax, table.
+        # Regions: encode jobs | finish jobs | templates | zeroed work | sizes | escape slots |
+        # (quantize) amax, table.
         ws = self.shape = call_graphs.CallShape((8 * ENCODE_COLUMNS * k, 8 * FINISH_COLUMNS * k, tmpl_host.nbytes, work_nb,
-                                                 self.sizes_nb, exp_at[-1], high_at[-1], 2 * total_chunks * slot,
-                                                 total_chunks * slot) + ((16, quantize_fast.TABLE_BYTES) if quantize else ()),
+                                                 self.sizes_nb, 2 * total_chunks * slot, total_chunks * slot)
+                                                + ((16, quantize_fast.TABLE_BYTES) if quantize else ()),
                                                 tuple(ops))
-        exp_ptr, high_ptr, slot_pos, slot_exp = ws.ptr(5), ws.ptr(6), ws.ptr(7), ws.ptr(8)
+        slot_pos, slot_exp = ws.ptr(5), ws.ptr(6)
         enc_rows, fin_rows = [], []
         for i, p in enumerate(plans):
             pay = starts[i] + len(p.header)
-            e_at, h_at = exp_ptr + exp_at[i], high_ptr + high_at[i]
             enc_rows.append((0, p.n, pay + p.off["codes"], pay + p.off["rest"], pay + p.off["esc_count"],
-                             pay + p.off["esc_pos"], e_at, h_at, slot_pos + 2 * slot * chunk_base[i],
+                             pay + p.off["esc_pos"], slot_pos + 2 * slot * chunk_base[i],
                              slot_exp + slot * chunk_base[i], chunk_base[i], sb_base[i],
-                             ws.ptr(10) if quantize else 0, pay + p.off["scales"] if quantize else 0))  # Q_TABLE, Q_SCALE
-            fin_rows.append((starts[i], ws.ptr(2) + templates[p.header], len(p.header), p.table_at, e_at, h_at,
+                             ws.ptr(8) if quantize else 0, pay + p.off["scales"] if quantize else 0))  # Q_TABLE, Q_SCALE
+            fin_rows.append((starts[i], ws.ptr(2) + templates[p.header], len(p.header), p.table_at,
                              p.off["esc_pos"], *p.pads, 0 if p.flags & container.FLAG_CHECKSUM else 1))
         ws.put(0, np.array(enc_rows, np.uint64))
         ws.put(1, np.array(fin_rows, np.uint64))
@@ -517,7 +509,8 @@ def heads_from_block(block: np.ndarray, blobs) -> list[bytes]:
 
 DECODE_COLUMNS = 16  # DecodeJob's 8-byte fields
 DQ_TABLE, DQ_SCALE = 14, 15  # its columns for the dequantizing decode
-GUESS_MISSED = 255  # kvz_guess_heads' error for a blob whose header is not the guessed layout's
+GUESS_MISSED = 255  # the guess's error for a blob whose header is not the guessed layout's (fused_fast.cu)
+GUESS_PENDING = np.uint64(2**64 - 1)  # n_high (column 8) of a guessed row until the GPU's guess is in
 
 
 class _DecodeProgram:
@@ -528,7 +521,8 @@ class _DecodeProgram:
     column DQ_SCALE points at, and kvz_decode applies it as it stores.  expect: for a decode on
     guessed layouts, each blob's expected header with the escape-dependent fields blanked
     (at most HEAD_SPAN bytes; known_headers.Layout.key): the program first checks each blob's
-    header against it on the GPU (kvz_guess_heads) and fills in the escape fields of its row."""
+    header against it on the GPU (the scan's first k blocks: guess_head) and fills in the escape
+    fields of its row."""
 
     def __init__(self, fmt, chunk: int, ns: tuple, device: int, dequantize: tuple | None = None,
                  expect: tuple | None = None):
@@ -556,17 +550,20 @@ class _DecodeProgram:
         ops = [("upload", work), ("zero", work)]
         if guess:
             expected = len(sizes)  # region of the expected headers, written once below
-            ops.append(_launch("kvz_guess_heads", device, k, (heads, np.int32(HEAD_SPAN), R(expected), jobs, work)))
             sizes.append(k * HEAD_SPAN)
         if dequantize:
             ops.append(("launch", quantize_fast.dequant_tables_kernel(*dequantize, device), (k,), (256,),
                         (jobs, np.int32(DQ_SCALE), np.int32(DECODE_COLUMNS), P(0), R(len(sizes)))))
             sizes.append(512 * k)
+        if chunk_base or guess:  # on guessed layouts the scan's first k blocks check the headers
+            ops.append(_launch(scan, device, sb_base + (k if guess else 0),
+                               (jobs, np.int32(k), np.int32(chunk), np.int32(0), P(0), work, offs, P(0), P(0),
+                                heads if guess else P(0), R(expected) if guess else P(0),
+                                np.int32(HEAD_SPAN if guess else 0))))
         if chunk_base:
-            ops += [_launch(scan, device, sb_base, (jobs, np.int32(k), np.int32(chunk), np.int32(0), P(0), work, offs)),
-                    _launch(dec, device, _chunk_grid(dec, device, chunk_base),
-                            (jobs, np.int32(k), np.int64(chunk_base), np.int32(chunk), offs, work,
-                             np.int64(1 + k + sb_base)))]
+            ops.append(_launch(dec, device, _chunk_grid(dec, device, chunk_base),
+                               (jobs, np.int32(k), np.int64(chunk_base), np.int32(chunk), offs, work,
+                                np.int64(1 + k + sb_base))))
         self.shape = call_graphs.CallShape(tuple(sizes), tuple(ops) + (("download", work, self.errors_nb),))
         self.heads_at = self.shape.offsets[1] // 8 if guess else None  # heads' first word in the staging
         self.staged_row = None  # the layout row run_one last staged whole (None after a run)

@@ -18,8 +18,8 @@ check every value-dependent fact (escape counts, positions, totals) on each call
 
 Reading a header back costs a host synchronisation before the decode can launch.  So a blob is
 first decoded on a *guessed* layout (guess: of the recently decoded layouts, the one whose fixed
-bytes best fit the blob's length), with no read-back: fused_fast's kvz_guess_heads, the decode
-program's first node, makes match()'s checks on the GPU against the guessed layout's blanked
+bytes best fit the blob's length), with no read-back: fused_fast's guess_head, the first blocks of
+the decode program's scan, makes match()'s checks on the GPU against the guessed layout's blanked
 header and fills in the escape fields of the job row from the header.  A wrong guess (or a
 header that does not hang together) flags the blob, the decode kernels skip it, and the host
 decodes it the way above (match, else the general path).
@@ -72,9 +72,11 @@ class Layout:
     @cached_property
     def guess_row(self) -> np.ndarray:
         """The job row for a blob guessed to be of this layout: esc_pos where the guess puts it
-        (kvz_guess_heads checks that and fills in the other escape fields)."""
+        (the GPU's guess checks that and fills in the other escape fields; n_high stays
+        GUESS_PENDING until it has)."""
         row = self.row.copy()
         row[:, 3] = self.fixed_bytes
+        row[:, 8] = fused_fast.GUESS_PENDING
         return row
 
 
@@ -171,7 +173,7 @@ NEAR = 64      # layouts whose fixed bytes are within 1/NEAR of each other share
 
 
 def _guess_table() -> tuple:
-    """_recent's layouts (those kvz_guess_heads can check) in bands of near-equal fixed bytes: a
+    """_recent's layouts (those the GPU's guess can check) in bands of near-equal fixed bytes: a
     blob's length cannot tell the layouts of a band apart."""
     global _table
     table = _table
@@ -353,7 +355,7 @@ def decode(matches: list, blobs: list, origin=None) -> list:
 def decode_guessed(layouts: list, blobs: list, labels=None, origin=None) -> tuple[list, list]:
     """Decode blobs (16-byte aligned, of one format and chunk size) on layouts guess() gave, with
     no header read-back: the GPU checks each header against its guess (fused_fast's
-    kvz_guess_heads) and fills in the escape fields as it goes.  Returns (results as
+    guess_head) and fills in the escape fields as it goes.  Returns (results as
     decode_rows', misses): the positions of the blobs whose guess was wrong, whose results are
     None (decode them the checked way)."""
     first, k = layouts[0], len(layouts)

@@ -126,7 +126,7 @@ def test_long_batch_with_forged_and_unknown_blobs():
 
 
 def test_guessed_layout_decodes_exactly_where_the_host_match_would():
-    """kvz_guess_heads (decode without a header read-back) takes a blob's guessed layout exactly
+    """guess_head (decode without a header read-back) takes a blob's guessed layout exactly
     when known_headers.match, the host's checks, would give that layout for its header; on every
     other case (forgeries, other layouts, checksums, junk) it reports a miss, decodes nothing of
     that blob and raises nothing, and the blobs it takes decode to their values.  Blobs shorter
