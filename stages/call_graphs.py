@@ -100,6 +100,7 @@ class CallShape:
         self.host_up = cupyx.zeros_pinned(max(-(-self.up_bytes // 16) * 16, 16), np.uint8)
         self.staged = self.host_up.view(np.uint64)  # the upload area as 64-bit words (job tables)
         self.host_down = cupyx.zeros_pinned(max(-(-(down[0] if down else 0) // 16) * 16, 16), np.uint8)
+        self.down64 = self.host_down.view(np.uint64)  # the download as 64-bit words
         self.graph = None       # cupy.cuda.Graph once captured; False if capture failed
         self.uses = 0
 

@@ -349,10 +349,13 @@ class _EncodeProgram:
         self.out_at = np.concatenate([(np.arange(k)[:, None] * ENCODE_COLUMNS + out_cols).ravel(),
                                       fin_at + np.arange(k) * FINISH_COLUMNS])
         self.out_rel = ws.staged[self.out_at].copy()  # codes, rest, esc_count, esc_pos; each blob's start
+        # One tensor: item writes (0.4 us here) beat the index arrays (1.3 us).
+        self.one = list(zip(self.out_at.tolist(), self.out_rel.tolist())) if k == 1 else None
         self.starts = starts[:-1]  # each blob's byte offset in the output buffer
         self.total = starts[-1]
         self.header_lens = np.array([len(p.header) for p in plans], np.int64)
         self.raw_payloads = np.array([p.raw_payload for p in plans], np.int64)
+        self.header_list, self.raw_list = self.header_lens.tolist(), self.raw_payloads.tolist()
 
     def run(self, src_ptrs: list[int], out_ptr: int, stream) -> np.ndarray:
         """Encode into the buffer at out_ptr; returns (escapes, high-exponent bytes, payload bytes)
@@ -363,8 +366,13 @@ class _EncodeProgram:
     def launch(self, src_ptrs: list[int], out_ptr: int, stream) -> None:
         """run's first half: start the encode and return (wait gives the result)."""
         staged = self.shape.staged
-        staged[self.src_at] = src_ptrs
-        staged[self.out_at] = self.out_rel + P(out_ptr)
+        if self.one is not None:
+            staged[0] = src_ptrs[0]
+            for at, relative in self.one:
+                staged[at] = relative + out_ptr
+        else:
+            staged[self.src_at] = src_ptrs
+            staged[self.out_at] = self.out_rel + P(out_ptr)
         self.shape.launch(stream)
 
     def wait(self, stream) -> np.ndarray:
@@ -453,10 +461,9 @@ def encode_lanes(lanes: list[EncodeLane], bits: list, origin=None) -> list:
     buffer = arrays.ResultBuffer(prog.total, origin)
     prog.launch([b.data.ptr for b in bits], buffer.ptr, stream)
     places = buffer.places(prog.starts)  # while the GPU encodes
-    payloads = prog.wait(stream)[:, 2]
-    lengths = (prog.header_lens + payloads).tolist()
-    fits = (payloads <= prog.raw_payloads).tolist()
-    return buffer.blobs(prog.starts, [n if ok else None for n, ok in zip(lengths, fits)], places)
+    payloads = prog.wait(stream)[:, 2].tolist()
+    lengths = [h + p if p <= raw else None for h, p, raw in zip(prog.header_list, payloads, prog.raw_list)]
+    return buffer.blobs(prog.starts, lengths, places)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -567,6 +574,8 @@ class _DecodeProgram:
         self.shape = call_graphs.CallShape(tuple(sizes), tuple(ops) + (("download", work, self.errors_nb),))
         self.heads_at = self.shape.offsets[1] // 8 if guess else None  # heads' first word in the staging
         self.staged_row = None  # the layout row run_one last staged whole (None after a run)
+        self.row_streams = None  # and its stream columns (0-5, blob-relative) as ints
+        self.out_offset = int(self.fixed[0, 0])  # run_one's output offset
         self.tables = self.shape.ptr(len(sizes) - 1) + 512 * np.arange(k, dtype=np.uint64) if dequantize else None
         if guess:
             rows = np.zeros((k, HEAD_SPAN), np.uint8)
@@ -622,16 +631,18 @@ class _DecodeProgram:
             staged[12:14] = self.fixed[0, 1:3]
             if self.tables is not None:
                 staged[DQ_TABLE] = self.tables[0]
-            self.staged_row = row
-        np.add(row[0, :6], P(blob_ptr), out=staged[:6])
-        staged[9] = self.fixed[0, 0] + P(out.ptr)
+            self.staged_row, self.row_streams = row, row[0, :6].tolist()
+        for i, relative in enumerate(self.row_streams):  # item writes: a fraction of a ufunc's cost
+            staged[i] = relative + blob_ptr
+        staged[9] = self.out_offset + out.ptr
         if scale_at is not None:
             staged[DQ_SCALE] = blob_ptr + scale_at
         staged[self.heads_at] = blob_ptr
         staged[self.heads_at + 1] = blob_len
         self.shape.launch(stream)
         got = views(out, self.offsets) if views is not None else self._raw_views(out)
-        error = int(self.shape.wait(stream)[8:16].view(np.uint64)[0])
+        self.shape.wait(stream)
+        error = int(self.shape.down64[1])  # the tensor's error, after the work counter
         if error and error != GUESS_MISSED:
             raise FormatError(_error_text(error))
         return got[0], error == GUESS_MISSED
