@@ -297,8 +297,7 @@ class _EncodeProgram:
             templates.setdefault(p.header, sum(len(h) for h in templates))
         starts = list(accumulate((p.blob_bytes for p in plans), initial=0))
         chunk_base = list(accumulate((p.nchunks for p in plans), initial=0))
-        # Every tensor gets a scan block, an empty one too: its first block finishes the blob.
-        sb_base = list(accumulate((max(1, -(-p.nchunks // SB_CHUNKS)) for p in plans), initial=0))
+        sb_base = list(accumulate((-(-p.nchunks // SB_CHUNKS) for p in plans), initial=0))
         total_chunks, total_sb, slot = chunk_base[-1], sb_base[-1], slot_size(chunk)
         tmpl_host = np.frombuffer(b"".join(templates), np.uint8)
         self.sizes_nb, work_nb = 24 * k, 8 * (2 + k + total_sb)  # ..., look-back, kvz_encode's chunk queue
@@ -318,7 +317,7 @@ class _EncodeProgram:
             ops.append(_launch(enc, device, _chunk_grid(enc, device, total_chunks),
                                (R(0), np.int32(k), np.int64(total_chunks), np.int32(chunk), np.int32(slot), lut, R(3),
                                 np.int64(1 + k + total_sb))))
-        ops += [_launch(scan, device, total_sb,
+        ops += [_launch(scan, device, k + total_sb,  # k blocks finish the blobs (headers)
                         (R(0), np.int32(k), np.int32(chunk), np.int32(slot), lut, R(3), P(0), R(1), R(4),
                          P(0), P(0), np.int32(0))),
                 ("download", 4, self.sizes_nb)]
