@@ -13,10 +13,11 @@
 // escapes, which ballots put in position order into a per-chunk slot.  kvz_scan (a block per 256
 // chunks, chained per tensor by a decoupled look-back) turns the per-chunk counts into offsets,
 // moves the escapes to their final place (the totals, which fix where the escape exponents go,
-// are kvz_encode's sums) and redoes plane-coded or over-full chunks from the input; each
-// tensor's first scan block also zeroes the blob's padding and writes its header.  Decode: kvz_scan
-// computes every chunk's offsets and checks the counts, kvz_decode walks the chunks like the
-// encoder and applies escapes from registers.  No dense pass ever waits on another warp.
+// are kvz_encode's sums) and redoes plane-coded or over-full chunks from the input; its first
+// blocks, one a tensor, zero the blob's padding and write its header meanwhile.  Decode: kvz_scan
+// computes every chunk's offsets and checks the counts (on guessed layouts its first blocks check
+// the headers), kvz_decode walks the chunks like the encoder and applies escapes from registers.
+// No dense pass ever waits on another warp.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
