@@ -1,7 +1,7 @@
 """Replayable GPU calls for the fast path (stages/fused_fast.py).
 
 A fast-path call is a short fixed sequence: upload the job tables from pinned memory (and zero the
-counters the kernels need zeroed), launch two or three kernels, download a few bytes of results.
+counters the kernels need zeroed), launch two to four kernels, download a few bytes of results.
 Through CuPy each of those costs 5 to 10 us of host time, which on 1 to 64 MiB tensors is more
 than the kernels take.
 So every *call shape* (the same kernels, grids, scalar arguments and workspace layout; the tables'

@@ -11,8 +11,9 @@ sums the escapes; the scan, which places them and writes each blob's padding and
 read-back of the escape totals (the host synchronisation that learns the compressed sizes).
 Decoding blobs of a layout decoded before uploads its table and runs two kernels: the scan, whose
 first blocks check each header against the guessed layout and fill in its escape fields, and the
-dense pass; one read-back returns the validation result.  Blobs of unknown layouts (or a wrong guess) have their headers read back once first (with what
-kvz_check_heads found of each: CRC, escape-table arithmetic, lengths).  Each such sequence is
+dense pass; one read-back returns the validation result.  Blobs of unknown layouts (or a wrong
+guess) have their headers read back once first (with what kvz_check_heads found of each: CRC,
+escape-table arithmetic, lengths).  Each such sequence is
 a program cached per call shape and replayed as one CUDA graph (stages/call_graphs.py); the job
 tables keep every address that does not move between calls.
 
