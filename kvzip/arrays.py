@@ -322,10 +322,7 @@ def _borrow_torch(t):
         if width is None:
             raise _unsupported(name, "torch")
         index = t.get_device()
-        origin = _cuda_origin("torch", index)
-        cupy = _cupy()
-        memory = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t, index)
-        return cupy.ndarray(tuple(t.shape), width, cupy.cuda.MemoryPointer(memory, 0)), name, origin
+        return _cupy_over_torch(t, tuple(t.shape), width, index), name, _cuda_origin("torch", index)
     t = t.detach()  # DLPack refuses tensors that require grad; the bits are the same
     if t.layout != torch.strided or t.device.type not in ("cpu", "cuda"):
         raise TypeError(f"kvzip takes dense CPU or CUDA torch tensors, got {t.layout} on {t.device}")
@@ -482,9 +479,7 @@ class ResultBuffer:
     def array(self):
         """The buffer as a CuPy uint8 array (for a torch buffer, a view of its tensor)."""
         if self._array is None:
-            cupy, t = _cupy(), self.tensor
-            memory = cupy.cuda.UnownedMemory(self.ptr, t.numel(), t, self.origin.device_index)
-            self._array = cupy.ndarray((t.numel(),), _U8, cupy.cuda.MemoryPointer(memory, 0))
+            self._array = _cupy_over_torch(self.tensor, (self.tensor.numel(),), _U8, self.origin.device_index)
         return self._array
 
     def places(self, starts) -> list:
@@ -599,6 +594,14 @@ def _torch_dtype(name: str):
     import torch
 
     return getattr(torch, name)
+
+
+def _cupy_over_torch(t, shape: tuple, dtype, device_index: int):
+    """A CuPy array of shape and dtype over a contiguous CUDA torch tensor's own memory (t, its
+    owner, kept alive by the array)."""
+    cupy = _cupy()
+    memory = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t, device_index)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
 
 
 def _cupy_ndarray():

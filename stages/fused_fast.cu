@@ -665,8 +665,8 @@ __device__ __forceinline__ void put_u64(u8* p, u64 v) {
 
 #define HEADER_SMEM 4096  // headers up to this size are built in shared memory (ours are < 2 KiB)
 
-// zlib's CRC-32, slicing-by-4: one thread walks a header a word at a time through four 256-entry
-// tables the whole block builds in shared memory first (a few microseconds for a 1 KiB header).
+// zlib's CRC-32, slicing-by-4: four 256-entry tables the whole block builds in shared memory, for
+// warp_crc32 below to walk a header a word at a time.
 __device__ void build_crc_tables(u32 crc_table[4][256]) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
         u32 c = (u32)i;
@@ -825,8 +825,9 @@ __device__ void head_facts(const u8* b, long long len, int span, const u8* head,
     const u64 big = 1ull << 48;  // every field below this before any sum: no wrap-around
     bool ok = (crc ^ 0xFFFFFFFFu) == w[10] && payload < big;
     for (int k = 0; k < 6; k++) ok = ok && e[k] < big;
-    ok = ok && e[2] == ((e[0] + e[1] + 15) & ~15ull) && e[4] == ((e[2] + e[3] + 15) & ~15ull) &&
-         payload == ((e[4] + e[5] + 15) & ~15ull) && e[1] == 2 * e[3] && (u64)h + payload == (u64)len;
+    // The layout finish_blob writes (every term below 2^49 once ok holds: && stops before the sums).
+    ok = ok && e[2] == (u64)align16((long long)(e[0] + e[1])) && e[4] == (u64)align16((long long)(e[2] + e[3])) &&
+         payload == (u64)align16((long long)(e[4] + e[5])) && e[1] == 2 * e[3] && (u64)h + payload == (u64)len;
     if (ok) { out[0] = 1; out[1] = e[0]; out[2] = e[2]; out[3] = e[4]; out[4] = e[3]; out[5] = e[5]; }
 }
 
@@ -905,7 +906,6 @@ __device__ __forceinline__ void await_guess(const DecodeJob& J) {
 __device__ __forceinline__ void set_error(u64* err, u64 code) { atomicCAS(err, 0ull, code); }
 
 #define SB_CHUNKS 256      // chunks per scan block: one thread each
-
 
 // Exclusive prefix over a block of SB_CHUNKS threads; returns it and sets *total to the block's sum.
 __device__ __forceinline__ u64 block_exclusive_sum(u64 mine, u64* total) {
@@ -1075,7 +1075,7 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
 #pragma unroll
                 for (int j = 0; j < 8; j++) {
                     if ((m >> j) & 1u) {
-                        J.esc_pos[out + idx] = (u16)(g * 8 + j);
+                        esc_pos[out + idx] = (u16)(g * 8 + j);
                         exp_out[out + idx] = (u8)((v[j] >> M) & ((1u << E) - 1u));
                         idx++;
                     }

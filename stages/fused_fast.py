@@ -605,7 +605,8 @@ class _DecodeProgram:
         self.shape.launch(stream)
         got = views(out, self.offsets) if views is not None else self._raw_views(out)
         # The validation result: the tensor errors after the work counter.
-        errors = self.shape.wait(stream)[8:self.errors_nb].view(np.uint64)
+        self.shape.wait(stream)
+        errors = self.shape.down64[1:self.errors_nb // 8]
         misses = []
         if errors.any():
             bad = np.nonzero(errors)[0]
