@@ -44,38 +44,53 @@ extern "C" __global__ void flat(const uint4* in, u32* codes, uint2* rest, long l
     }
 }
 """
-mod = cupy.RawModule(code=SRC)
-n = 1 << 28
-G = n // 8
-x = cupy.random.randint(0, 2**31, size=n // 2, dtype=cupy.uint32).view(cupy.uint16)
-codes = cupy.empty(G, cupy.uint32)
-rest = cupy.empty(2 * G, cupy.uint32)
-sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-for name in ("warp_chunk", "block_chunk", "flat"):
-    for blocks_per_sm in (4, 8):
-        k = mod.get_function(name)
-        grid = sms * blocks_per_sm
-        args = (x, codes, rest, np.int64(G))
-        for _ in range(3):
-            k((grid,), (256,), args)
-        times = []
-        for _ in range(20):
-            a, b = cupy.cuda.Event(), cupy.cuda.Event()
-            a.record()
-            k((grid,), (256,), args)
-            b.record()
-            b.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(a, b) * 1e-3)
-        t = float(np.median(times))
-        moved = x.nbytes + codes.nbytes + rest.nbytes
-        print(f"{name:12s} {blocks_per_sm} blocks/SM: {t * 1e6:7.1f} us  {moved / t / 1e12:5.2f} TB/s  "
-              f"({x.nbytes / t / 1e9:6.0f} GB/s of input)")
-dst = cupy.empty_like(x)
-a, b = cupy.cuda.Event(), cupy.cuda.Event()
-cupy.copyto(dst, x)
-a.record()
-cupy.copyto(dst, x)
-b.record()
-b.synchronize()
-t = cupy.cuda.get_elapsed_time(a, b) * 1e-3
-print(f"copy: {t * 1e6:.1f} us, {2 * x.nbytes / t / 1e12:.2f} TB/s")
+
+
+def median_time(k, grid, args, runs=20):
+    """Seconds per launch of kernel k on grid blocks of 256 threads: CUDA events, median of runs
+    after 3 warm-up launches."""
+    for _ in range(3):
+        k((grid,), (256,), args)
+    times = []
+    for _ in range(runs):
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record()
+        k((grid,), (256,), args)
+        b.record()
+        b.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(a, b) * 1e-3)
+    return float(np.median(times))
+
+
+def print_copy_rate(x):
+    """The device-to-device copy of x, the roofline these patterns are measured against."""
+    dst = cupy.empty_like(x)
+    a, b = cupy.cuda.Event(), cupy.cuda.Event()
+    cupy.copyto(dst, x)
+    a.record()
+    cupy.copyto(dst, x)
+    b.record()
+    b.synchronize()
+    t = cupy.cuda.get_elapsed_time(a, b) * 1e-3
+    print(f"copy: {t * 1e6:.1f} us, {2 * x.nbytes / t / 1e12:.2f} TB/s")
+
+
+def main():
+    mod = cupy.RawModule(code=SRC)
+    n = 1 << 28
+    G = n // 8
+    x = cupy.random.randint(0, 2**31, size=n // 2, dtype=cupy.uint32).view(cupy.uint16)
+    codes = cupy.empty(G, cupy.uint32)
+    rest = cupy.empty(2 * G, cupy.uint32)
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    moved = x.nbytes + codes.nbytes + rest.nbytes
+    for name in ("warp_chunk", "block_chunk", "flat"):
+        for blocks_per_sm in (4, 8):
+            t = median_time(mod.get_function(name), sms * blocks_per_sm, (x, codes, rest, np.int64(G)))
+            print(f"{name:12s} {blocks_per_sm} blocks/SM: {t * 1e6:7.1f} us  {moved / t / 1e12:5.2f} TB/s  "
+                  f"({x.nbytes / t / 1e9:6.0f} GB/s of input)")
+    print_copy_rate(x)
+
+
+if __name__ == "__main__":
+    main()

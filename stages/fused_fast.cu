@@ -78,6 +78,15 @@ __device__ __forceinline__ void store_group(T* __restrict__ dst, long long n, lo
     }
 }
 
+// The job tables' stream pointers are plain generic pointers to the compiler, which then emitted
+// generic LD/ST for the dense passes' data; telling it they point to global memory gives LDG/STG
+// (ncu, 2^28: the E5M2 decoder 189 -> 184 us, the encoders within run-to-run noise; NOTES v17).
+template <typename P>
+__device__ __forceinline__ void assume_global(const P* p) { __builtin_assume(__isGlobal(p)); }
+
+template <bool B, typename A, typename C> struct Pick { using type = A; };  // std::conditional, NVRTC has no <type_traits>
+template <typename A, typename C> struct Pick<false, A, C> { using type = C; };
+
 // A group's 8 values as loaded, still packed in 32-bit words (W = 1, 2, 4 bytes a value), so a
 // lane can hold the next step's groups in few registers while it works on the current ones.
 template <typename T>
@@ -126,18 +135,19 @@ __device__ __forceinline__ void load_raw(const T* __restrict__ src, long long n,
 // and each value becomes its FP8 code as it loads, through quantize_pair (quantize_lookup.cuh,
 // which the loader puts in front of this file), the lookup kvz_quantize makes.
 
-__device__ __forceinline__ void load_quantized_full(const u16* __restrict__ src, long long g, Raw<u8>& r,
-                                                    const u8* table) {
-    const uint4 q = *reinterpret_cast<const uint4*>(src + g * 8);
-    r.w[0] = quantize_pair(q.x, table) | (quantize_pair(q.y, table) << 16);
-    r.w[1] = quantize_pair(q.z, table) | (quantize_pair(q.w, table) << 16);
+// A whole group's 16-bit values (as load_raw_full loads them) -> their FP8 codes.
+__device__ __forceinline__ void quantize_raw(const Raw<u16>& in, Raw<u8>& r, const u8* table) {
+    r.w[0] = quantize_pair(in.w[0], table) | (quantize_pair(in.w[1], table) << 16);
+    r.w[1] = quantize_pair(in.w[2], table) | (quantize_pair(in.w[3], table) << 16);
 }
 
 __device__ __forceinline__ void load_quantized(const u16* __restrict__ src, long long n, long long g, Raw<u8>& r,
                                                const u8* table) {
     const long long i0 = g * 8;
     if (i0 + 8 <= n) {
-        load_quantized_full(src, g, r, table);
+        Raw<u16> raw;
+        load_raw_full(src, g, raw);
+        quantize_raw(raw, r, table);
         return;
     }
     r.w[0] = r.w[1] = 0;
@@ -350,21 +360,34 @@ __device__ __forceinline__ u32 encode_bf16_full(const Raw<u16>& raw, long long g
     return escape_mask(fa, fb);
 }
 
-// E5M2, a whole group: two words of four values, looked up as BF16's are (the exponents of four
-// values are one shift and mask of their word).  Rest is 3 bits a value, 24 bits a group.
+// kvz_encode's shared LUT holds E5M2's entry e at byte 4e (a word each), so a value's byte masked
+// with 0x7C is its entry's offset: one instruction an index instead of a shift and a mask.
+template <int E, int M>
+__device__ __forceinline__ constexpr int lut_stride() { return E == 5 && M == 2 ? 4 : 1; }
+
+// The rest fields (sign << 2 | mantissa) of four E5M2 values (the bytes of w), packed 3 bits a
+// value at bits 20-31, by two products: every partial product lands on bits of its own or outside
+// 20-31, so nothing carries into them (checked in Python for all 4096 field values, each with
+// random other bits).  Two logic ops and two multiplies (FMA pipe) instead of nine logic ops: the
+// E5M2 encoder was ALU-bound (ncu: ALU pipe 74 %, 106 instructions a group; NOTES v17).
+__device__ __forceinline__ u32 e5m2_rest12(u32 w) {
+    return (w & 0x80038003u) * 0x00100401u + (w & 0x03800380u) * 0x00008020u;
+}
+
+// E5M2, a whole group: two words of four values, looked up as BF16's are (slut4: the LUT at a
+// stride of 4, lut_stride).  Rest is 3 bits a value, 24 bits a group.
 // rest24 given: the rest bits go there (for store_rest24_warp) instead of to rest.
-__device__ __forceinline__ u32 encode_e5m2_full(const Raw<u8>& raw, long long g, const u8* slut,
+__device__ __forceinline__ u32 encode_e5m2_full(const Raw<u8>& raw, long long g, const u8* slut4,
                                                 u8* __restrict__ codes, u8* __restrict__ rest, u32* rest24 = nullptr) {
-    u32 t[2], f[2], bits = 0;
+    u32 t[2], f[2];
 #pragma unroll
     for (int k = 0; k < 2; k++) {
-        const u32 w = raw.w[k];
-        const u32 rb = ((w >> 5) & 0x04040404u) | (w & 0x03030303u);  // sign << 2 | mantissa, per byte
-        bits |= ((rb & 7) | ((rb >> 5) & 0x38) | ((rb >> 10) & 0x1C0) | ((rb >> 15) & 0xE00)) << (12 * k);
-        const u32 e = (w >> 2) & 0x1F1F1F1Fu;
-        t[k] = pack4(slut[e & 0xFF], slut[(e >> 8) & 0xFF], slut[(e >> 16) & 0xFF], slut[e >> 24], &f[k]);
+        const u32 e4 = raw.w[k] & 0x7C7C7C7Cu;  // each value's exponent times 4
+        t[k] = pack4(slut4[e4 & 0xFF], slut4[__byte_perm(e4, 0, 0x4441)], slut4[__byte_perm(e4, 0, 0x4442)],
+                     slut4[e4 >> 24], &f[k]);
     }
     reinterpret_cast<u32*>(codes)[g] = __byte_perm(t[0], t[1], 0x6420);
+    const u32 bits = (e5m2_rest12(raw.w[0]) >> 20) | ((e5m2_rest12(raw.w[1]) >> 8) & 0xFFF000u);
     if (rest24) {
         *rest24 = bits;
     } else {
@@ -392,7 +415,7 @@ __device__ __forceinline__ u32 encode_raw(const Raw<T>& raw, long long n, long l
         const u32 e = (v >> M) & ((1u << E) - 1u);
         r[j] = ((v >> (E + M)) << M) | (v & ((1u << M) - 1u));
         const bool valid = g * 8 + j < n;
-        const u32 c = valid ? (u32)slut[e] : 0u;  // padding values: code 0, never an escape
+        const u32 c = valid ? (u32)slut[e * lut_stride<E, M>()] : 0u;  // padding values: code 0, never an escape
         mask |= (c >> 7) << j;
         word |= (c & 0xF) << (4 * j);
     }
@@ -529,8 +552,28 @@ __device__ __forceinline__ int find_job(const Job* jobs, int njobs, long long ke
 // Dealing every chunk statically (warp w: w, w + W, ...) left the warps whose chunks held many
 // escapes finishing last (ncu, E5M2 decode: 82 % of the warps active on average against 91 %
 // without escapes; NOTES v15).  The bytes never depend on which warp takes which chunk.
+// Both halves are inline PTX, volatile with a memory clobber, so the compiler keeps the atomic at
+// the chunk's start and its use (next_chunk, a shuffle from lane 0) after the chunk's work.
+// Written as atomicAdd and __shfl_sync, the compiler aggregated the atomic across the warp (a
+// leader election and a shuffle of its result right after it; ptxas does this to an atom.add in
+// inline PTX too, not to atom.inc, whose wrap-around it cannot combine) and hoisted the loop's
+// shuffle to the top: every chunk waited out the round trip, 19 % of the E5M2 encoder's stall
+// samples (ncu source view, NOTES v17).
 __device__ __forceinline__ long long claim_chunk(u64* queue, long long W, int lane) {
-    return lane == 0 ? W + (long long)atomicAdd(queue, 1ull) : 0;
+    u32 old = 0;  // the counter's low word (little-endian; fewer than 2^32 chunks, MAX_VALUES)
+    if (lane == 0)
+        asm volatile("{ .reg .u64 g; cvta.to.global.u64 g, %1; atom.global.inc.u32 %0, [g], 0xfffffffe; }"
+                     : "=r"(old) : "l"(queue) : "memory");
+    return lane == 0 ? W + (long long)old : 0;
+}
+
+// Lane 0's claim, in every lane.
+__device__ __forceinline__ long long next_chunk(long long next) {
+    long long r;
+    asm volatile("{ .reg .b32 lo, hi; mov.b64 {lo, hi}, %1; shfl.sync.idx.b32 lo, lo, 0, 0x1f, 0xffffffff;"
+                 " shfl.sync.idx.b32 hi, hi, 0, 0x1f, 0xffffffff; mov.b64 %0, {lo, hi}; }"
+                 : "=l"(r) : "l"(next) : "memory");
+    return r;
 }
 
 // Dense pass.  Chunks come from the queue above; a warp walks its chunk in steps of 32 * GPL
@@ -554,8 +597,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
                                                                 const u8* __restrict__ lut, u64* __restrict__ work,
                                                                 long long queue_at) {
     constexpr int HB = E - 4, R = M + 1, STEP = 32 * GPL;
-    __shared__ u8 slut[1 << E];
-    for (int i = threadIdx.x; i < (1 << E); i += blockDim.x) slut[i] = lut[i];
+    __shared__ u32 slut_words[((1 << E) * lut_stride<E, M>() + 3) / 4];
+    u8* slut = reinterpret_cast<u8*>(slut_words);
+    for (int i = threadIdx.x; i < (1 << E); i += blockDim.x) slut[i * lut_stride<E, M>()] = lut[i];
     const u8* qtable = nullptr;
     if constexpr (QT) {
         __shared__ uint4 qtab[(1 << 15) / 16];
@@ -571,7 +615,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
     u64 sum = 0;  // escapes << 31 | plane-coded groups of this warp's chunks of tensor sum_job
     int sum_job = 0;
     for (long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); gc < total_chunks;
-         gc = __shfl_sync(FULL_MASK, next, 0)) {
+         gc = next_chunk(next)) {
         next = claim_chunk(work + queue_at, W, lane);
         const int job = find_job(jobs, njobs, gc, &EncodeJob::chunk_base);
         const EncodeJob& J = jobs[job];
@@ -583,15 +627,46 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
         const u16* __restrict__ src16 = static_cast<const u16*>(J.src) + g0 * 8;  // QT
         u8* __restrict__ codes = J.codes + g0 * 4;
         u8* __restrict__ rest = J.rest + g0 * R;
+        assume_global(src); assume_global(src16); assume_global(codes); assume_global(rest);
         int count = 0;
+        // Whole steps (every group 8 values) load with no checks.  Unquantizing, the next whole
+        // step's loads are issued before this step's work, into a second set of registers, so a
+        // warp keeps reads in flight while it encodes: the E5M2 encoder, latency-bound once its
+        // instructions were cut (ncu: 61 % of stall samples waiting on loads), went 183-187 ->
+        // 172 us, BF16 260-263 -> 253 (at the shapes ENCODE_SHAPE names; NOTES v17).  The
+        // quantizing encoder, which would hold 16-bit values, was slower with it (242 -> 255).
+        constexpr bool PREFETCH = !QT;
+        using L = typename Pick<QT, u16, T>::type;  // the values as loaded
+        const L* __restrict__ lsrc = static_cast<const L*>(J.src) + g0 * 8;
+        assume_global(lsrc);
+        Raw<T> cur[PREFETCH ? GPL : 1], ahead[PREFETCH ? GPL : 1];
+        bool whole = STEP <= ng && (long long)STEP * 8 <= n;
+        if constexpr (PREFETCH) {
+            if (whole) {
+#pragma unroll
+                for (int q = 0; q < GPL; q++) load_raw_full(lsrc, q * 32 + lane, cur[q]);
+            }
+        }
         for (int s0 = 0; s0 < ng; s0 += STEP) {
+            const bool next_whole = s0 + 2 * STEP <= ng && (long long)(s0 + 2 * STEP) * 8 <= n;
+            if constexpr (PREFETCH) {
+                if (next_whole) {
+#pragma unroll
+                    for (int q = 0; q < GPL; q++) load_raw_full(lsrc, s0 + STEP + q * 32 + lane, ahead[q]);
+                }
+            }
             Raw<T> v[GPL];
             u32 m[GPL], any = 0;
-            if (s0 + STEP <= ng && (long long)(s0 + STEP) * 8 <= n) {  // every group of the step full: no checks
+            if (whole) {
 #pragma unroll
                 for (int q = 0; q < GPL; q++) {
-                    if constexpr (QT) load_quantized_full(src16, s0 + q * 32 + lane, v[q], qtable);
-                    else load_raw_full(src, s0 + q * 32 + lane, v[q]);
+                    if constexpr (PREFETCH) {
+                        v[q] = cur[q];
+                    } else {  // QT: quantized as they arrive
+                        Raw<L> raw;
+                        load_raw_full(lsrc, s0 + q * 32 + lane, raw);
+                        quantize_raw(raw, v[q], qtable);
+                    }
                 }
                 if constexpr (E == 5 && M == 2 && sizeof(T) == 1) {  // rest as whole words (store_rest24_warp)
                     u32 bits[GPL];
@@ -626,11 +701,17 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
             if (__any_sync(FULL_MASK, any != 0)) {
                 u16* __restrict__ spos = J.slot_pos + c * slot;
                 u8* __restrict__ sexp = J.slot_exp + c * slot;
+                assume_global(spos); assume_global(sexp);
 #pragma unroll
                 for (int q = 0; q < GPL; q++)
                     if (__any_sync(FULL_MASK, m[q] != 0u))
                         count = slot_escapes<E, M>(v[q], m[q], (s0 + q * 32 + lane) * 8, count, slot, spos, sexp, lane);
             }
+            if constexpr (PREFETCH) {
+#pragma unroll
+                for (int q = 0; q < GPL; q++) cur[q] = ahead[q];
+            }
+            whole = next_whole;
         }
         const bool plane = count > HB * ng / 3;
         if (lane == 0) J.esc_count[c] = plane ? (u16)PLANE : (u16)count;
@@ -1109,13 +1190,13 @@ __device__ __forceinline__ void decode_raw(u32 word, const RestRaw<M + 1>& rr, u
 }
 
 // Four codes (16 bits) -> their four exponent bytes: byte-permute lookups in the low and high
-// halves of the 16-entry codebook (d0..d3), picked per byte by each code's bit 3.
+// halves of the 16-entry codebook (d0..d3), then a third permute picks byte k of hi (selector
+// k + 4) where code k has bit 3 set, else byte k of lo: five instructions where a mask built from
+// the bits took eleven (the E5M2 decoder was ALU-bound, ncu: ALU pipe 72 %; NOTES v17).
 __device__ __forceinline__ u32 lookup4(u32 n4, u32 d0, u32 d1, u32 d2, u32 d3) {
     const u32 sel = n4 & 0x7777u;  // prmt selector bit 3 would mean sign replication: keep 0-7
     const u32 lo = __byte_perm(d0, d1, sel), hi = __byte_perm(d2, d3, sel);
-    const u32 b = n4 & 0x8888u;
-    const u32 m = (((b >> 3) & 1u) | ((b << 1) & 0x100u) | ((b << 5) & 0x10000u) | ((b << 9) & 0x1000000u)) * 0xFFu;
-    return (hi & m) | (lo & ~m);
+    return __byte_perm(lo, hi, 0x3210u | ((n4 >> 1) & 0x4444u));
 }
 
 // BF16, a whole group, non-plane, SIMD-within-a-register: out[k] holds values 2k and 2k+1 as
@@ -1134,17 +1215,25 @@ __device__ __forceinline__ void decode_bf16_words(u32 word, const RestRaw<8>& rr
     }
 }
 
+// The rest fields of four E5M2 values (3 bits each at bits 0-11 of x; higher bits ignored) spread
+// to their places in the stored bytes: mantissas to bits 8k..8k+1 by two products (the even and
+// the odd values' fields; their partial products land on bits of their own, so they add without
+// carries), signs to bit 8k + 7 by one.  Checked in Python for all 4096 fields; it replaced ten
+// shifts and masks (NOTES v17).
+__device__ __forceinline__ u32 e5m2_spread_rest(u32 x) {
+    const u32 mm = (x & 0x0C3u) * 0x401u + (x & 0x618u) * 0x8020u;
+    const u32 s = (x & 0x924u) * 0x108420u;
+    return (mm & 0x03030303u) | (s & 0x80808080u);
+}
+
 // E5M2, a whole group, non-plane, SIMD-within-a-register: out[h] holds values 4h..4h+3 as stored
 // (byte = sign << 7 | exponent << 2 | mantissa; rest = sign << 2 | mantissa, 3 bits a value).
 // The generic path spent ~130 instructions a group (ncu: 333 us for 2^28 values).
+// d0..d3: the codebook's exponents shifted left by 2, in place in the stored byte (E5M2 exponents
+// are below 64, so a shift of the table keeps its bytes apart).
 __device__ __forceinline__ void decode_e5m2_words(u32 word, u32 rest24, u32 d0, u32 d1, u32 d2, u32 d3, u32 out[2]) {
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const u32 b = (rest24 >> (12 * h)) & 0xFFFu;
-        const u32 rb = (b & 7u) | ((b << 5) & 0x700u) | ((b << 10) & 0x70000u) | ((b << 15) & 0x7000000u);
-        const u32 e = lookup4(h ? word >> 16 : word & 0xFFFFu, d0, d1, d2, d3);
-        out[h] = ((rb & 0x04040404u) << 5) | (e << 2) | (rb & 0x03030303u);
-    }
+    out[0] = e5m2_spread_rest(rest24) | lookup4(word & 0xFFFFu, d0, d1, d2, d3);
+    out[1] = e5m2_spread_rest(rest24 >> 12) | lookup4(word >> 16, d0, d1, d2, d3);
 }
 
 // Replace the exponents of the escaped values (pmask bit j; exponent byte j of pexp) in a group
@@ -1179,9 +1268,6 @@ __device__ __forceinline__ void patch_store(void* __restrict__ dst, long long n,
         store_group(static_cast<T*>(dst), n, g, v);
     }
 }
-
-template <bool B, typename A, typename C> struct Pick { using type = A; };  // std::conditional, NVRTC has no <type_traits>
-template <typename A, typename C> struct Pick<false, A, C> { using type = C; };
 
 // Eight FP8 codes (packed in two words) -> eight 16-bit values through table, one 16-byte store.
 __device__ __forceinline__ void store_dequantized(u16* __restrict__ dst, const u32 w[2], const u16* __restrict__ table) {
@@ -1236,7 +1322,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
     const long long W = (long long)gridDim.x * WARPS;
     long long next = 0;
     for (long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); gc < total_chunks;
-         gc = __shfl_sync(FULL_MASK, next, 0)) {
+         gc = next_chunk(next)) {
         next = claim_chunk(work + queue_at, W, lane);  // chunks as kvz_encode takes them
         const int job = find_job(jobs, njobs, gc, &DecodeJob::chunk_base);
         const DecodeJob& J = jobs[job];
@@ -1259,6 +1345,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
         const u8* __restrict__ rest = J.rest + g0 * R;
         using Out = typename Pick<DQ, u16, T>::type;
         Out* __restrict__ dst = static_cast<Out*>(J.dst) + g0 * 8;
+        if constexpr (sizeof(T) == 1) {  // E5M2 decode 189 -> 184 us with global loads and stores; BF16 spilled
+            assume_global(codes); assume_global(rest); assume_global(dst);
+        }
         const u16* __restrict__ table = J.dq_table;
         const u64 dlo = J.dlo, dhi = J.dhi;
         for (int s0 = 0; s0 < ng; s0 += STEP) {
@@ -1313,7 +1402,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
                 if constexpr (E5M2) {
                     if (!plane && i * 8 + 8 <= n) {
                         u32 out[2];
-                        decode_e5m2_words(w[q], (u32)rr[q].q[0], (u32)dlo, (u32)(dlo >> 32), (u32)dhi, (u32)(dhi >> 32), out);
+                        decode_e5m2_words(w[q], (u32)rr[q].q[0], (u32)(dlo << 2), (u32)(dlo >> 30), (u32)(dhi << 2),
+                                          (u32)(dhi >> 30), out);
                         if (pm[q]) patch_words<4, 2, 0x1Fu>(out, pm[q], pe[q]);
                         if constexpr (DQ) store_dequantized(dst + i * 8, out, table);
                         else *reinterpret_cast<uint2*>(dst + i * 8) = make_uint2(out[0], out[1]);

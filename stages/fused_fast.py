@@ -56,9 +56,11 @@ SB_CHUNKS = 256         # chunks per block of kvz_scan (one thread each)
 
 # Shape of the dense kernels per value width in bytes: (groups a lane handles per step, blocks per
 # multiprocessor the register budget must allow).  Picked on the H200 with
-# benchmarks/sweep_shapes.py and ncu (benchmarks/NOTES.md, v5).
-ENCODE_SHAPE = {1: (4, 4), 2: (4, 3), 4: (1, 4)}
+# benchmarks/sweep_shapes.py and ncu (benchmarks/NOTES.md, v5; the encoders' again in v17, when
+# they began loading a step ahead and needed the registers for it).
+ENCODE_SHAPE = {1: (4, 3), 2: (4, 2), 4: (1, 4)}
 DECODE_SHAPE = {1: (4, 3), 2: (4, 3), 4: (1, 4)}
+QUANTIZING_ENCODE_SHAPE = (4, 4)  # kvz_encode<..., QT = true>: loads no step ahead
 
 
 def _instances(fmt):
@@ -73,8 +75,9 @@ def _instances(fmt):
 def _quantizing_encode(fmt) -> tuple[str, str]:
     """kvz_encode and its scan for an FP8 format reading 16-bit values and quantizing them as
     they load (QuantizeFP8 per tensor fused in)."""
-    enc, scan, _, _ = _instances(fmt)
-    return enc[:-1] + ",true>", scan[:-1] + ",true>"
+    args = f"{fmt.exp_bits},{fmt.mant_bits},{_TYPES[fmt.itemsize]}"
+    g, b = QUANTIZING_ENCODE_SHAPE
+    return f"kvz_encode<{args},{g},{b},true>", f"kvz_scan<{args},EncodeJob,true>"
 
 
 def _dequantizing_decode(fmt) -> str:
@@ -444,9 +447,10 @@ class EncodeLane:
         return encode_lanes([self], [bits], origin)[0]
 
 
-def encode_lanes(lanes: list[EncodeLane], bits: list, origin=None) -> list:
+def encode_lanes(lanes: list[EncodeLane], bits: list, origin=None, ptrs: list[int] | None = None) -> list:
     """EncodeLane.encode for several tensors of one pipeline and format (and caller, origin) in
-    one program run (quantizing lanes: a run each, their tables per tensor)."""
+    one program run (quantizing lanes: a run each, their tables per tensor).  ptrs: the bits'
+    device addresses, if the caller has them already."""
     if any(lane.quantize for lane in lanes):
         if not quantize_fast.ENABLED:
             return [None] * len(lanes)
@@ -459,7 +463,7 @@ def encode_lanes(lanes: list[EncodeLane], bits: list, origin=None) -> list:
                               lambda: _EncodeProgram(plans, first.fmt, first.codebook, first.chunk, device,
                                                      first.quantize))
     buffer = arrays.ResultBuffer(prog.total, origin)
-    prog.launch([b.data.ptr for b in bits], buffer.ptr, stream)
+    prog.launch(ptrs if ptrs is not None else [b.data.ptr for b in bits], buffer.ptr, stream)
     places = buffer.places(prog.starts)  # while the GPU encodes
     payloads = prog.wait(stream)[:, 2].tolist()
     lengths = [h + p if p <= raw else None for h, p, raw in zip(prog.header_list, payloads, prog.raw_list)]
