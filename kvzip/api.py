@@ -182,16 +182,18 @@ def encode_many_with(pipe: Pipeline, xs, *, dtype=None, backend=None) -> list:
 def _encode_many_by_lanes(pipe: Pipeline, xs, dtype, backend, out) -> list[int]:
     """Encode the tensors whose (format, shape) the pipeline has a lane for, a program per format
     and caller; returns the indices left for the general path (no lane, or stored raw after all)."""
-    rest, groups = [], {}  # (format, id of the origin) -> [(index, bits, origin, lane)]
+    rest, groups = [], {}  # (format, id of the origin) -> [(index, bits, origin, lane, device address)]
     last = None  # (fmt, shape, origin, lane, its group) of the last tensor that had a lane
     for i, (bits, fmt, shape, origin) in enumerate(arrays.import_tensors(xs, dtype)):
-        if last is not None and fmt is last[0] and origin is last[2] and shape == last[1] and arrays.aligned(bits):
-            last[4].append((i, bits, origin, last[3]))  # what _lane would say again (its other checks are the backend's)
-            continue
+        if last is not None and fmt is last[0] and origin is last[2] and shape == last[1]:
+            ptr = bits.data.ptr  # read once: the alignment check and the program's table (~0.2 us each)
+            if ptr % 16 == 0:  # arrays.aligned: what _lane would say again (its other checks are the backend's)
+                last[4].append((i, bits, origin, last[3], ptr))
+                continue
         lane = pipe._lane(fmt, shape, get_backend(backend or origin.backend_name), bits)
         if lane is not None:  # a program per format and caller (the blobs come out in its framework)
             group = groups.setdefault((fmt.name, id(origin)), [])
-            group.append((i, bits, origin, lane))
+            group.append((i, bits, origin, lane, bits.data.ptr))
             last = (fmt, shape, origin, lane, group)
         else:
             rest.append(i)
@@ -199,7 +201,8 @@ def _encode_many_by_lanes(pipe: Pipeline, xs, dtype, backend, out) -> list[int]:
     for members in groups.values():
         origin = members[0][2]
         with origin.stream_context():
-            blobs = fused_fast.encode_lanes([m[3] for m in members], [m[1] for m in members], origin)
+            blobs = fused_fast.encode_lanes([m[3] for m in members], [m[1] for m in members], origin,
+                                            [m[4] for m in members])
         for (i, *_), blob in zip(members, blobs):
             if blob is None:
                 rest.append(i)
