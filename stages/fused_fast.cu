@@ -367,8 +367,8 @@ __device__ __forceinline__ constexpr int lut_stride() { return E == 5 && M == 2 
 
 // The rest fields (sign << 2 | mantissa) of four E5M2 values (the bytes of w), packed 3 bits a
 // value at bits 20-31, by two products: every partial product lands on bits of its own or outside
-// 20-31, so nothing carries into them (checked in Python for all 4096 field values, each with
-// random other bits).  Two logic ops and two multiplies (FMA pipe) instead of nine logic ops: the
+// 20-31, so nothing carries into them (tests/test_kernel_identities.py: all 4096 field values,
+// each with random other bits).  Two logic ops and two multiplies (FMA pipe) instead of nine logic ops: the
 // E5M2 encoder was ALU-bound (ncu: ALU pipe 74 %, 106 instructions a group; NOTES v17).
 __device__ __forceinline__ u32 e5m2_rest12(u32 w) {
     return (w & 0x80038003u) * 0x00100401u + (w & 0x03800380u) * 0x00008020u;
@@ -1218,8 +1218,8 @@ __device__ __forceinline__ void decode_bf16_words(u32 word, const RestRaw<8>& rr
 // The rest fields of four E5M2 values (3 bits each at bits 0-11 of x; higher bits ignored) spread
 // to their places in the stored bytes: mantissas to bits 8k..8k+1 by two products (the even and
 // the odd values' fields; their partial products land on bits of their own, so they add without
-// carries), signs to bit 8k + 7 by one.  Checked in Python for all 4096 fields; it replaced ten
-// shifts and masks (NOTES v17).
+// carries), signs to bit 8k + 7 by one (tests/test_kernel_identities.py: all 4096 fields).  It
+// replaced ten shifts and masks (NOTES v17).
 __device__ __forceinline__ u32 e5m2_spread_rest(u32 x) {
     const u32 mm = (x & 0x0C3u) * 0x401u + (x & 0x618u) * 0x8020u;
     const u32 s = (x & 0x924u) * 0x108420u;
