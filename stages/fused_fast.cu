@@ -633,7 +633,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
         // step's loads are issued before this step's work, into a second set of registers, so a
         // warp keeps reads in flight while it encodes: the E5M2 encoder, latency-bound once its
         // instructions were cut (ncu: 61 % of stall samples waiting on loads), went 183-187 ->
-        // 172 us, BF16 260-263 -> 253 (at the shapes ENCODE_SHAPE names; NOTES v17).  The
+        // 172-180 us, BF16 260-265 -> 253-259 (at the shapes ENCODE_SHAPE names; NOTES v17).  The
         // quantizing encoder, which would hold 16-bit values, was slower with it (242 -> 255).
         constexpr bool PREFETCH = !QT;
         using L = typename Pick<QT, u16, T>::type;  // the values as loaded
