@@ -622,12 +622,12 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
         const long long c = gc - J.chunk_base, g0 = c * gpc;
         const long long n = J.n - g0 * 8;  // values from the chunk's start to the tensor's end
         const int ng = (int)min((long long)gpc, (n + 7) / 8);
-        // this chunk's data, and group i of it at index i
-        const T* __restrict__ src = static_cast<const T*>(J.src) + g0 * 8;
-        const u16* __restrict__ src16 = static_cast<const u16*>(J.src) + g0 * 8;  // QT
+        // this chunk's data, and group i of it at index i (QT: the 16-bit values it quantizes)
+        using L = typename Pick<QT, u16, T>::type;
+        const L* __restrict__ src = static_cast<const L*>(J.src) + g0 * 8;
         u8* __restrict__ codes = J.codes + g0 * 4;
         u8* __restrict__ rest = J.rest + g0 * R;
-        assume_global(src); assume_global(src16); assume_global(codes); assume_global(rest);
+        assume_global(src); assume_global(codes); assume_global(rest);
         int count = 0;
         // Whole steps (every group 8 values) load with no checks.  Unquantizing, the next whole
         // step's loads are issued before this step's work, into a second set of registers, so a
@@ -636,15 +636,12 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
         // 172-180 us, BF16 260-265 -> 253-259 (at the shapes ENCODE_SHAPE names; NOTES v17).  The
         // quantizing encoder, which would hold 16-bit values, was slower with it (242 -> 255).
         constexpr bool PREFETCH = !QT;
-        using L = typename Pick<QT, u16, T>::type;  // the values as loaded
-        const L* __restrict__ lsrc = static_cast<const L*>(J.src) + g0 * 8;
-        assume_global(lsrc);
         Raw<T> cur[PREFETCH ? GPL : 1], ahead[PREFETCH ? GPL : 1];
         bool whole = STEP <= ng && (long long)STEP * 8 <= n;
         if constexpr (PREFETCH) {
             if (whole) {
 #pragma unroll
-                for (int q = 0; q < GPL; q++) load_raw_full(lsrc, q * 32 + lane, cur[q]);
+                for (int q = 0; q < GPL; q++) load_raw_full(src, q * 32 + lane, cur[q]);
             }
         }
         for (int s0 = 0; s0 < ng; s0 += STEP) {
@@ -652,7 +649,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
             if constexpr (PREFETCH) {
                 if (next_whole) {
 #pragma unroll
-                    for (int q = 0; q < GPL; q++) load_raw_full(lsrc, s0 + STEP + q * 32 + lane, ahead[q]);
+                    for (int q = 0; q < GPL; q++) load_raw_full(src, s0 + STEP + q * 32 + lane, ahead[q]);
                 }
             }
             Raw<T> v[GPL];
@@ -664,7 +661,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
                         v[q] = cur[q];
                     } else {  // QT: quantized as they arrive
                         Raw<L> raw;
-                        load_raw_full(lsrc, s0 + q * 32 + lane, raw);
+                        load_raw_full(src, s0 + q * 32 + lane, raw);
                         quantize_raw(raw, v[q], qtable);
                     }
                 }
@@ -688,7 +685,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
 #pragma unroll
                 for (int q = 0; q < GPL; q++)
                     if (s0 + q * 32 + lane < ng) {
-                        if constexpr (QT) load_quantized(src16, n, s0 + q * 32 + lane, v[q], qtable);
+                        if constexpr (QT) load_quantized(src, n, s0 + q * 32 + lane, v[q], qtable);
                         else load_raw(src, n, s0 + q * 32 + lane, v[q]);
                     }
 #pragma unroll
