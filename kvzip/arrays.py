@@ -188,7 +188,7 @@ def import_tensor(x, dtype=None) -> tuple[object, FloatFormat, tuple[int, ...], 
     override = None if dtype is None else _format_of(dtype)
     arr, name, origin = _borrow(x)
     fmt = _resolve_format(name, arr.dtype.itemsize, override, origin.framework)
-    return _bits_of(arr, fmt, origin), fmt, tuple(int(n) for n in arr.shape), origin
+    return _bits_of(arr, fmt, origin), fmt, arr.shape, origin  # NumPy's and CuPy's shapes are tuples of ints
 
 
 def _bits_of(arr, fmt: FloatFormat, origin: Origin):
@@ -214,7 +214,7 @@ def import_tensors(xs, dtype=None) -> list[tuple]:
     serving loop's batch) skips what the run's first array settled: the format and the origin
     (~1 us an array instead of ~2-4)."""
     out = []
-    nd = _cupy_ndarray()
+    nd = cupy_ndarray()
     run = None  # (dtype, fmt, origin) of the last CuPy array imported in full
     for x in xs:
         if run is not None and type(x) is nd and x.dtype is run[0] and x.data.device_id == run[2].device_index \
@@ -260,7 +260,7 @@ def import_bytes(blob) -> tuple[object, Origin]:
             f"a kvzip blob must be a 1-D uint8 array; got a {origin.framework} array "
             f"of dtype {name} with shape {tuple(arr.shape)}"
         )
-    if arr.flags.c_contiguous:
+    if _c_contiguous(arr):
         return arr, origin
     with origin.stream_context():
         return arr.ravel(), origin
@@ -270,7 +270,7 @@ def import_blobs(blobs) -> list[tuple]:
     """:func:`import_bytes` for each of blobs; contiguous 1-D uint8 CuPy arrays on one device (a
     batch :func:`kvzip.compress_many` gave back) take a check each and share one origin."""
     out = []
-    nd = _cupy_ndarray()
+    nd = cupy_ndarray()
     origin = None  # of the last CuPy blob
     for b in blobs:
         if origin is not None and type(b) is nd and b.dtype is _U8 and b.ndim == 1 \
@@ -460,26 +460,32 @@ class ResultBuffer:
     For a CUDA torch caller the memory comes from torch's allocator, on the caller's current
     stream (where kvzip's work runs), and results are slices of that tensor: narrow() and view()
     cost a few microseconds where a DLPack export of a CuPy array costs 15-25 on the H200's
-    host.  Other callers get CuPy memory and export_tensors' / export_bytes' results."""
+    host.  Other callers get memory from CuPy's pool, and the results are the only CuPy arrays
+    built over it: an empty() array first took ~1.7 of the allocation's ~4.3 us on that host,
+    ahead of the launch (benchmarks/NOTES.md, v18)."""
 
-    __slots__ = ("_array", "tensor", "origin", "ptr")
+    __slots__ = ("_array", "memory", "nbytes", "tensor", "origin", "ptr")
 
     def __init__(self, nbytes: int, origin: Origin | None = None):
-        self.origin, self.tensor, self._array = origin, None, None
+        self.origin, self.tensor, self._array, self.nbytes = origin, None, None, max(nbytes, 1)
         if origin is not None and origin.framework == "torch" and origin.device == "cuda":
             import torch
 
-            self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=torch.device("cuda", origin.device_index))
+            self.tensor = torch.empty(self.nbytes, dtype=torch.uint8, device=torch.device("cuda", origin.device_index))
             self.ptr = self.tensor.data_ptr()  # all the kernels need: the CuPy view is built only if asked for
+            self.memory = None
         else:
-            self._array = _cupy().empty(max(nbytes, 1), _U8)
-            self.ptr = self._array.data.ptr
+            self.memory = _cupy().cuda.alloc(self.nbytes)  # a cupy.cuda.MemoryPointer (the pool's)
+            self.ptr = self.memory.ptr
 
     @property
     def array(self):
         """The buffer as a CuPy uint8 array (for a torch buffer, a view of its tensor)."""
         if self._array is None:
-            self._array = _cupy_over_torch(self.tensor, (self.tensor.numel(),), _U8, self.origin.device_index)
+            if self.tensor is not None:
+                self._array = _cupy_over_torch(self.tensor, (self.nbytes,), _U8, self.origin.device_index)
+            else:
+                self._array = _cupy().ndarray((self.nbytes,), _U8, self.memory)
         return self._array
 
     def places(self, starts) -> list:
@@ -487,8 +493,8 @@ class ResultBuffer:
         memory pointers, ~15 % of building a CuPy array (None for a torch buffer: nothing to do)."""
         if self.tensor is not None:
             return None
-        at = self.array.data
-        return [at + s for s in starts]
+        at = self.memory
+        return [at + s if s else at for s in starts]
 
     def blobs(self, starts, lengths, places=None) -> list:
         """The bytes [start, start + length) as 1-D uint8 arrays of the caller's framework (CuPy
@@ -505,7 +511,7 @@ class ResultBuffer:
     def tensors(self, pieces) -> list:
         """:func:`export_tensors` of this buffer's pieces [(byte offset, fmt, shape)] for its origin."""
         if self.tensor is None:
-            return export_tensors(self.array, pieces, self.origin)
+            return _export_pieces(self.memory, pieces, self.origin)
         t = self.tensor
         return [t.narrow(0, at, math.prod(shape) * fmt.itemsize).view(_torch_dtype(fmt.dtype_name)).view(shape)
                 for at, fmt, shape in pieces]
@@ -515,10 +521,14 @@ def export_tensors(buffer, pieces, origin: Origin) -> list:
     """:func:`export_tensor` for pieces of one CuPy buffer: pieces is [(byte offset, fmt, shape)].
     For a CuPy caller each result is built straight on the buffer (one constructor, ~1.5 us);
     other frameworks get export_tensor of each piece's raw bits."""
+    return _export_pieces(buffer.data, pieces, origin)
+
+
+def _export_pieces(at, pieces, origin: Origin) -> list:
+    """export_tensors of the memory at (a cupy.cuda.MemoryPointer)."""
     cupy = _cupy()
-    at = buffer.data
     if origin.framework == "cupy":
-        return [cupy.ndarray(shape, _cupy_dtype(fmt), at + offset) for offset, fmt, shape in pieces]
+        return [cupy.ndarray(shape, _cupy_dtype(fmt), at + offset if offset else at) for offset, fmt, shape in pieces]
     return [export_tensor(cupy.ndarray((math.prod(shape),), fmt.uint_dtype, at + offset), fmt, shape, origin)
             for offset, fmt, shape in pieces]
 
@@ -604,7 +614,7 @@ def _cupy_over_torch(t, shape: tuple, dtype, device_index: int):
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
 
 
-def _cupy_ndarray():
+def cupy_ndarray():
     """CuPy's ndarray class, or a class nothing is an instance of when CuPy is not imported (an
     array of it cannot exist then)."""
     cupy = sys.modules.get("cupy")

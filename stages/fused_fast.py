@@ -382,6 +382,18 @@ class _EncodeProgram:
         got = self.shape.wait(stream)[:self.sizes_nb]
         return got.view(np.uint64).reshape(-1, 3).astype(np.int64)
 
+    def encode(self, src_ptrs: list[int], origin, stream) -> list:
+        """The blobs of the tensors at src_ptrs as origin's arrays (CuPy's without one), None where
+        a payload came out larger than the values.  The host's work but the blobs' sizes happens
+        before the launch or while the GPU runs."""
+        buffer = arrays.ResultBuffer(self.total, origin)
+        self.launch(src_ptrs, buffer.ptr, stream)
+        places = buffer.places(self.starts)  # while the GPU encodes
+        self.shape.wait(stream)
+        payloads = self.shape.down64[2:3 * len(self.starts):3].tolist()  # (escapes, high bytes, payload) each
+        lengths = [h + p if p <= raw else None for h, p, raw in zip(self.header_list, payloads, self.raw_list)]
+        return buffer.blobs(self.starts, lengths, places)
+
 
 def encode_batch(frames: list[Frame], top16, chunk: int, checksum: bool) -> EncodedBatch:
     """Encode tensor frames of one format straight into container blobs (Serialize included)."""
@@ -444,30 +456,33 @@ class EncodeLane:
         payload comes out larger than the values (the general path then stores them raw) or
         the lane quantizes and quantize_fast is off.  origin (kvzip.arrays.Origin): hand the
         blob out as that caller's array (else CuPy's)."""
-        return encode_lanes([self], [bits], origin)[0]
+        if self.quantize and not quantize_fast.ENABLED:
+            return None
+        device, stream = _current()
+        return _encode_program((self.plan,), self, device).encode([bits.data.ptr], origin, stream)[0]
 
 
 def encode_lanes(lanes: list[EncodeLane], bits: list, origin=None, ptrs: list[int] | None = None) -> list:
     """EncodeLane.encode for several tensors of one pipeline and format (and caller, origin) in
     one program run (quantizing lanes: a run each, their tables per tensor).  ptrs: the bits'
-    device addresses, if the caller has them already."""
-    if any(lane.quantize for lane in lanes):
+    device addresses, if the caller has them already (then bits is not read)."""
+    first = lanes[0]
+    if first.quantize or any(lane.quantize for lane in lanes):
         if not quantize_fast.ENABLED:
             return [None] * len(lanes)
         if len(lanes) > 1:
-            return [out for lane, b in zip(lanes, bits) for out in encode_lanes([lane], [b], origin)]
+            return [lane.encode(b, origin) for lane, b in zip(lanes, bits)]
     device, stream = _current()
-    plans = tuple(lane.plan for lane in lanes)
-    first = lanes[0]
-    prog = call_graphs.cached(("encode", device, *map(id, plans), first.quantize),  # encode_batch's key too
+    prog = _encode_program(tuple(lane.plan for lane in lanes), first, device)
+    return prog.encode(ptrs if ptrs is not None else [b.data.ptr for b in bits], origin, stream)
+
+
+def _encode_program(plans: tuple, first: EncodeLane, device: int) -> _EncodeProgram:
+    """This thread's program for lanes of these plans (first: one of them, for the format,
+    codebook, chunk size and quantizing source)."""
+    return call_graphs.cached(("encode", device, *map(id, plans), first.quantize),  # encode_batch's key too
                               lambda: _EncodeProgram(plans, first.fmt, first.codebook, first.chunk, device,
                                                      first.quantize))
-    buffer = arrays.ResultBuffer(prog.total, origin)
-    prog.launch(ptrs if ptrs is not None else [b.data.ptr for b in bits], buffer.ptr, stream)
-    places = buffer.places(prog.starts)  # while the GPU encodes
-    payloads = prog.wait(stream)[:, 2].tolist()
-    lengths = [h + p if p <= raw else None for h, p, raw in zip(prog.header_list, payloads, prog.raw_list)]
-    return buffer.blobs(prog.starts, lengths, places)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -655,8 +670,8 @@ class _DecodeProgram:
     def _raw_views(self, out) -> list:
         import cupy
 
-        at = out.array.data
-        return [cupy.ndarray((n,), self.dtype, at + offset) for offset, n in zip(self.offsets, self.ns)]
+        at = out.memory if out.memory is not None else out.array.data
+        return [cupy.ndarray((n,), self.dtype, at + offset if offset else at) for offset, n in zip(self.offsets, self.ns)]
 
 
 def decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray, labels=None, dequantize: tuple | None = None,
