@@ -1002,6 +1002,35 @@ __device__ __forceinline__ u64 block_exclusive_sum(u64 mine, u64* total) {
     return incl - mine + (wid ? warp_sums[wid - 1] : 0);
 }
 
+// kvz_scan's encode: escapes k, k + SB_CHUNKS, .. (MOVE_BATCH of them, those below listed) of a
+// block, read from their chunks' slots into pos / ex; returns a bit per escape read (none for a
+// chunk redone from the input).  s_eoff: escapes before each of the block's chunks; s_cnt: their
+// counts; c0: the block's first chunk.
+#define MOVE_BATCH 4
+__device__ __forceinline__ u32 load_escapes(u32 k0, u32 listed, const u32* s_eoff, const u16* s_cnt, int slot,
+                                            long long c0, const u16* slot_pos, const u8* slot_exp,
+                                            u16 pos[MOVE_BATCH], u8 ex[MOVE_BATCH]) {
+    assume_global(slot_pos); assume_global(slot_exp);
+    u32 loaded = 0;
+#pragma unroll
+    for (int u = 0; u < MOVE_BATCH; u++) {
+        const u32 k = k0 + u * SB_CHUNKS;
+        if (k >= listed) break;
+        // k's chunk: the last with s_eoff <= k (it has escapes, so k < its offset + count)
+        int lo = 0, hi = SB_CHUNKS - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_eoff[mid] <= k) lo = mid; else hi = mid - 1;
+        }
+        if (s_cnt[lo] > (u32)slot) continue;  // redone from the input
+        const long long at = (c0 + lo) * slot + (k - s_eoff[lo]);
+        pos[u] = slot_pos[at];
+        ex[u] = slot_exp[at];
+        loaded |= 1u << u;
+    }
+    return loaded;
+}
+
 // The escape and plane-group offsets of every chunk, from esc_count: a block per SB_CHUNKS chunks
 // of one tensor, blocks chained per tensor by the decoupled look-back (tickets hand the blocks out
 // in order).  A chunk's value is escapes << 31 | plane-coded groups.
@@ -1075,6 +1104,24 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
     }
     u64 agg;
     const u64 excl = block_exclusive_sum(mine, &agg);
+    // Encode: the block's escapes leave the slots in rounds of MOVE_BATCH a thread, every load of
+    // a round in flight before its stores (which the compiler may not hoist loads above: they
+    // could alias).  The first round's loads go out before the look-back, whose wait they overlap.
+    // (A load and its dependent store an escape took 52 % of the scan's stall samples, the
+    // look-back's barrier 14 %: NOTES v18.)
+    const u32 listed = (u32)(agg >> 31);
+    const long long c0 = lsb * SB_CHUNKS;
+    u16 pos[MOVE_BATCH];
+    u8 ex[MOVE_BATCH];
+    u32 loaded = 0;
+    if constexpr (ENC) {
+        s_eoff[tid] = (u32)(excl >> 31);
+        s_goff[tid] = (u32)(excl & GROUPS_MASK);
+        s_cnt[tid] = (u16)stored;
+        if (c < nchunks && (stored == PLANE || stored > (u32)slot)) s_redo[atomicAdd(&s_nredo, 1)] = (u16)tid;
+        __syncthreads();
+        loaded = load_escapes(tid, listed, s_eoff, s_cnt, slot, c0, J.slot_pos, J.slot_exp, pos, ex);
+    }
     if (wid == 0) {
         const u64 p = look_back(work + 1 + njobs + J.sb_base, lsb, agg, lane);
         if (lane == 0) s_prefix = p;
@@ -1098,30 +1145,20 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
         const u64 totals = work[1 + job];
         u8* __restrict__ exp_out = reinterpret_cast<u8*>(J.esc_pos) + align16(2 * (long long)(totals >> 31));
         u8* __restrict__ high_out = exp_out + align16((long long)(totals >> 31));
-        s_eoff[tid] = (u32)(excl >> 31);
-        s_goff[tid] = (u32)(excl & GROUPS_MASK);
-        s_cnt[tid] = (u16)stored;
-        if (c < nchunks && (stored == PLANE || stored > (u32)slot)) s_redo[atomicAdd(&s_nredo, 1)] = (u16)tid;
-        __syncthreads();
-        const long long esc_base = (long long)(prefix >> 31), c0 = lsb * SB_CHUNKS;
-        const u32 listed = (u32)(agg >> 31);
+        const long long esc_base = (long long)(prefix >> 31);
         // The job's pointers in registers: read through J, every store below could alias them and
         // each escape reloaded three (ncu: 38 % of the scan's stall samples on this loop's stores).
-        const u16* __restrict__ slot_pos = J.slot_pos;
-        const u8* __restrict__ slot_exp = J.slot_exp;
         u16* __restrict__ esc_pos = J.esc_pos;
-#pragma unroll 4
-        for (u32 k = tid; k < listed; k += SB_CHUNKS) {
-            // k's chunk: the last with s_eoff <= k (it has escapes, so k < its offset + count)
-            int lo = 0, hi = SB_CHUNKS - 1;
-            while (lo < hi) {
-                const int mid = (lo + hi + 1) >> 1;
-                if (s_eoff[mid] <= k) lo = mid; else hi = mid - 1;
+        assume_global(esc_pos); assume_global(exp_out);
+        for (u32 k0 = tid;;) {
+#pragma unroll
+            for (int u = 0; u < MOVE_BATCH; u++) {
+                const long long k = k0 + u * SB_CHUNKS;
+                if (loaded >> u & 1) { esc_pos[esc_base + k] = pos[u]; exp_out[esc_base + k] = ex[u]; }
             }
-            if (s_cnt[lo] > (u32)slot) continue;  // redone below
-            const long long at = (c0 + lo) * slot + (k - s_eoff[lo]);
-            esc_pos[esc_base + k] = slot_pos[at];
-            exp_out[esc_base + k] = slot_exp[at];
+            k0 += MOVE_BATCH * SB_CHUNKS;
+            if (k0 >= listed) break;
+            loaded = load_escapes(k0, listed, s_eoff, s_cnt, slot, c0, J.slot_pos, J.slot_exp, pos, ex);
         }
         const void* src = J.src;
         const u8* qtable = nullptr;  // QT: redo from the 16-bit input through the table (global: rare path)

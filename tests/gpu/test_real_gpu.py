@@ -93,6 +93,27 @@ def test_gpu_real_kv_bf16(n, gpu_path):
     np.testing.assert_array_equal(bits_of(kvzip.decompress(gpu)), bits)
 
 
+def test_scans_look_back_past_one_round():
+    """Tensors of 300 scan blocks (256 chunks each: chunk 64, 4.9M values), whose decoupled
+    look-back takes rounds of 32 predecessors, alone and in a batch, equal the CPU's bytes and
+    decode back."""
+    n = 300 * 256 * 64 + 13
+    bits = real_bf16(n)
+    hit = rng.random(n) < 0.01
+    bits[hit] = (bits[hit] & 0x807F) | (rng.integers(200, 250, int(hit.sum())) << 7).astype(np.uint16)
+    pipe = pipeline(64)
+    cpu = kvzip.compress(bits, dtype="bf16", chunk=64)
+    gpu = pipe.encode(cupy.asarray(bits), dtype="bf16")
+    np.testing.assert_array_equal(cpu, gpu.get())
+    np.testing.assert_array_equal(bits_of(pipe.decode(gpu)), bits)
+    xs = [cupy.asarray(bits[:n - 4096]), cupy.asarray(bits)]
+    blobs = pipe.encode_many(xs, dtype="bf16")
+    np.testing.assert_array_equal(blobs[0].get(), kvzip.compress(bits[:n - 4096], dtype="bf16", chunk=64))
+    np.testing.assert_array_equal(blobs[1].get(), cpu)
+    for x, y in zip(xs, pipe.decode_many(blobs)):
+        np.testing.assert_array_equal(bits_of(y), x.get())
+
+
 def test_escape_heavy_chunks_plane_coded_on_gpu(gpu_path):
     bits = real_bf16(1 << 18)
     bits[: 1 << 14] = random_bits(FORMATS["bf16"], 1 << 14)  # first chunks full of escapes
