@@ -498,7 +498,8 @@ class ResultBuffer:
 
     def blobs(self, starts, lengths, places=None) -> list:
         """The bytes [start, start + length) as 1-D uint8 arrays of the caller's framework (CuPy
-        without an origin); None where length is None.  places: self.places(starts), if taken."""
+        without an origin); None where length is None.  lengths: any iterable, read as the blobs
+        are built.  places: self.places(starts), if taken."""
         if self.tensor is not None:
             t = self.tensor
             return [None if n is None else t.narrow(0, s, n) for s, n in zip(starts, lengths)]

@@ -576,6 +576,25 @@ __device__ __forceinline__ long long next_chunk(long long next) {
     return r;
 }
 
+// kvz_encode's per-tensor sums, by one lane: a warp's escapes << 31 | plane-coded groups of its
+// `chunks` chunks of tensor `job` into work[1 + job]; with ready, the chunks into the tensor's
+// done count (work[queue_at + 1 + job]) after them, and the lane that completes the count puts
+// the totals in ready[job], flagged.  Each lane's fence orders its sum before its count, and the
+// last lane's after its count, so the totals it reads hold every warp's.
+__device__ __noinline__ void flush_totals(const EncodeJob* jobs, int job, u64 sum, int chunks, int chunk,
+                                             u64* work, long long queue_at, u64* ready) {
+    if (chunks == 0) return;
+    if (sum) atomicAdd(work + 1 + job, sum);
+    if (ready == nullptr) return;
+    __threadfence();
+    const long long nchunks = (jobs[job].n + chunk - 1) / chunk;
+    if ((long long)atomicAdd(work + queue_at + 1 + job, (u64)chunks) + chunks == nchunks) {
+        __threadfence();
+        const u64 totals = atomicAdd(work + 1 + job, 0ull);
+        *reinterpret_cast<volatile u64*>(ready + job) = totals | (1ull << 63);
+    }
+}
+
 // Dense pass.  Chunks come from the queue above; a warp walks its chunk in steps of 32 * GPL
 // groups, each lane loading its GPL groups with vector loads, encoding them and storing codes
 // and rest in place.  Escapes go to a per-chunk slot in position order (slot_escapes); kvz_scan
@@ -586,7 +605,9 @@ __device__ __forceinline__ long long next_chunk(long long next) {
 // instructions a group on bookkeeping and stalled at 52-60 % of DRAM bandwidth (NOTES.md, v3-v4).
 // Each warp also sums its chunks' escapes and plane-coded groups per tensor into work[1 + t] (one
 // atomic per warp and tensor), so kvz_scan knows the totals, and with them where the escape
-// exponents go, from its start.
+// exponents go, from its start.  ready (pinned host memory, or null): word t becomes tensor t's
+// totals | 1 << 63 as soon as its last chunk is counted (flush_totals), so the host sizes and
+// hands out each blob while the rest of the batch, and the scan, still run.
 // GPL: groups a lane handles per step; MINB: blocks per multiprocessor to fit.
 // QT (FP8 formats, one job): the values come in as 16-bit bits and are quantized as they load,
 // through jobs[0].q_table copied to shared memory (QuantizeFP8 per tensor fused in: the FP8
@@ -595,7 +616,7 @@ template <int E, int M, typename T, int GPL, int MINB, bool QT = false>
 __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* __restrict__ jobs, int njobs,
                                                                 long long total_chunks, int chunk, int slot,
                                                                 const u8* __restrict__ lut, u64* __restrict__ work,
-                                                                long long queue_at) {
+                                                                long long queue_at, u64* __restrict__ ready) {
     constexpr int HB = E - 4, R = M + 1, STEP = 32 * GPL;
     __shared__ u32 slut_words[((1 << E) * lut_stride<E, M>() + 3) / 4];
     u8* slut = reinterpret_cast<u8*>(slut_words);
@@ -613,7 +634,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
     const long long W = (long long)gridDim.x * WARPS;
     long long next = 0;
     u64 sum = 0;  // escapes << 31 | plane-coded groups of this warp's chunks of tensor sum_job
-    int sum_job = 0;
+    int sum_job = 0, sum_chunks = 0;
     for (long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); gc < total_chunks;
          gc = next_chunk(next)) {
         next = claim_chunk(work + queue_at, W, lane);
@@ -713,13 +734,15 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
         const bool plane = count > HB * ng / 3;
         if (lane == 0) J.esc_count[c] = plane ? (u16)PLANE : (u16)count;
         if (job != sum_job) {
-            if (lane == 0 && sum) atomicAdd(work + 1 + sum_job, sum);
+            if (lane == 0) flush_totals(jobs, sum_job, sum, sum_chunks, chunk, work, queue_at, ready);
             sum = 0;
+            sum_chunks = 0;
             sum_job = job;
         }
         sum += plane ? (u64)ng : (u64)count << 31;
+        sum_chunks++;
     }
-    if (lane == 0 && sum) atomicAdd(work + 1 + sum_job, sum);
+    if (lane == 0) flush_totals(jobs, sum_job, sum, sum_chunks, chunk, work, queue_at, ready);
 }
 
 // ------------------------------------------------------------------ blob epilogue (encode)

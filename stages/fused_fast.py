@@ -25,6 +25,7 @@ turns each value into its FP8 code as it loads; a dequantizing decode program bu
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
@@ -141,6 +142,21 @@ def _device_lut(fmt_name: str, exponents: tuple, device_id: int) -> int:
 
 _keep: list = []
 P = np.uint64  # kernel pointer arguments travel as 64-bit integers: CuPy marshals those cheaply
+
+
+GROUPS_MASK = (1 << 31) - 1  # kvz_encode's totals: escapes << 31 | plane-coded groups (fused_fast.cu)
+VALUE_MASK = (1 << 62) - 1   # the totals below the ready flag (bit 63)
+
+
+def _align16(x: int) -> int:
+    return (x + 15) & ~15
+
+
+def _pinned_words(k: int) -> np.ndarray:
+    """k zeroed uint64 words of pinned host memory, which kernels can write (mapped)."""
+    import cupyx
+
+    return cupyx.zeros_pinned((max(k, 1),), np.uint64)
 
 
 def _launch(name: str, device: int, grid, args) -> tuple:
@@ -304,7 +320,8 @@ class _EncodeProgram:
         sb_base = list(accumulate((-(-p.nchunks // SB_CHUNKS) for p in plans), initial=0))
         total_chunks, total_sb, slot = chunk_base[-1], sb_base[-1], slot_size(chunk)
         tmpl_host = np.frombuffer(b"".join(templates), np.uint8)
-        self.sizes_nb, work_nb = 24 * k, 8 * (2 + k + total_sb)  # ..., look-back, kvz_encode's chunk queue
+        # work: scan ticket, totals, look-back, kvz_encode's chunk queue, each tensor's chunks done
+        self.sizes_nb, work_nb = 24 * k, 8 * (2 + 2 * k + total_sb)
         enc, scan, _, _ = _instances(fmt)
         ops = [("upload", 3), ("zero", 3)]
         if quantize:
@@ -317,10 +334,12 @@ class _EncodeProgram:
                     ("launch", table, (quantize_fast.TABLE_BYTES // quantize_fast.THREADS,), (quantize_fast.THREADS,),
                      (R(7), P(0), R(0), np.int32(Q_SCALE), np.int32(p.nxt["scales"] - p.off["scales"]), R(8)))]
         lut = P(_device_lut(fmt.name, cb.exponents, device))
+        # kvz_encode writes each tensor's totals here (pinned, mapped) as soon as it has them.
+        self.ready = _pinned_words(k)
         if total_chunks:
             ops.append(_launch(enc, device, _chunk_grid(enc, device, total_chunks),
                                (R(0), np.int32(k), np.int64(total_chunks), np.int32(chunk), np.int32(slot), lut, R(3),
-                                np.int64(1 + k + total_sb))))
+                                np.int64(1 + k + total_sb), P(self.ready.ctypes.data))))
         ops += [_launch(scan, device, k + total_sb,  # k blocks finish the blobs (headers)
                         (R(0), np.int32(k), np.int32(chunk), np.int32(slot), lut, R(3), P(0), R(1), R(4),
                          P(0), P(0), np.int32(0))),
@@ -357,6 +376,9 @@ class _EncodeProgram:
         self.starts = starts[:-1]  # each blob's byte offset in the output buffer
         self.total = starts[-1]
         self.header_lens = np.array([len(p.header) for p in plans], np.int64)
+        self.hb = fmt.high_exp_bits
+        self.var_bases = [p.off["esc_pos"] for p in plans]  # where each payload's escape streams start
+        self.pending = [p.nchunks > 0 for p in plans]  # tensors kvz_encode publishes (the others: no escapes)
         self.raw_payloads = np.array([p.raw_payload for p in plans], np.int64)
         self.header_list, self.raw_list = self.header_lens.tolist(), self.raw_payloads.tolist()
 
@@ -384,15 +406,58 @@ class _EncodeProgram:
 
     def encode(self, src_ptrs: list[int], origin, stream) -> list:
         """The blobs of the tensors at src_ptrs as origin's arrays (CuPy's without one), None where
-        a payload came out larger than the values.  The host's work but the blobs' sizes happens
-        before the launch or while the GPU runs."""
+        a payload came out larger than the values.  Returns once the GPU is done; the host's work
+        happens before the launch or while the GPU runs: a CuPy or torch caller's batch blobs are
+        built as kvz_encode publishes each tensor's totals, while the others and the scan run."""
         buffer = arrays.ResultBuffer(self.total, origin)
+        # Batches of a CuPy or torch caller (views, no copy: safe before the scan ends) are sized as
+        # published; one tensor gains nothing (a single blob, built while the scan's ~10 us run).
+        early = len(self.starts) > 1 and (origin is None or origin.framework in ("cupy", "torch"))
+        if early:
+            self.ready.fill(0)
         self.launch(src_ptrs, buffer.ptr, stream)
         places = buffer.places(self.starts)  # while the GPU encodes
+        blobs = None
+        if early:
+            try:  # each blob is built as its length comes
+                blobs = buffer.blobs(self.starts, self._published_lengths(stream), places)
+            except _Unpublished:
+                pass
         self.shape.wait(stream)
+        if blobs is not None:
+            return blobs
         payloads = self.shape.down64[2:3 * len(self.starts):3].tolist()  # (escapes, high bytes, payload) each
         lengths = [h + p if p <= raw else None for h, p, raw in zip(self.header_list, payloads, self.raw_list)]
         return buffer.blobs(self.starts, lengths, places)
+
+    def _published_lengths(self, stream):
+        """Each blob's length (None: stored raw), from the totals kvz_encode publishes in ready,
+        yielded tensor by tensor as they come (finish_blob's layout arithmetic); raises
+        _Unpublished if the stream finished without publishing one (not expected: the caller then
+        reads the sizes the scan wrote).
+        The wait gives the GIL up between looks (other threads run meanwhile, as they do while
+        a stream synchronises) by sched_yield: time.sleep(0) slept ~50 us (the timer slack) and
+        made a 64-tensor batch slower than a plain synchronisation (NOTES v18)."""
+        ready = self.ready
+        for t, pending in enumerate(self.pending):
+            totals = int(ready[t]) if pending else 1 << 63
+            looks = 0
+            while totals >> 63 == 0:
+                looks += 1
+                if looks % 64 == 0 and stream.done:  # raises if the stream failed
+                    totals = int(ready[t])
+                    if totals >> 63 == 0:
+                        raise _Unpublished
+                    break
+                os.sched_yield()
+                totals = int(ready[t])
+            escapes, high = totals >> 31 & VALUE_MASK >> 31, self.hb * (totals & GROUPS_MASK)
+            end = _align16(_align16(_align16(self.var_bases[t] + 2 * escapes) + escapes) + high)
+            yield self.header_list[t] + end if end <= self.raw_list[t] else None
+
+
+class _Unpublished(Exception):
+    """A stream finished without kvz_encode publishing a tensor's totals."""
 
 
 def encode_batch(frames: list[Frame], top16, chunk: int, checksum: bool) -> EncodedBatch:

@@ -247,6 +247,29 @@ def test_torch_batch_round_trip():
         assert y.dtype == torch.bfloat16 and torch.equal(x.view(torch.int16), y.view(torch.int16))
 
 
+def test_blobs_sized_from_the_published_totals_match_cpu():
+    """Lane batches size their blobs from the totals kvz_encode publishes tensor by tensor (before
+    the scan ends): an empty tensor (no chunk: never published), escape-heavy and plain ones,
+    and a tensor whose lane payload comes out larger than its values (stored raw by the general
+    path), all byte-equal to the CPU; a batch of empty tensors alone has no kvz_encode at all."""
+    heavy = real_bf16(1 << 16)
+    heavy[::7] = random_bits(FORMATS["bf16"], heavy[::7].shape[0])
+    xs = [real_bf16(0), real_bf16(5), real_bf16(4096), heavy, real_bf16((1 << 18) + 3), real_bf16(1 << 14)]
+    pipe = pipeline()
+    for round_ in range(3):
+        if round_ == 2:  # the last tensor's lane now meets incompressible values
+            xs[-1] = random_bits(FORMATS["bf16"], 1 << 14)
+        blobs = pipe.encode_many([cupy.asarray(x) for x in xs], dtype="bf16")
+        for x, b in zip(xs, blobs):
+            np.testing.assert_array_equal(b.get(), kvzip.compress(x, dtype="bf16"))
+    prog = [e for e in S.call_graphs.entries() if isinstance(e, fused_fast._EncodeProgram) and len(e.plans) == len(xs)][-1]
+    assert int(prog.ready[0]) == 0 and all(int(w) >> 63 for w in prog.ready[1:len(xs)])  # the empty one has no chunk
+    empty = [cupy.asarray(real_bf16(0))] * 2
+    for _ in range(2):
+        assert [b.get().tobytes() for b in pipe.encode_many(empty, dtype="bf16")] == \
+            [kvzip.compress(real_bf16(0), dtype="bf16").tobytes()] * 2
+
+
 def test_torch_batch_on_a_side_stream():
     """A batch on the caller's torch side stream; the second round goes through the lanes and
     remembered layouts."""
