@@ -266,9 +266,15 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
 
     blobs = list(blobs)
     out = [None] * len(blobs)
+    todo = _decode_cupy_batch(blobs, out) if pipe.fuse and backend in (None, "cuda") else None
+    if todo is not None and not todo:
+        pipe.last_path = "fast"
+        return out
+    guess = todo is None  # blobs the batch above guessed wrong go straight to the header read-back
+    todo = range(len(blobs)) if todo is None else todo
     gpu = []
     seen = be = fast = None  # the last origin, its backend, whether the fast path runs there
-    for i, (u8, origin) in enumerate(arrays.import_blobs(blobs)):
+    for i, (u8, origin) in zip(todo, arrays.import_blobs([blobs[i] for i in todo])):
         if origin is not seen:
             seen, be = origin, get_backend(backend or origin.backend_name)
             fast = st.fused_fast.applicable(be)
@@ -284,7 +290,7 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
         return out
     with gpu[0][2].stream_context():
         launched = False
-        if pipe.fuse:  # first on the layouts guessed from the blobs' lengths, no header read-back
+        if pipe.fuse and guess:  # first on the layouts guessed from the blobs' lengths, no header read-back
             left = _decode_guessed(gpu, out)
             launched = len(left) < len(gpu)
             gpu = [gpu[j] for j in left]
@@ -300,6 +306,26 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
         fused = _decode_general(pipe, [(gpu[j], head) for j, head in zip(unmatched, heads)], out)
     pipe.last_path = "fast" if launched or fused else pipe.last_path
     return out
+
+
+def _decode_cupy_batch(blobs: list, out: list) -> list[int] | None:
+    """decode_many's usual batch with the least host work: blobs compress_many gave a CuPy caller
+    (one device, 16-byte aligned) of one guessed layout, checked in one pass and decoded in one
+    program run (~190 us of host ahead of the launch for 64 blobs through the general loops:
+    NOTES v18).  Fills out; returns the positions left to decode the checked way (a wrong
+    guess), or None where the batch is not of that kind."""
+    found = arrays.cupy_blob_addresses(blobs)
+    if found is None or not fused_fast.applicable(get_backend("cuda")):
+        return None
+    origin, ptrs, lengths = found
+    guesses = known_headers.guess_many(lengths)
+    layout = guesses[0]
+    if layout is None or any(g is not layout for g in guesses):
+        return None
+    with origin.stream_context():
+        got, misses = known_headers.decode_guessed(guesses, blobs, range(len(blobs)), origin, (ptrs, lengths))
+    out[:] = got
+    return misses
 
 
 def _decode_general(pipe: Pipeline, rest: list, out: list) -> bool:

@@ -227,6 +227,27 @@ def import_tensors(xs, dtype=None) -> list[tuple]:
     return out
 
 
+def cupy_blob_addresses(blobs) -> tuple | None:
+    """(origin, device addresses, lengths) when every blob is a contiguous 1-D uint8 CuPy array of
+    one device starting on a 16-byte boundary (a batch compress_many gave back), else None: what
+    import_blobs and the fast path's alignment check would find, in one pass."""
+    nd = cupy_ndarray()
+    if not blobs or type(blobs[0]) is not nd:
+        return None
+    device = blobs[0].data.device_id
+    ptrs, lengths = [], []
+    for b in blobs:
+        if type(b) is not nd or b.dtype is not _U8 or b.ndim != 1 or not b._c_contiguous:
+            return None
+        data = b.data
+        ptr = data.ptr
+        if ptr % 16 or data.device_id != device:
+            return None
+        ptrs.append(ptr)
+        lengths.append(b.size)
+    return _cuda_origin("cupy", device), ptrs, lengths
+
+
 def aligned(a) -> bool:
     """Whether a CuPy array starts on a 16-byte boundary (the fast kernels' vector loads need it)."""
     return a.data.ptr % 16 == 0

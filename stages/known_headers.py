@@ -352,18 +352,20 @@ def decode(matches: list, blobs: list, origin=None) -> list:
     return decode_rows([m[0] for m in matches], rows, blobs, origin=origin)
 
 
-def decode_guessed(layouts: list, blobs: list, labels=None, origin=None) -> tuple[list, list]:
+def decode_guessed(layouts: list, blobs: list, labels=None, origin=None, addresses=None) -> tuple[list, list]:
     """Decode blobs (16-byte aligned, of one format and chunk size) on layouts guess() gave, with
     no header read-back: the GPU checks each header against its guess (fused_fast's
     guess_head) and fills in the escape fields as it goes.  Returns (results as
     decode_rows', misses): the positions of the blobs whose guess was wrong, whose results are
-    None (decode them the checked way)."""
+    None (decode them the checked way).  addresses: (device addresses, lengths) of the blobs, if
+    the caller has them."""
     first, k = layouts[0], len(layouts)
     same = all(layout is first for layout in layouts)
     jobs = np.repeat(first.guess_row, k, axis=0) if same else np.concatenate([layout.guess_row for layout in layouts])
     heads = np.empty((k, 2), np.uint64)
-    heads[:, 0] = [b.data.ptr for b in blobs]
-    heads[:, 1] = [b.shape[0] for b in blobs]
+    ptrs, lengths = addresses if addresses is not None else ([b.data.ptr for b in blobs], [b.shape[0] for b in blobs])
+    heads[:, 0] = ptrs
+    heads[:, 1] = lengths
     return decode_rows(layouts, jobs, blobs, labels, origin, heads)
 
 
