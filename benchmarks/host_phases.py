@@ -1,0 +1,80 @@
+"""Where a fast-path call's host time falls around its GPU work (development aid).
+
+    python benchmarks/host_phases.py [log2_values ...]     # default: 28 23 19
+
+Stamps the host clock around the cached CUDA graph's launch and wait (stages/call_graphs.py) in
+kvzip.compress / decompress of BF16 (and of E5M2 at the first size), and compress_many /
+decompress_many of 64 x 8 MiB, and prints the median of each phase:
+
+    pre      from the call to the graph launch: Python ahead of the GPU, all of it on the wall time
+    launch   the graph launch itself
+    between  from the launch to the wait: host work the GPU's run hides (result arrays, and for
+             batches of encodes, the wait for the published sizes)
+    wait     the synchronisation
+    post     from the wait to the return: on the wall time again
+"""
+import sys
+import time
+
+import cupy
+import numpy as np
+
+import kvzip
+from kvzip.bench import _sample_bits, e5m2_bits
+from kvzip.stages import call_graphs
+
+_stamps = []
+_launch, _wait = call_graphs.CallShape.launch, call_graphs.CallShape.wait
+
+
+def _stamped_launch(self, stream):
+    _stamps.append(("l0", time.perf_counter_ns()))
+    _launch(self, stream)
+    _stamps.append(("l1", time.perf_counter_ns()))
+
+
+def _stamped_wait(self, stream):
+    _stamps.append(("w0", time.perf_counter_ns()))
+    got = _wait(self, stream)
+    _stamps.append(("w1", time.perf_counter_ns()))
+    return got
+
+
+def phases(name, call, repeat=40):
+    for _ in range(5):
+        out = call()
+    cupy.cuda.get_current_stream().synchronize()
+    rows = []
+    for _ in range(repeat):
+        _stamps.clear()
+        t0 = time.perf_counter_ns()
+        out = call()
+        t1 = time.perf_counter_ns()
+        s = dict(_stamps)  # the last launch and wait of the call (a call has one of each on the fast path)
+        rows.append((s["l0"] - t0, s["l1"] - s["l0"], s["w0"] - s["l1"], s["w1"] - s["w0"], t1 - s["w1"], t1 - t0))
+        del out
+    m = np.median(np.array(rows), axis=0) / 1e3
+    print(f"{name:<26} pre {m[0]:6.1f}  launch {m[1]:5.1f}  between {m[2]:6.1f}  wait {m[3]:7.1f}  "
+          f"post {m[4]:5.1f}  total {m[5]:7.1f} us", flush=True)
+
+
+def main(argv):
+    call_graphs.CallShape.launch, call_graphs.CallShape.wait = _stamped_launch, _stamped_wait
+    sizes = [int(a) for a in argv] or [28, 23, 19]
+    host = _sample_bits(1 << max(sizes))
+    for log2 in sizes:
+        kinds = [("bf16", host[:1 << log2])] + ([("e5m2", e5m2_bits(host, 1 << log2))] if log2 == sizes[0] else [])
+        for dtype, bits in kinds:
+            x = cupy.asarray(bits)
+            blob = kvzip.compress(x, dtype=dtype)
+            phases(f"compress {dtype} 2^{log2}", lambda: kvzip.compress(x, dtype=dtype))
+            phases(f"decompress {dtype} 2^{log2}", lambda: kvzip.decompress(blob))
+    big = cupy.asarray(_sample_bits(1 << 28))
+    xs = [big[i << 22:(i + 1) << 22] for i in range(64)]
+    blobs = kvzip.compress_many(xs, dtype="bf16")
+    phases("compress_many 64x8MiB", lambda: kvzip.compress_many(xs, dtype="bf16"), 20)
+    phases("decompress_many 64x8MiB", lambda: kvzip.decompress_many(blobs), 20)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
