@@ -529,8 +529,9 @@ class EncodeLane:
 
 def encode_lanes(lanes: list[EncodeLane], bits: list, origin=None, ptrs: list[int] | None = None) -> list:
     """EncodeLane.encode for several tensors of one pipeline and format (and caller, origin) in
-    one program run (quantizing lanes: a run each, their tables per tensor).  ptrs: the bits'
-    device addresses, if the caller has them already (then bits is not read)."""
+    one program run (quantizing lanes: a run each, their tables per tensor).  bits: the inputs
+    (arrays over the values; only their addresses are read).  ptrs: those addresses, if the
+    caller has them already (then only quantizing lanes read bits)."""
     first = lanes[0]
     if first.quantize or any(lane.quantize for lane in lanes):
         if not quantize_fast.ENABLED:
