@@ -152,6 +152,14 @@ def _align16(x: int) -> int:
     return (x + 15) & ~15
 
 
+def payload_bytes(var_base: int, totals: int, hb: int) -> int:
+    """A fused blob's payload length from kvz_encode's totals (escapes << 31 | plane-coded
+    groups, any flag above bit 61 ignored): esc_pos starts at var_base, esc_exp and exp_high
+    follow on 16-byte boundaries (finish_blob's arithmetic; container.layout's)."""
+    escapes, high = totals >> 31 & VALUE_MASK >> 31, hb * (totals & GROUPS_MASK)
+    return _align16(_align16(_align16(var_base + 2 * escapes) + escapes) + high)
+
+
 def _pinned_words(k: int) -> np.ndarray:
     """k zeroed uint64 words of pinned host memory, which kernels can write (mapped)."""
     import cupyx
@@ -451,8 +459,7 @@ class _EncodeProgram:
                     break
                 os.sched_yield()
                 totals = int(ready[t])
-            escapes, high = totals >> 31 & VALUE_MASK >> 31, self.hb * (totals & GROUPS_MASK)
-            end = _align16(_align16(_align16(self.var_bases[t] + 2 * escapes) + escapes) + high)
+            end = payload_bytes(self.var_bases[t], totals, self.hb)
             yield self.header_list[t] + end if end <= self.raw_list[t] else None
 
 

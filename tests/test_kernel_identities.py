@@ -170,3 +170,27 @@ def test_bf16_exponents4(seed):
         values = [rng.getrandbits(16) for _ in range(4)]
         w0, w1 = values[0] | values[1] << 16, values[2] | values[3] << 16
         assert exponents4(w0, w1) == sum(((v >> 7) & 0xFF) << 8 * k for k, v in enumerate(values))
+
+
+def test_host_payload_arithmetic_matches_the_container_layout():
+    """A batch's blobs are sized on the host from the totals kvz_encode publishes
+    (fused_fast.payload_bytes, finish_blob's arithmetic): that must be container.layout's payload
+    length for the streams _stream_table lists with those escape counts, and its mask the .cu's."""
+    from kvzip import container
+    from kvzip.formats import FORMATS
+    from kvzip.stages import fused_fast
+
+    mask = re.search(r"#define GROUPS_MASK (0x[0-9A-Fa-f]+)ull", SOURCE)
+    assert mask and int(mask.group(1), 16) == fused_fast.GROUPS_MASK
+    rng = random.Random(5)
+    for fmt in FORMATS.values():
+        for _ in range(300):
+            n = rng.choice([1, 7, 8, 4096, 4097, rng.randrange(1, 1 << 24)])
+            groups = -(-n // 8)
+            plane = rng.randrange(0, groups + 1) if rng.random() < 0.3 else 0
+            escapes = rng.randrange(0, n // 3 + 1)
+            table = fused_fast._stream_table(n, fmt, -(-n // 4096), {}, escapes, fmt.high_exp_bits * plane)
+            offsets, payload = container.layout([nb for _, _, nb in table])
+            var_base = offsets[[name for name, _, _ in table].index("esc_pos")]
+            totals = escapes << 31 | plane | 1 << 63  # as published: flagged
+            assert fused_fast.payload_bytes(var_base, totals, fmt.high_exp_bits) == payload, (fmt.name, n)
