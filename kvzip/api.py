@@ -271,10 +271,10 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
         pipe.last_path = "fast"
         return out
     guess = todo is None  # blobs the batch above guessed wrong go straight to the header read-back
-    todo = range(len(blobs)) if todo is None else todo
+    todo, undecoded = (range(len(blobs)), blobs) if guess else (todo, [blobs[i] for i in todo])
     gpu = []
     seen = be = fast = None  # the last origin, its backend, whether the fast path runs there
-    for i, (u8, origin) in zip(todo, arrays.import_blobs([blobs[i] for i in todo])):
+    for i, (u8, origin) in zip(todo, arrays.import_blobs(undecoded)):
         if origin is not seen:
             seen, be = origin, get_backend(backend or origin.backend_name)
             fast = st.fused_fast.applicable(be)

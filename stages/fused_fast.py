@@ -435,8 +435,12 @@ class _EncodeProgram:
         if blobs is not None:
             return blobs
         payloads = self.shape.down64[2:3 * len(self.starts):3].tolist()  # (escapes, high bytes, payload) each
-        lengths = [h + p if p <= raw else None for h, p, raw in zip(self.header_list, payloads, self.raw_list)]
-        return buffer.blobs(self.starts, lengths, places)
+        return buffer.blobs(self.starts, [self._blob_length(t, p) for t, p in enumerate(payloads)], places)
+
+    def _blob_length(self, t: int, payload: int) -> int | None:
+        """Blob t's length with a payload of that many bytes; None where that is more than the
+        values take raw (the general path then stores them raw)."""
+        return self.header_list[t] + payload if payload <= self.raw_list[t] else None
 
     def _published_lengths(self, stream):
         """Each blob's length (None: stored raw), from the totals kvz_encode publishes in ready,
@@ -459,8 +463,7 @@ class _EncodeProgram:
                     break
                 os.sched_yield()
                 totals = int(ready[t])
-            end = payload_bytes(self.var_bases[t], totals, self.hb)
-            yield self.header_list[t] + end if end <= self.raw_list[t] else None
+            yield self._blob_length(t, payload_bytes(self.var_bases[t], totals, self.hb))
 
 
 class _Unpublished(Exception):
