@@ -16,7 +16,8 @@
 // are kvz_encode's sums) and redoes plane-coded or over-full chunks from the input; its first
 // blocks, one a tensor, zero the blob's padding and write its header meanwhile.  Decode: kvz_scan
 // computes every chunk's offsets and checks the counts (on guessed layouts its first blocks check
-// the headers), kvz_decode walks the chunks like the encoder and applies escapes from registers.
+// the headers), kvz_decode walks the chunks like the encoder and applies escapes from registers
+// (whole E5M2 chunks a lane per four groups: decode_e5m2_quads).
 // No dense pass ever waits on another warp.
 
 typedef unsigned char u8;
@@ -1361,6 +1362,93 @@ __device__ __forceinline__ bool load_escapes(const DecodeJob& J, long long off, 
     return true;
 }
 
+// kvz_decode: apply(position, exponent), in every lane and in position order, for each of the
+// chunk's escapes at a position in [lo, hi).  The lanes hold 32 escapes (lane k: escape base + k
+// in pos and exp); while the last of them lies below hi the next 32 are loaded.  Broken escapes
+// (load_escapes sets *err) drop the chunk's rest: cnt = 0.
+template <int E, typename Apply>
+__device__ __forceinline__ void each_escape(const DecodeJob& J, long long esc_off, int lo, int hi, int len, int lane,
+                                            int& base, int& cnt, int& pos, u32& exp, u64* err, Apply apply) {
+    while (true) {
+        u32 hit = __ballot_sync(FULL_MASK, pos >= lo && pos < hi);
+        while (hit) {
+            const int l = __ffs(hit) - 1;
+            hit &= hit - 1;
+            apply(__shfl_sync(FULL_MASK, pos, l), __shfl_sync(FULL_MASK, exp, l));
+        }
+        const int last = __shfl_sync(FULL_MASK, pos, 31);
+        if (last >= hi || base + 32 >= cnt) return;
+        base += 32;
+        if (!load_escapes<E>(J, esc_off, base, cnt, len, last, lane, pos, exp, err)) { cnt = 0; return; }
+    }
+}
+
+// E5M2, a whole non-plane chunk of nq quads, a lane per quad (4 consecutive groups, 32 values) and
+// QPL quads a lane a step: one 16-byte codes load, the quad's 12 rest bytes as three aligned words
+// and two 16-byte stores, where a lane per group took four loads, its address arithmetic and a
+// store a group.  The step's values are decoded into registers first; its escapes (the chunk's,
+// 32 at a time in lanes: pos, exp) then patch them there, the owning lane changing one word; then
+// the stores.  ncu, 2^28 real E5M2: kvz_decode 180 -> 169 us (NOTES v19).  Not for DQ: four
+// 16-byte stores a lane 64 bytes apart took the dequantizing decoder from 249 to 427 us; nor in
+// the encoder, where the mirror (two 16-byte loads, the rest words through shared memory) was
+// slower than store_rest24_warp's groups (170-176 -> 179-180 us; 186 storing the words direct).
+template <int QPL>
+__device__ __forceinline__ void decode_e5m2_quads(const DecodeJob& J, const u8* __restrict__ codes,
+                                                  const u8* __restrict__ rest, void* __restrict__ dst, int nq,
+                                                  long long esc_off, int cnt, int len, u32 d0, u32 d1, u32 d2, u32 d3,
+                                                  int lane, u64* err) {
+    constexpr int QSTEP = 32 * QPL;
+    int base = 0, pos = NONE;
+    u32 exp = 0;
+    for (int s0 = 0; s0 < nq; s0 += QSTEP) {
+        uint4 cw[QPL];
+        u32 rw[QPL][3];
+#pragma unroll
+        for (int q = 0; q < QPL; q++) {
+            const int i = s0 + q * 32 + lane;
+            cw[q] = make_uint4(0u, 0u, 0u, 0u);
+            rw[q][0] = rw[q][1] = rw[q][2] = 0u;
+            if (i < nq) {
+                cw[q] = reinterpret_cast<const uint4*>(codes)[i];
+                const u32* r = reinterpret_cast<const u32*>(rest) + 3 * i;
+                rw[q][0] = r[0]; rw[q][1] = r[1]; rw[q][2] = r[2];
+            }
+        }
+        if (s0 == 0 && cnt > 0 && !load_escapes<5>(J, esc_off, 0, cnt, len, -1, lane, pos, exp, err)) cnt = 0;
+        u32 out[QPL][8];
+#pragma unroll
+        for (int q = 0; q < QPL; q++) {
+            // group g's 24 rest bits start at bit 24g of the three words (decode_e5m2_words reads
+            // bits 0-23 of what it is given)
+            const u32 r24[4] = {rw[q][0], __funnelshift_r(rw[q][0], rw[q][1], 24), __funnelshift_r(rw[q][1], rw[q][2], 16),
+                                rw[q][2] >> 8};
+            const u32 c4[4] = {cw[q].x, cw[q].y, cw[q].z, cw[q].w};
+#pragma unroll
+            for (int g = 0; g < 4; g++) decode_e5m2_words(c4[g], r24[g], d0, d1, d2, d3, &out[q][2 * g]);
+        }
+        // This step's escapes patch the owning lane's word.
+        each_escape<5>(J, esc_off, s0 * 32, (s0 + QSTEP) * 32, len, lane, base, cnt, pos, exp, err, [&](int p, u32 e) {
+            const int rel = (p >> 5) - s0, word = (p & 31) >> 2, sh = 8 * (p & 3) + 2;
+#pragma unroll
+            for (int q = 0; q < QPL; q++) {
+                if (rel == q * 32 + lane) {
+#pragma unroll
+                    for (int k = 0; k < 8; k++)
+                        if (word == k) out[q][k] = (out[q][k] & ~(0x1Fu << sh)) | (e << sh);
+                }
+            }
+        });
+#pragma unroll
+        for (int q = 0; q < QPL; q++) {
+            const int i = s0 + q * 32 + lane;
+            if (i >= nq) continue;
+            uint4* o = reinterpret_cast<uint4*>(static_cast<u8*>(dst) + i * 32);
+            o[0] = make_uint4(out[q][0], out[q][1], out[q][2], out[q][3]);
+            o[1] = make_uint4(out[q][4], out[q][5], out[q][6], out[q][7]);
+        }
+    }
+}
+
 // Dense pass, the mirror of kvz_encode: chunks from a queue, a warp walking its chunk in
 // steps of 32 * GPL groups, escapes applied in registers before one store per group.  Offsets
 // come from kvz_scan (chunk_off); a tensor it found broken is skipped.  DQ (FP8 only): write each
@@ -1407,6 +1495,13 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
         }
         const u16* __restrict__ table = J.dq_table;
         const u64 dlo = J.dlo, dhi = J.dhi;
+        if constexpr (E5M2 && !DQ) {  // whole chunks a lane per quad, GPL / 2 quads a step (as many registers)
+            if (!plane && n >= chunk && (chunk & 31) == 0) {
+                decode_e5m2_quads<GPL >= 2 ? GPL / 2 : 1>(J, codes, rest, dst, gpc / 4, esc_off, cnt, len, (u32)(dlo << 2),
+                                                          (u32)(dlo >> 30), (u32)(dhi << 2), (u32)(dhi >> 30), lane, err);
+                continue;
+            }
+        }
         for (int s0 = 0; s0 < ng; s0 += STEP) {
             u32 w[GPL];
             RestRaw<R> rr[GPL];
@@ -1424,25 +1519,12 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
             u64 pe[GPL];
 #pragma unroll
             for (int q = 0; q < GPL; q++) { pm[q] = 0; pe[q] = 0; }
-            const int limit = (s0 + STEP) * 8;
-            while (true) {
-                u32 hit = __ballot_sync(FULL_MASK, pos >= s0 * 8 && pos < limit);
-                while (hit) {
-                    const int l = __ffs(hit) - 1;
-                    hit &= hit - 1;
-                    const int p = __shfl_sync(FULL_MASK, pos, l);
-                    const u32 e = __shfl_sync(FULL_MASK, exp, l);
-                    const int rel = (p >> 3) - s0, j = p & 7;  // group within the step, value within it
+            each_escape<E>(J, esc_off, s0 * 8, (s0 + STEP) * 8, len, lane, base, cnt, pos, exp, err, [&](int p, u32 e) {
+                const int rel = (p >> 3) - s0, j = p & 7;  // group within the step, value within it
 #pragma unroll
-                    for (int q = 0; q < GPL; q++)
-                        if (rel == q * 32 + lane) { pm[q] |= 1u << j; pe[q] |= (u64)e << (8 * j); }
-                }
-                // All 32 used and more left: the next 32 (only chunks with many escapes).
-                const int last = __shfl_sync(FULL_MASK, pos, 31);
-                if (last >= limit || base + 32 >= cnt) break;
-                base += 32;
-                if (!load_escapes<E>(J, esc_off, base, cnt, len, last, lane, pos, exp, err)) { cnt = 0; break; }
-            }
+                for (int q = 0; q < GPL; q++)
+                    if (rel == q * 32 + lane) { pm[q] |= 1u << j; pe[q] |= (u64)e << (8 * j); }
+            });
 #pragma unroll
             for (int q = 0; q < GPL; q++) {
                 const int i = s0 + q * 32 + lane;

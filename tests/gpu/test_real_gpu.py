@@ -9,6 +9,7 @@ import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
 import kvzip
 from kvzip import stages as S
 from kvzip.stages import fused_fast
+from kvzip.stages.escape_stream import escape_capacity
 from kvzip.data import load_sample
 from kvzip.formats import FORMATS
 
@@ -125,21 +126,35 @@ def test_escape_heavy_chunks_plane_coded_on_gpu(gpu_path):
     np.testing.assert_array_equal(bits_of(kvzip.decompress(gpu)), bits)
 
 
+def real_e5m2(n):
+    """The real sample quantized to E5M2 (kvzip bench's data), tiled to n."""
+    from kvzip.bench import e5m2_bits
+
+    return e5m2_bits(real_bf16(1 << 20), n)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "e5m2"])
 @pytest.mark.parametrize("rate", [0.004, 0.03, 0.12])
-@pytest.mark.parametrize("chunk", [1024, 4096, 65536])
-def test_listed_escapes_at_every_density_match_cpu(rate, chunk, gpu_path):
+@pytest.mark.parametrize("chunk", [16, 32, 1024, 4096, 65536])
+def test_listed_escapes_at_every_density_match_cpu(fmt, rate, chunk, gpu_path):
     """Escapes sprinkled at a rate: a few per chunk (one register batch), more than 32 (several
-    batches in decode) and more than the encoder's per-chunk slot (collected again)."""
+    batches in decode), several in one E5M2 quad (32 values, encode_e5m2_quads), and more than
+    the encoder's per-chunk slot (collected again).  Chunks of 16 values are below a quad."""
     n = (1 << 19) + 77
-    bits = real_bf16(n)
     hit = rng.random(n) < rate
-    bits[hit] = (bits[hit] & 0x807F) | (rng.integers(200, 250, int(hit.sum())) << 7).astype(np.uint16)
-    cpu = kvzip.compress(bits, dtype="bf16", chunk=chunk)
+    if fmt == "bf16":
+        bits = real_bf16(n)
+        bits[hit] = (bits[hit] & 0x807F) | (rng.integers(200, 250, int(hit.sum())) << 7).astype(np.uint16)
+    else:  # exponents 1-6: never among the quantized sample's Top-16
+        bits = real_e5m2(n)
+        bits[hit] = (bits[hit] & 0x83) | (rng.integers(1, 7, int(hit.sum())) << 2).astype(np.uint8)
+    cpu = kvzip.compress(bits, dtype=fmt, chunk=chunk)
     pipe = pipeline(chunk)
-    gpu = pipe.encode(cupy.asarray(bits), dtype="bf16")
+    gpu = pipe.encode(cupy.asarray(bits), dtype=fmt)
     np.testing.assert_array_equal(cpu, gpu.get())
-    assert kvzip.info(cpu)["escapes"] > 0
-    np.testing.assert_array_equal(bits_of(pipe.decode(gpu)), bits)
+    if 2 * rate * chunk < escape_capacity(FORMATS[fmt], chunk // 8):  # else many chunks are plane-coded
+        assert kvzip.info(cpu)["escapes"] > 0
+    np.testing.assert_array_equal(bits_of(pipe.decode(gpu), fmt), bits)
 
 
 def test_torch_cuda_round_trip_on_callers_stream():
