@@ -1,11 +1,12 @@
 """The GPU codec benchmark (`kvzip bench`, benchmarks/bench_codec.py).
 
 Measures on the real KV sample that ships with kvzip, tiled to 2^28 values (512 MiB of BF16):
-the device-copy roofline; kvzip BF16, E5M2 and QuantizeFP8+E5M2 encode/decode with ratio and a
-lossless check; latency at 1, 8 and 64 MiB; the batch API on 64 x 8 MiB; and nvCOMP's codecs on
-the same bytes when `nvidia.nvcomp` is importable.  Throughput is uncompressed bytes over wall
-time (CUDA events, median of --repeat runs after warm-up), including every launch and the host
-synchronisation inside the call.  Writes <out>/<gpu>.json and <out>/<gpu>.png.
+the device-copy roofline; kvzip BF16, E5M2, float16, float32 and QuantizeFP8+E5M2 encode/decode
+with ratio and a lossless check (float16 / float32: the BF16 sample converted); latency at 1, 8
+and 64 MiB; the batch API on 64 x 8 MiB; and nvCOMP's codecs on the same bytes when
+`nvidia.nvcomp` is importable.  Throughput is uncompressed bytes over wall time (CUDA events,
+median of --repeat runs after warm-up), including every launch and the host synchronisation
+inside the call.  Writes <out>/<gpu>.json and <out>/<gpu>.png.
 """
 from __future__ import annotations
 
@@ -72,6 +73,14 @@ def e5m2_bits(bf16_bits, n):
     fr = S.QuantizeFP8("e5m2").encode(Frame(get_backend("cpu"), {"data": bf16_bits[:m]},
                                             {"dtype": "bfloat16", "shape": [m], "n": m, "format": "bf16"}))
     return np.resize(fr.streams["data"], n)
+
+
+def widened_bits(bf16_bits, n, dtype):
+    """float16 or float32 values: the start of the BF16 sample converted on the CPU (exactly to
+    float32, to the nearest float16), as raw bits tiled to n."""
+    m = min(1 << 22, bf16_bits.shape[0])
+    values = (bf16_bits[:m].astype(np.uint32) << 16).view(np.float32).astype(dtype)
+    return np.resize(values.view(f"u{values.itemsize}"), n)
 
 
 def bench_kvzip(cupy, timeit, x, dtype, pipe=None, ref=None):
@@ -157,6 +166,11 @@ def run(values_log2=28, repeat=20, out_dir="benchmarks/results", quick=False):
     e5_bits = cupy.asarray(e5m2_bits(host, n))
     k["e5m2"] = bench_kvzip(cupy, timeit, e5_bits, "e5m2")
     print("e5m2", k["e5m2"], flush=True)
+    for name, dtype in (("fp16", np.float16), ("fp32", np.float32)):  # the other 16- and 32-bit kernels
+        wide = cupy.asarray(widened_bits(host, n, dtype))
+        k[name] = bench_kvzip(cupy, timeit, wide, name)
+        del wide
+        print(name, k[name], flush=True)
     qpipe = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack("e5m2-kv"), S.EscapeStream(),
                             S.Serialize()])
     qonly = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.Serialize()])

@@ -262,6 +262,52 @@ def test_torch_batch_round_trip():
         assert y.dtype == torch.bfloat16 and torch.equal(x.view(torch.int16), y.view(torch.int16))
 
 
+def test_torch_batches_of_like_tensors_skip_the_import_and_match_cpu(monkeypatch):
+    """A batch of like torch tensors (a serving loop's layers) is imported once, the rest read by
+    address, and its blobs decode through blob_addresses; tensors unlike the run (another dtype,
+    a non-contiguous view, a CPU tensor) are imported in full, blobs unlike the rest (a
+    misaligned view) send the batch the general way.  Every blob equals the CPU's bytes."""
+    torch = pytest.importorskip("torch")
+    from kvzip import arrays
+
+    base = torch.as_tensor(real_bf16(1 << 20).view(np.int16), device="cuda").view(torch.bfloat16)
+    like = [base[i * (1 << 16):(i + 1) * (1 << 16)].view(64, 1024) for i in range(6)]
+    xs = like[:3] + [like[3].to(torch.float16), like[4].view(1024, 64).t(), like[5].cpu(), like[0]]
+    pipe = pipeline()
+    pipe.encode_many(xs)  # lanes for each shape and format
+    imported = []
+    monkeypatch.setattr(arrays, "import_tensor", lambda x, dtype=None, f=arrays.import_tensor: imported.append(x) or f(x, dtype))
+    blobs = pipe.encode_many(xs)
+    assert [any(t is x for t in imported) for x in xs] == [True, False, False, True, True, True, True]
+    for x, b in zip(xs, blobs):
+        np.testing.assert_array_equal(b.cpu().numpy(), kvzip.compress(x.cpu()).numpy())
+    bf16 = [(x, b) for x, b in zip(xs, blobs) if b.is_cuda and x.dtype == torch.bfloat16]
+    found = arrays.blob_addresses([b for _, b in bf16])
+    assert found is not None and found[0].framework == "torch" and found[2] == [b.numel() for _, b in bf16]
+    pipe.decode_many([b for _, b in bf16])  # the layout is remembered; next time it is guessed
+    monkeypatch.setattr(arrays, "import_blobs", lambda *a: pytest.fail("a like batch imports no blob"))
+    for (x, _), y in zip(bf16, pipe.decode_many([b for _, b in bf16])):
+        assert y.is_cuda and y.dtype == x.dtype and y.shape == x.shape
+        assert torch.equal(y.cpu().view(torch.int16), x.cpu().contiguous().view(torch.int16))
+    monkeypatch.undo()
+    first = bf16[0][1]
+    shifted = torch.empty(first.numel() + 1, dtype=torch.uint8, device="cuda")[1:]
+    shifted.copy_(first)
+    assert arrays.blob_addresses([b for _, b in bf16] + [shifted]) is None  # misaligned: the checked way
+    assert torch.equal(pipe.decode_many([shifted])[0].view(torch.int16), like[0].view(torch.int16))
+
+
+def test_blobs_at_unaligned_addresses_decode(gpu_path):
+    """A blob viewed at an odd offset (its 2-byte streams unaligned) decodes, alone and in a batch."""
+    bits = real_bf16(100_003)
+    blob = kvzip.compress(cupy.asarray(bits), dtype="bf16")
+    for shift in (1, 2, 8):
+        view = cupy.empty(blob.size + shift, cupy.uint8)[shift:]
+        view[...] = blob
+        np.testing.assert_array_equal(bits_of(kvzip.decompress(view)), bits)
+        np.testing.assert_array_equal(bits_of(kvzip.decompress_many([blob, view])[1]), bits)
+
+
 def test_blobs_sized_from_the_published_totals_match_cpu():
     """Lane batches size their blobs from the totals kvz_encode publishes tensor by tensor (before
     the scan ends): an empty tensor (no chunk: never published), escape-heavy and plain ones,

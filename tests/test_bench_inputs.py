@@ -1,0 +1,29 @@
+"""The benchmark's inputs (kvzip.bench) are what its docs say: the real sample, converted or
+quantized on the CPU, tiled to the requested length."""
+import numpy as np
+
+from kvzip.bench import _sample_bits, e5m2_bits, widened_bits
+
+
+def test_float32_input_is_the_bf16_sample_exactly():
+    bf16 = _sample_bits(1 << 16)
+    f32 = widened_bits(bf16, (1 << 16) + 5, np.float32)
+    assert f32.dtype == np.uint32 and f32.shape == ((1 << 16) + 5,)
+    np.testing.assert_array_equal(f32[: 1 << 16] >> 16, bf16)  # widening a bfloat16 is exact
+    assert not (f32 & 0xFFFF).any()
+    np.testing.assert_array_equal(f32[1 << 16:], f32[:5])  # tiled
+
+
+def test_float16_input_rounds_the_sample_to_nearest():
+    bf16 = _sample_bits(1 << 14)
+    f16 = widened_bits(bf16, 1 << 14, np.float16)
+    assert f16.dtype == np.uint16
+    expect = (bf16.astype(np.uint32) << 16).view(np.float32).astype(np.float16)
+    np.testing.assert_array_equal(f16.view(np.float16), expect)
+    assert np.isfinite(f16.view(np.float16)).all()  # the KV sample fits float16's range
+
+
+def test_e5m2_input_is_tiled_to_length():
+    bits = e5m2_bits(_sample_bits(1 << 15), 3 << 14)
+    assert bits.dtype == np.uint8 and bits.shape == (3 << 14,)
+    np.testing.assert_array_equal(bits[1 << 15:], bits[: 1 << 14])  # the quantized 2^15 values, repeated
