@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from functools import lru_cache
 
 import numpy as np
@@ -188,6 +189,7 @@ def _encode_many_by_lanes(pipe: Pipeline, xs, dtype, backend, out) -> list[int]:
     and caller; returns the indices left for the general path (no lane, or stored raw after all)."""
     rest, groups = [], {}  # (format, id of the origin) -> [indices, inputs, lanes, device addresses, origin]
     nd, tt = arrays.cupy_ndarray(), arrays.torch_tensor()
+    strided = getattr(sys.modules.get("torch"), "strided", None)  # a sparse tensor has no is_contiguous()
     run = None  # (type, dtype, shape, device, lane, group) of the last input imported in full that had a lane
     for i, x in enumerate(xs):
         # A serving loop's batch: arrays like the last one need no import, only their address
@@ -197,7 +199,8 @@ def _encode_many_by_lanes(pipe: Pipeline, xs, dtype, backend, out) -> list[int]:
             if run[0] is nd:
                 ptr = x.data.ptr if x._c_contiguous and x.data.device_id == run[3] else 1  # 1: not like it
             else:  # torch (its quantizing lanes read CuPy arrays: no run for them)
-                ptr = x.data_ptr() if x.get_device() == run[3] and x.is_contiguous() and not x.is_neg() else 1
+                ptr = x.data_ptr() if x.get_device() == run[3] and x.layout is strided and x.is_contiguous() \
+                    and not x.is_neg() else 1
             if ptr % 16 == 0:  # arrays.aligned: what _lane would say again (its other checks are the backend's)
                 group = run[5]
                 group[0].append(i)

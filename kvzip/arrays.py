@@ -269,7 +269,7 @@ def _torch_blob_addresses(blobs, tensor) -> tuple | None:
     ptrs, lengths = [], []
     for b in blobs:
         if type(b) is not tensor or b.dtype is not u8 or b.dim() != 1 or b.get_device() != device \
-                or not b.is_contiguous():
+                or b.layout is not torch.strided or not b.is_contiguous():
             return None
         ptr = b.data_ptr()
         if ptr % 16:
