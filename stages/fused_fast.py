@@ -543,7 +543,7 @@ def encode_lanes(lanes: list[EncodeLane], bits: list, origin=None, ptrs: list[in
     (arrays over the values; only their addresses are read).  ptrs: those addresses, if the
     caller has them already (then only quantizing lanes read bits)."""
     first = lanes[0]
-    if first.quantize or any(lane.quantize for lane in lanes):
+    if any(lane.quantize for lane in lanes):
         if not quantize_fast.ENABLED:
             return [None] * len(lanes)
         if len(lanes) > 1:
