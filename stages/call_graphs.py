@@ -22,6 +22,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from . import dependent_launch
+
 MAX_SHAPES = 32             # call shapes kept per thread, all devices together (least recently used dropped)
 MAX_BYTES = 1 << 30         # and at most this much device workspace between them (per thread)
 _local = threading.local()
@@ -31,9 +33,15 @@ _local = threading.local()
 # nodes they cost far more: in a replayed graph on the H200 a 2 KiB host-to-device copy added
 # 10.7 us and a 64-byte download 2.0 us, a kernel reading and writing pinned memory 0.9 us
 # (benchmarks/graph_nodes.py; NOTES.md, v16).
+# It starts as every fast-path kernel does (stages/dependent_launch.py): a download is launched as
+# a programmatic dependent of the kernel before it.
 _STAGE_SOURCE = r"""
 extern "C" __global__ void kvz_stage(const uint4* __restrict__ src, uint4* __restrict__ dst, long long n,
                                      uint4* __restrict__ zero, long long nz) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const long long stride = (long long)gridDim.x * blockDim.x;
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     for (long long i = first; i < n; i += stride) dst[i] = src[i];
@@ -70,7 +78,11 @@ class CallShape:
                                        kernel zeroes region i as it copies, one node instead of
                                        two),
       ("launch", kernel, grid, block, args)
-      ("download", i, nbytes)          the first nbytes of region i -> host.
+      ("dependent", kernel, grid, block, args)
+                                       the same for a kernel that begins with griddepcontrol.wait:
+                                       right after another kernel it is launched as that one's
+                                       programmatic dependent (stages/dependent_launch.py),
+      ("download", i, nbytes)          the first nbytes of region i -> host (a dependent too).
     Each call ends with a host synchronisation on its stream, so the workspace and staging are
     idle when the next call of this thread writes them."""
 
@@ -143,12 +155,18 @@ class CallShape:
 
     def _issue(self, stream) -> None:
         rt = self.cupy.cuda.runtime
+        # A kernel that awaits its predecessor may start early only after a kernel node (a
+        # programmatic edge joins two kernels; after a memset it is an ordinary launch).
+        after_kernel, early = False, dependent_launch.usable()
         for op in self.ops:
             kind = op[0]
-            if kind == "launch":
+            if kind in ("launch", "dependent"):
                 _, kernel, grid, block, args = op
                 args = tuple(np.uint64(self.base + self.offsets[a]) if type(a) is Region else a for a in args)
-                kernel(grid, block, args, stream=stream)
+                if kind == "dependent" and after_kernel and early:
+                    dependent_launch.launch(kernel, grid, block, args, stream)
+                else:
+                    kernel(grid, block, args, stream=stream)
             elif kind == "upload":
                 n16 = -(-self.up_bytes // 16)
                 z16 = -(-self.sizes[self.zeroed] // 16) if self.zeroed is not None else 0
@@ -158,11 +176,17 @@ class CallShape:
                                  np.uint64(zero), np.int64(z16)), stream=stream)
             elif kind == "zero":
                 rt.memsetAsync(self.ptr(op[1]), 0, self.sizes[op[1]], stream.ptr)
+                after_kernel = False
+                continue
             else:  # download
                 n16 = -(-op[2] // 16)
-                _stage_kernel()(_stage_grid(n16), (STAGE_THREADS,),
-                                (np.uint64(self.ptr(op[1])), np.uint64(self.host_down.ctypes.data), np.int64(n16),
-                                 np.uint64(0), np.int64(0)), stream=stream)
+                args = (np.uint64(self.ptr(op[1])), np.uint64(self.host_down.ctypes.data), np.int64(n16),
+                        np.uint64(0), np.int64(0))
+                if after_kernel and early:
+                    dependent_launch.launch(_stage_kernel(), _stage_grid(n16), (STAGE_THREADS,), args, stream)
+                else:
+                    _stage_kernel()(_stage_grid(n16), (STAGE_THREADS,), args, stream=stream)
+            after_kernel = True
 
     def _capture(self) -> None:
         """Record the sequence into a CUDA graph on a private stream (relaxed capture mode, so

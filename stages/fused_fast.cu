@@ -17,7 +17,8 @@
 // blocks, one a tensor, zero the blob's padding and write its header meanwhile.  Decode: kvz_scan
 // computes every chunk's offsets and checks the counts (on guessed layouts its first blocks check
 // the headers), kvz_decode walks the chunks like the encoder and applies escapes from registers
-// (whole E5M2 chunks a lane per four groups: decode_e5m2_quads).
+// (whole E5M2 chunks a lane per four groups: decode_e5m2_quads); launched as the scan's
+// programmatic dependent, it decodes each warp's first chunk while the scan still runs.
 // No dense pass ever waits on another warp.
 
 typedef unsigned char u8;
@@ -31,6 +32,24 @@ typedef unsigned long long u64;
 #define FLAG_SHIFT 62
 #define VALUE_MASK ((1ull << FLAG_SHIFT) - 1)
 #define GROUPS_MASK 0x7FFFFFFFull  // status value = escapes << 31 | plane-coded groups
+
+// ------------------------------------------------------------------ programmatic dependent launch
+// In a call's graph every kernel here is the programmatic dependent of the kernel before it
+// (stages/dependent_launch.py), so its blocks may be resident, and running, before that one
+// ends.  await_predecessor returns once the predecessor has completed and its memory is visible;
+// release_dependents lets the successor's blocks be scheduled (they wait likewise).  Each kernel
+// does both first, except kvz_decode, which decodes a chunk before it waits.  Both are no-ops
+// when the kernel was launched the ordinary way.
+__device__ __forceinline__ void await_predecessor() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void release_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 // ------------------------------------------------------------------ loading and storing groups
 template <typename T>
@@ -677,6 +696,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
                                                                 long long total_chunks, int chunk, int slot,
                                                                 const u8* __restrict__ lut, u64* __restrict__ work,
                                                                 long long queue_at, u64* __restrict__ ready) {
+    await_predecessor();
+    release_dependents();
     constexpr int HB = E - 4, R = M + 1, STEP = 32 * GPL;
     __shared__ u32 slut_words[((1 << E) * lut_stride<E, M>() + 3) / 4];
     u8* slut = reinterpret_cast<u8*>(slut_words);
@@ -955,6 +976,8 @@ __device__ void finish_blob(const FinishJob& J, u64 totals, int hb, u64* __restr
 // ------------------------------------------------------------------ header gather (batched decode)
 // dst[t * span .. ] = the first min(span, len_t) bytes of blob t: one read-back for a batch's headers.
 __global__ void kvz_gather_heads(const u64* __restrict__ jobs /* (ntensors, 2): ptr, len */, int span, u8* __restrict__ dst) {
+    await_predecessor();
+    release_dependents();
     const int t = blockIdx.y;
     const u8* src = reinterpret_cast<const u8*>(jobs[2 * t]);
     const long long len = min((long long)span, (long long)jobs[2 * t + 1]);
@@ -1011,6 +1034,8 @@ __device__ void head_facts(const u8* b, long long len, int span, const u8* head,
 // known_headers.head_checks is the host twin, and the reference this is tested against.
 __global__ void __launch_bounds__(256) kvz_check_heads(const u64* __restrict__ heads /* (ntensors, 2): ptr, len */,
                                                        int span /* at most HEADER_SMEM */, u64* __restrict__ checks) {
+    await_predecessor();
+    release_dependents();
     __shared__ u32 crc_table[4][256];
     __shared__ __align__(16) u8 head[HEADER_SMEM];
     const u8* b;
@@ -1147,6 +1172,8 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
                                                      u64* __restrict__ chunk_off, const FinishJob* __restrict__ fin,
                                                      u64* __restrict__ sizes, const u64* __restrict__ heads,
                                                      const u8* __restrict__ expect, int span) {
+    await_predecessor();
+    release_dependents();
     constexpr int HB = E - 4;
     constexpr bool ENC = Job::ENCODE;
     __shared__ long long s_ticket;
@@ -1518,119 +1545,195 @@ __device__ __forceinline__ void decode_e5m2_quads(const DecodeJob& J, const u8* 
     }
 }
 
+// kvz_decode's early chunk gc of tensor job (below), its dense decode stored: wait for kvz_scan,
+// then, unless it found the tensor broken, write each escape's exponent over its value (stored
+// with code 0's); a lane per escape, 32 at a time, checked as load_escapes checks them.
+template <int E, int M, typename T>
+__device__ __forceinline__ void finish_early_chunk(const DecodeJob* __restrict__ jobs, int job, long long gc, int chunk,
+                                                   const u64* __restrict__ chunk_off, u64* __restrict__ work, int lane) {
+    await_predecessor();
+    const DecodeJob& J = jobs[job];
+    if (*reinterpret_cast<volatile u64*>(work + 1 + job) != 0) return;
+    const long long c = gc - J.chunk_base;
+    const int cnt = J.esc_count[c], len = (int)min((long long)chunk, J.n - c * chunk);
+    const long long esc_off = (long long)(chunk_off[gc] >> 31);
+    T* __restrict__ dst = static_cast<T*>(J.dst) + c * chunk;
+    __syncwarp();  // every lane's stores of the chunk come before any lane rewrites a value
+    int before = -1;
+    for (int base = 0; base < cnt; base += 32) {
+        int pos;
+        u32 exp;
+        if (!load_escapes<E>(J, esc_off, base, cnt, len, before, lane, pos, exp, work + 1 + job)) return;
+        if (pos != NONE) dst[pos] = (T)((dst[pos] & ~(((1u << E) - 1u) << M)) | (exp << M));
+        before = __shfl_sync(FULL_MASK, pos, 31);
+    }
+}
+
+// kvz_decode's work on chunk gc (a batch-wide index) of tensor job, whose row is J.  EARLY: the
+// warp's first chunk, which it may reach before kvz_scan is done (not for DQ, whose values cannot
+// be patched after the table).
+template <int E, int M, typename T, int GPL, bool DQ, bool EARLY>
+__device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob* __restrict__ jobs, int job,
+                                             long long gc, int chunk, const u64* __restrict__ chunk_off,
+                                             u64* __restrict__ work, int lane) {
+    constexpr int HB = E - 4, R = M + 1, STEP = 32 * GPL;
+    constexpr bool BF16 = E == 8 && M == 7 && sizeof(T) == 2;
+    constexpr bool E5M2 = E == 5 && M == 2 && sizeof(T) == 1;
+    static_assert(!(DQ && EARLY), "a dequantized value cannot be patched");
+    const int gpc = chunk / 8;
+    u64* err = work + 1 + job;
+    const long long c = gc - J.chunk_base, g0 = c * gpc;
+    const long long n = J.n - g0 * 8;  // values from the chunk's start to the tensor's end
+    const int ng = (int)min((long long)gpc, (n + 7) / 8);
+    const u32 stored = J.esc_count[c];
+    const bool plane = stored == PLANE;
+    const bool early = EARLY && !plane;  // a plane-coded chunk needs its offset first
+    if (EARLY && plane) await_predecessor();
+    u64 off = 0;
+    if (!early) {
+        off = chunk_off[gc];
+        if (*reinterpret_cast<volatile u64*>(err) != 0) return;  // kvz_scan found this tensor broken
+    }
+    int cnt = plane || early ? 0 : (int)stored;
+    const long long esc_off = (long long)(off >> 31);
+    // (EARLY: J is the row as read before the wait, which a header guess may have changed since;
+    // plane-coded chunks read exp_high after it)
+    const u8* __restrict__ high = early ? nullptr
+        : (EARLY ? jobs[job].exp_high : J.exp_high) + (long long)HB * (long long)(off & GROUPS_MASK);
+    const int len = (int)min((long long)chunk, n);
+    int base = 0, pos = NONE;
+    u32 exp = 0;
+    // this chunk's data, and group i of it at index i
+    const u8* __restrict__ codes = J.codes + g0 * 4;
+    const u8* __restrict__ rest = J.rest + g0 * R;
+    using Out = typename Pick<DQ, u16, T>::type;
+    Out* __restrict__ dst = static_cast<Out*>(J.dst) + g0 * 8;
+    if constexpr (sizeof(T) == 1) {  // E5M2 decode 189 -> 184 us with global loads and stores; BF16 spilled
+        assume_global(codes); assume_global(rest); assume_global(dst);
+    }
+    const u16* __restrict__ table = J.dq_table;
+    const u64 dlo = J.dlo, dhi = J.dhi;
+    if constexpr (E5M2 && !DQ) {  // whole chunks a lane per quad, GPL / 2 quads a step (as many registers)
+        if (!plane && n >= chunk && (chunk & 31) == 0) {
+            decode_e5m2_quads<GPL >= 2 ? GPL / 2 : 1>(J, codes, rest, dst, gpc / 4, esc_off, cnt, len, (u32)(dlo << 2),
+                                                      (u32)(dlo >> 30), (u32)(dhi << 2), (u32)(dhi >> 30), lane, err);
+            if (early) finish_early_chunk<E, M, T>(jobs, job, gc, chunk, chunk_off, work, lane);
+            return;
+        }
+    }
+    for (int s0 = 0; s0 < ng; s0 += STEP) {
+        u32 w[GPL];
+        RestRaw<R> rr[GPL];
+#pragma unroll
+        for (int q = 0; q < GPL; q++) {
+            const int i = s0 + q * 32 + lane;
+            // FP16: 32 whole groups read whole words (word-aligned: the stream is, and a chunk
+            // of 32 groups or more is a power of two of them, so the warp's start is too)
+            if constexpr (R == 11) {
+                if (s0 + q * 32 + 32 <= ng) {
+                    w[q] = reinterpret_cast<const u32*>(codes)[i];
+                    load_rest11_warp(rest + (s0 + q * 32) * 11, lane, &rr[q].q[0], &rr[q].q[1]);
+                    continue;
+                }
+            }
+            if (i < ng) { w[q] = reinterpret_cast<const u32*>(codes)[i]; load_rest_raw<R>(rest, i, rr[q]); }
+        }
+        // The chunk's first 32 escapes, loaded once its first step's loads are in flight (their
+        // address waits on chunk_off; ncu, 2^28: E5M2 243 -> 237 us, BF16 the same, NOTES v15).
+        if (s0 == 0 && cnt > 0 && !load_escapes<E>(J, esc_off, 0, cnt, len, -1, lane, pos, exp, err)) cnt = 0;
+        // This step's escapes: the lanes holding positions below the step's end (earlier ones
+        // were used by earlier steps).  Warp-uniform loop, a shuffle per escape.
+        u32 pm[GPL];
+        u64 pe[GPL];
+#pragma unroll
+        for (int q = 0; q < GPL; q++) { pm[q] = 0; pe[q] = 0; }
+        each_escape<E>(J, esc_off, s0 * 8, (s0 + STEP) * 8, len, lane, base, cnt, pos, exp, err, [&](int p, u32 e) {
+            const int rel = (p >> 3) - s0, j = p & 7;  // group within the step, value within it
+#pragma unroll
+            for (int q = 0; q < GPL; q++)
+                if (rel == q * 32 + lane) { pm[q] |= 1u << j; pe[q] |= (u64)e << (8 * j); }
+        });
+#pragma unroll
+        for (int q = 0; q < GPL; q++) {
+            const int i = s0 + q * 32 + lane;
+            if (i >= ng) continue;
+            if constexpr (BF16) {
+                if (!plane && i * 8 + 8 <= n) {
+                    u32 out[4];
+                    decode_bf16_words(w[q], rr[q], (u32)dlo, (u32)(dlo >> 32), (u32)dhi, (u32)(dhi >> 32), out);
+                    if (pm[q]) patch_words<2, 7, 0xFFu>(out, pm[q], pe[q]);
+                    *reinterpret_cast<uint4*>(dst + i * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+                    continue;
+                }
+            }
+            if constexpr (E5M2) {
+                if (!plane && i * 8 + 8 <= n) {
+                    u32 out[2];
+                    decode_e5m2_words(w[q], (u32)rr[q].q[0], (u32)(dlo << 2), (u32)(dlo >> 30), (u32)(dhi << 2),
+                                      (u32)(dhi >> 30), out);
+                    if (pm[q]) patch_words<4, 2, 0x1Fu>(out, pm[q], pe[q]);
+                    if constexpr (DQ) store_dequantized(dst + i * 8, out, table);
+                    else *reinterpret_cast<uint2*>(dst + i * 8) = make_uint2(out[0], out[1]);
+                    continue;
+                }
+            }
+            u32 v[8];
+            decode_raw<E, M>(w[q], rr[q], dlo, dhi, plane, high + HB * i, v);
+            patch_store<E, M, T, DQ>(dst, n, i, v, pm[q], pe[q], table);
+        }
+    }
+    if (early) finish_early_chunk<E, M, T>(jobs, job, gc, chunk, chunk_off, work, lane);
+}
+
+// A warp's first chunk, gc, before kvz_scan is known to be done.  The job table is read past L1
+// (ld.global.cg: its rows were written by the upload, complete before any scan block released
+// this grid), so no line of it sits in this multiprocessor's L1 when the scan's header guesses
+// write their fields of it: the loads after griddepcontrol.wait then see them.  (Volatile loads,
+// one at a time, made every warp's start ~10 us later.)  A call, not inlined: a second inlined
+// copy of the chunk's code cost the decoders' loop spills (BF16 0 -> 28 bytes, E5M2 16 -> 68).
+template <int E, int M, typename T, int GPL>
+__device__ __noinline__ void decode_early_chunk(const DecodeJob* __restrict__ jobs, int njobs, long long gc, int chunk,
+                                                const u64* __restrict__ chunk_off, u64* __restrict__ work, int lane) {
+    int lo = 0, hi = njobs - 1;  // find_job's search
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (__ldcg(&jobs[mid].chunk_base) <= gc) lo = mid; else hi = mid - 1;
+    }
+    union { uint4 words[sizeof(DecodeJob) / 16]; DecodeJob row; } J;
+    const uint4* src = reinterpret_cast<const uint4*>(jobs + lo);
+#pragma unroll
+    for (int k = 0; k < (int)(sizeof(DecodeJob) / 16); k++) J.words[k] = __ldcg(src + k);
+    decode_chunk<E, M, T, GPL, false, true>(J.row, jobs, lo, gc, chunk, chunk_off, work, lane);
+}
+
 // Dense pass, the mirror of kvz_encode: chunks from a queue, a warp walking its chunk in
 // steps of 32 * GPL groups, escapes applied in registers before one store per group.  Offsets
 // come from kvz_scan (chunk_off); a tensor it found broken is skipped.  DQ (FP8 only): write each
 // value as J.dq_table maps it, QuantizeFP8's decode fused into the store (the codes never go to
 // memory: 2 bytes a value less traffic than decoding and then dequantizing).
+// Early chunk: launched as the scan's programmatic dependent, the kernel starts while the scan
+// still runs, and each warp decodes its first chunk (listed, not DQ) before it waits for it
+// (decode_chunk<..., EARLY>): no escapes applied, the values stored, then the wait, the scan's
+// verdict and the escapes patched in memory (finish_early_chunk).  The later chunks go through
+// decode_chunk<..., false>, with no wait in the loop (one there cost every decoder spills).
 template <int E, int M, typename T, int GPL, int MINB, bool DQ = false>
 __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* __restrict__ jobs, int njobs,
                                                                 long long total_chunks, int chunk,
                                                                 const u64* __restrict__ chunk_off, u64* __restrict__ work,
                                                                 long long queue_at) {
-    constexpr int HB = E - 4, R = M + 1, STEP = 32 * GPL;
-    constexpr bool BF16 = E == 8 && M == 7 && sizeof(T) == 2;
-    constexpr bool E5M2 = E == 5 && M == 2 && sizeof(T) == 1;
+    release_dependents();
     const int lane = threadIdx.x & 31;
-    const int gpc = chunk / 8;
     const long long W = (long long)gridDim.x * WARPS;
-    long long next = 0;
-    for (long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); gc < total_chunks;
-         gc = next_chunk(next)) {
+    long long next = 0, gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (!DQ && gc < total_chunks) {
         next = claim_chunk(work + queue_at, W, lane);  // chunks as kvz_encode takes them
+        decode_early_chunk<E, M, T, GPL>(jobs, njobs, gc, chunk, chunk_off, work, lane);
+        gc = next_chunk(next);
+    }
+    await_predecessor();  // returns at once where the first chunk waited already
+    for (; gc < total_chunks; gc = next_chunk(next)) {
+        next = claim_chunk(work + queue_at, W, lane);
         const int job = find_job(jobs, njobs, gc, &DecodeJob::chunk_base);
-        const DecodeJob& J = jobs[job];
-        u64* err = work + 1 + job;
-        const long long c = gc - J.chunk_base, g0 = c * gpc;
-        const long long n = J.n - g0 * 8;  // values from the chunk's start to the tensor's end
-        const int ng = (int)min((long long)gpc, (n + 7) / 8);
-        const u32 stored = J.esc_count[c];
-        const u64 off = chunk_off[gc];
-        if (*reinterpret_cast<volatile u64*>(err) != 0) continue;  // kvz_scan found this tensor broken
-        const bool plane = stored == PLANE;
-        int cnt = plane ? 0 : (int)stored;
-        const long long esc_off = (long long)(off >> 31);
-        const u8* __restrict__ high = J.exp_high + (long long)HB * (long long)(off & GROUPS_MASK);
-        const int len = (int)min((long long)chunk, n);
-        int base = 0, pos = NONE;
-        u32 exp = 0;
-        // this chunk's data, and group i of it at index i
-        const u8* __restrict__ codes = J.codes + g0 * 4;
-        const u8* __restrict__ rest = J.rest + g0 * R;
-        using Out = typename Pick<DQ, u16, T>::type;
-        Out* __restrict__ dst = static_cast<Out*>(J.dst) + g0 * 8;
-        if constexpr (sizeof(T) == 1) {  // E5M2 decode 189 -> 184 us with global loads and stores; BF16 spilled
-            assume_global(codes); assume_global(rest); assume_global(dst);
-        }
-        const u16* __restrict__ table = J.dq_table;
-        const u64 dlo = J.dlo, dhi = J.dhi;
-        if constexpr (E5M2 && !DQ) {  // whole chunks a lane per quad, GPL / 2 quads a step (as many registers)
-            if (!plane && n >= chunk && (chunk & 31) == 0) {
-                decode_e5m2_quads<GPL >= 2 ? GPL / 2 : 1>(J, codes, rest, dst, gpc / 4, esc_off, cnt, len, (u32)(dlo << 2),
-                                                          (u32)(dlo >> 30), (u32)(dhi << 2), (u32)(dhi >> 30), lane, err);
-                continue;
-            }
-        }
-        for (int s0 = 0; s0 < ng; s0 += STEP) {
-            u32 w[GPL];
-            RestRaw<R> rr[GPL];
-#pragma unroll
-            for (int q = 0; q < GPL; q++) {
-                const int i = s0 + q * 32 + lane;
-                // FP16: 32 whole groups read whole words (word-aligned: the stream is, and a chunk
-                // of 32 groups or more is a power of two of them, so the warp's start is too)
-                if constexpr (R == 11) {
-                    if (s0 + q * 32 + 32 <= ng) {
-                        w[q] = reinterpret_cast<const u32*>(codes)[i];
-                        load_rest11_warp(rest + (s0 + q * 32) * 11, lane, &rr[q].q[0], &rr[q].q[1]);
-                        continue;
-                    }
-                }
-                if (i < ng) { w[q] = reinterpret_cast<const u32*>(codes)[i]; load_rest_raw<R>(rest, i, rr[q]); }
-            }
-            // The chunk's first 32 escapes, loaded once its first step's loads are in flight (their
-            // address waits on chunk_off; ncu, 2^28: E5M2 243 -> 237 us, BF16 the same, NOTES v15).
-            if (s0 == 0 && cnt > 0 && !load_escapes<E>(J, esc_off, 0, cnt, len, -1, lane, pos, exp, err)) cnt = 0;
-            // This step's escapes: the lanes holding positions below the step's end (earlier ones
-            // were used by earlier steps).  Warp-uniform loop, a shuffle per escape.
-            u32 pm[GPL];
-            u64 pe[GPL];
-#pragma unroll
-            for (int q = 0; q < GPL; q++) { pm[q] = 0; pe[q] = 0; }
-            each_escape<E>(J, esc_off, s0 * 8, (s0 + STEP) * 8, len, lane, base, cnt, pos, exp, err, [&](int p, u32 e) {
-                const int rel = (p >> 3) - s0, j = p & 7;  // group within the step, value within it
-#pragma unroll
-                for (int q = 0; q < GPL; q++)
-                    if (rel == q * 32 + lane) { pm[q] |= 1u << j; pe[q] |= (u64)e << (8 * j); }
-            });
-#pragma unroll
-            for (int q = 0; q < GPL; q++) {
-                const int i = s0 + q * 32 + lane;
-                if (i >= ng) continue;
-                if constexpr (BF16) {
-                    if (!plane && i * 8 + 8 <= n) {
-                        u32 out[4];
-                        decode_bf16_words(w[q], rr[q], (u32)dlo, (u32)(dlo >> 32), (u32)dhi, (u32)(dhi >> 32), out);
-                        if (pm[q]) patch_words<2, 7, 0xFFu>(out, pm[q], pe[q]);
-                        *reinterpret_cast<uint4*>(dst + i * 8) = make_uint4(out[0], out[1], out[2], out[3]);
-                        continue;
-                    }
-                }
-                if constexpr (E5M2) {
-                    if (!plane && i * 8 + 8 <= n) {
-                        u32 out[2];
-                        decode_e5m2_words(w[q], (u32)rr[q].q[0], (u32)(dlo << 2), (u32)(dlo >> 30), (u32)(dhi << 2),
-                                          (u32)(dhi >> 30), out);
-                        if (pm[q]) patch_words<4, 2, 0x1Fu>(out, pm[q], pe[q]);
-                        if constexpr (DQ) store_dequantized(dst + i * 8, out, table);
-                        else *reinterpret_cast<uint2*>(dst + i * 8) = make_uint2(out[0], out[1]);
-                        continue;
-                    }
-                }
-                u32 v[8];
-                decode_raw<E, M>(w[q], rr[q], dlo, dhi, plane, high + HB * i, v);
-                patch_store<E, M, T, DQ>(dst, n, i, v, pm[q], pe[q], table);
-            }
-        }
+        decode_chunk<E, M, T, GPL, DQ, false>(jobs[job], jobs, job, gc, chunk, chunk_off, work, lane);
     }
 }

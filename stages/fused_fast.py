@@ -15,7 +15,9 @@ dense pass; one read-back returns the validation result.  Blobs of unknown layou
 guess) have their headers read back once first (with what kvz_check_heads found of each: CRC,
 escape-table arithmetic, lengths).  Each such sequence is
 a program cached per call shape and replayed as one CUDA graph (stages/call_graphs.py); the job
-tables keep every address that does not move between calls.
+tables keep every address that does not move between calls.  In the graph each kernel is the
+programmatic dependent of the one before (stages/dependent_launch.py): resident before that one
+ends, and, for kvz_decode, decoding each warp's first chunk while the scan still runs.
 
 QuantizeFP8 with one scale per tensor can ride inside: a quantizing encode program (one tensor)
 takes the 16-bit input, runs quantize_fast's amax and table kernels, and kvz_encode<..., QT>
@@ -169,8 +171,9 @@ def _pinned_words(k: int) -> np.ndarray:
 
 def _launch(name: str, device: int, grid, args) -> tuple:
     """A launch op for call_graphs (kernels get raw addresses: CuPy views and array arguments
-    cost ~4 and ~10 us each, which made the host the bottleneck below 64 MiB; NOTES.md, v3)."""
-    return ("launch", _kernel(name, device), grid if isinstance(grid, tuple) else (grid,), (THREADS,), args)
+    cost ~4 and ~10 us each, which made the host the bottleneck below 64 MiB; NOTES.md, v3).
+    Every kernel of fused_fast.cu begins with await_predecessor(), so each is a "dependent" op."""
+    return ("dependent", _kernel(name, device), grid if isinstance(grid, tuple) else (grid,), (THREADS,), args)
 
 
 def _chunk_grid(name: str, device: int, total_chunks: int) -> int:
