@@ -154,38 +154,34 @@ class CallShape:
         return self.host_down
 
     def _issue(self, stream) -> None:
-        rt = self.cupy.cuda.runtime
         # A kernel that awaits its predecessor may start early only after a kernel node (a
         # programmatic edge joins two kernels; after a memset it is an ordinary launch).
         after_kernel, early = False, dependent_launch.usable()
         for op in self.ops:
             kind = op[0]
+            if kind == "zero":
+                self.cupy.cuda.runtime.memsetAsync(self.ptr(op[1]), 0, self.sizes[op[1]], stream.ptr)
+                after_kernel = False
+                continue
             if kind in ("launch", "dependent"):
                 _, kernel, grid, block, args = op
                 args = tuple(np.uint64(self.base + self.offsets[a]) if type(a) is Region else a for a in args)
-                if kind == "dependent" and after_kernel and early:
-                    dependent_launch.launch(kernel, grid, block, args, stream)
-                else:
-                    kernel(grid, block, args, stream=stream)
-            elif kind == "upload":
+            elif kind == "upload":  # the first node: an ordinary launch
                 n16 = -(-self.up_bytes // 16)
                 z16 = -(-self.sizes[self.zeroed] // 16) if self.zeroed is not None else 0
                 zero = self.ptr(self.zeroed) if self.zeroed is not None else 0
-                _stage_kernel()(_stage_grid(max(n16, z16)), (STAGE_THREADS,),
-                                (np.uint64(self.host_up.ctypes.data), np.uint64(self.base), np.int64(n16),
-                                 np.uint64(zero), np.int64(z16)), stream=stream)
-            elif kind == "zero":
-                rt.memsetAsync(self.ptr(op[1]), 0, self.sizes[op[1]], stream.ptr)
-                after_kernel = False
-                continue
-            else:  # download
+                kernel, grid, block = _stage_kernel(), _stage_grid(max(n16, z16)), (STAGE_THREADS,)
+                args = (np.uint64(self.host_up.ctypes.data), np.uint64(self.base), np.int64(n16),
+                        np.uint64(zero), np.int64(z16))
+            else:  # download: a dependent
                 n16 = -(-op[2] // 16)
+                kernel, grid, block = _stage_kernel(), _stage_grid(n16), (STAGE_THREADS,)
                 args = (np.uint64(self.ptr(op[1])), np.uint64(self.host_down.ctypes.data), np.int64(n16),
                         np.uint64(0), np.int64(0))
-                if after_kernel and early:
-                    dependent_launch.launch(_stage_kernel(), _stage_grid(n16), (STAGE_THREADS,), args, stream)
-                else:
-                    _stage_kernel()(_stage_grid(n16), (STAGE_THREADS,), args, stream=stream)
+            if kind in ("dependent", "download") and after_kernel and early:
+                dependent_launch.launch(kernel, grid, block, args, stream)
+            else:
+                kernel(grid, block, args, stream=stream)
             after_kernel = True
 
     def _capture(self) -> None:

@@ -238,6 +238,21 @@ __device__ __forceinline__ void load_rest11_warp(const u8* __restrict__ p, int l
     *hi = bits32_at(a, b, x + 64) & 0xFFFFFFu;
 }
 
+// Eight rest fields of R bits (R <= 16) packed LSB first, value j at bits j*R (kvzip/bitpack.py's
+// layout): bits 0-63 to *lo, the rest to *hi.
+template <int R>
+__device__ __forceinline__ void pack_rest(const u32 r[8], u64* lo, u64* hi) {
+    u64 l = 0, h = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const int b = j * R;
+        if (b < 64) { l |= (u64)r[j] << b; if (b + R > 64) h |= (u64)r[j] >> (64 - b); }
+        else h |= (u64)r[j] << (b - 64);
+    }
+    *lo = l;
+    *hi = h;
+}
+
 // R bytes of packed rest bits (kvzip/bitpack.py layout: LSB first, value j at bits j*R).
 template <int R>
 __device__ __forceinline__ void store_rest(u8* __restrict__ rest, long long g, const u32 r[8]) {
@@ -258,13 +273,8 @@ __device__ __forceinline__ void store_rest(u8* __restrict__ rest, long long g, c
         u64 w2 = ((u64)r[5] >> 8) | ((u64)r[6] << 16) | ((u64)r[7] << 40);
         reinterpret_cast<u64*>(p)[0] = w0; reinterpret_cast<u64*>(p)[1] = w1; reinterpret_cast<u64*>(p)[2] = w2;
     } else {  // R = 3 (e5m2), 11 (fp16): assemble in a 128-bit accumulator, store bytes
-        u64 lo = 0, hi = 0;
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            const int b = j * R;
-            if (b < 64) { lo |= (u64)r[j] << b; if (b + R > 64) hi |= (u64)r[j] >> (64 - b); }
-            else hi |= (u64)r[j] << (b - 64);
-        }
+        u64 lo, hi;
+        pack_rest<R>(r, &lo, &hi);
 #pragma unroll
         for (int k = 0; k < R; k++) p[k] = (u8)(k < 8 ? lo >> (8 * k) : hi >> (8 * (k - 8)));
     }
@@ -454,25 +464,19 @@ __device__ __forceinline__ u32 encode_e5m2_full(const Raw<u8>& raw, long long g,
 // value) packed LSB first into *lo (bits 0-63) and *hi (64-87), for store_rest11_warp.
 __device__ __forceinline__ u32 encode_fp16_full(const Raw<u16>& raw, long long g, const u8* slut,
                                                 u8* __restrict__ codes, u64* lo, u32* hi) {
-    u32 word = 0, mask = 0, h = 0;
-    u64 l = 0;
+    u32 word = 0, mask = 0, r[8];
 #pragma unroll
     for (int j = 0; j < 8; j++) {
         const u32 v = (raw.w[j >> 1] >> (16 * (j & 1))) & 0xFFFFu;
-        const u32 r = ((v >> 15) << 10) | (v & 0x3FFu), c = slut[(v >> 10) & 0x1Fu];
+        const u32 c = slut[(v >> 10) & 0x1Fu];
+        r[j] = ((v >> 15) << 10) | (v & 0x3FFu);
         mask |= (c >> 7) << j;
         word |= (c & 0xFu) << (4 * j);
-        const int b = 11 * j;
-        if (b < 64) {
-            l |= (u64)r << b;
-            if (b + 11 > 64) h |= r >> (64 - b);
-        } else {
-            h |= r << (b - 64);
-        }
     }
     reinterpret_cast<u32*>(codes)[g] = word;
-    *lo = l;
-    *hi = h;
+    u64 h;
+    pack_rest<11>(r, lo, &h);
+    *hi = (u32)h;
     return mask;
 }
 
@@ -614,12 +618,14 @@ struct DecodeJob {  // all 8-byte fields: the host fills a uint64 array (ntensor
 
 // The tensor that batch-wide index key (a chunk, or a scan block) belongs to: the last job whose
 // base <= key (jobs are in order; empty tensors share their successor's base and are skipped).
-template <typename Job>
+// PAST_L1: the bases read with ld.global.cg (kvz_decode's early chunk: decode_early_chunk).
+template <bool PAST_L1 = false, typename Job>
 __device__ __forceinline__ int find_job(const Job* jobs, int njobs, long long key, long long Job::*base) {
     int lo = 0, hi = njobs - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (jobs[mid].*base <= key) lo = mid; else hi = mid - 1;
+        const long long b = PAST_L1 ? __ldcg(&(jobs[mid].*base)) : jobs[mid].*base;
+        if (b <= key) lo = mid; else hi = mid - 1;
     }
     return lo;
 }
@@ -1404,6 +1410,10 @@ __device__ __forceinline__ void patch_words(u32 w[8 / VPW], u32 pmask, u64 pexp)
     }
 }
 
+// Value v's bits with its exponent field replaced by e (an escape's exponent).
+template <int E, int M>
+__device__ __forceinline__ u32 with_exponent(u32 v, u32 e) { return (v & ~(((1u << E) - 1u) << M)) | (e << M); }
+
 // Apply this lane's escapes (pmask bit j set: value j's exponent is byte j of pexp), then store
 // (DQ: FP8 codes turned into 16-bit values through table first).
 template <int E, int M, typename T, bool DQ>
@@ -1412,7 +1422,7 @@ __device__ __forceinline__ void patch_store(void* __restrict__ dst, long long n,
     if (pmask) {
 #pragma unroll
         for (int j = 0; j < 8; j++)
-            if ((pmask >> j) & 1u) v[j] = (v[j] & ~(((1u << E) - 1u) << M)) | ((u32)((pexp >> (8 * j)) & 0xFF) << M);
+            if ((pmask >> j) & 1u) v[j] = with_exponent<E, M>(v[j], (u32)((pexp >> (8 * j)) & 0xFF));
     }
     if constexpr (DQ) {
 #pragma unroll
@@ -1553,7 +1563,8 @@ __device__ __forceinline__ void finish_early_chunk(const DecodeJob* __restrict__
                                                    const u64* __restrict__ chunk_off, u64* __restrict__ work, int lane) {
     await_predecessor();
     const DecodeJob& J = jobs[job];
-    if (*reinterpret_cast<volatile u64*>(work + 1 + job) != 0) return;
+    u64* err = work + 1 + job;
+    if (*reinterpret_cast<volatile u64*>(err) != 0) return;
     const long long c = gc - J.chunk_base;
     const int cnt = J.esc_count[c], len = (int)min((long long)chunk, J.n - c * chunk);
     const long long esc_off = (long long)(chunk_off[gc] >> 31);
@@ -1563,8 +1574,8 @@ __device__ __forceinline__ void finish_early_chunk(const DecodeJob* __restrict__
     for (int base = 0; base < cnt; base += 32) {
         int pos;
         u32 exp;
-        if (!load_escapes<E>(J, esc_off, base, cnt, len, before, lane, pos, exp, work + 1 + job)) return;
-        if (pos != NONE) dst[pos] = (T)((dst[pos] & ~(((1u << E) - 1u) << M)) | (exp << M));
+        if (!load_escapes<E>(J, esc_off, base, cnt, len, before, lane, pos, exp, err)) return;
+        if (pos != NONE) dst[pos] = (T)with_exponent<E, M>(dst[pos], exp);
         before = __shfl_sync(FULL_MASK, pos, 31);
     }
 }
@@ -1694,16 +1705,12 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
 template <int E, int M, typename T, int GPL>
 __device__ __noinline__ void decode_early_chunk(const DecodeJob* __restrict__ jobs, int njobs, long long gc, int chunk,
                                                 const u64* __restrict__ chunk_off, u64* __restrict__ work, int lane) {
-    int lo = 0, hi = njobs - 1;  // find_job's search
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (__ldcg(&jobs[mid].chunk_base) <= gc) lo = mid; else hi = mid - 1;
-    }
+    const int job = find_job<true>(jobs, njobs, gc, &DecodeJob::chunk_base);
     union { uint4 words[sizeof(DecodeJob) / 16]; DecodeJob row; } J;
-    const uint4* src = reinterpret_cast<const uint4*>(jobs + lo);
+    const uint4* src = reinterpret_cast<const uint4*>(jobs + job);
 #pragma unroll
     for (int k = 0; k < (int)(sizeof(DecodeJob) / 16); k++) J.words[k] = __ldcg(src + k);
-    decode_chunk<E, M, T, GPL, false, true>(J.row, jobs, lo, gc, chunk, chunk_off, work, lane);
+    decode_chunk<E, M, T, GPL, false, true>(J.row, jobs, job, gc, chunk, chunk_off, work, lane);
 }
 
 // Dense pass, the mirror of kvz_encode: chunks from a queue, a warp walking its chunk in
