@@ -16,6 +16,7 @@ encode batch, or the format, chunk size and value counts of a decode.
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from functools import lru_cache
@@ -27,6 +28,8 @@ from . import dependent_launch
 MAX_SHAPES = 32             # call shapes kept per thread, all devices together (least recently used dropped)
 MAX_BYTES = 1 << 30         # and at most this much device workspace between them (per thread)
 _local = threading.local()
+_yield = os.sched_yield  # releases the GIL for the syscall
+_NOT_READY = 600  # cudaErrorNotReady: cudaStreamQuery's "still working"
 
 # The upload and download are a kernel that copies between the pinned staging (mapped into the
 # device's address space: UVA) and the workspace, 16 bytes a thread, and zeroes a region.  As copy
@@ -34,10 +37,13 @@ _local = threading.local()
 # 10.7 us and a 64-byte download 2.0 us, a kernel reading and writing pinned memory 0.9 us
 # (benchmarks/graph_nodes.py; NOTES.md, v16).
 # It starts as every fast-path kernel does (stages/dependent_launch.py): a download is launched as
-# a programmatic dependent of the kernel before it.
+# a programmatic dependent of the kernel before it.  A download, the call's last node, runs as one
+# block and then sets a flag in the pinned staging, which the host polls instead of synchronising
+# the stream: the call's results are complete once the flag is up, and the host learns it ~3 us
+# sooner than a stream synchronisation tells it (benchmarks/NOTES.md, v21).
 _STAGE_SOURCE = r"""
 extern "C" __global__ void kvz_stage(const uint4* __restrict__ src, uint4* __restrict__ dst, long long n,
-                                     uint4* __restrict__ zero, long long nz) {
+                                     uint4* __restrict__ zero, long long nz, unsigned int* __restrict__ done) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -46,6 +52,13 @@ extern "C" __global__ void kvz_stage(const uint4* __restrict__ src, uint4* __res
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     for (long long i = first; i < n; i += stride) dst[i] = src[i];
     for (long long i = first; i < nz; i += stride) zero[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (done != nullptr) {  // a download (one block): the flag once every word is on its way
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence_system();  // the block's words, seen by thread 0 at the barrier, land first
+            *reinterpret_cast<volatile unsigned int*>(done) = 1u;
+        }
+    }
 }
 """
 STAGE_THREADS = 256
@@ -82,9 +95,10 @@ class CallShape:
                                        the same for a kernel that begins with griddepcontrol.wait:
                                        right after another kernel it is launched as that one's
                                        programmatic dependent (stages/dependent_launch.py),
-      ("download", i, nbytes)          the first nbytes of region i -> host (a dependent too).
-    Each call ends with a host synchronisation on its stream, so the workspace and staging are
-    idle when the next call of this thread writes them."""
+      ("download", i, nbytes)          the first nbytes of region i -> host (a dependent too; the
+                                       last op, if any).
+    Each call ends with the host waiting for it (wait), so the workspace and staging are idle when
+    the next call of this thread writes them."""
 
     def __init__(self, sizes: tuple, ops: tuple):
         import cupy
@@ -111,8 +125,12 @@ class CallShape:
         # inside the last one's padding).
         self.host_up = cupyx.zeros_pinned(max(-(-self.up_bytes // 16) * 16, 16), np.uint8)
         self.staged = self.host_up.view(np.uint64)  # the upload area as 64-bit words (job tables)
-        self.host_down = cupyx.zeros_pinned(max(-(-(down[0] if down else 0) // 16) * 16, 16), np.uint8)
+        assert not down or ops[-1][0] == "download", "a download is the call's last op"
+        down16 = max(-(-(down[0] if down else 0) // 16) * 16, 16)
+        pinned = cupyx.zeros_pinned(down16 + 16, np.uint8)  # the download, then the done flag
+        self.host_down = pinned[:down16]
         self.down64 = self.host_down.view(np.uint64)  # the download as 64-bit words
+        self.done = pinned[down16:down16 + 4].view(np.uint32) if down else None
         self.graph = None       # cupy.cuda.Graph once captured; False if capture failed
         self.uses = 0
 
@@ -136,6 +154,8 @@ class CallShape:
         """Issue the call on stream without waiting: the host may work meanwhile (on anything but
         this shape's staging), then must call wait before this shape runs again."""
         rt = self.cupy.cuda.runtime
+        if self.done is not None:
+            self.done[0] = 0  # the download sets it again once the call's results are in
         if self.graph:
             rt.graphLaunch(self.graph.graphExec, stream.ptr)
         elif self.uses and self.graph is None:
@@ -149,8 +169,26 @@ class CallShape:
         self.uses += 1
 
     def wait(self, stream) -> np.ndarray:
-        """Wait for the call launch issued; returns the downloaded bytes (as run does)."""
-        stream.synchronize()
+        """Wait for the call launch issued; returns the downloaded bytes (as run does).
+
+        With a download, the host polls the flag the download sets after the bytes, yielding the
+        CPU (and the GIL) between looks as a stream synchronisation would; every 256 looks it
+        asks the stream how it is doing: a failed GPU would never set the flag, so its error is
+        raised (by a synchronisation) instead."""
+        done = self.done
+        if done is None:
+            stream.synchronize()
+            return self.host_down
+        query, looks = self.cupy.cuda.runtime.streamQuery, 0
+        while not done[0]:
+            looks += 1
+            if looks & 255 == 0:
+                status = query(stream.ptr)
+                if status != _NOT_READY and not done[0]:
+                    stream.synchronize()  # raises the GPU's error, if that is what it was
+                    if not done[0]:
+                        raise RuntimeError("kvzip: a call's stream finished without its download")
+            _yield()
         return self.host_down
 
     def _issue(self, stream) -> None:
@@ -172,12 +210,11 @@ class CallShape:
                 zero = self.ptr(self.zeroed) if self.zeroed is not None else 0
                 kernel, grid, block = _stage_kernel(), _stage_grid(max(n16, z16)), (STAGE_THREADS,)
                 args = (np.uint64(self.host_up.ctypes.data), np.uint64(self.base), np.int64(n16),
-                        np.uint64(zero), np.int64(z16))
-            else:  # download: a dependent
-                n16 = -(-op[2] // 16)
-                kernel, grid, block = _stage_kernel(), _stage_grid(n16), (STAGE_THREADS,)
-                args = (np.uint64(self.ptr(op[1])), np.uint64(self.host_down.ctypes.data), np.int64(n16),
-                        np.uint64(0), np.int64(0))
+                        np.uint64(zero), np.int64(z16), np.uint64(0))
+            else:  # download: a dependent, one block (its flag follows the block's words)
+                kernel, grid, block = _stage_kernel(), (1,), (STAGE_THREADS,)
+                args = (np.uint64(self.ptr(op[1])), np.uint64(self.host_down.ctypes.data), np.int64(-(-op[2] // 16)),
+                        np.uint64(0), np.int64(0), np.uint64(self.done.ctypes.data))
             if kind in ("dependent", "download") and after_kernel and early:
                 dependent_launch.launch(kernel, grid, block, args, stream)
             else:
