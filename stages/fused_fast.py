@@ -60,10 +60,16 @@ SB_CHUNKS = 256         # chunks per block of kvz_scan (one thread each)
 # Shape of the dense kernels per value width in bytes: (groups a lane handles per step, blocks per
 # multiprocessor the register budget must allow).  Picked on the H200 with
 # benchmarks/sweep_shapes.py and ncu (benchmarks/NOTES.md, v5; the encoders' again in v17, when
-# they began loading a step ahead and needed the registers for it).
-ENCODE_SHAPE = {1: (4, 3), 2: (4, 2), 4: (1, 4)}
-DECODE_SHAPE = {1: (4, 3), 2: (4, 3), 4: (1, 4)}
+# they began loading a step ahead and needed the registers for it).  FP8 in v21, checked with
+# benchmarks/shape_ab.py: since the early chunk (v20) the E5M2 decoder spilled 28 bytes at (4, 3)
+# and none at (2, 3), 194-195 -> 179-180 us a decode graph at 2^28; the encoder (8, 2), no
+# spills either, 202-203 -> 199 us.
+ENCODE_SHAPE = {1: (8, 2), 2: (4, 2), 4: (1, 4)}
+DECODE_SHAPE = {1: (2, 3), 2: (4, 3), 4: (1, 4)}
 QUANTIZING_ENCODE_SHAPE = (4, 4)  # kvz_encode<..., QT = true>: loads no step ahead
+# kvz_decode<..., DQ = true>, which stores 16-bit values: the bench's quantize pipeline decoded at
+# 1810-1839 GB/s at (4, 3) and 1657-1666 at (2, 3) (v21), so it keeps (4, 3).
+DEQUANTIZING_DECODE_SHAPE = (4, 3)
 
 
 def _instances(fmt):
@@ -85,7 +91,8 @@ def _quantizing_encode(fmt) -> tuple[str, str]:
 
 def _dequantizing_decode(fmt) -> str:
     """kvz_decode of an FP8 format writing 16-bit values through each job's dq_table."""
-    return _instances(fmt)[3][:-1] + ",true>"
+    g, b = DEQUANTIZING_DECODE_SHAPE
+    return f"kvz_decode<{fmt.exp_bits},{fmt.mant_bits},{_TYPES[fmt.itemsize]},{g},{b},true>"
 
 
 def slot_size(chunk: int) -> int:
