@@ -51,34 +51,6 @@ __device__ __forceinline__ void release_dependents() {
 #endif
 }
 
-// ------------------------------------------------------------------ touched-once data
-// The dense streams (values in, codes and rest out, and back) are read or written once per call.
-// load_once / store_once mark them as such to the caches (ld.global.cs / st.global.cs: evict
-// first) when KVZ_STREAM_LOADS / KVZ_STREAM_STORES are 1; benchmarks/cache_hints_ab.py measures
-// each setting.
-#ifndef KVZ_STREAM_LOADS
-#define KVZ_STREAM_LOADS 0
-#endif
-#ifndef KVZ_STREAM_STORES
-#define KVZ_STREAM_STORES 0
-#endif
-template <typename V>
-__device__ __forceinline__ V load_once(const V* p) {
-#if KVZ_STREAM_LOADS
-    return __ldcs(p);
-#else
-    return *p;
-#endif
-}
-template <typename V>
-__device__ __forceinline__ void store_once(V* p, V v) {
-#if KVZ_STREAM_STORES
-    __stcs(p, v);
-#else
-    *p = v;
-#endif
-}
-
 // ------------------------------------------------------------------ loading and storing groups
 template <typename T>
 __device__ __forceinline__ void load_group(const T* __restrict__ src, long long n, long long g, u32 v[8]) {
@@ -147,14 +119,14 @@ template <typename T>
 __device__ __forceinline__ void load_raw_full(const T* __restrict__ src, long long g, Raw<T>& r) {
     const long long i0 = g * 8;
     if constexpr (sizeof(T) == 1) {
-        const uint2 q = load_once(reinterpret_cast<const uint2*>(src + i0));
+        const uint2 q = *reinterpret_cast<const uint2*>(src + i0);
         r.w[0] = q.x; r.w[1] = q.y;
     } else if constexpr (sizeof(T) == 2) {
-        const uint4 q = load_once(reinterpret_cast<const uint4*>(src + i0));
+        const uint4 q = *reinterpret_cast<const uint4*>(src + i0);
         r.w[0] = q.x; r.w[1] = q.y; r.w[2] = q.z; r.w[3] = q.w;
     } else {
-        const uint4 a = load_once(reinterpret_cast<const uint4*>(src + i0));
-        const uint4 b = load_once(reinterpret_cast<const uint4*>(src + i0 + 4));
+        const uint4 a = *reinterpret_cast<const uint4*>(src + i0);
+        const uint4 b = *reinterpret_cast<const uint4*>(src + i0 + 4);
         r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w; r.w[4] = b.x; r.w[5] = b.y; r.w[6] = b.z; r.w[7] = b.w;
     }
 }
@@ -230,7 +202,7 @@ __device__ __forceinline__ u32 raw_value(const Raw<T>& r, int j) {
 __device__ __forceinline__ void store_rest24_warp(u8* __restrict__ p, u32 bits, int lane) {
     const int g = (4 * lane) / 3, off = 4 * lane - 3 * g;
     const u32 a = __shfl_sync(FULL_MASK, bits, g & 31), b = __shfl_sync(FULL_MASK, bits, (g + 1) & 31);
-    if (lane < 24) store_once(reinterpret_cast<u32*>(p) + lane, (u32)((((u64)b << 24) | a) >> (8 * off)));
+    if (lane < 24) reinterpret_cast<u32*>(p)[lane] = (u32)((((u64)b << 24) | a) >> (8 * off));
 }
 
 // FP16 rest fields (11 bits a value, 88 a group: 11 bytes) of the warp's 32 consecutive groups,
@@ -289,7 +261,7 @@ __device__ __forceinline__ void store_rest(u8* __restrict__ rest, long long g, c
         u64 w = 0;
 #pragma unroll
         for (int j = 0; j < 8; j++) w |= (u64)r[j] << (8 * j);
-        store_once(reinterpret_cast<u64*>(p), w);
+        *reinterpret_cast<u64*>(p) = w;
     } else if constexpr (R == 4) {
         u32 w = 0;
 #pragma unroll
@@ -318,7 +290,7 @@ template <int R>
 __device__ __forceinline__ void load_rest_raw(const u8* __restrict__ rest, long long g, RestRaw<R>& rr) {
     const u8* p = rest + g * R;
     if constexpr (R == 8) {
-        rr.q[0] = load_once(reinterpret_cast<const u64*>(p));
+        rr.q[0] = *reinterpret_cast<const u64*>(p);
     } else if constexpr (R == 4) {
         rr.q[0] = *reinterpret_cast<const u32*>(p);
     } else if constexpr (R == 24) {
@@ -440,14 +412,14 @@ __device__ __forceinline__ u32 encode_bf16_full(const Raw<u16>& raw, long long g
     u32 fa, fb;
     const u32 ta = pack4(slut[ea & 0xFF], slut[(ea >> 8) & 0xFF], slut[(ea >> 16) & 0xFF], slut[ea >> 24], &fa);
     const u32 tb = pack4(slut[eb & 0xFF], slut[(eb >> 8) & 0xFF], slut[(eb >> 16) & 0xFF], slut[eb >> 24], &fb);
-    store_once(reinterpret_cast<u32*>(codes) + g, __byte_perm(ta, tb, 0x6420));
+    reinterpret_cast<u32*>(codes)[g] = __byte_perm(ta, tb, 0x6420);
     // Rest byte = sign << 7 | mantissa: the value's low byte with its top bit taken from the high
     // byte's (the sign).  Per four values: their low bytes, their high bytes (one permute each)
     // and one bit-select, instead of a shift and two masks per pair of values.
     const u32 lo0 = __byte_perm(raw.w[0], raw.w[1], 0x6420), lo1 = __byte_perm(raw.w[2], raw.w[3], 0x6420);
     const u32 hi0 = __byte_perm(raw.w[0], raw.w[1], 0x7531), hi1 = __byte_perm(raw.w[2], raw.w[3], 0x7531);
-    store_once(reinterpret_cast<uint2*>(rest + g * 8), make_uint2((lo0 & 0x7F7F7F7Fu) | (hi0 & 0x80808080u),
-                                                                (lo1 & 0x7F7F7F7Fu) | (hi1 & 0x80808080u)));
+    *reinterpret_cast<uint2*>(rest + g * 8) = make_uint2((lo0 & 0x7F7F7F7Fu) | (hi0 & 0x80808080u),
+                                                         (lo1 & 0x7F7F7F7Fu) | (hi1 & 0x80808080u));
     return escape_mask(fa, fb);
 }
 
@@ -477,7 +449,7 @@ __device__ __forceinline__ u32 encode_e5m2_full(const Raw<u8>& raw, long long g,
         t[k] = pack4(slut4[e4 & 0xFF], slut4[__byte_perm(e4, 0, 0x4441)], slut4[__byte_perm(e4, 0, 0x4442)],
                      slut4[e4 >> 24], &f[k]);
     }
-    store_once(reinterpret_cast<u32*>(codes) + g, __byte_perm(t[0], t[1], 0x6420));
+    reinterpret_cast<u32*>(codes)[g] = __byte_perm(t[0], t[1], 0x6420);
     const u32 bits = (e5m2_rest12(raw.w[0]) >> 20) | ((e5m2_rest12(raw.w[1]) >> 8) & 0xFFF000u);
     if (rest24) {
         *rest24 = bits;
@@ -1543,9 +1515,9 @@ __device__ __forceinline__ void decode_e5m2_quads(const DecodeJob& J, const u8* 
             cw[q] = make_uint4(0u, 0u, 0u, 0u);
             rw[q][0] = rw[q][1] = rw[q][2] = 0u;
             if (i < nq) {
-                cw[q] = load_once(reinterpret_cast<const uint4*>(codes) + i);
+                cw[q] = reinterpret_cast<const uint4*>(codes)[i];
                 const u32* r = reinterpret_cast<const u32*>(rest) + 3 * i;
-                rw[q][0] = load_once(r); rw[q][1] = load_once(r + 1); rw[q][2] = load_once(r + 2);
+                rw[q][0] = r[0]; rw[q][1] = r[1]; rw[q][2] = r[2];
             }
         }
         if (s0 == 0 && cnt > 0 && !load_escapes<5>(J, esc_off, 0, cnt, len, -1, lane, pos, exp, err)) cnt = 0;
@@ -1577,8 +1549,8 @@ __device__ __forceinline__ void decode_e5m2_quads(const DecodeJob& J, const u8* 
             const int i = s0 + q * 32 + lane;
             if (i >= nq) continue;
             uint4* o = reinterpret_cast<uint4*>(static_cast<u8*>(dst) + i * 32);
-            store_once(o, make_uint4(out[q][0], out[q][1], out[q][2], out[q][3]));
-            store_once(o + 1, make_uint4(out[q][4], out[q][5], out[q][6], out[q][7]));
+            o[0] = make_uint4(out[q][0], out[q][1], out[q][2], out[q][3]);
+            o[1] = make_uint4(out[q][4], out[q][5], out[q][6], out[q][7]);
         }
     }
 }
@@ -1675,7 +1647,7 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
                     continue;
                 }
             }
-            if (i < ng) { w[q] = load_once(reinterpret_cast<const u32*>(codes) + i); load_rest_raw<R>(rest, i, rr[q]); }
+            if (i < ng) { w[q] = reinterpret_cast<const u32*>(codes)[i]; load_rest_raw<R>(rest, i, rr[q]); }
         }
         // The chunk's first 32 escapes, loaded once its first step's loads are in flight (their
         // address waits on chunk_off; ncu, 2^28: E5M2 243 -> 237 us, BF16 the same, NOTES v15).
@@ -1701,7 +1673,7 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
                     u32 out[4];
                     decode_bf16_words(w[q], rr[q], (u32)dlo, (u32)(dlo >> 32), (u32)dhi, (u32)(dhi >> 32), out);
                     if (pm[q]) patch_words<2, 7, 0xFFu>(out, pm[q], pe[q]);
-                    store_once(reinterpret_cast<uint4*>(dst + i * 8), make_uint4(out[0], out[1], out[2], out[3]));
+                    *reinterpret_cast<uint4*>(dst + i * 8) = make_uint4(out[0], out[1], out[2], out[3]);
                     continue;
                 }
             }
@@ -1712,7 +1684,7 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
                                       (u32)(dhi >> 30), out);
                     if (pm[q]) patch_words<4, 2, 0x1Fu>(out, pm[q], pe[q]);
                     if constexpr (DQ) store_dequantized(dst + i * 8, out, table);
-                    else store_once(reinterpret_cast<uint2*>(dst + i * 8), make_uint2(out[0], out[1]));
+                    else *reinterpret_cast<uint2*>(dst + i * 8) = make_uint2(out[0], out[1]);
                     continue;
                 }
             }
