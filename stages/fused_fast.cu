@@ -1498,12 +1498,11 @@ __device__ __forceinline__ void each_escape(const DecodeJob& J, long long esc_of
 // 16-byte stores a lane 64 bytes apart took the dequantizing decoder from 249 to 427 us; nor in
 // the encoder, where the mirror (two 16-byte loads, the rest words through shared memory) was
 // slower than store_rest24_warp's groups (170-176 -> 179-180 us; 186 storing the words direct).
-// Returns false, having stored nothing, when `broken` (kvz_scan's verdict on the tensor) is set.
 template <int QPL>
-__device__ __forceinline__ bool decode_e5m2_quads(const DecodeJob& J, const u8* __restrict__ codes,
+__device__ __forceinline__ void decode_e5m2_quads(const DecodeJob& J, const u8* __restrict__ codes,
                                                   const u8* __restrict__ rest, void* __restrict__ dst, int nq,
                                                   long long esc_off, int cnt, int len, u32 d0, u32 d1, u32 d2, u32 d3,
-                                                  int lane, u64* err, u64 broken) {
+                                                  int lane, u64* err) {
     constexpr int QSTEP = 32 * QPL;
     int base = 0, pos = NONE;
     u32 exp = 0;
@@ -1521,7 +1520,6 @@ __device__ __forceinline__ bool decode_e5m2_quads(const DecodeJob& J, const u8* 
                 rw[q][0] = r[0]; rw[q][1] = r[1]; rw[q][2] = r[2];
             }
         }
-        if (s0 == 0 && broken) return false;  // kvz_scan found this tensor broken
         if (s0 == 0 && cnt > 0 && !load_escapes<5>(J, esc_off, 0, cnt, len, -1, lane, pos, exp, err)) cnt = 0;
         u32 out[QPL][8];
 #pragma unroll
@@ -1555,7 +1553,6 @@ __device__ __forceinline__ bool decode_e5m2_quads(const DecodeJob& J, const u8* 
             o[1] = make_uint4(out[q][4], out[q][5], out[q][6], out[q][7]);
         }
     }
-    return true;
 }
 
 // kvz_decode's early chunk gc of tensor job (below), its dense decode stored: wait for kvz_scan,
@@ -1603,13 +1600,10 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
     const bool plane = stored == PLANE;
     const bool early = EARLY && !plane;  // a plane-coded chunk needs its offset first
     if (EARLY && plane) await_predecessor();
-    // kvz_scan's verdict on the tensor, read now and acted on once the first step's loads are
-    // out: the branch on it had every chunk's loads wait out an L2 round trip (the dense streams
-    // lie inside the blob whatever the verdict, as the early chunk's reads do).
-    u64 off = 0, broken = 0;
+    u64 off = 0;
     if (!early) {
         off = chunk_off[gc];
-        broken = *reinterpret_cast<volatile u64*>(err);
+        if (*reinterpret_cast<volatile u64*>(err) != 0) return;  // kvz_scan found this tensor broken
     }
     int cnt = plane || early ? 0 : (int)stored;
     const long long esc_off = (long long)(off >> 31);
@@ -1632,10 +1626,8 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
     const u64 dlo = J.dlo, dhi = J.dhi;
     if constexpr (E5M2 && !DQ) {  // whole chunks a lane per quad, GPL / 2 quads a step (as many registers)
         if (!plane && n >= chunk && (chunk & 31) == 0) {
-            if (!decode_e5m2_quads<GPL >= 2 ? GPL / 2 : 1>(J, codes, rest, dst, gpc / 4, esc_off, cnt, len, (u32)(dlo << 2),
-                                                           (u32)(dlo >> 30), (u32)(dhi << 2), (u32)(dhi >> 30), lane, err,
-                                                           broken))
-                return;
+            decode_e5m2_quads<GPL >= 2 ? GPL / 2 : 1>(J, codes, rest, dst, gpc / 4, esc_off, cnt, len, (u32)(dlo << 2),
+                                                      (u32)(dlo >> 30), (u32)(dhi << 2), (u32)(dhi >> 30), lane, err);
             if (early) finish_early_chunk<E, M, T>(jobs, job, gc, chunk, chunk_off, work, lane);
             return;
         }
@@ -1657,7 +1649,6 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
             }
             if (i < ng) { w[q] = reinterpret_cast<const u32*>(codes)[i]; load_rest_raw<R>(rest, i, rr[q]); }
         }
-        if (s0 == 0 && broken) return;  // kvz_scan found this tensor broken
         // The chunk's first 32 escapes, loaded once its first step's loads are in flight (their
         // address waits on chunk_off; ncu, 2^28: E5M2 243 -> 237 us, BF16 the same, NOTES v15).
         if (s0 == 0 && cnt > 0 && !load_escapes<E>(J, esc_off, 0, cnt, len, -1, lane, pos, exp, err)) cnt = 0;
