@@ -2,7 +2,7 @@
 change of fused_fast.ENCODE_SHAPE / DECODE_SHAPE where sweep_shapes.py's single pass is within
 the calls' noise (benchmarks/NOTES.md, v21).
 
-    python benchmarks/shape_ab.py FORMAT KERNEL G,B G,B [rounds]
+    python benchmarks/shape_ab.py FORMAT KERNEL G,B G,B [rounds]     # FORMAT: bf16, e5m2, fp16 or fp32
     python benchmarks/shape_ab.py e5m2 decode 4,3 2,3
 
 Each round, per shape: compress or decompress of 2^28 real values (the bench's data) and its
@@ -13,23 +13,21 @@ import sys
 import cupy
 
 import kvzip
-from kvzip.bench import _sample_bits, _timer, e5m2_bits
+from kvzip.bench import _sample_bits, _timer, format_bits
 from kvzip.stages import call_graphs, fused_fast
 
 
 def main(fmt: str, kernel: str, a: str, b: str, rounds: str = "3", n: int = 1 << 28) -> None:
-    host = _sample_bits(n)
-    x = cupy.asarray(host if fmt == "bf16" else e5m2_bits(host, n))
-    width = x.dtype.itemsize
+    x = cupy.asarray(format_bits(fmt, _sample_bits(n), n))
     table = fused_fast.ENCODE_SHAPE if kernel == "encode" else fused_fast.DECODE_SHAPE
-    default = table[width]
+    default = table[fmt]
     shapes = [tuple(int(v) for v in s.split(",")) for s in (a, b)]
     timeit = _timer(cupy, 30)
     stream = cupy.cuda.get_current_stream()
     times = {}
     for r in range(int(rounds)):
         for shape in shapes:
-            table[width] = shape
+            table[fmt] = shape
             fused_fast._kernels.clear()
             call_graphs.release()  # cached programs hold the previous kernels
             blob = kvzip.compress(x, dtype=fmt)
@@ -43,7 +41,7 @@ def main(fmt: str, kernel: str, a: str, b: str, rounds: str = "3", n: int = 1 <<
             print(f"round {r} {fmt} {kernel} {shape}: call {t * 1e6:6.1f} us ({x.nbytes / t / 1e9:6.1f} GB/s)"
                   f"  graph {g * 1e6:6.1f} us", flush=True)
             del out, back
-    table[width] = default
+    table[fmt] = default
     for shape, ts in times.items():
         call, graph = zip(*ts)
         print(f"{fmt} {kernel} {shape}: call {min(call):6.1f}-{max(call):6.1f} us  graph {min(graph):6.1f}-{max(graph):6.1f} us")

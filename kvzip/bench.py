@@ -83,6 +83,16 @@ def widened_bits(bf16_bits, n, dtype):
     return np.resize(values.view(f"u{values.itemsize}"), n)
 
 
+def format_bits(fmt: str, host, n):
+    """The bench's input in format fmt ("bf16", "e5m2", "fp16" or "fp32") as raw bits (NumPy):
+    host (the tiled BF16 sample, _sample_bits(n)) itself, quantized once to E5M2, or converted."""
+    if fmt == "bf16":
+        return host
+    if fmt == "e5m2":
+        return e5m2_bits(host, n)
+    return widened_bits(host, n, {"fp16": np.float16, "fp32": np.float32}[fmt])
+
+
 def bench_kvzip(cupy, timeit, x, dtype, pipe=None, ref=None):
     """Encode/decode figures of one input; x is a cupy array of raw bits."""
     import kvzip
@@ -163,13 +173,10 @@ def run(values_log2=28, repeat=20, out_dir="benchmarks/results", quick=False):
     k = res["kvzip"] = {}
     k["bf16"] = bench_kvzip(cupy, timeit, x, "bf16")
     print("bf16", k["bf16"], flush=True)
-    e5_bits = cupy.asarray(e5m2_bits(host, n))
-    k["e5m2"] = bench_kvzip(cupy, timeit, e5_bits, "e5m2")
-    print("e5m2", k["e5m2"], flush=True)
-    for name, dtype in (("fp16", np.float16), ("fp32", np.float32)):  # the other 16- and 32-bit kernels
-        wide = cupy.asarray(widened_bits(host, n, dtype))
-        k[name] = bench_kvzip(cupy, timeit, wide, name)
-        del wide
+    for name in ("e5m2", "fp16", "fp32"):  # FP8, and the other 16- and 32-bit kernels
+        bits = cupy.asarray(format_bits(name, host, n))
+        k[name] = bench_kvzip(cupy, timeit, bits, name)
+        del bits
         print(name, k[name], flush=True)
     qpipe = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack("e5m2-kv"), S.EscapeStream(),
                             S.Serialize()])

@@ -57,15 +57,16 @@ _TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
 _ESCAPE_STREAMS = ["esc_pos", "esc_exp", "exp_high"]
 SB_CHUNKS = 256         # chunks per block of kvz_scan (one thread each)
 
-# Shape of the dense kernels per value width in bytes: (groups a lane handles per step, blocks per
+# Shape of the dense kernels per format: (groups a lane handles per step, blocks per
 # multiprocessor the register budget must allow).  Picked on the H200 with
 # benchmarks/sweep_shapes.py and ncu (benchmarks/NOTES.md, v5; the encoders' again in v17, when
 # they began loading a step ahead and needed the registers for it).  FP8 in v21, checked with
 # benchmarks/shape_ab.py: since the early chunk (v20) the E5M2 decoder spilled 28 bytes at (4, 3)
 # and none at (2, 3), 194-195 -> 179-180 us a decode graph at 2^28; the encoder (8, 2), no
-# spills either, 202-203 -> 199 us.
-ENCODE_SHAPE = {1: (8, 2), 2: (4, 2), 4: (1, 4)}
-DECODE_SHAPE = {1: (2, 3), 2: (4, 3), 4: (1, 4)}
+# spills either, 202-203 -> 199 us.  E4M3 runs the same code as E5M2 and takes its shapes.  The
+# float16 decoder (its per-value path) at (2, 4): graph 461-462 -> 422-425 us ((2, 3) 436-440).
+ENCODE_SHAPE = {"e4m3": (8, 2), "e5m2": (8, 2), "bf16": (4, 2), "fp16": (4, 2), "fp32": (1, 4)}
+DECODE_SHAPE = {"e4m3": (2, 3), "e5m2": (2, 3), "bf16": (4, 3), "fp16": (2, 4), "fp32": (1, 4)}
 QUANTIZING_ENCODE_SHAPE = (4, 4)  # kvz_encode<..., QT = true>: loads no step ahead
 # kvz_decode<..., DQ = true>, which stores 16-bit values: the bench's quantize pipeline decoded at
 # 1810-1839 GB/s at (4, 3) and 1657-1666 at (2, 3) (v21), so it keeps (4, 3).
@@ -75,8 +76,8 @@ DEQUANTIZING_DECODE_SHAPE = (4, 3)
 def _instances(fmt):
     """The kernel names of one format: encode, encode-side scan, decode-side scan, decode."""
     args = f"{fmt.exp_bits},{fmt.mant_bits},{_TYPES[fmt.itemsize]}"
-    eg, eb = ENCODE_SHAPE[fmt.itemsize]
-    dg, db = DECODE_SHAPE[fmt.itemsize]
+    eg, eb = ENCODE_SHAPE[fmt.name]
+    dg, db = DECODE_SHAPE[fmt.name]
     return (f"kvz_encode<{args},{eg},{eb}>", f"kvz_scan<{args},EncodeJob>", f"kvz_scan<{args},DecodeJob>",
             f"kvz_decode<{args},{dg},{db}>")
 

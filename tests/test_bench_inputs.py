@@ -1,8 +1,9 @@
 """The benchmark's inputs (kvzip.bench) are what its docs say: the real sample, converted or
 quantized on the CPU, tiled to the requested length."""
 import numpy as np
+import pytest
 
-from kvzip.bench import _sample_bits, e5m2_bits, widened_bits
+from kvzip.bench import _sample_bits, e5m2_bits, format_bits, widened_bits
 
 
 def test_float32_input_is_the_bf16_sample_exactly():
@@ -27,3 +28,14 @@ def test_e5m2_input_is_tiled_to_length():
     bits = e5m2_bits(_sample_bits(1 << 15), 3 << 14)
     assert bits.dtype == np.uint8 and bits.shape == (3 << 14,)
     np.testing.assert_array_equal(bits[1 << 15:], bits[: 1 << 14])  # the quantized 2^15 values, repeated
+
+
+def test_format_bits_names_each_input():
+    n = 1 << 14
+    host = _sample_bits(n)
+    assert format_bits("bf16", host, n) is host
+    np.testing.assert_array_equal(format_bits("e5m2", host, n), e5m2_bits(host, n))
+    np.testing.assert_array_equal(format_bits("fp16", host, n), widened_bits(host, n, np.float16))
+    assert format_bits("fp32", host, n).dtype == np.uint32
+    with pytest.raises(KeyError):
+        format_bits("e4m3", host, n)
