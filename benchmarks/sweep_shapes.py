@@ -1,7 +1,7 @@
 """Time the dense kernels' shapes (groups per lane per step, blocks per multiprocessor) on a GPU:
 the measurement behind fused_fast.ENCODE_SHAPE / DECODE_SHAPE (benchmarks/NOTES.md).
 
-    python benchmarks/sweep_shapes.py [log2_values] [bf16|e5m2|fp16 ...] [encode|decode]
+    python benchmarks/sweep_shapes.py [log2_values] [bf16|e5m2|fp16|fp32 ...] [encode|decode]
                                                   # default 28, BF16 and E5M2, both kernels, real KV
     ncu -k regex:kvz_ python benchmarks/sweep_shapes.py 28 once   # one call per shape, for ncu
 
@@ -21,9 +21,11 @@ host = _sample_bits(n)
 once = "once" in sys.argv[2:]
 timeit = _timer(cupy, 1, 0) if once else _timer(cupy, 20)
 # Shapes tried per value width in bytes.
-encode_shapes = {2: [(4, 2), (2, 3), (2, 4), (4, 3), (8, 2), (1, 4)], 1: [(4, 3), (2, 4), (4, 4), (8, 2), (16, 2)]}
-decode_shapes = {2: [(2, 3), (2, 4), (4, 3), (4, 2), (4, 4), (8, 2), (1, 4)], 1: [(2, 4), (2, 3), (4, 3), (8, 2), (8, 3), (16, 2)]}
-only = [a for a in sys.argv[2:] if a in ("bf16", "e5m2", "fp16")] or ["bf16", "e5m2"]  # formats swept
+encode_shapes = {4: [(1, 4), (1, 3), (2, 2), (1, 2)], 2: [(4, 2), (2, 3), (2, 4), (4, 3), (8, 2), (1, 4)],
+                 1: [(4, 3), (2, 4), (4, 4), (8, 2), (16, 2)]}
+decode_shapes = {4: [(1, 4), (2, 3), (1, 3), (2, 2)], 2: [(2, 3), (2, 4), (4, 3), (4, 2), (4, 4), (8, 2), (1, 4)],
+                 1: [(2, 4), (2, 3), (4, 3), (8, 2), (8, 3), (16, 2)]}
+only = [a for a in sys.argv[2:] if a in ("bf16", "e5m2", "fp16", "fp32")] or ["bf16", "e5m2"]  # formats swept
 for name in only:
     x = cupy.asarray(format_bits(name, host, n))
     width = x.dtype.itemsize
