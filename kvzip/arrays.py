@@ -40,7 +40,7 @@ import numpy as np
 
 from .formats import BY_DTYPE_NAME, FORMATS, FloatFormat, get_format
 
-__all__ = ["Origin", "framework_of", "import_tensor", "import_tensors", "export_tensor", "export_tensors",
+__all__ = ["Origin", "framework_of", "import_tensor", "export_tensor", "export_tensors",
            "import_bytes", "import_blobs", "export_bytes"]
 
 # NumPy dtype per format: ml_dtypes supplies the ones NumPy lacks (the same types JAX uses).
@@ -207,24 +207,6 @@ def _contiguous_bits(arr, fmt: FloatFormat, origin: Origin):
     if origin.device == "cuda" and arr.size:  # one constructor: ravel() and view() cost ~1.3 us each
         return _cupy().ndarray((arr.size,), fmt.uint_dtype, arr.data)
     return None
-
-
-def import_tensors(xs, dtype=None) -> list[tuple]:
-    """:func:`import_tensor` for each of xs.  A run of CuPy arrays of one dtype on one device (a
-    serving loop's batch) skips what the run's first array settled: the format and the origin
-    (~1 us an array instead of ~2-4)."""
-    out = []
-    nd = cupy_ndarray()
-    run = None  # (dtype, fmt, origin) of the last CuPy array imported in full
-    for x in xs:
-        if run is not None and type(x) is nd and x.dtype is run[0] and x.data.device_id == run[2].device_index \
-                and _c_contiguous(x) and x.size:
-            out.append((_contiguous_bits(x, run[1], run[2]), run[1], x.shape, run[2]))  # never None here
-            continue
-        got = import_tensor(x, dtype)
-        out.append(got)
-        run = (x.dtype, got[1], got[3]) if type(x) is nd else None
-    return out
 
 
 def blob_addresses(blobs) -> tuple | None:
