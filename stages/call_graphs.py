@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import OrderedDict
 from functools import lru_cache
 
@@ -28,7 +29,9 @@ from . import dependent_launch
 MAX_SHAPES = 32             # call shapes kept per thread, all devices together (least recently used dropped)
 MAX_BYTES = 1 << 30         # and at most this much device workspace between them (per thread)
 _local = threading.local()
-_yield = os.sched_yield  # releases the GIL for the syscall
+# Between looks at a pinned flag: give up the CPU and the GIL (os.sched_yield releases the GIL for
+# the syscall; Windows has none, and time.sleep(0) gives up the GIL there too).
+yield_cpu = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 _NOT_READY = 600  # cudaErrorNotReady: cudaStreamQuery's "still working"
 
 # The upload and download are a kernel that copies between the pinned staging (mapped into the
@@ -188,7 +191,7 @@ class CallShape:
                     stream.synchronize()  # raises the GPU's error, if that is what it was
                     if not done[0]:
                         raise RuntimeError("kvzip: a call's stream finished without its download")
-            _yield()
+            yield_cpu()
         return self.host_down
 
     def _issue(self, stream) -> None:

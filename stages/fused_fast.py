@@ -27,7 +27,6 @@ turns each value into its FP8 code as it loads; a dequantizing decode program bu
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
@@ -473,7 +472,7 @@ class _EncodeProgram:
                     if totals >> 63 == 0:
                         raise _Unpublished
                     break
-                os.sched_yield()
+                call_graphs.yield_cpu()
                 totals = int(ready[t])
             yield self._blob_length(t, payload_bytes(self.var_bases[t], totals, self.hb))
 
