@@ -31,8 +31,31 @@ MAX_BYTES = 1 << 30         # and at most this much device workspace between the
 _local = threading.local()
 # Between looks at a pinned flag: give up the CPU and the GIL (os.sched_yield releases the GIL for
 # the syscall; Windows has none, and time.sleep(0) gives up the GIL there too).
-yield_cpu = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
+_yield_cpu = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 _NOT_READY = 600  # cudaErrorNotReady: cudaStreamQuery's "still working"
+
+
+def await_word(words: np.ndarray, i: int, stream) -> bool:
+    """Poll words[i] (pinned host memory that a kernel on stream writes through its mapped
+    address) until it is nonzero; then True.  Between looks the CPU and the GIL are given up, as
+    a stream synchronisation gives them up; every 256 looks the stream is asked how it is doing:
+    a failed GPU, which would never write the word, has its error raised by a synchronisation,
+    and a stream that finished without writing it gives False."""
+    looks = 0
+    while not words[i]:
+        looks += 1
+        if looks & 255 == 0 and _stream_status(stream) != _NOT_READY and not words[i]:
+            stream.synchronize()  # raises the GPU's error, if that is what it was
+            return bool(words[i])
+        _yield_cpu()
+    return True
+
+
+def _stream_status(stream) -> int:
+    """cudaStreamQuery's status for stream (0: all done, _NOT_READY: still working, else an error)."""
+    from cupy.cuda import runtime
+
+    return runtime.streamQuery(stream.ptr)
 
 # The upload and download are a kernel that copies between the pinned staging (mapped into the
 # device's address space: UVA) and the workspace, 16 bytes a thread, and zeroes a region.  As copy
@@ -172,26 +195,12 @@ class CallShape:
         self.uses += 1
 
     def wait(self, stream) -> np.ndarray:
-        """Wait for the call launch issued; returns the downloaded bytes (as run does).
-
-        With a download, the host polls the flag the download sets after the bytes, yielding the
-        CPU (and the GIL) between looks as a stream synchronisation would; every 256 looks it
-        asks the stream how it is doing: a failed GPU would never set the flag, so its error is
-        raised (by a synchronisation) instead."""
-        done = self.done
-        if done is None:
+        """Wait for the call launch issued; returns the downloaded bytes (as run does).  With a
+        download, the host polls the flag the download sets after the bytes (await_word)."""
+        if self.done is None:
             stream.synchronize()
-            return self.host_down
-        query, looks = self.cupy.cuda.runtime.streamQuery, 0
-        while not done[0]:
-            looks += 1
-            if looks & 255 == 0:
-                status = query(stream.ptr)
-                if status != _NOT_READY and not done[0]:
-                    stream.synchronize()  # raises the GPU's error, if that is what it was
-                    if not done[0]:
-                        raise RuntimeError("kvzip: a call's stream finished without its download")
-            yield_cpu()
+        elif not await_word(self.done, 0, stream):
+            raise RuntimeError("kvzip: a call's stream finished without its download")
         return self.host_down
 
     def _issue(self, stream) -> None:

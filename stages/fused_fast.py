@@ -454,26 +454,18 @@ class _EncodeProgram:
         return self.header_list[t] + payload if payload <= self.raw_list[t] else None
 
     def _published_lengths(self, stream):
-        """Each blob's length (None: stored raw), from the totals kvz_encode publishes in ready,
-        yielded tensor by tensor as they come (finish_blob's layout arithmetic); raises
-        _Unpublished if the stream finished without publishing one (not expected: the caller then
-        reads the sizes the scan wrote).
-        The wait gives the GIL up between looks (other threads run meanwhile, as they do while
-        a stream synchronises) by sched_yield: time.sleep(0) slept ~50 us (the timer slack) and
-        made a 64-tensor batch slower than a plain synchronisation (NOTES v18)."""
+        """Each blob's length (None: stored raw), from the totals kvz_encode publishes in ready
+        (zeroed before the launch; totals | 1 << 63 once published), yielded tensor by tensor as
+        they come (finish_blob's layout arithmetic); raises _Unpublished if the stream finished
+        without publishing one (not expected: the caller then reads the sizes the scan wrote).
+        The wait is call_graphs.await_word's, which gives the GIL up between looks by
+        sched_yield: time.sleep(0) in its place slept ~50 us (the timer slack) and made a
+        64-tensor batch slower than a plain synchronisation (NOTES v18)."""
         ready = self.ready
         for t, pending in enumerate(self.pending):
+            if pending and not call_graphs.await_word(ready, t, stream):
+                raise _Unpublished
             totals = int(ready[t]) if pending else 1 << 63
-            looks = 0
-            while totals >> 63 == 0:
-                looks += 1
-                if looks % 64 == 0 and stream.done:  # raises if the stream failed
-                    totals = int(ready[t])
-                    if totals >> 63 == 0:
-                        raise _Unpublished
-                    break
-                call_graphs.yield_cpu()
-                totals = int(ready[t])
             yield self._blob_length(t, payload_bytes(self.var_bases[t], totals, self.hb))
 
 

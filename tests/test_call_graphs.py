@@ -1,11 +1,13 @@
 """stages/call_graphs.py's per-thread cache of call shapes: least recently used entries go once
 there are more than MAX_SHAPES or their workspaces pass MAX_BYTES, the newest always stays, and
-each thread has its own.  (CallShape itself needs a GPU: tests/gpu covers it.)"""
+each thread has its own.  And await_word, the host's wait for a word a kernel writes to pinned
+memory, against a stand-in stream.  (CallShape itself needs a GPU: tests/gpu covers it.)"""
 from __future__ import annotations
 
 import threading
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from kvzip.stages import call_graphs
@@ -58,3 +60,51 @@ def test_each_thread_has_its_own():
     t.start()
     t.join()
     assert seen == [0] and len(call_graphs.entries()) == 1
+
+
+class _Stream:
+    """A stand-in for a CUDA stream: the status await_word asks for, and a synchronize that
+    raises (as CuPy's does) when the status is an error."""
+
+    def __init__(self, status):
+        self.status, self.synced = status, 0
+
+    def synchronize(self):
+        self.synced += 1
+        if self.status not in (0, call_graphs._NOT_READY):
+            raise RuntimeError(f"cuda error {self.status}")
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """await_word asks the stand-in stream for its status; each look gives up the CPU through
+    a hook the test may use to play the kernel."""
+    looks = []
+    monkeypatch.setattr(call_graphs, "_stream_status", lambda stream: stream.status)
+    monkeypatch.setattr(call_graphs, "_yield_cpu", lambda: looks.append(1))
+    return looks
+
+
+def test_await_word_returns_at_once_on_a_written_word(stand_in):
+    words = np.array([0, 7], np.uint64)
+    assert call_graphs.await_word(words, 1, _Stream(call_graphs._NOT_READY))
+    assert not stand_in
+
+
+def test_await_word_polls_until_the_kernel_writes(monkeypatch, stand_in):
+    words = np.zeros(1, np.uint32)
+    monkeypatch.setattr(call_graphs, "_yield_cpu", lambda: stand_in.append(1) or (len(stand_in) == 1000 and words.fill(1)))
+    stream = _Stream(call_graphs._NOT_READY)
+    assert call_graphs.await_word(words, 0, stream)
+    assert len(stand_in) == 1000 and stream.synced == 0
+
+
+def test_await_word_gives_false_when_the_stream_finished_without_the_word(stand_in):
+    stream = _Stream(0)
+    assert not call_graphs.await_word(np.zeros(1, np.uint32), 0, stream)
+    assert stream.synced == 1 and len(stand_in) == 255  # asked at the 256th look
+
+
+def test_await_word_raises_a_failed_streams_error(stand_in):
+    with pytest.raises(RuntimeError, match="cuda error 700"):
+        call_graphs.await_word(np.zeros(1, np.uint64), 0, _Stream(700))
