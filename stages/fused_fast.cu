@@ -1131,7 +1131,7 @@ __device__ __forceinline__ u64 block_exclusive_sum(u64 mine, u64* total) {
 // chunk redone from the input).  s_eoff: escapes before each of the block's chunks; s_cnt: their
 // counts; c0: the block's first chunk.
 #define MOVE_BATCH 4
-__device__ __forceinline__ u32 load_escapes(u32 k0, u32 listed, const u32* s_eoff, const u16* s_cnt, int slot,
+__device__ __forceinline__ u32 load_slot_escapes(u32 k0, u32 listed, const u32* s_eoff, const u16* s_cnt, int slot,
                                             long long c0, const u16* slot_pos, const u8* slot_exp,
                                             u16 pos[MOVE_BATCH], u8 ex[MOVE_BATCH]) {
     assume_global(slot_pos); assume_global(slot_exp);
@@ -1246,7 +1246,7 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
         s_cnt[tid] = (u16)stored;
         if (c < nchunks && (stored == PLANE || stored > (u32)slot)) s_redo[atomicAdd(&s_nredo, 1)] = (u16)tid;
         __syncthreads();
-        loaded = load_escapes(tid, listed, s_eoff, s_cnt, slot, c0, J.slot_pos, J.slot_exp, pos, ex);
+        loaded = load_slot_escapes(tid, listed, s_eoff, s_cnt, slot, c0, J.slot_pos, J.slot_exp, pos, ex);
     }
     if (wid == 0) {
         const u64 p = look_back(work + 1 + njobs + J.sb_base, lsb, agg, lane);
@@ -1284,7 +1284,7 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
             }
             k0 += MOVE_BATCH * SB_CHUNKS;
             if (k0 >= listed) break;
-            loaded = load_escapes(k0, listed, s_eoff, s_cnt, slot, c0, J.slot_pos, J.slot_exp, pos, ex);
+            loaded = load_slot_escapes(k0, listed, s_eoff, s_cnt, slot, c0, J.slot_pos, J.slot_exp, pos, ex);
         }
         const void* src = J.src;
         const u8* qtable = nullptr;  // QT: redo from the 16-bit input through the table (global: rare path)
