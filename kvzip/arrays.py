@@ -88,6 +88,17 @@ class Origin:
             return _cupy_stream(_torch_stream_ptr(self.device_index), self.device_index)
         return self._switch()
 
+    def working_stream(self):
+        """The CuPy stream stream_context() makes kvzip's for this CUDA caller, or None where
+        that context would first switch to the caller's device (a repeated call's shortcut
+        then takes the full path, which switches)."""
+        cupy = _cupy()
+        if self.device_index is not None and self.device_index != cupy.cuda.runtime.getDevice():
+            return None
+        if self.framework == "torch":
+            return _cupy_stream(_torch_stream_ptr(self.device_index), self.device_index)
+        return cupy.cuda.get_current_stream()
+
     @contextlib.contextmanager
     def _switch(self):
         cupy = _cupy()
@@ -209,6 +220,25 @@ def _contiguous_bits(arr, fmt: FloatFormat, origin: Origin):
     return None
 
 
+def cuda_address(x, origin: Origin) -> int | None:
+    """x's device address when x is a contiguous CUDA array of origin's framework (a CuPy array
+    or a torch tensor, not a subclass) on origin's device: what import_tensor views in place for
+    such a caller; else None."""
+    if origin.framework == "cupy":
+        if type(x) is not cupy_ndarray() or not _c_contiguous(x):
+            return None
+        data = x.data
+        return data.ptr if data.device_id == origin.device_index else None
+    if origin.framework == "torch" and origin.device == "cuda":
+        import torch
+
+        if type(x) is not torch.Tensor or x.get_device() != origin.device_index or x.layout is not torch.strided \
+                or not x.is_contiguous() or x.is_neg():
+            return None
+        return x.data_ptr()
+    return None
+
+
 def blob_addresses(blobs) -> tuple | None:
     """(origin, device addresses, lengths) when every blob is a contiguous 1-D uint8 CUDA array of
     one framework (CuPy, or torch) and one device, starting on a 16-byte boundary (a batch
@@ -222,6 +252,19 @@ def blob_addresses(blobs) -> tuple | None:
     if kind is torch_tensor():
         return _torch_blob_addresses(blobs, kind)
     return None
+
+
+def blob_address(blob, origin: Origin) -> tuple | None:
+    """(device address, length) of blob when blob_addresses takes it, with origin's framework
+    and device; else None.  A CuPy blob takes a few attribute reads, without the batch's lists."""
+    if origin.framework == "cupy" and type(blob) is cupy_ndarray():
+        if blob.dtype is not _U8 or blob.ndim != 1 or not blob._c_contiguous:
+            return None
+        data = blob.data
+        ptr = data.ptr
+        return (ptr, blob.size) if ptr % 16 == 0 and data.device_id == origin.device_index else None
+    found = blob_addresses((blob,))
+    return (found[1][0], found[2][0]) if found is not None and found[0] is origin else None
 
 
 def _cupy_blob_addresses(blobs, nd) -> tuple | None:

@@ -151,6 +151,9 @@ class CallShape:
         # inside the last one's padding).
         self.host_up = cupyx.zeros_pinned(max(-(-self.up_bytes // 16) * 16, 16), np.uint8)
         self.staged = self.host_up.view(np.uint64)  # the upload area as 64-bit words (job tables)
+        # The same words for single-item writes: a memoryview's take ~0.05 us on the H200's host,
+        # a NumPy array's ~0.07 (benchmarks/NOTES.md, v22).
+        self.words = memoryview(self.host_up).cast("B").cast("Q")
         assert not down or ops[-1][0] == "download", "a download is the call's last op"
         down16 = max(-(-(down[0] if down else 0) // 16) * 16, 16)
         pinned = cupyx.zeros_pinned(down16 + 16, np.uint8)  # the download, then the done flag
@@ -272,6 +275,28 @@ def entries() -> list:
     return list(getattr(_local, "entries", {}).values())
 
 
+KEEP = True  # remember() keeps anything (benchmarks/repeat_ab.py switches the shortcuts off)
+
+
+def remember(name: str, value) -> None:
+    """Keep value for this thread under name until release(): a shortcut that holds cached
+    programs (kvzip/api.py's repeat of the last call) goes with them.  Nothing is kept while
+    KEEP is off, and recall then finds nothing."""
+    if not KEEP:
+        return
+    kept = getattr(_local, "kept", None)
+    if kept is None:
+        kept = _local.kept = {}
+    kept[name] = value
+
+
+def recall(name: str):
+    """What this thread last kept under name (None if nothing, or released since)."""
+    kept = getattr(_local, "kept", None)
+    return kept.get(name) if kept is not None and KEEP else None
+
+
 def release() -> None:
     """Free this thread's workspaces, staging buffers and graphs (rebuilt by the next call)."""
     _local.entries = OrderedDict()
+    _local.kept = {}

@@ -194,6 +194,13 @@ def _current():
     return cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream()
 
 
+def current_stream():
+    """CuPy's current stream (the caller's, inside kvzip.arrays.Origin.stream_context)."""
+    import cupy
+
+    return cupy.cuda.get_current_stream()
+
+
 def release_workspace() -> None:
     """Free this thread's cached device workspaces and CUDA graphs (rebuilt by the next call)."""
     call_graphs.release()
@@ -411,9 +418,10 @@ class _EncodeProgram:
         """run's first half: start the encode and return (wait gives the result)."""
         staged = self.shape.staged
         if self.one is not None:
-            staged[0] = src_ptrs[0]
+            words = self.shape.words
+            words[0] = src_ptrs[0]
             for at, relative in self.one:
-                staged[at] = relative + out_ptr
+                words[at] = relative + out_ptr
         else:
             staged[self.src_at] = src_ptrs
             staged[self.out_at] = self.out_rel + P(out_ptr)
@@ -534,10 +542,18 @@ class EncodeLane:
         payload comes out larger than the values (the general path then stores them raw) or
         the lane quantizes and quantize_fast is off.  origin (kvzip.arrays.Origin): hand the
         blob out as that caller's array (else CuPy's)."""
-        if self.quantize and not quantize_fast.ENABLED:
+        if not self.usable():
             return None
         device, stream = _current()
-        return _encode_program((self.plan,), self, device).encode([bits.data.ptr], origin, stream)[0]
+        return self.program(device).encode([bits.data.ptr], origin, stream)[0]
+
+    def usable(self) -> bool:
+        """Whether the fast path may run this lane now (tests switch the kernels off)."""
+        return ENABLED and (not self.quantize or quantize_fast.ENABLED)
+
+    def program(self, device: int) -> _EncodeProgram:
+        """This thread's program for this lane's tensors on device."""
+        return _encode_program((self.plan,), self, device)
 
 
 def encode_lanes(lanes: list[EncodeLane], bits: list, origin=None, ptrs: list[int] | None = None) -> list:
@@ -716,30 +732,34 @@ class _DecodeProgram:
         return (got, misses) if heads is not None else got
 
     def run_one(self, row: np.ndarray, blob_ptr: int, blob_len: int, stream, views=None, origin=None,
-                scale_at: int | None = None):
+                scale_at: int | None = None, while_running=None):
         """run() for one blob on a guessed layout (a program built with one expected header),
         decompress's usual call, with the least host work: row is the layout's job row (addresses
         relative to the blob, esc_pos where the guess puts it) and stays staged from one call to
         the next, so a call writes only the blob's and the output's addresses, the blob's length
         and (scale_at: the scale's offset in the blob) the dequantizing decode's scale address.
+        while_running: called once the GPU has the work (host work the decode hides).
         Returns (result as run's views give it, missed: the header was not the expected one)."""
         out = arrays.ResultBuffer(self.out_bytes, origin)
-        staged = self.shape.staged
         if self.staged_row is not row:
+            staged = self.shape.staged
             staged[:DECODE_COLUMNS] = row[0]
             staged[12:14] = self.fixed[0, 1:3]
             if self.tables is not None:
                 staged[DQ_TABLE] = self.tables[0]
             self.staged_row, self.row_streams = row, row[0, :6].tolist()
+        words = self.shape.words
         for i, relative in enumerate(self.row_streams):  # item writes: a fraction of a ufunc's cost
-            staged[i] = relative + blob_ptr
-        staged[9] = self.out_offset + out.ptr
+            words[i] = relative + blob_ptr
+        words[9] = self.out_offset + out.ptr
         if scale_at is not None:
-            staged[DQ_SCALE] = blob_ptr + scale_at
-        staged[self.heads_at] = blob_ptr
-        staged[self.heads_at + 1] = blob_len
+            words[DQ_SCALE] = blob_ptr + scale_at
+        words[self.heads_at] = blob_ptr
+        words[self.heads_at + 1] = blob_len
         self.shape.launch(stream)
         got = views(out, self.offsets) if views is not None else self._raw_views(out)
+        if while_running is not None:
+            while_running()
         self.shape.wait(stream)
         error = int(self.shape.down64[1])  # the tensor's error, after the work counter
         if error and error != GUESS_MISSED:
@@ -762,21 +782,14 @@ def decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray, labels=None, dequa
     for rows built from guessed layouts whose escape fields the GPU fills in from each header;
     then returns (results, misses) as _DecodeProgram.run."""
     expect, heads = guessed if guessed is not None else (None, None)
-    prog, stream = _decode_program(fmt, chunk, ns, dequantize, expect)
+    prog, stream = decode_program(fmt, chunk, ns, dequantize, expect)
     return prog.run(jobs, stream, labels, views, origin, heads)
 
 
-def decode_one(fmt, chunk: int, n: int, expect: bytes, row: np.ndarray, blob, dequantize: tuple | None = None,
-               scale_at: int | None = None, views=None, origin=None):
-    """decode_jobs for a single blob on a guessed layout (_DecodeProgram.run_one; the same
-    program as decode_jobs' for it): returns (result, missed)."""
-    prog, stream = _decode_program(fmt, chunk, (n,), dequantize, (expect,))
-    return prog.run_one(row, blob.data.ptr, blob.shape[0], stream, views, origin, scale_at)
-
-
-def _decode_program(fmt, chunk: int, ns: tuple, dequantize, expect) -> tuple:
-    """(this thread's _DecodeProgram for the call shape, the current stream): one key for
-    decode_jobs and decode_one, so a layout's single and batched decodes share a program."""
+def decode_program(fmt, chunk: int, ns: tuple, dequantize, expect) -> tuple:
+    """(this thread's _DecodeProgram for the call shape on the current device, the current
+    stream): one key for decode_jobs and known_headers' single blobs, so a layout's single and
+    batched decodes share a program."""
     device, stream = _current()
     prog = call_graphs.cached(("decode", device, fmt.name, chunk, ns, dequantize, expect),
                               lambda: _DecodeProgram(fmt, chunk, ns, device, dequantize, expect))

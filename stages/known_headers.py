@@ -23,6 +23,11 @@ the decode program's scan, makes match()'s checks on the GPU against the guessed
 header and fills in the escape fields of the job row from the header.  A wrong guess (or a
 header that does not hang together) flags the blob, the decode kernels skip it, and the host
 decodes it the way above (match, else the general path).
+
+A single blob decoded on a guessed layout leaves its set-up (GuessedDecode: the program, the
+views that hand out the caller's tensor) with the thread, and decompress first offers the next
+blob to it (decode_again): one of the same framework and device whose length guess() would give
+the same layout goes straight to the program, with none of the import, guess or lookups redone.
 """
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ from kvzip import arrays, container
 from kvzip.backends import get_backend
 from kvzip.frame import Frame
 
-from . import fused_fast, quantize_fast
+from . import call_graphs, fused_fast, quantize_fast
 
 MAX_LAYOUTS = 4096
 MAX_RECENT = 16  # layouts guess() tries, most recently decoded first
@@ -369,18 +374,82 @@ def decode_guessed(layouts: list, blobs: list, labels=None, origin=None, address
     return decode_rows(layouts, jobs, blobs, labels, origin, heads)
 
 
+class GuessedDecode:
+    """A single blob's decode on a guessed layout, set up for one caller: the program, the views
+    that hand results out as the caller's tensors, where the blob's scale lies.  The last one that
+    succeeded on a thread is kept (call_graphs.remember) and run again by decode_again for a blob
+    like that one, so decompress's usual call repeats none of the set-up."""
+
+    __slots__ = ("layout", "origin", "views", "scale_at", "program", "span")
+
+    def __init__(self, layout: Layout, origin, pair: tuple | None):
+        self.layout, self.origin = layout, origin
+        self.views = _views((layout,), pair, origin)
+        self.scale_at = layout.dequantize[2] if pair is not None else None
+        self.program = fused_fast.decode_program(layout.fmt, layout.chunk, (layout.n,), pair, (layout.key,))[0]
+        self.span = None  # (guess table, lo, hi): the lengths guess() gives this layout for, while that table stands
+
+    def run(self, ptr: int, nbytes: int, stream):
+        """Decode the blob of nbytes at ptr on stream (fused_fast._DecodeProgram.run_one):
+        the result (origin's tensor where views gives one, else raw bits), or None if the
+        blob's header was not the layout's."""
+        # The layout is noted as the GPU decodes: on a miss the full path then notes the right one.
+        got, missed = self.program.run_one(self.layout.guess_row, ptr, nbytes, stream, self.views,
+                                           self.origin if self.views is not None else None, self.scale_at,
+                                           self.note)
+        return None if missed else got
+
+    def note(self) -> None:
+        _note(self.layout)
+
+
 def decode_one_guessed(layout: Layout, blob, origin=None):
-    """decode_guessed for one blob, with the least host work (fused_fast.decode_one: the
-    program keeps the layout's row staged).  Returns the result, or None if the guess was wrong."""
+    """decode_guessed for one blob, with the least host work (GuessedDecode: the program keeps
+    the layout's row staged).  Returns the result, or None if the guess was wrong."""
     pair = _fused_dequantize((layout,), (blob,))
-    views = _views((layout,), pair, origin)
-    got, missed = fused_fast.decode_one(layout.fmt, layout.chunk, layout.n, layout.key, layout.guess_row, blob,
-                                        pair, layout.dequantize[2] if pair is not None else None, views,
-                                        origin if views is not None else None)
-    if missed:
+    call = GuessedDecode(layout, origin, pair)
+    got = call.run(blob.data.ptr, blob.shape[0], fused_fast.current_stream())
+    if got is None:
         return None
-    _note(layout)
-    return _handed_out([got], [blob], (layout,), pair, views, origin)[0]
+    if call.views is not None and call_graphs.KEEP:  # results come out as the caller's: decode_again can repeat it
+        call.span = _guess_span(layout, blob.shape[0])
+        if call.span is not None:
+            call_graphs.remember("decode", call)
+    return _handed_out([got], [blob], (layout,), pair, call.views, origin)[0]
+
+
+def decode_again(blob):
+    """decompress of a blob like the one this thread last decoded by decode_one_guessed, by
+    that call's GuessedDecode: of the same framework and device (current, and 16-byte aligned),
+    and of a length guess() gives the same layout for, nothing remembered or forgotten since.
+    Returns the result, or None where the blob is not like it or the guess missed (the caller
+    then takes the full path, which guesses again)."""
+    call = call_graphs.recall("decode")
+    if call is None or not fused_fast.ENABLED:
+        return None
+    found = arrays.blob_address(blob, call.origin)
+    if found is None:
+        return None
+    ptr, nbytes = found
+    table, lo, hi = call.span
+    if _table is not table or not lo <= nbytes < hi or (call.scale_at is not None and (ptr + call.scale_at) % 16):
+        return None
+    stream = call.origin.working_stream()
+    return call.run(ptr, nbytes, stream) if stream is not None else None
+
+
+def _guess_span(layout: Layout, nbytes: int) -> tuple | None:
+    """(guess table, lo, hi): while that table stands (no layout remembered, noted anew or
+    forgotten), guess(n) gives layout for every lo <= n < hi, as it did for nbytes; None where
+    layout shares its band with others (then the most recently decoded wins: more than a
+    length decides)."""
+    table = _guess_table()
+    starts, bands = table
+    i = bisect.bisect_right(starts, nbytes) - 1
+    if i < 0 or len(bands[i]) != 1 or bands[i][0] is not layout:
+        return None
+    hi = starts[i + 1] if i + 1 < len(starts) else 1 << 62
+    return table, max(starts[i], layout.fixed_bytes), min(hi, layout.fixed_bytes + 4 * layout.n + 49)
 
 
 def _views(layouts, pair, origin, distinct=None):

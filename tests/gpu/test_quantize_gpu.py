@@ -110,19 +110,19 @@ def test_quantized_blobs_decode_through_remembered_layouts(fast, monkeypatch):
     monkeypatch.setattr(quantize_fast, "ENABLED", fast)
     calls = []  # per blob decoded through a remembered layout: "fused" into kvz_decode, or "stage"
     stage_decode, decode_jobs = known_headers._dequantized, known_headers.fused_fast.decode_jobs
-    decode_one = known_headers.fused_fast.decode_one
+    run_one = known_headers.GuessedDecode.run
 
     def spy_jobs(*a, dequantize=False, **k):
         calls.extend(["fused"] * a[3].shape[0] if dequantize else [])
         return decode_jobs(*a, dequantize=dequantize, **k)
 
-    def spy_one(fmt, chunk, n, expect, row, blob, dequantize=None, *a, **k):  # decompress's single blobs
-        calls.extend(["fused"] if dequantize else [])
-        return decode_one(fmt, chunk, n, expect, row, blob, dequantize, *a, **k)
+    def spy_one(self, *a):  # decompress's single blobs (their first call and repeats)
+        calls.extend(["fused"] if self.scale_at is not None else [])
+        return run_one(self, *a)
 
     monkeypatch.setattr(known_headers, "_dequantized", lambda *a: calls.append("stage") or stage_decode(*a))
     monkeypatch.setattr(known_headers.fused_fast, "decode_jobs", spy_jobs)
-    monkeypatch.setattr(known_headers.fused_fast, "decode_one", spy_one)
+    monkeypatch.setattr(known_headers.GuessedDecode, "run", spy_one)
     via = "fused" if fast else "stage"
     known_headers.forget()
     pipe = kvzip.Pipeline([QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack(), S.EscapeStream(), S.Serialize()])

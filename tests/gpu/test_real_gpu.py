@@ -456,20 +456,20 @@ def test_replayed_call_shapes_match_cpu_and_still_catch_forgeries(monkeypatch):
     call_graphs.release()
     known_headers.forget()
     lane_decodes = []  # decodes on a guessed layout: (blobs, wrong guesses)
-    real_guessed, real_one = known_headers.decode_guessed, known_headers.decode_one_guessed
+    real_guessed, real_one = known_headers.decode_guessed, known_headers.GuessedDecode.run
 
     def spy(layouts, blobs, labels=None, origin=None):
         got, misses = real_guessed(layouts, blobs, labels, origin)
         lane_decodes.append((len(blobs), len(misses)))
         return got, misses
 
-    def spy_one(layout, blob, origin=None):
-        got = real_one(layout, blob, origin)
+    def spy_one(self, *args):  # a single blob's decode on a guessed layout, first or repeated
+        got = real_one(self, *args)
         lane_decodes.append((1, int(got is None)))
         return got
 
     monkeypatch.setattr(known_headers, "decode_guessed", spy)
-    monkeypatch.setattr(known_headers, "decode_one_guessed", spy_one)
+    monkeypatch.setattr(known_headers.GuessedDecode, "run", spy_one)
     base = real_bf16((1 << 18) + 3)
     pipe = pipeline()
     for rate in (0.0, 0.001, 0.02, 0.06):

@@ -1,0 +1,117 @@
+"""The shortcuts for a call like the thread's last one (kvzip/api.py: _EncodeRepeat;
+stages/known_headers.py: decode_again): taken only where the full path would decide the same,
+refused for anything else, and giving the full path's bytes and values either way."""
+import numpy as np
+import pytest
+
+import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
+
+import kvzip
+from kvzip import api
+from kvzip.data import load_sample
+from kvzip.stages import call_graphs, fused_fast, known_headers
+
+rng = np.random.default_rng(99)
+SHAPE = (3, 4096 * 5)
+
+
+def real_bf16(n, rate=0.0):
+    """n values of the shipped real KV, permuted, a fraction rate of them made escapes."""
+    sample = np.concatenate([v.view(np.uint16).ravel() for v in load_sample("prose").values()])
+    bits = rng.permutation(np.resize(sample, n))
+    hit = rng.random(n) < rate
+    bits[hit] = (bits[hit] & 0x807F) | (rng.integers(200, 250, int(hit.sum())) << 7).astype(np.uint16)
+    return bits
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """Per call, whether its shortcut gave the result (None: it was not asked: nothing kept)."""
+    got = []
+    real_encode, real_decode = api._encode_again, known_headers.decode_again
+
+    def encode_again(pipe, x, dtype):
+        blob = real_encode(pipe, x, dtype)
+        got.append(blob is not None if call_graphs.recall("encode") is not None else None)
+        return blob
+
+    def decode_again(blob):
+        out = real_decode(blob)
+        got.append(out is not None if call_graphs.recall("decode") is not None else None)
+        return out
+
+    monkeypatch.setattr(api, "_encode_again", encode_again)
+    monkeypatch.setattr(known_headers, "decode_again", decode_again)
+    call_graphs.release()
+    known_headers.forget()
+    yield got
+    call_graphs.release()
+
+
+def test_compress_repeats_only_a_call_like_the_last(taken, monkeypatch):
+    bits = [real_bf16(int(np.prod(SHAPE)), rate) for rate in (0.0, 0.01, 0.05)]
+    x = [cupy.asarray(b).reshape(SHAPE) for b in bits]
+    wide = cupy.empty(x[0].size + 8, np.uint16)
+    wide[1:1 + x[0].size] = x[0].ravel()
+    calls = [  # (input, dtype, host bits, the shortcut taken)
+        (x[0], "bf16", bits[0], None),   # the first: the general path, which makes the shape's lane
+        (x[1], "bf16", bits[1], None),   # through the lane: that call kept
+        (x[2], "bf16", bits[2], True),   # other values and escapes, the same shape: repeated
+        (x[2].reshape(-1), "bf16", bits[2], False),  # another shape (its first: the general path)
+        (x[0], "bf16", bits[0], True),   # the lane kept is still the first shape's
+        (x[1], "fp16", bits[1], False),  # the same array read as another format
+        (x[1][:, ::-1], "bf16", bits[1].reshape(SHAPE)[:, ::-1].ravel(), False),  # not contiguous
+        (wide[1:1 + x[0].size].reshape(SHAPE), "bf16", bits[0], False),  # not 16-byte aligned
+        (x[1], "bf16", bits[1], True),
+    ]
+    for i, (arr, dtype, host, want) in enumerate(calls):
+        blob = kvzip.compress(arr, dtype=dtype)
+        assert taken[-1] is want, i
+        want_blob = kvzip.compress(host.reshape(arr.shape), dtype=dtype)  # the CPU's
+        np.testing.assert_array_equal(blob.get(), want_blob, err_msg=str(i))
+    kvzip.compress(x[2], dtype="bf16", checksum=True)  # another pipeline
+    assert taken[-1] is False
+    call_graphs.release()  # the kept call goes with the programs
+    kvzip.compress(x[2], dtype="bf16")
+    assert taken[-1] is None
+    monkeypatch.setattr(fused_fast, "ENABLED", False)  # the kernels switched off: the Numba path
+    np.testing.assert_array_equal(kvzip.compress(x[0], dtype="bf16").get(),
+                                  kvzip.compress(bits[0].reshape(SHAPE), dtype="bf16"))
+    assert taken[-1] is False
+
+
+def test_decompress_repeats_only_a_call_like_the_last(taken):
+    n = int(np.prod(SHAPE))
+    bits = [real_bf16(n, rate) for rate in (0.0, 0.002, 0.01, 0.03)]
+    blobs = [kvzip.compress(cupy.asarray(b).reshape(SHAPE), dtype="bf16") for b in bits]
+    assert len({b.size for b in blobs}) == 4  # other escape counts: other lengths, one layout
+    other = kvzip.compress(cupy.asarray(real_bf16(n // 3)), dtype="bf16")
+    taken.clear()
+
+    def check(blob, want, host):
+        out = kvzip.decompress(blob)
+        assert taken[-1] is want
+        assert out.shape == SHAPE or host.size != n
+        np.testing.assert_array_equal(out.reshape(-1).view(cupy.uint16).get(), host)
+
+    check(blobs[0], None, bits[0])   # the general path; the layout remembered
+    check(blobs[1], None, bits[1])   # decoded on the guessed layout, and that call kept
+    for i in (2, 3, 0, 1):           # every escape count since: repeated
+        check(blobs[i], True, bits[i])
+    wide = cupy.empty(blobs[2].size + 16, np.uint8)
+    wide[1:1 + blobs[2].size] = blobs[2]
+    check(wide[1:1 + blobs[2].size], False, bits[2])  # not 16-byte aligned
+    out = kvzip.decompress(other)    # another layout: not like it
+    assert taken[-1] is False and out.size == n // 3
+    check(blobs[3], False, bits[3])  # a new layout was remembered since: the guess table changed
+    check(blobs[2], True, bits[2])
+    forged = blobs[2].copy()
+    forged[44] ^= 1                  # the header's CRC: the GPU's check of the guess misses
+    with pytest.raises(kvzip.FormatError):
+        kvzip.decompress(forged)
+    assert taken[-1] is False
+    check(blobs[1], True, bits[1])   # still kept
+    known_headers.forget()           # nothing remembered: the general path
+    check(blobs[0], False, bits[0])
+    call_graphs.release()
+    check(blobs[0], None, bits[0])
