@@ -4,9 +4,11 @@
 
 host_phases.py says how much of a call's wall time is Python ahead of the graph launch and after
 its wait; this splits that time into the steps kvzip.decompress and kvzip.compress take on the
-fast path (kvzip/api.py: decode_with, encode_with), each run 2000 times in a loop (median of five
-such loops, less the cost of an empty call), on a CuPy caller's BF16 tensor and its blob.
-The steps are called as the library calls them, so the sum is close to the phase it splits.
+full fast path (kvzip/api.py: decode_with, encode_with; a call not like the thread's last, which
+the shortcuts of v22 skip), each run 2000 times in a loop (median of five such loops, less the
+cost of an empty call), on a CuPy caller's BF16 tensor and its blob.  Then whole calls with the
+graph's launch and wait stubbed out, repeated (the shortcuts) and on the full path: the steps
+alone in a loop add up to about half of the whole path's time (v22's first measurement).
 """
 import sys
 import time
