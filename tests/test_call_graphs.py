@@ -62,6 +62,30 @@ def test_each_thread_has_its_own():
     assert seen == [0] and len(call_graphs.entries()) == 1
 
 
+def test_kept_values_are_per_thread_and_go_with_release(monkeypatch):
+    """remember / recall: what a thread keeps (the repeated calls' shortcuts) is its own, is
+    dropped by release() with the programs it points at, and nothing is kept or found while
+    KEEP is off."""
+    assert call_graphs.recall("decode") is None
+    call_graphs.remember("decode", "d1")
+    call_graphs.remember("encode", "e1")
+    call_graphs.remember("decode", "d2")
+    assert (call_graphs.recall("decode"), call_graphs.recall("encode")) == ("d2", "e1")
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(call_graphs.recall("decode")))
+    t.start()
+    t.join()
+    assert seen == [None]
+    call_graphs.release()
+    assert call_graphs.recall("decode") is None and call_graphs.recall("encode") is None
+    call_graphs.remember("decode", "d3")
+    monkeypatch.setattr(call_graphs, "KEEP", False)
+    assert call_graphs.recall("decode") is None
+    call_graphs.remember("encode", "e2")
+    monkeypatch.setattr(call_graphs, "KEEP", True)
+    assert call_graphs.recall("decode") == "d3" and call_graphs.recall("encode") is None
+
+
 class _Stream:
     """A stand-in for a CUDA stream: the status await_word asks for, and a synchronize that
     raises (as CuPy's does) when the status is an error."""

@@ -199,6 +199,30 @@ def test_guess_picks_the_recent_layout_with_the_most_fixed_bytes_a_blob_can_have
     assert known_headers.guess(small.shape[0]) is None and known_headers.guess_many([small.shape[0]]) == [None]
 
 
+def test_a_guess_span_holds_exactly_the_lengths_guess_gives_its_layout():
+    """_guess_span (what decode_again checks a blob's length against): while the guess table
+    stands, guess(n) is the layout for every n in [lo, hi) and not for the lengths just outside;
+    none for a layout that shares its band; a new layout's note replaces the table."""
+    known_headers.forget()
+    small = kvzip.compress(real_bits()[:10_000], dtype="bf16")
+    large = with_escapes(0.01)
+    remember_blob(small)
+    remember_blob(large)
+    for blob in (small, large):
+        layout = known_headers.guess(blob.shape[0])
+        table, lo, hi = known_headers._guess_span(layout, blob.shape[0])
+        assert table is known_headers._table and lo <= blob.shape[0] < hi
+        inside = [lo, hi - 1] + rng.integers(lo, hi, 50).tolist()
+        assert all(known_headers.guess(n) is layout for n in inside)
+        assert known_headers.guess(lo - 1) is not layout and known_headers.guess(hi) is not layout
+    lo_layout = known_headers.guess(small.shape[0])
+    remember_blob(kvzip.compress(real_bits()[:10_000].reshape(100, 100), dtype="bf16"))  # same band
+    assert known_headers._table is not table  # the new layout's note dropped the table
+    assert known_headers._guess_span(lo_layout, small.shape[0]) is None
+    assert known_headers._guess_span(known_headers.guess(large.shape[0]), large.shape[0]) is not None
+    known_headers.forget()
+
+
 def test_layouts_are_noted_and_guessed_from_several_threads():
     """Decodes on several threads note layouts and guess at once (the serving case): no thread
     sees a layout table mid-change, and every guess is a layout that fits."""
