@@ -432,8 +432,10 @@ def decode_again(blob):
         return None
     ptr, nbytes = found
     table, lo, hi = call.span
-    if _table is not table or not lo <= nbytes < hi or (call.scale_at is not None and (ptr + call.scale_at) % 16):
+    if _table is not table or not lo <= nbytes < hi:
         return None
+    if call.scale_at is not None and ((ptr + call.scale_at) % 16 or not quantize_fast.ENABLED):
+        return None  # the dequantizing kernels need the scale aligned (and may be switched off)
     stream = call.origin.working_stream()
     return call.run(ptr, nbytes, stream) if stream is not None else None
 

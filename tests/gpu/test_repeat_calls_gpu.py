@@ -115,3 +115,32 @@ def test_decompress_repeats_only_a_call_like_the_last(taken):
     check(blobs[0], False, bits[0])
     call_graphs.release()
     check(blobs[0], None, bits[0])
+
+
+def test_a_dequantizing_decode_repeats_until_its_kernels_are_switched_off(taken, monkeypatch):
+    """Blobs of a QuantizeFP8 (per tensor) pipeline decode straight to the caller's dtype; the
+    repeat keeps doing so with each blob's own scale, and stops once quantize_fast is off (the
+    full path then dequantizes through the stage, to the same values)."""
+    from kvzip import stages as S
+    from kvzip.stages import quantize_fast
+
+    pipe = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack(), S.EscapeStream(), S.Serialize()])
+    n = int(np.prod(SHAPE))
+    import ml_dtypes
+
+    host = [real_bf16(n) for _ in range(3)]  # other values each
+    top = max(float(np.abs(h.view(ml_dtypes.bfloat16).astype(np.float32)).max()) for h in host)
+    host[2][:7] = np.array([4 * top], np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)  # another scale
+    xs = [cupy.asarray(h).reshape(SHAPE) for h in host]
+    blobs = [pipe.encode(x, dtype="bf16") for x in xs]
+    want = [pipe.decode(b.get()) for b in blobs]  # the CPU's values
+    assert blobs[2].size != blobs[0].size and not kvzip.info(blobs[2])["stored_raw"]
+    taken.clear()
+    got = [pipe.decode(b) for b in blobs + blobs[:1]]
+    assert taken[1:] == [None, True, True]  # the first: the general path; the second kept
+    for g, w in zip(got, want + want[:1]):
+        np.testing.assert_array_equal(g.reshape(-1).view(cupy.uint16).get(), w.reshape(-1).view(np.uint16))
+    monkeypatch.setattr(quantize_fast, "ENABLED", False)
+    again = pipe.decode(blobs[1])
+    assert taken[-1] is False
+    np.testing.assert_array_equal(again.reshape(-1).view(cupy.uint16).get(), want[1].reshape(-1).view(np.uint16))
