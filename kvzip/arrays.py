@@ -254,19 +254,6 @@ def blob_addresses(blobs) -> tuple | None:
     return None
 
 
-def blob_address(blob, origin: Origin) -> tuple | None:
-    """(device address, length) of blob when blob_addresses takes it, with origin's framework
-    and device; else None.  A CuPy blob takes a few attribute reads, without the batch's lists."""
-    if origin.framework == "cupy" and type(blob) is cupy_ndarray():
-        if blob.dtype is not _U8 or blob.ndim != 1 or not blob._c_contiguous:
-            return None
-        data = blob.data
-        ptr = data.ptr
-        return (ptr, blob.size) if ptr % 16 == 0 and data.device_id == origin.device_index else None
-    found = blob_addresses((blob,))
-    return (found[1][0], found[2][0]) if found is not None and found[0] is origin else None
-
-
 def _cupy_blob_addresses(blobs, nd) -> tuple | None:
     device = blobs[0].data.device_id
     ptrs, lengths = [], []

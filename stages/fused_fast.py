@@ -194,13 +194,6 @@ def _current():
     return cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream()
 
 
-def current_stream():
-    """CuPy's current stream (the caller's, inside kvzip.arrays.Origin.stream_context)."""
-    import cupy
-
-    return cupy.cuda.get_current_stream()
-
-
 def release_workspace() -> None:
     """Free this thread's cached device workspaces and CUDA graphs (rebuilt by the next call)."""
     call_graphs.release()

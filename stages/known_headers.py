@@ -382,11 +382,10 @@ class GuessedDecode:
 
     __slots__ = ("layout", "origin", "views", "scale_at", "program", "span")
 
-    def __init__(self, layout: Layout, origin, pair: tuple | None):
-        self.layout, self.origin = layout, origin
+    def __init__(self, layout: Layout, origin, pair: tuple | None, program):
+        self.layout, self.origin, self.program = layout, origin, program
         self.views = _views((layout,), pair, origin)
         self.scale_at = layout.dequantize[2] if pair is not None else None
-        self.program = fused_fast.decode_program(layout.fmt, layout.chunk, (layout.n,), pair, (layout.key,))[0]
         self.span = None  # (guess table, lo, hi): the lengths guess() gives this layout for, while that table stands
 
     def run(self, ptr: int, nbytes: int, stream):
@@ -407,8 +406,9 @@ def decode_one_guessed(layout: Layout, blob, origin=None):
     """decode_guessed for one blob, with the least host work (GuessedDecode: the program keeps
     the layout's row staged).  Returns the result, or None if the guess was wrong."""
     pair = _fused_dequantize((layout,), (blob,))
-    call = GuessedDecode(layout, origin, pair)
-    got = call.run(blob.data.ptr, blob.shape[0], fused_fast.current_stream())
+    program, stream = fused_fast.decode_program(layout.fmt, layout.chunk, (layout.n,), pair, (layout.key,))
+    call = GuessedDecode(layout, origin, pair, program)
+    got = call.run(blob.data.ptr, blob.shape[0], stream)
     if got is None:
         return None
     if call.views is not None and call_graphs.KEEP:  # results come out as the caller's: decode_again can repeat it
@@ -427,10 +427,10 @@ def decode_again(blob):
     call = call_graphs.recall("decode")
     if call is None or not fused_fast.ENABLED:
         return None
-    found = arrays.blob_address(blob, call.origin)
-    if found is None:
+    found = arrays.blob_addresses((blob,))
+    if found is None or found[0] is not call.origin:
         return None
-    ptr, nbytes = found
+    (ptr,), (nbytes,) = found[1], found[2]
     table, lo, hi = call.span
     if _table is not table or not lo <= nbytes < hi:
         return None
