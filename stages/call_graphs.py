@@ -116,8 +116,8 @@ class CallShape:
       ("zero", i)                      memset region i (right after ("upload", i): the upload's
                                        kernel zeroes region i as it copies, one node instead of
                                        two),
-      ("launch", kernel, grid, block, args[, shared])
-      ("dependent", kernel, grid, block, args[, shared])
+      ("launch", kernel, grid, block, args)
+      ("dependent", kernel, grid, block, args)
                                        the same for a kernel that begins with griddepcontrol.wait:
                                        right after another kernel it is launched as that one's
                                        programmatic dependent (stages/dependent_launch.py),
@@ -216,10 +216,8 @@ class CallShape:
                 self.cupy.cuda.runtime.memsetAsync(self.ptr(op[1]), 0, self.sizes[op[1]], stream.ptr)
                 after_kernel = False
                 continue
-            shared = 0  # dynamic shared memory bytes
             if kind in ("launch", "dependent"):
-                _, kernel, grid, block, args, *more = op
-                shared = more[0] if more else 0
+                _, kernel, grid, block, args = op
                 args = tuple(np.uint64(self.base + self.offsets[a]) if type(a) is Region else a for a in args)
             elif kind == "upload":  # the first node: an ordinary launch
                 n16 = -(-self.up_bytes // 16)
@@ -233,9 +231,9 @@ class CallShape:
                 args = (np.uint64(self.ptr(op[1])), np.uint64(self.host_down.ctypes.data), np.int64(-(-op[2] // 16)),
                         np.uint64(0), np.int64(0), np.uint64(self.done.ctypes.data))
             if kind in ("dependent", "download") and after_kernel and early:
-                dependent_launch.launch(kernel, grid, block, args, stream, shared)
+                dependent_launch.launch(kernel, grid, block, args, stream)
             else:
-                kernel(grid, block, args, stream=stream, shared_mem=shared)
+                kernel(grid, block, args, stream=stream)
             after_kernel = True
 
     def _capture(self) -> None:

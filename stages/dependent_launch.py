@@ -65,17 +65,16 @@ def usable() -> bool:
     return supported(cupy.cuda.Device().id)
 
 
-def launch(kernel, grid: tuple, block: tuple, args: tuple, stream, shared: int = 0) -> None:
+def launch(kernel, grid: tuple, block: tuple, args: tuple, stream) -> None:
     """Launch kernel (a cupy.cuda.Function or RawKernel) on stream as a programmatic dependent of
-    the stream's previous kernel, with `shared` bytes of dynamic shared memory.  args: numpy
-    scalars (their dtype is the C type)."""
+    the stream's previous kernel.  args: numpy scalars (their dtype is the C type)."""
     function = getattr(kernel, "kernel", kernel)  # RawKernel -> its Function
     values = [np.array(a) for a in args]           # held until the driver has copied them
     params = (ctypes.c_void_p * max(len(values), 1))(*[v.ctypes.data for v in values])
     attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value[0] = 1  # programmaticStreamSerializationAllowed
     grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
-    config = _Config((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared, ctypes.c_void_p(stream.ptr),
+    config = _Config((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), 0, ctypes.c_void_p(stream.ptr),
                      ctypes.pointer(attr), 1)
     status = _driver_launch()(ctypes.byref(config), ctypes.c_void_p(function.ptr), params, None)
     if status != 0:

@@ -497,7 +497,7 @@ __device__ __forceinline__ u32 encode_raw(const Raw<T>& raw, long long n, long l
         const u32 v = raw_value(raw, j);
         const u32 e = (v >> M) & ((1u << E) - 1u);
         r[j] = ((v >> (E + M)) << M) | (v & ((1u << M) - 1u));
-        const bool valid = FULL || g * 8 + j < n;
+        const bool valid = g * 8 + j < n;
         const u32 c = valid ? (u32)slut[e * lut_stride<E, M>()] : 0u;  // padding values: code 0, never an escape
         mask |= (c >> 7) << j;
         word |= (c & 0xF) << (4 * j);
@@ -644,17 +644,11 @@ __device__ __forceinline__ int find_job(const Job* jobs, int njobs, long long ke
 // inline PTX too, not to atom.inc, whose wrap-around it cannot combine) and hoisted the loop's
 // shuffle to the top: every chunk waited out the round trip, 19 % of the E5M2 encoder's stall
 // samples (ncu source view, NOTES v17).
-// The queue's next ticket (lane 0; 0 in the others): chunk W + ticket.
-__device__ __forceinline__ u32 claim_ticket(u64* queue, int lane) {
+__device__ __forceinline__ long long claim_chunk(u64* queue, long long W, int lane) {
     u32 old = 0;  // the counter's low word (little-endian; fewer than 2^32 chunks, MAX_VALUES)
     if (lane == 0)
         asm volatile("{ .reg .u64 g; cvta.to.global.u64 g, %1; atom.global.inc.u32 %0, [g], 0xfffffffe; }"
                      : "=r"(old) : "l"(queue) : "memory");
-    return old;
-}
-
-__device__ __forceinline__ long long claim_chunk(u64* queue, long long W, int lane) {
-    const u32 old = claim_ticket(queue, lane);
     return lane == 0 ? W + (long long)old : 0;
 }
 
@@ -686,317 +680,10 @@ __device__ __noinline__ void flush_totals(const EncodeJob* jobs, int job, u64 su
     }
 }
 
-// ------------------------------------------------------------------ bulk copies (Hopper TMA)
-// The FP8 encoder's chunks arrive in shared memory by bulk copies: one instruction by one lane a
-// whole chunk, completion counted in bytes on an mbarrier, and no registers held while in flight
-// (kvz_encode's ring, below, says why).
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ u32 dynamic_smem_bytes() {
-    u32 b;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(b));
-    return b;
-}
-
-// An mbarrier for one arrival (the lane that starts each copy), seen initialised by bulk copies.
-__device__ __forceinline__ void mbar_init(u64* bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-
-// Orders this thread's shared-memory accesses before later bulk copies' (a ring slot's reads
-// before the copy that overwrites it).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
-// bytes from global src to shared dst (both 16-byte aligned, bytes a multiple of 16): bar's
-// current phase completes once they have landed.
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* bar) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-    asm volatile("{ .reg .u64 g; cvta.to.global.u64 g, %1;"
-                 " cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [g], %2, [%3]; }"
-                 ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-    } while (!done);
-}
-
-// ------------------------------------------------------------------ dense pass (encode)
-// One whole step of a lane (its GPL groups s0 + q * 32 + lane of the chunk, every one 8 values,
-// in v): codes and rest stored in place, m[q] the escape bits of group q; returns them or'ed.
-template <int E, int M, typename T, int GPL>
-__device__ __forceinline__ u32 encode_whole_step(const Raw<T> v[GPL], int s0, int lane, const u8* slut,
-                                                 u8* __restrict__ codes, u8* __restrict__ rest, u32 m[GPL]) {
-    u32 any = 0;
-    if constexpr (E == 5 && M == 2 && sizeof(T) == 1) {  // rest as whole words (store_rest24_warp)
-        u32 bits[GPL];
-#pragma unroll
-        for (int q = 0; q < GPL; q++) {
-            m[q] = encode_e5m2_full(v[q], s0 + q * 32 + lane, slut, codes, rest, &bits[q]);
-            any |= m[q];
-        }
-#pragma unroll
-        for (int q = 0; q < GPL; q++) store_rest24_warp(rest + (s0 + q * 32) * 3, bits[q], lane);
-    } else if constexpr (E == 5 && M == 10 && sizeof(T) == 2) {  // FP16: rest as whole words
-#pragma unroll
-        for (int q = 0; q < GPL; q++) {
-            u64 lo;
-            u32 hi;
-            m[q] = encode_fp16_full(v[q], s0 + q * 32 + lane, slut, codes, &lo, &hi);
-            any |= m[q];
-            // word-aligned: the stream is, and whole steps start every 128 groups (1408 bytes)
-            store_rest11_warp(rest + (s0 + q * 32) * 11, lo, hi, lane);
-        }
-    } else {
-#pragma unroll
-        for (int q = 0; q < GPL; q++) {
-            m[q] = encode_raw<E, M, T, true>(v[q], 0, s0 + q * 32 + lane, slut, codes, rest);
-            any |= m[q];
-        }
-    }
-    return any;
-}
-
-// A step's escapes (m, from encode_whole_step or encode_raw) to chunk c's slot after the `count`
-// already there; returns the new count.
-template <int E, int M, typename T, int GPL>
-__device__ __forceinline__ int slot_step_escapes(const Raw<T> v[GPL], const u32 m[GPL], u32 any, int s0, int count,
-                                                 int slot, const EncodeJob& J, long long c, int lane) {
-    if (__any_sync(FULL_MASK, any != 0)) {
-        u16* __restrict__ spos = J.slot_pos + c * slot;
-        u8* __restrict__ sexp = J.slot_exp + c * slot;
-        assume_global(spos); assume_global(sexp);
-#pragma unroll
-        for (int q = 0; q < GPL; q++)
-            if (__any_sync(FULL_MASK, m[q] != 0u))
-                count = slot_escapes<E, M>(v[q], m[q], (s0 + q * 32 + lane) * 8, count, slot, spos, sexp, lane);
-    }
-    return count;
-}
-
-// Chunk c of job J (ng groups; n values from its start to the tensor's end) by a warp, read from
-// global memory a step at a time; returns its escape count.  Whole steps (every group 8 values)
-// load with no checks.  Unquantizing, the next whole step's loads are issued before this step's
-// work, into a second set of registers, so a warp keeps reads in flight while it encodes: the
-// E5M2 encoder, latency-bound once its instructions were cut (ncu: 61 % of stall samples waiting
-// on loads), went 183-187 -> 172-180 us, BF16 260-265 -> 253-259 (at the shapes ENCODE_SHAPE
-// names; NOTES v17).  The quantizing encoder, which would hold 16-bit values, was slower with it
-// (242 -> 255).  QT (FP8 formats, one job): the values come in as 16-bit bits and are quantized
-// as they load, through qtable.
-template <int E, int M, typename T, int GPL, bool QT>
-__device__ __forceinline__ int encode_chunk_loads(const EncodeJob& J, long long c, int gpc, int ng, long long n,
-                                                  int slot, const u8* slut, const u8* qtable, int lane) {
-    constexpr int R = M + 1, STEP = 32 * GPL;
-    const long long g0 = c * gpc;
-    // this chunk's data, and group i of it at index i (QT: the 16-bit values it quantizes)
-    using L = typename Pick<QT, u16, T>::type;
-    const L* __restrict__ src = static_cast<const L*>(J.src) + g0 * 8;
-    u8* __restrict__ codes = J.codes + g0 * 4;
-    u8* __restrict__ rest = J.rest + g0 * R;
-    assume_global(src); assume_global(codes); assume_global(rest);
-    int count = 0;
-    constexpr bool PREFETCH = !QT;
-    Raw<T> cur[PREFETCH ? GPL : 1], ahead[PREFETCH ? GPL : 1];
-    bool whole = STEP <= ng && (long long)STEP * 8 <= n;
-    if constexpr (PREFETCH) {
-        if (whole) {
-#pragma unroll
-            for (int q = 0; q < GPL; q++) load_raw_full(src, q * 32 + lane, cur[q]);
-        }
-    }
-    for (int s0 = 0; s0 < ng; s0 += STEP) {
-        const bool next_whole = s0 + 2 * STEP <= ng && (long long)(s0 + 2 * STEP) * 8 <= n;
-        if constexpr (PREFETCH) {
-            if (next_whole) {
-#pragma unroll
-                for (int q = 0; q < GPL; q++) load_raw_full(src, s0 + STEP + q * 32 + lane, ahead[q]);
-            }
-        }
-        Raw<T> v[GPL];
-        u32 m[GPL], any = 0;
-        if (whole) {
-#pragma unroll
-            for (int q = 0; q < GPL; q++) {
-                if constexpr (PREFETCH) {
-                    v[q] = cur[q];
-                } else {  // QT: quantized as they arrive
-                    Raw<L> raw;
-                    load_raw_full(src, s0 + q * 32 + lane, raw);
-                    quantize_raw(raw, v[q], qtable);
-                }
-            }
-            any = encode_whole_step<E, M, T, GPL>(v, s0, lane, slut, codes, rest, m);
-        } else {
-#pragma unroll
-            for (int q = 0; q < GPL; q++)
-                if (s0 + q * 32 + lane < ng) {
-                    if constexpr (QT) load_quantized(src, n, s0 + q * 32 + lane, v[q], qtable);
-                    else load_raw(src, n, s0 + q * 32 + lane, v[q]);
-                }
-#pragma unroll
-            for (int q = 0; q < GPL; q++) {
-                const int i = s0 + q * 32 + lane;
-                m[q] = i < ng ? encode_raw<E, M, T>(v[q], n, i, slut, codes, rest) : 0u;
-                any |= m[q];
-            }
-        }
-        count = slot_step_escapes<E, M, T, GPL>(v, m, any, s0, count, slot, J, c, lane);
-        if constexpr (PREFETCH) {
-#pragma unroll
-            for (int q = 0; q < GPL; q++) cur[q] = ahead[q];
-        }
-        whole = next_whole;
-    }
-    return count;
-}
-
-// Whole chunk c of job J (gpc groups, whole steps) from its copy in shared memory (buf, 8 bytes a
-// group): the FP8 encoder's ring.  Returns its escape count.
-template <int E, int M, int GPL>
-__device__ __forceinline__ int encode_chunk_staged(const EncodeJob& J, long long c, int gpc, const u8* buf, int slot,
-                                                   const u8* slut, int lane) {
-    constexpr int R = M + 1, STEP = 32 * GPL;
-    u8* __restrict__ codes = J.codes + c * gpc * 4;
-    u8* __restrict__ rest = J.rest + c * gpc * R;
-    assume_global(codes); assume_global(rest);
-    __builtin_assume(__isShared(buf));
-    int count = 0;
-    for (int s0 = 0; s0 < gpc; s0 += STEP) {
-        Raw<u8> v[GPL];
-        u32 m[GPL];
-#pragma unroll
-        for (int q = 0; q < GPL; q++) {
-            const uint2 w = reinterpret_cast<const uint2*>(buf)[s0 + q * 32 + lane];
-            v[q].w[0] = w.x;
-            v[q].w[1] = w.y;
-        }
-        const u32 any = encode_whole_step<E, M, u8, GPL>(v, s0, lane, slut, codes, rest, m);
-        count = slot_step_escapes<E, M, u8, GPL>(v, m, any, s0, count, slot, J, c, lane);
-    }
-    return count;
-}
-
-// A warp's sums for flush_totals: escapes << 31 | plane-coded groups of its chunks of tensor job.
-struct WarpTotals {
-    u64 sum;
-    int job, chunks;
-};
-
-// A chunk done: its count (or PLANE) to esc_count, and its sums to t (flushed when the tensor changes).
-template <int HB>
-__device__ __forceinline__ void close_chunk(const EncodeJob* jobs, int job, long long c, int count, int ng, WarpTotals& t,
-                                            int chunk, u64* work, long long queue_at, u64* ready, int lane) {
-    const bool plane = count > HB * ng / 3;
-    if (lane == 0) jobs[job].esc_count[c] = plane ? (u16)PLANE : (u16)count;
-    if (job != t.job) {
-        if (lane == 0) flush_totals(jobs, t.job, t.sum, t.chunks, chunk, work, queue_at, ready);
-        t.sum = 0;
-        t.chunks = 0;
-        t.job = job;
-    }
-    t.sum += plane ? (u64)ng : (u64)count << 31;
-    t.chunks++;
-}
-
-// The FP8 encoder's ring: RING_MAX slots a warp at most, of one chunk each.
-#define RING_MAX 4
-#define STAGED (1ll << 62)  // a ring slot's chunk number | STAGED: a bulk copy brings it
-
-// Slots a warp's ring has for chunks of `chunk` values (0: no ring, load a step at a time): FP8
-// values read as they are (one byte each), whole steps, and at least two chunks a warp in the
-// dynamic shared memory the launch gave (fused_fast.py sizes it: RING_SLOTS).
-template <typename T, bool QT, int GPL>
-__device__ __forceinline__ int ring_slots(int chunk) {
-    if constexpr (sizeof(T) != 1 || QT) {
-        return 0;
-    } else {
-        if (chunk % (8 * 32 * GPL) != 0) return 0;
-        const int k = (int)(dynamic_smem_bytes() / (WARPS * (u32)chunk));
-        return k >= 2 ? min(k, RING_MAX) : 0;
-    }
-}
-
-// kvz_encode's chunks through a warp's ring of K slots in shared memory.  With a step's loads in
-// registers the E5M2 encoder held at most a step ahead in flight (2 KiB a warp, the registers
-// allow no more) and waited on its loads (ncu: 61 % of stall samples, NOTES v17), while the same
-// traffic alone ran 30-40 us faster (fp8_patterns.py).  Here lane 0 starts a whole chunk's bulk
-// copy as soon as the chunk is claimed, K - 1 chunks ahead of the one the warp encodes: with K = 3
-// that is 8 KiB a warp in flight, held in shared memory.  Chunks are claimed as in kvz_encode's
-// other loop (the first dealt out, then the queue, a claim's result used a chunk later), and each
-// slot's chunk is encoded in the order claimed, so the slots after a chunk past the end are empty
-// too: no copy is in flight when the warp stops.  A chunk that is not whole (a tensor's last) is
-// read from global memory instead (encode_chunk_loads).
-template <int E, int M, int GPL>
-__device__ __forceinline__ void encode_ring(const EncodeJob* __restrict__ jobs, int njobs, long long total_chunks,
-                                            int chunk, int slot, const u8* slut, u64* work, long long queue_at,
-                                            u64* ready, int K, WarpTotals& t) {
-    extern __shared__ __align__(128) u8 ring_smem[];
-    __shared__ u64 bars[WARPS][RING_MAX];
-    __shared__ long long ids[WARPS][RING_MAX];
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gpc = chunk / 8;
-    const long long W = (long long)gridDim.x * WARPS;
-    u8* ring = ring_smem + (long long)w * K * chunk;
-    // lane 0: chunk gc into slot s, its bulk copy started if the chunk is whole
-    auto fill = [&](int s, long long gc) {
-        long long id = gc;
-        if (gc < total_chunks) {
-            const EncodeJob& J = jobs[find_job(jobs, njobs, gc, &EncodeJob::chunk_base)];
-            const long long c = gc - J.chunk_base;
-            if ((c + 1) * chunk <= J.n) {
-                bulk_load(ring + s * chunk, static_cast<const u8*>(J.src) + c * chunk, (u32)chunk, &bars[w][s]);
-                id |= STAGED;
-            }
-        }
-        ids[w][s] = id;
-    };
-    // The claim for the next slot freed, used a chunk later: kept as the bare ticket, since ptxas
-    // put the add of W right after the atomic, which every chunk then waited out (ncu: 38 % of
-    // the stall samples).
-    u32 ticket = 0;
-    if (lane == 0) {
-        for (int s = 0; s < K; s++) mbar_init(&bars[w][s]);
-        fence_proxy_async();
-        fill(0, (long long)blockIdx.x * WARPS + w);
-        for (int s = 1; s < K; s++) fill(s, claim_chunk(work + queue_at, W, lane));
-        ticket = claim_ticket(work + queue_at, lane);
-    }
-    __syncwarp();
-    u32 parity = 0;  // bit s: the phase of slot s's next copy
-    for (int s = 0;; s = s + 1 == K ? 0 : s + 1) {
-        const long long id = ids[w][s], gc = id & ~STAGED;
-        if (gc >= total_chunks) break;
-        const int job = find_job(jobs, njobs, gc, &EncodeJob::chunk_base);
-        const EncodeJob& J = jobs[job];
-        const long long c = gc - J.chunk_base, n = J.n - c * chunk;
-        const int ng = (int)min((long long)gpc, (n + 7) / 8);
-        int count;
-        if (id & STAGED) {
-            mbar_wait(&bars[w][s], (parity >> s) & 1u);
-            parity ^= 1u << s;
-            count = encode_chunk_staged<E, M, GPL>(J, c, gpc, ring + s * chunk, slot, slut, lane);
-        } else {
-            count = encode_chunk_loads<E, M, u8, GPL, false>(J, c, gpc, ng, n, slot, slut, nullptr, lane);
-        }
-        close_chunk<E - 4>(jobs, job, c, count, ng, t, chunk, work, queue_at, ready, lane);
-        fence_proxy_async();
-        __syncwarp();  // every lane's reads of the slot are done
-        if (lane == 0) {
-            fill(s, W + ticket);
-            ticket = claim_ticket(work + queue_at, lane);
-        }
-        __syncwarp();
-    }
-}
-
 // Dense pass.  Chunks come from the queue above; a warp walks its chunk in steps of 32 * GPL
 // groups, each lane loading its GPL groups with vector loads, encoding them and storing codes
 // and rest in place.  Escapes go to a per-chunk slot in position order (slot_escapes); kvz_scan
-// moves them to their final place.  FP8 formats read as they are take their chunks through a
-// ring of bulk copies when the launch gives the shared memory (encode_ring).
+// moves them to their final place.
 // The loop is kept this plain on purpose: the same traffic with nothing else (benchmarks/
 // access_patterns.py) moves 3.8 TB/s on the H200, while earlier versions of this kernel with
 // prefetching across chunks, a cursor per warp, or a cp.async ring in shared memory spent ~170
@@ -1017,6 +704,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
                                                                 long long queue_at, u64* __restrict__ ready) {
     await_predecessor();
     release_dependents();
+    constexpr int HB = E - 4, R = M + 1, STEP = 32 * GPL;
     __shared__ u32 slut_words[((1 << E) * lut_stride<E, M>() + 3) / 4];
     u8* slut = reinterpret_cast<u8*>(slut_words);
     for (int i = threadIdx.x; i < (1 << E); i += blockDim.x) slut[i * lut_stride<E, M>()] = lut[i];
@@ -1029,27 +717,129 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
     }
     __syncthreads();
     const int lane = threadIdx.x & 31;
-    WarpTotals t{0, 0, 0};
-    const int K = ring_slots<T, QT, GPL>(chunk);
-    if constexpr (sizeof(T) == 1 && !QT) {
-        if (K) encode_ring<E, M, GPL>(jobs, njobs, total_chunks, chunk, slot, slut, work, queue_at, ready, K, t);
-    }
-    if (!K) {
-        const int gpc = chunk / 8;
-        const long long W = (long long)gridDim.x * WARPS;
-        long long next = 0;
-        for (long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); gc < total_chunks;
-             gc = next_chunk(next)) {
-            next = claim_chunk(work + queue_at, W, lane);
-            const int job = find_job(jobs, njobs, gc, &EncodeJob::chunk_base);
-            const EncodeJob& J = jobs[job];
-            const long long c = gc - J.chunk_base, n = J.n - c * chunk;  // values from the chunk's start on
-            const int ng = (int)min((long long)gpc, (n + 7) / 8);
-            const int count = encode_chunk_loads<E, M, T, GPL, QT>(J, c, gpc, ng, n, slot, slut, qtable, lane);
-            close_chunk<E - 4>(jobs, job, c, count, ng, t, chunk, work, queue_at, ready, lane);
+    const int gpc = chunk / 8;
+    const long long W = (long long)gridDim.x * WARPS;
+    long long next = 0;
+    u64 sum = 0;  // escapes << 31 | plane-coded groups of this warp's chunks of tensor sum_job
+    int sum_job = 0, sum_chunks = 0;
+    for (long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); gc < total_chunks;
+         gc = next_chunk(next)) {
+        next = claim_chunk(work + queue_at, W, lane);
+        const int job = find_job(jobs, njobs, gc, &EncodeJob::chunk_base);
+        const EncodeJob& J = jobs[job];
+        const long long c = gc - J.chunk_base, g0 = c * gpc;
+        const long long n = J.n - g0 * 8;  // values from the chunk's start to the tensor's end
+        const int ng = (int)min((long long)gpc, (n + 7) / 8);
+        // this chunk's data, and group i of it at index i (QT: the 16-bit values it quantizes)
+        using L = typename Pick<QT, u16, T>::type;
+        const L* __restrict__ src = static_cast<const L*>(J.src) + g0 * 8;
+        u8* __restrict__ codes = J.codes + g0 * 4;
+        u8* __restrict__ rest = J.rest + g0 * R;
+        assume_global(src); assume_global(codes); assume_global(rest);
+        int count = 0;
+        // Whole steps (every group 8 values) load with no checks.  Unquantizing, the next whole
+        // step's loads are issued before this step's work, into a second set of registers, so a
+        // warp keeps reads in flight while it encodes: the E5M2 encoder, latency-bound once its
+        // instructions were cut (ncu: 61 % of stall samples waiting on loads), went 183-187 ->
+        // 172-180 us, BF16 260-265 -> 253-259 (at the shapes ENCODE_SHAPE names; NOTES v17).  The
+        // quantizing encoder, which would hold 16-bit values, was slower with it (242 -> 255).
+        constexpr bool PREFETCH = !QT;
+        Raw<T> cur[PREFETCH ? GPL : 1], ahead[PREFETCH ? GPL : 1];
+        bool whole = STEP <= ng && (long long)STEP * 8 <= n;
+        if constexpr (PREFETCH) {
+            if (whole) {
+#pragma unroll
+                for (int q = 0; q < GPL; q++) load_raw_full(src, q * 32 + lane, cur[q]);
+            }
         }
+        for (int s0 = 0; s0 < ng; s0 += STEP) {
+            const bool next_whole = s0 + 2 * STEP <= ng && (long long)(s0 + 2 * STEP) * 8 <= n;
+            if constexpr (PREFETCH) {
+                if (next_whole) {
+#pragma unroll
+                    for (int q = 0; q < GPL; q++) load_raw_full(src, s0 + STEP + q * 32 + lane, ahead[q]);
+                }
+            }
+            Raw<T> v[GPL];
+            u32 m[GPL], any = 0;
+            if (whole) {
+#pragma unroll
+                for (int q = 0; q < GPL; q++) {
+                    if constexpr (PREFETCH) {
+                        v[q] = cur[q];
+                    } else {  // QT: quantized as they arrive
+                        Raw<L> raw;
+                        load_raw_full(src, s0 + q * 32 + lane, raw);
+                        quantize_raw(raw, v[q], qtable);
+                    }
+                }
+                if constexpr (E == 5 && M == 2 && sizeof(T) == 1) {  // rest as whole words (store_rest24_warp)
+                    u32 bits[GPL];
+#pragma unroll
+                    for (int q = 0; q < GPL; q++) {
+                        m[q] = encode_e5m2_full(v[q], s0 + q * 32 + lane, slut, codes, rest, &bits[q]);
+                        any |= m[q];
+                    }
+#pragma unroll
+                    for (int q = 0; q < GPL; q++) store_rest24_warp(rest + (s0 + q * 32) * 3, bits[q], lane);
+                } else if constexpr (E == 5 && M == 10 && sizeof(T) == 2) {  // FP16: rest as whole words
+#pragma unroll
+                    for (int q = 0; q < GPL; q++) {
+                        u64 lo;
+                        u32 hi;
+                        m[q] = encode_fp16_full(v[q], s0 + q * 32 + lane, slut, codes, &lo, &hi);
+                        any |= m[q];
+                        // word-aligned: the stream is, and whole steps start every 128 groups (1408 bytes)
+                        store_rest11_warp(rest + (s0 + q * 32) * 11, lo, hi, lane);
+                    }
+                } else {
+#pragma unroll
+                    for (int q = 0; q < GPL; q++) {
+                        m[q] = encode_raw<E, M, T, true>(v[q], n, s0 + q * 32 + lane, slut, codes, rest);
+                        any |= m[q];
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int q = 0; q < GPL; q++)
+                    if (s0 + q * 32 + lane < ng) {
+                        if constexpr (QT) load_quantized(src, n, s0 + q * 32 + lane, v[q], qtable);
+                        else load_raw(src, n, s0 + q * 32 + lane, v[q]);
+                    }
+#pragma unroll
+                for (int q = 0; q < GPL; q++) {
+                    const int i = s0 + q * 32 + lane;
+                    m[q] = i < ng ? encode_raw<E, M, T>(v[q], n, i, slut, codes, rest) : 0u;
+                    any |= m[q];
+                }
+            }
+            if (__any_sync(FULL_MASK, any != 0)) {
+                u16* __restrict__ spos = J.slot_pos + c * slot;
+                u8* __restrict__ sexp = J.slot_exp + c * slot;
+                assume_global(spos); assume_global(sexp);
+#pragma unroll
+                for (int q = 0; q < GPL; q++)
+                    if (__any_sync(FULL_MASK, m[q] != 0u))
+                        count = slot_escapes<E, M>(v[q], m[q], (s0 + q * 32 + lane) * 8, count, slot, spos, sexp, lane);
+            }
+            if constexpr (PREFETCH) {
+#pragma unroll
+                for (int q = 0; q < GPL; q++) cur[q] = ahead[q];
+            }
+            whole = next_whole;
+        }
+        const bool plane = count > HB * ng / 3;
+        if (lane == 0) J.esc_count[c] = plane ? (u16)PLANE : (u16)count;
+        if (job != sum_job) {
+            if (lane == 0) flush_totals(jobs, sum_job, sum, sum_chunks, chunk, work, queue_at, ready);
+            sum = 0;
+            sum_chunks = 0;
+            sum_job = job;
+        }
+        sum += plane ? (u64)ng : (u64)count << 31;
+        sum_chunks++;
     }
-    if (lane == 0) flush_totals(jobs, t.job, t.sum, t.chunks, chunk, work, queue_at, ready);
+    if (lane == 0) flush_totals(jobs, sum_job, sum, sum_chunks, chunk, work, queue_at, ready);
 }
 
 // ------------------------------------------------------------------ blob epilogue (encode)

@@ -71,9 +71,6 @@ QUANTIZING_ENCODE_SHAPE = (4, 4)  # kvz_encode<..., QT = true>: loads no step ah
 # kvz_decode<..., DQ = true>, which stores 16-bit values: the bench's quantize pipeline decoded at
 # 1810-1839 GB/s at (4, 3) and 1657-1666 at (2, 3) (v21), so it keeps (4, 3).
 DEQUANTIZING_DECODE_SHAPE = (4, 3)
-# Chunks a warp of the FP8 encoder keeps in shared memory, arriving by bulk copies K - 1 chunks
-# ahead of the one it encodes (encode_ring in fused_fast.cu); 0 or 1: no ring.
-RING_SLOTS = 3
 
 
 def _instances(fmt):
@@ -129,45 +126,13 @@ def _kernel(name: str, device_id: int):
 
 
 @lru_cache(maxsize=None)
-def _grid_cap(name: str, device_id: int, shared: int = 0) -> int:
-    """Blocks that keep every multiprocessor full (the dense kernels loop over chunks), with
-    `shared` bytes of dynamic shared memory a block."""
+def _grid_cap(name: str, device_id: int) -> int:
+    """Blocks that keep every multiprocessor full (the dense kernels loop over chunks)."""
     import cupy
 
     k = _kernel(name, device_id)
     per_sm = max(1, min(8, 65536 // max(1, k.num_regs * THREADS)))
-    attrs = cupy.cuda.Device(device_id).attributes
-    if shared:
-        per_block = shared + k.shared_size_bytes + 1024  # the driver reserves 1 KiB a block
-        per_sm = max(1, min(per_sm, attrs["MaxSharedMemoryPerMultiprocessor"] // per_block))
-    return attrs["MultiProcessorCount"] * per_sm
-
-
-def ring_bytes(fmt, chunk: int, device_id: int, quantize: str | None = None) -> int:
-    """Dynamic shared memory for kvz_encode's ring of bulk copies (encode_ring in fused_fast.cu):
-    RING_SLOTS chunks a warp (fewer, down to two, where that many would not leave room for two
-    blocks a multiprocessor) for an FP8 format read as it is, in whole steps; 0 (the encoder loads
-    a step at a time) where no ring fits."""
-    import cupy
-
-    groups = ENCODE_SHAPE[fmt.name][0]
-    if fmt.itemsize != 1 or quantize or chunk % (8 * 32 * groups):
-        return 0
-    name = _instances(fmt)[0]
-    per_sm = cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerMultiprocessor"]
-    static = _kernel(name, device_id).shared_size_bytes + 1024  # the driver reserves 1 KiB a block
-    for slots in range(RING_SLOTS, 1, -1):
-        need = WARPS * slots * chunk
-        if need <= _shared_limit(name, device_id) and 2 * (need + static) <= per_sm:
-            return need
-    return 0
-
-
-def _shared_limit(name: str, device_id: int) -> int:
-    """The most dynamic shared memory a block of kernel name may have on the device."""
-    import cupy
-
-    return cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"] - _kernel(name, device_id).shared_size_bytes
+    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"] * per_sm
 
 
 @lru_cache(maxsize=64)
@@ -212,18 +177,15 @@ def _pinned_words(k: int) -> np.ndarray:
     return cupyx.zeros_pinned((max(k, 1),), np.uint64)
 
 
-def _launch(name: str, device: int, grid, args, shared: int = 0) -> tuple:
+def _launch(name: str, device: int, grid, args) -> tuple:
     """A launch op for call_graphs (kernels get raw addresses: CuPy views and array arguments
     cost ~4 and ~10 us each, which made the host the bottleneck below 64 MiB; NOTES.md, v3).
-    Every kernel of fused_fast.cu begins with await_predecessor(), so each is a "dependent" op.
-    shared: dynamic shared memory bytes, which the kernel is allowed (up to the device's most)."""
-    if shared:
-        _kernel(name, device).max_dynamic_shared_size_bytes = _shared_limit(name, device)
-    return ("dependent", _kernel(name, device), grid if isinstance(grid, tuple) else (grid,), (THREADS,), args, shared)
+    Every kernel of fused_fast.cu begins with await_predecessor(), so each is a "dependent" op."""
+    return ("dependent", _kernel(name, device), grid if isinstance(grid, tuple) else (grid,), (THREADS,), args)
 
 
-def _chunk_grid(name: str, device: int, total_chunks: int, shared: int = 0) -> int:
-    return min(math.ceil(total_chunks / WARPS), _grid_cap(name, device, shared))
+def _chunk_grid(name: str, device: int, total_chunks: int) -> int:
+    return min(math.ceil(total_chunks / WARPS), _grid_cap(name, device))
 
 
 def _current():
@@ -394,10 +356,9 @@ class _EncodeProgram:
         # kvz_encode writes each tensor's totals here (pinned, mapped) as soon as it has them.
         self.ready = _pinned_words(k)
         if total_chunks:
-            ring = ring_bytes(fmt, chunk, device, quantize)
-            ops.append(_launch(enc, device, _chunk_grid(enc, device, total_chunks, ring),
+            ops.append(_launch(enc, device, _chunk_grid(enc, device, total_chunks),
                                (R(0), np.int32(k), np.int64(total_chunks), np.int32(chunk), np.int32(slot), lut, R(3),
-                                np.int64(1 + k + total_sb), P(self.ready.ctypes.data)), ring))
+                                np.int64(1 + k + total_sb), P(self.ready.ctypes.data))))
         ops += [_launch(scan, device, k + total_sb,  # k blocks finish the blobs (headers)
                         (R(0), np.int32(k), np.int32(chunk), np.int32(slot), lut, R(3), P(0), R(1), R(4),
                          P(0), P(0), np.int32(0))),
