@@ -723,12 +723,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
     u64 sum = 0;  // escapes << 31 | plane-coded groups of this warp's chunks of tensor sum_job
     int sum_job = 0, sum_chunks = 0;
     for (long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); gc < total_chunks;
-#if KVZ_ABLATE >= 2  // experiment: chunks dealt statically, no queue
-         gc += W) {
-#else
          gc = next_chunk(next)) {
         next = claim_chunk(work + queue_at, W, lane);
-#endif
         const int job = find_job(jobs, njobs, gc, &EncodeJob::chunk_base);
         const EncodeJob& J = jobs[job];
         const long long c = gc - J.chunk_base, g0 = c * gpc;
@@ -781,13 +777,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
                     u32 bits[GPL];
 #pragma unroll
                     for (int q = 0; q < GPL; q++) {
-#if KVZ_ABLATE >= 1  // experiment: the arithmetic stubbed out (the blob is then wrong)
-                        reinterpret_cast<u32*>(codes)[s0 + q * 32 + lane] = v[q].w[0] ^ v[q].w[1];
-                        bits[q] = (v[q].w[0] + v[q].w[1]) & 0xFFFFFFu;
-                        m[q] = 0;
-#else
                         m[q] = encode_e5m2_full(v[q], s0 + q * 32 + lane, slut, codes, rest, &bits[q]);
-#endif
                         any |= m[q];
                     }
 #pragma unroll
