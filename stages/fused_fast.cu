@@ -680,23 +680,6 @@ __device__ __noinline__ void flush_totals(const EncodeJob* jobs, int job, u64 su
     }
 }
 
-// Where batch-wide chunk gc lies: its tensor (job), its number within the tensor (c), the values
-// from its start to the tensor's end (n) and its groups (ng).
-struct ChunkAt {
-    int job, ng;
-    long long c, n;
-};
-
-__device__ __forceinline__ ChunkAt chunk_at(const EncodeJob* jobs, int njobs, long long gc, int gpc) {
-    ChunkAt a;
-    a.job = find_job(jobs, njobs, gc, &EncodeJob::chunk_base);
-    const EncodeJob& J = jobs[a.job];
-    a.c = gc - J.chunk_base;
-    a.n = J.n - a.c * gpc * 8;
-    a.ng = (int)min((long long)gpc, (a.n + 7) / 8);
-    return a;
-}
-
 // Dense pass.  Chunks come from the queue above; a warp walks its chunk in steps of 32 * GPL
 // groups, each lane loading its GPL groups with vector loads, encoding them and storing codes
 // and rest in place.  Escapes go to a per-chunk slot in position order (slot_escapes); kvz_scan
@@ -736,57 +719,45 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
     const int lane = threadIdx.x & 31;
     const int gpc = chunk / 8;
     const long long W = (long long)gridDim.x * WARPS;
-    using L = typename Pick<QT, u16, T>::type;  // what src holds (QT: the 16-bit values it quantizes)
-    // Experiment: a chunk's last step loads the next chunk's first (`after`: the chunk after gc,
-    // claimed while the chunk before gc ran).
-    constexpr bool PREFETCH = !QT;
-    Raw<T> cur[PREFETCH ? GPL : 1], ahead[PREFETCH ? GPL : 1];
-    long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5), next = 0, after = 0;
-    bool whole = false;  // PREFETCH: cur holds gc's first step
-    if constexpr (PREFETCH) {
-        after = next_chunk(claim_chunk(work + queue_at, W, lane));
-        if (gc < total_chunks) {
-            const ChunkAt a = chunk_at(jobs, njobs, gc, gpc);
-            whole = STEP <= a.ng && (long long)STEP * 8 <= a.n;
-            if (whole) {
-                const L* __restrict__ src = static_cast<const L*>(jobs[a.job].src) + a.c * gpc * 8;
-                assume_global(src);
-#pragma unroll
-                for (int q = 0; q < GPL; q++) load_raw_full(src, q * 32 + lane, cur[q]);
-            }
-        }
-    }
+    long long next = 0;
     u64 sum = 0;  // escapes << 31 | plane-coded groups of this warp's chunks of tensor sum_job
     int sum_job = 0, sum_chunks = 0;
-    while (gc < total_chunks) {
-        next = claim_chunk(work + queue_at, W, lane);  // PREFETCH: the chunk after `after`
-        const ChunkAt at = chunk_at(jobs, njobs, gc, gpc);
-        const int job = at.job, ng = at.ng;
+    for (long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); gc < total_chunks;
+         gc = next_chunk(next)) {
+        next = claim_chunk(work + queue_at, W, lane);
+        const int job = find_job(jobs, njobs, gc, &EncodeJob::chunk_base);
         const EncodeJob& J = jobs[job];
-        const long long c = at.c, g0 = c * gpc, n = at.n;
+        const long long c = gc - J.chunk_base, g0 = c * gpc;
+        const long long n = J.n - g0 * 8;  // values from the chunk's start to the tensor's end
+        const int ng = (int)min((long long)gpc, (n + 7) / 8);
+        // this chunk's data, and group i of it at index i (QT: the 16-bit values it quantizes)
+        using L = typename Pick<QT, u16, T>::type;
         const L* __restrict__ src = static_cast<const L*>(J.src) + g0 * 8;
         u8* __restrict__ codes = J.codes + g0 * 4;
         u8* __restrict__ rest = J.rest + g0 * R;
         assume_global(src); assume_global(codes); assume_global(rest);
         int count = 0;
-        if constexpr (!PREFETCH) whole = STEP <= ng && (long long)STEP * 8 <= n;
+        // Whole steps (every group 8 values) load with no checks.  Unquantizing, the next whole
+        // step's loads are issued before this step's work, into a second set of registers, so a
+        // warp keeps reads in flight while it encodes: the E5M2 encoder, latency-bound once its
+        // instructions were cut (ncu: 61 % of stall samples waiting on loads), went 183-187 ->
+        // 172-180 us, BF16 260-265 -> 253-259 (at the shapes ENCODE_SHAPE names; NOTES v17).  The
+        // quantizing encoder, which would hold 16-bit values, was slower with it (242 -> 255).
+        constexpr bool PREFETCH = !QT;
+        Raw<T> cur[PREFETCH ? GPL : 1], ahead[PREFETCH ? GPL : 1];
+        bool whole = STEP <= ng && (long long)STEP * 8 <= n;
+        if constexpr (PREFETCH) {
+            if (whole) {
+#pragma unroll
+                for (int q = 0; q < GPL; q++) load_raw_full(src, q * 32 + lane, cur[q]);
+            }
+        }
         for (int s0 = 0; s0 < ng; s0 += STEP) {
-            bool next_whole = s0 + 2 * STEP <= ng && (long long)(s0 + 2 * STEP) * 8 <= n;
+            const bool next_whole = s0 + 2 * STEP <= ng && (long long)(s0 + 2 * STEP) * 8 <= n;
             if constexpr (PREFETCH) {
-                if (s0 + STEP < ng) {
-                    if (next_whole) {
+                if (next_whole) {
 #pragma unroll
-                        for (int q = 0; q < GPL; q++) load_raw_full(src, s0 + STEP + q * 32 + lane, ahead[q]);
-                    }
-                } else if (after < total_chunks) {  // the last step: the next chunk's first
-                    const ChunkAt a = chunk_at(jobs, njobs, after, gpc);
-                    next_whole = STEP <= a.ng && (long long)STEP * 8 <= a.n;
-                    if (next_whole) {
-                        const L* __restrict__ nsrc = static_cast<const L*>(jobs[a.job].src) + a.c * gpc * 8;
-                        assume_global(nsrc);
-#pragma unroll
-                        for (int q = 0; q < GPL; q++) load_raw_full(nsrc, q * 32 + lane, ahead[q]);
-                    }
+                    for (int q = 0; q < GPL; q++) load_raw_full(src, s0 + STEP + q * 32 + lane, ahead[q]);
                 }
             }
             Raw<T> v[GPL];
@@ -867,12 +838,6 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
         }
         sum += plane ? (u64)ng : (u64)count << 31;
         sum_chunks++;
-        if constexpr (PREFETCH) {
-            gc = after;
-            after = next_chunk(next);
-        } else {
-            gc = next_chunk(next);
-        }
     }
     if (lane == 0) flush_totals(jobs, sum_job, sum, sum_chunks, chunk, work, queue_at, ready);
 }
