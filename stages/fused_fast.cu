@@ -630,10 +630,22 @@ __device__ __forceinline__ int find_job(const Job* jobs, int njobs, long long ke
     return lo;
 }
 
-// The dense passes' chunks: the first W (one a warp) dealt out statically, then each warp's next
-// from a queue, an atomic counter (work[queue_at], zeroed) that lane 0 claims from at the start
-// of the chunk before, so the claim's round trip overlaps that chunk's work and no warp waits on
-// another.
+// Chunks kvz_encode's warps claim at once (one atomic a unit of them).  FP8's chunks hold half
+// the bytes of 16-bit ones, and a claim a 4096-value chunk held the E5M2 encoder back: with its
+// arithmetic stubbed out, 185-189 us a 2^28 graph with the queue against 155 with the chunks
+// dealt statically, and 151-155 with the queue and 8192-value chunks (benchmarks/NOTES.md, v23).
+// kvz_decode takes the same units.  Not for the quantizing encoder or the dequantizing decoder
+// (more spills).  KVZ_FP8_CLAIM: for A/B runs (benchmarks/claim_ab.py).
+#ifndef KVZ_FP8_CLAIM
+#define KVZ_FP8_CLAIM 2
+#endif
+template <typename T, bool PLAIN>
+__device__ __forceinline__ constexpr int claim_unit() { return sizeof(T) == 1 && PLAIN ? KVZ_FP8_CLAIM : 1; }
+
+// The dense passes' chunks (kvz_encode's in units of claim_unit): the first W (one a warp) dealt
+// out statically, then each warp's next from a queue, an atomic counter (work[queue_at], zeroed)
+// that lane 0 claims from at the start of the chunk before, so the claim's round trip overlaps
+// that chunk's work and no warp waits on another.
 // Dealing every chunk statically (warp w: w, w + W, ...) left the warps whose chunks held many
 // escapes finishing last (ncu, E5M2 decode: 82 % of the warps active on average against 91 %
 // without escapes; NOTES v15).  The bytes never depend on which warp takes which chunk.
@@ -722,122 +734,129 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
     long long next = 0;
     u64 sum = 0;  // escapes << 31 | plane-coded groups of this warp's chunks of tensor sum_job
     int sum_job = 0, sum_chunks = 0;
-    for (long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); gc < total_chunks;
-         gc = next_chunk(next)) {
+    constexpr int CU = claim_unit<T, !QT>();
+    const long long total_units = (total_chunks + CU - 1) / CU;
+    for (long long u = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); u < total_units; u = next_chunk(next)) {
         next = claim_chunk(work + queue_at, W, lane);
-        const int job = find_job(jobs, njobs, gc, &EncodeJob::chunk_base);
-        const EncodeJob& J = jobs[job];
-        const long long c = gc - J.chunk_base, g0 = c * gpc;
-        const long long n = J.n - g0 * 8;  // values from the chunk's start to the tensor's end
-        const int ng = (int)min((long long)gpc, (n + 7) / 8);
-        // this chunk's data, and group i of it at index i (QT: the 16-bit values it quantizes)
-        using L = typename Pick<QT, u16, T>::type;
-        const L* __restrict__ src = static_cast<const L*>(J.src) + g0 * 8;
-        u8* __restrict__ codes = J.codes + g0 * 4;
-        u8* __restrict__ rest = J.rest + g0 * R;
-        assume_global(src); assume_global(codes); assume_global(rest);
-        int count = 0;
-        // Whole steps (every group 8 values) load with no checks.  Unquantizing, the next whole
-        // step's loads are issued before this step's work, into a second set of registers, so a
-        // warp keeps reads in flight while it encodes: the E5M2 encoder, latency-bound once its
-        // instructions were cut (ncu: 61 % of stall samples waiting on loads), went 183-187 ->
-        // 172-180 us, BF16 260-265 -> 253-259 (at the shapes ENCODE_SHAPE names; NOTES v17).  The
-        // quantizing encoder, which would hold 16-bit values, was slower with it (242 -> 255).
-        constexpr bool PREFETCH = !QT;
-        Raw<T> cur[PREFETCH ? GPL : 1], ahead[PREFETCH ? GPL : 1];
-        bool whole = STEP <= ng && (long long)STEP * 8 <= n;
-        if constexpr (PREFETCH) {
-            if (whole) {
-#pragma unroll
-                for (int q = 0; q < GPL; q++) load_raw_full(src, q * 32 + lane, cur[q]);
-            }
-        }
-        for (int s0 = 0; s0 < ng; s0 += STEP) {
-            const bool next_whole = s0 + 2 * STEP <= ng && (long long)(s0 + 2 * STEP) * 8 <= n;
+#pragma unroll 1
+        for (int k = 0; k < CU; k++) {  // the unit's chunks
+            const long long gc = u * CU + k;
+            if (CU > 1 && gc >= total_chunks) break;
+            const int job = find_job(jobs, njobs, gc, &EncodeJob::chunk_base);
+            const EncodeJob& J = jobs[job];
+            const long long c = gc - J.chunk_base, g0 = c * gpc;
+            const long long n = J.n - g0 * 8;  // values from the chunk's start to the tensor's end
+            const int ng = (int)min((long long)gpc, (n + 7) / 8);
+            // this chunk's data, and group i of it at index i (QT: the 16-bit values it quantizes)
+            using L = typename Pick<QT, u16, T>::type;
+            const L* __restrict__ src = static_cast<const L*>(J.src) + g0 * 8;
+            u8* __restrict__ codes = J.codes + g0 * 4;
+            u8* __restrict__ rest = J.rest + g0 * R;
+            assume_global(src); assume_global(codes); assume_global(rest);
+            int count = 0;
+            // Whole steps (every group 8 values) load with no checks.  Unquantizing, the next whole
+            // step's loads are issued before this step's work, into a second set of registers, so a
+            // warp keeps reads in flight while it encodes: the E5M2 encoder, latency-bound once its
+            // instructions were cut (ncu: 61 % of stall samples waiting on loads), went 183-187 ->
+            // 172-180 us, BF16 260-265 -> 253-259 (at the shapes ENCODE_SHAPE names; NOTES v17).  The
+            // quantizing encoder, which would hold 16-bit values, was slower with it (242 -> 255).
+            constexpr bool PREFETCH = !QT;
+            Raw<T> cur[PREFETCH ? GPL : 1], ahead[PREFETCH ? GPL : 1];
+            bool whole = STEP <= ng && (long long)STEP * 8 <= n;
             if constexpr (PREFETCH) {
-                if (next_whole) {
+                if (whole) {
 #pragma unroll
-                    for (int q = 0; q < GPL; q++) load_raw_full(src, s0 + STEP + q * 32 + lane, ahead[q]);
+                    for (int q = 0; q < GPL; q++) load_raw_full(src, q * 32 + lane, cur[q]);
                 }
             }
-            Raw<T> v[GPL];
-            u32 m[GPL], any = 0;
-            if (whole) {
+            for (int s0 = 0; s0 < ng; s0 += STEP) {
+                const bool next_whole = s0 + 2 * STEP <= ng && (long long)(s0 + 2 * STEP) * 8 <= n;
+                if constexpr (PREFETCH) {
+                    if (next_whole) {
 #pragma unroll
-                for (int q = 0; q < GPL; q++) {
-                    if constexpr (PREFETCH) {
-                        v[q] = cur[q];
-                    } else {  // QT: quantized as they arrive
-                        Raw<L> raw;
-                        load_raw_full(src, s0 + q * 32 + lane, raw);
-                        quantize_raw(raw, v[q], qtable);
+                        for (int q = 0; q < GPL; q++) load_raw_full(src, s0 + STEP + q * 32 + lane, ahead[q]);
                     }
                 }
-                if constexpr (E == 5 && M == 2 && sizeof(T) == 1) {  // rest as whole words (store_rest24_warp)
-                    u32 bits[GPL];
+                Raw<T> v[GPL];
+                u32 m[GPL], any = 0;
+                if (whole) {
 #pragma unroll
                     for (int q = 0; q < GPL; q++) {
-                        m[q] = encode_e5m2_full(v[q], s0 + q * 32 + lane, slut, codes, rest, &bits[q]);
-                        any |= m[q];
+                        if constexpr (PREFETCH) {
+                            v[q] = cur[q];
+                        } else {  // QT: quantized as they arrive
+                            Raw<L> raw;
+                            load_raw_full(src, s0 + q * 32 + lane, raw);
+                            quantize_raw(raw, v[q], qtable);
+                        }
                     }
+                    if constexpr (E == 5 && M == 2 && sizeof(T) == 1) {  // rest as whole words (store_rest24_warp)
+                        u32 bits[GPL];
 #pragma unroll
-                    for (int q = 0; q < GPL; q++) store_rest24_warp(rest + (s0 + q * 32) * 3, bits[q], lane);
-                } else if constexpr (E == 5 && M == 10 && sizeof(T) == 2) {  // FP16: rest as whole words
+                        for (int q = 0; q < GPL; q++) {
+                            m[q] = encode_e5m2_full(v[q], s0 + q * 32 + lane, slut, codes, rest, &bits[q]);
+                            any |= m[q];
+                        }
 #pragma unroll
-                    for (int q = 0; q < GPL; q++) {
-                        u64 lo;
-                        u32 hi;
-                        m[q] = encode_fp16_full(v[q], s0 + q * 32 + lane, slut, codes, &lo, &hi);
-                        any |= m[q];
-                        // word-aligned: the stream is, and whole steps start every 128 groups (1408 bytes)
-                        store_rest11_warp(rest + (s0 + q * 32) * 11, lo, hi, lane);
+                        for (int q = 0; q < GPL; q++) store_rest24_warp(rest + (s0 + q * 32) * 3, bits[q], lane);
+                    } else if constexpr (E == 5 && M == 10 && sizeof(T) == 2) {  // FP16: rest as whole words
+#pragma unroll
+                        for (int q = 0; q < GPL; q++) {
+                            u64 lo;
+                            u32 hi;
+                            m[q] = encode_fp16_full(v[q], s0 + q * 32 + lane, slut, codes, &lo, &hi);
+                            any |= m[q];
+                            // word-aligned: the stream is, and whole steps start every 128 groups (1408 bytes)
+                            store_rest11_warp(rest + (s0 + q * 32) * 11, lo, hi, lane);
+                        }
+                    } else {
+#pragma unroll
+                        for (int q = 0; q < GPL; q++) {
+                            m[q] = encode_raw<E, M, T, true>(v[q], n, s0 + q * 32 + lane, slut, codes, rest);
+                            any |= m[q];
+                        }
                     }
                 } else {
 #pragma unroll
+                    for (int q = 0; q < GPL; q++)
+                        if (s0 + q * 32 + lane < ng) {
+                            if constexpr (QT) load_quantized(src, n, s0 + q * 32 + lane, v[q], qtable);
+                            else load_raw(src, n, s0 + q * 32 + lane, v[q]);
+                        }
+#pragma unroll
                     for (int q = 0; q < GPL; q++) {
-                        m[q] = encode_raw<E, M, T, true>(v[q], n, s0 + q * 32 + lane, slut, codes, rest);
+                        const int i = s0 + q * 32 + lane;
+                        m[q] = i < ng ? encode_raw<E, M, T>(v[q], n, i, slut, codes, rest) : 0u;
                         any |= m[q];
                     }
                 }
-            } else {
+                if (__any_sync(FULL_MASK, any != 0)) {
+                    u16* __restrict__ spos = J.slot_pos + c * slot;
+                    u8* __restrict__ sexp = J.slot_exp + c * slot;
+                    assume_global(spos); assume_global(sexp);
 #pragma unroll
-                for (int q = 0; q < GPL; q++)
-                    if (s0 + q * 32 + lane < ng) {
-                        if constexpr (QT) load_quantized(src, n, s0 + q * 32 + lane, v[q], qtable);
-                        else load_raw(src, n, s0 + q * 32 + lane, v[q]);
-                    }
-#pragma unroll
-                for (int q = 0; q < GPL; q++) {
-                    const int i = s0 + q * 32 + lane;
-                    m[q] = i < ng ? encode_raw<E, M, T>(v[q], n, i, slut, codes, rest) : 0u;
-                    any |= m[q];
+                    for (int q = 0; q < GPL; q++)
+                        if (__any_sync(FULL_MASK, m[q] != 0u))
+                            count = slot_escapes<E, M>(v[q], m[q], (s0 + q * 32 + lane) * 8, count, slot, spos,
+                                                       sexp, lane);
                 }
-            }
-            if (__any_sync(FULL_MASK, any != 0)) {
-                u16* __restrict__ spos = J.slot_pos + c * slot;
-                u8* __restrict__ sexp = J.slot_exp + c * slot;
-                assume_global(spos); assume_global(sexp);
+                if constexpr (PREFETCH) {
 #pragma unroll
-                for (int q = 0; q < GPL; q++)
-                    if (__any_sync(FULL_MASK, m[q] != 0u))
-                        count = slot_escapes<E, M>(v[q], m[q], (s0 + q * 32 + lane) * 8, count, slot, spos, sexp, lane);
+                    for (int q = 0; q < GPL; q++) cur[q] = ahead[q];
+                }
+                whole = next_whole;
             }
-            if constexpr (PREFETCH) {
-#pragma unroll
-                for (int q = 0; q < GPL; q++) cur[q] = ahead[q];
+            const bool plane = count > HB * ng / 3;
+            if (lane == 0) J.esc_count[c] = plane ? (u16)PLANE : (u16)count;
+            if (job != sum_job) {
+                if (lane == 0) flush_totals(jobs, sum_job, sum, sum_chunks, chunk, work, queue_at, ready);
+                sum = 0;
+                sum_chunks = 0;
+                sum_job = job;
             }
-            whole = next_whole;
+            sum += plane ? (u64)ng : (u64)count << 31;
+            sum_chunks++;
         }
-        const bool plane = count > HB * ng / 3;
-        if (lane == 0) J.esc_count[c] = plane ? (u16)PLANE : (u16)count;
-        if (job != sum_job) {
-            if (lane == 0) flush_totals(jobs, sum_job, sum, sum_chunks, chunk, work, queue_at, ready);
-            sum = 0;
-            sum_chunks = 0;
-            sum_job = job;
-        }
-        sum += plane ? (u64)ng : (u64)count << 31;
-        sum_chunks++;
     }
     if (lane == 0) flush_totals(jobs, sum_job, sum, sum_chunks, chunk, work, queue_at, ready);
 }
@@ -1731,16 +1750,28 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
     release_dependents();
     const int lane = threadIdx.x & 31;
     const long long W = (long long)gridDim.x * WARPS;
-    long long next = 0, gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    constexpr int CU = claim_unit<T, !DQ>();  // units of chunks as kvz_encode takes them
+    long long next = 0, u = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5), gc = u * CU;
     if (!DQ && gc < total_chunks) {
-        next = claim_chunk(work + queue_at, W, lane);  // chunks as kvz_encode takes them
+        next = claim_chunk(work + queue_at, W, lane);
         decode_early_chunk<E, M, T, GPL>(jobs, njobs, gc, chunk, chunk_off, work, lane);
-        gc = next_chunk(next);
+        if constexpr (CU == 1) gc = next_chunk(next);
+        else gc++;  // the rest of the unit after the wait
     }
     await_predecessor();  // returns at once where the first chunk waited already
-    for (; gc < total_chunks; gc = next_chunk(next)) {
-        next = claim_chunk(work + queue_at, W, lane);
-        const int job = find_job(jobs, njobs, gc, &DecodeJob::chunk_base);
-        decode_chunk<E, M, T, GPL, DQ, false>(jobs[job], jobs, job, gc, chunk, chunk_off, work, lane);
+    if constexpr (CU == 1) {
+        for (; gc < total_chunks; gc = next_chunk(next)) {
+            next = claim_chunk(work + queue_at, W, lane);
+            const int job = find_job(jobs, njobs, gc, &DecodeJob::chunk_base);
+            decode_chunk<E, M, T, GPL, DQ, false>(jobs[job], jobs, job, gc, chunk, chunk_off, work, lane);
+        }
+    } else {
+        for (const long long total_units = (total_chunks + CU - 1) / CU; u < total_units; u = next_chunk(next), gc = u * CU) {
+            if (gc == u * CU) next = claim_chunk(work + queue_at, W, lane);  // (claimed with the early chunk else)
+            for (; gc < min(u * CU + CU, total_chunks); gc++) {
+                const int job = find_job(jobs, njobs, gc, &DecodeJob::chunk_base);
+                decode_chunk<E, M, T, GPL, DQ, false>(jobs[job], jobs, job, gc, chunk, chunk_off, work, lane);
+            }
+        }
     }
 }
