@@ -633,9 +633,10 @@ __device__ __forceinline__ int find_job(const Job* jobs, int njobs, long long ke
 // Chunks kvz_encode's warps claim at once (one atomic a unit of them).  FP8's chunks hold half
 // the bytes of 16-bit ones, and a claim a 4096-value chunk held the E5M2 encoder back: with its
 // arithmetic stubbed out, 185-189 us a 2^28 graph with the queue against 155 with the chunks
-// dealt statically, and 151-155 with the queue and 8192-value chunks (benchmarks/NOTES.md, v23).
-// kvz_decode takes the same units.  Not for the quantizing encoder or the dequantizing decoder
-// (more spills).  KVZ_FP8_CLAIM: for A/B runs (benchmarks/claim_ab.py).
+// dealt statically, and 151-155 with the queue and 8192-value chunks.  Units of two: 2^28 E5M2
+// graphs 197.2-197.6 -> 179.0-180.1 us (four: 186-187).  Not for kvz_decode (E5M2 177-180 ->
+// 192-193 us with units of two) nor the quantizing encoder (more spills); benchmarks/NOTES.md,
+// v23.  KVZ_FP8_CLAIM: for A/B runs (benchmarks/claim_ab.py).
 #ifndef KVZ_FP8_CLAIM
 #define KVZ_FP8_CLAIM 2
 #endif
@@ -1750,28 +1751,16 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
     release_dependents();
     const int lane = threadIdx.x & 31;
     const long long W = (long long)gridDim.x * WARPS;
-    constexpr int CU = claim_unit<T, !DQ>();  // units of chunks as kvz_encode takes them
-    long long next = 0, u = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5), gc = u * CU;
+    long long next = 0, gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (!DQ && gc < total_chunks) {
-        next = claim_chunk(work + queue_at, W, lane);
+        next = claim_chunk(work + queue_at, W, lane);  // chunks as kvz_encode takes them
         decode_early_chunk<E, M, T, GPL>(jobs, njobs, gc, chunk, chunk_off, work, lane);
-        if constexpr (CU == 1) gc = next_chunk(next);
-        else gc++;  // the rest of the unit after the wait
+        gc = next_chunk(next);
     }
     await_predecessor();  // returns at once where the first chunk waited already
-    if constexpr (CU == 1) {
-        for (; gc < total_chunks; gc = next_chunk(next)) {
-            next = claim_chunk(work + queue_at, W, lane);
-            const int job = find_job(jobs, njobs, gc, &DecodeJob::chunk_base);
-            decode_chunk<E, M, T, GPL, DQ, false>(jobs[job], jobs, job, gc, chunk, chunk_off, work, lane);
-        }
-    } else {
-        for (const long long total_units = (total_chunks + CU - 1) / CU; u < total_units; u = next_chunk(next), gc = u * CU) {
-            if (gc == u * CU) next = claim_chunk(work + queue_at, W, lane);  // (claimed with the early chunk else)
-            for (; gc < min(u * CU + CU, total_chunks); gc++) {
-                const int job = find_job(jobs, njobs, gc, &DecodeJob::chunk_base);
-                decode_chunk<E, M, T, GPL, DQ, false>(jobs[job], jobs, job, gc, chunk, chunk_off, work, lane);
-            }
-        }
+    for (; gc < total_chunks; gc = next_chunk(next)) {
+        next = claim_chunk(work + queue_at, W, lane);
+        const int job = find_job(jobs, njobs, gc, &DecodeJob::chunk_base);
+        decode_chunk<E, M, T, GPL, DQ, false>(jobs[job], jobs, job, gc, chunk, chunk_off, work, lane);
     }
 }
