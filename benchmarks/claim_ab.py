@@ -1,6 +1,7 @@
-"""Chunks claimed at once by the FP8 dense kernels (KVZ_FP8_CLAIM in stages/fused_fast.cu),
-settings alternated in one process: each builds the kernels with the macro defined in front of
-the source (benchmarks/NOTES.md, v23).
+"""Chunks the FP8 encoder claims at once (KVZ_FP8_CLAIM in stages/fused_fast.cu), settings
+alternated in one process: each builds the kernels with the macro defined in front of the source
+(benchmarks/NOTES.md, v23).  The decoder claims single chunks whatever the setting (units of two
+slowed it; commit 391925e measured both): its figures are the run's control.
 
     python benchmarks/claim_ab.py [UNITS] [rounds]
     python benchmarks/claim_ab.py 1,2,4 3
