@@ -8,17 +8,18 @@
 // the reference this file is tested against byte for byte (tests/gpu).
 //
 // Work split.  Encode: kvz_encode's warps take chunks from a queue (claim_chunk: an atomic counter
-// claimed a chunk ahead); a warp walks its chunk in steps, each lane loading a few 8-value groups
-// with vector loads, writing 4 code bytes and R rest bytes a group in place in the blob and noting
-// escapes, which ballots put in position order into a per-chunk slot.  kvz_scan (a block per 256
-// chunks, chained per tensor by a decoupled look-back) turns the per-chunk counts into offsets,
-// moves the escapes to their final place (the totals, which fix where the escape exponents go,
-// are kvz_encode's sums) and redoes plane-coded or over-full chunks from the input; its first
-// blocks, one a tensor, zero the blob's padding and write its header meanwhile.  Decode: kvz_scan
-// computes every chunk's offsets and checks the counts (on guessed layouts its first blocks check
-// the headers), kvz_decode walks the chunks like the encoder and applies escapes from registers
-// (whole E5M2 chunks a lane per four groups: decode_e5m2_quads); launched as the scan's
-// programmatic dependent, it decodes each warp's first chunk while the scan still runs.
+// claimed a chunk ahead; FP8's two chunks a claim, claim_unit); a warp walks its chunk in steps,
+// each lane loading a few 8-value groups with vector loads, writing 4 code bytes and R rest bytes a
+// group in place in the blob and noting escapes, which ballots put in position order into a
+// per-chunk slot.  kvz_scan (a block per 256 chunks, chained per tensor by a decoupled look-back)
+// turns the per-chunk counts into offsets, moves the escapes to their final place (the totals,
+// which fix where the escape exponents go, are kvz_encode's sums) and redoes plane-coded or
+// over-full chunks from the input; its first blocks, one a tensor, zero the blob's padding and
+// write its header meanwhile.  Decode: kvz_scan computes every chunk's offsets and checks the counts
+// (on guessed layouts its first blocks check the headers), kvz_decode walks the chunks like the
+// encoder and applies escapes from registers (whole E5M2 chunks a lane per four groups:
+// decode_e5m2_quads); launched as the scan's programmatic dependent, it decodes each warp's first
+// chunk while the scan still runs.
 // No dense pass ever waits on another warp.
 
 typedef unsigned char u8;
@@ -1753,7 +1754,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
     const long long W = (long long)gridDim.x * WARPS;
     long long next = 0, gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (!DQ && gc < total_chunks) {
-        next = claim_chunk(work + queue_at, W, lane);  // chunks as kvz_encode takes them
+        next = claim_chunk(work + queue_at, W, lane);  // from the queue, a chunk a claim
         decode_early_chunk<E, M, T, GPL>(jobs, njobs, gc, chunk, chunk_off, work, lane);
         gc = next_chunk(next);
     }
