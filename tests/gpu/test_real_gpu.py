@@ -349,6 +349,22 @@ def test_torch_batch_on_a_side_stream():
             assert y.dtype == torch.bfloat16 and torch.equal(x.view(torch.int16), y.view(torch.int16))
 
 
+@pytest.mark.parametrize("fmt", ["e5m2", "e4m3"])
+def test_fp8_batches_whose_claim_units_span_tensors_match_cpu(fmt):
+    """kvz_encode claims FP8 chunks two at a time (claim_unit): tensors of odd chunk counts put a
+    unit's two chunks in two tensors, and the batch's last unit may hold one chunk.  Real and
+    escape-heavy tensors alternate; one is empty."""
+    f = FORMATS[fmt]
+    sizes = [4096 * 3, 1, 4096 + 5, 0, 4096 * 5 - 7, 77, 4096]
+    xs = [random_bits(f, n) if i % 2 or fmt != "e5m2" else real_e5m2(n) for i, n in enumerate(sizes)]
+    for _ in range(2):  # the second call replays the first one's program
+        blobs = kvzip.compress_many([cupy.asarray(x) for x in xs], dtype=fmt)
+        for blob, x in zip(blobs, xs):
+            np.testing.assert_array_equal(blob.get(), kvzip.compress(x, dtype=fmt))
+    for back, x in zip(kvzip.decompress_many(blobs), xs):
+        np.testing.assert_array_equal(bits_of(back, fmt), x)
+
+
 def test_long_mixed_batches_through_lanes_match_single_calls():
     """A long batch through its lanes (the second call): every blob must still be the CPU's, with
     formats mixed, an incompressible tensor stored raw mid-batch, and a quantizing pipeline's
