@@ -74,6 +74,12 @@ class Layout:
         """Bytes up to esc_pos: every blob of this layout has at least these."""
         return self.header_len + self.esc_pos_offset
 
+    @property
+    def most_bytes(self) -> int:
+        """The longest a blob of this layout can be.  Escape streams: at most 2 + 1 bytes an
+        escape and a byte of high exponents a value, padded."""
+        return self.fixed_bytes + 4 * self.n + 48
+
     @cached_property
     def guess_row(self) -> np.ndarray:
         """The job row for a blob guessed to be of this layout: esc_pos where the guess puts it
@@ -198,8 +204,7 @@ def _guess_table() -> tuple:
 
 
 def _fits(layout: Layout, nbytes: int) -> bool:
-    # Escape streams: at most 2 + 1 bytes an escape and a byte of high exponents a value, padded.
-    return layout.fixed_bytes <= nbytes <= layout.fixed_bytes + 4 * layout.n + 48
+    return layout.fixed_bytes <= nbytes <= layout.most_bytes
 
 
 def guess(nbytes: int) -> Layout | None:
@@ -451,7 +456,7 @@ def _guess_span(layout: Layout, nbytes: int) -> tuple | None:
     if i < 0 or len(bands[i]) != 1 or bands[i][0] is not layout:
         return None
     hi = starts[i + 1] if i + 1 < len(starts) else 1 << 62
-    return table, max(starts[i], layout.fixed_bytes), min(hi, layout.fixed_bytes + 4 * layout.n + 49)
+    return table, max(starts[i], layout.fixed_bytes), min(hi, layout.most_bytes + 1)
 
 
 def _views(layouts, pair, origin, distinct=None):
