@@ -461,6 +461,41 @@ __device__ __forceinline__ u32 encode_e5m2_full(const Raw<u8>& raw, long long g,
     return escape_mask(f[0], f[1]);
 }
 
+// E5M2 with position tables (KVZ_E5M2_LUT8): eight 32-entry word tables in shared memory, table
+// j (byte offset 128 j) holding for exponent e value j's code already in its nibble of the group's
+// codes half-word (bits 4 (j & 3)) and its escape flag at bit 16 + j.  A group's codes and escape
+// mask are then the OR of its eight lookups: no packing of bytes into nibbles (pack4) and no
+// gathering of flags (escape_mask).  Lanes looking up one table with different exponents hit
+// different banks (entry e is word e of its table), with equal ones the same word: no conflicts.
+#ifndef KVZ_E5M2_LUT8
+#define KVZ_E5M2_LUT8 0
+#endif
+#define LUT8_WORDS (8 * 32)
+__device__ __forceinline__ void build_lut8(u32* tabs, const u8* __restrict__ lut) {
+    for (int i = threadIdx.x; i < LUT8_WORDS; i += blockDim.x) {
+        const int j = i >> 5;
+        const u32 c = lut[i & 31];
+        tabs[i] = ((c & 0xFu) << (4 * (j & 3))) | ((c >> 7) << (16 + j));
+    }
+}
+__device__ __forceinline__ u32 lut8_word(const u8* tabs, u32 byte_offset) {
+    return *reinterpret_cast<const u32*>(tabs + byte_offset);
+}
+__device__ __forceinline__ u32 encode_e5m2_lut8(const Raw<u8>& raw, long long g, const u8* tabs,
+                                                u8* __restrict__ codes, u32* rest24) {
+    u32 r[2];
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        const u32 e4 = raw.w[k] & 0x7C7C7C7Cu;  // each value's exponent times 4: its entry's offset
+        const u8* t = tabs + 512 * k;
+        r[k] = lut8_word(t, e4 & 0xFF) | lut8_word(t + 128, __byte_perm(e4, 0, 0x4441)) |
+               lut8_word(t + 256, __byte_perm(e4, 0, 0x4442)) | lut8_word(t + 384, e4 >> 24);
+    }
+    reinterpret_cast<u32*>(codes)[g] = __byte_perm(r[0], r[1], 0x5410);
+    *rest24 = (e5m2_rest12(raw.w[0]) >> 20) | ((e5m2_rest12(raw.w[1]) >> 8) & 0xFFF000u);
+    return (r[0] | r[1]) >> 16;
+}
+
 // FP16, a whole group: codes to codes[g]; the rest fields (sign << 10 | mantissa, 11 bits a
 // value) packed LSB first into *lo (bits 0-63) and *hi (64-87), for store_rest11_warp.
 __device__ __forceinline__ u32 encode_fp16_full(const Raw<u16>& raw, long long g, const u8* slut,
@@ -658,12 +693,29 @@ __device__ __forceinline__ constexpr int claim_unit() { return sizeof(T) == 1 &&
 // inline PTX too, not to atom.inc, whose wrap-around it cannot combine) and hoisted the loop's
 // shuffle to the top: every chunk waited out the round trip, 19 % of the E5M2 encoder's stall
 // samples (ncu source view, NOTES v17).
-__device__ __forceinline__ long long claim_chunk(u64* queue, long long W, int lane) {
-    u32 old = 0;  // the counter's low word (little-endian; fewer than 2^32 chunks, MAX_VALUES)
+// KVZ_QUEUES counters, QUEUE_STRIDE words apart in work (QUEUE_WORDS words from queue_at, all
+// zeroed; fused_fast.py sizes the region), each handing out every KVZ_QUEUES-th unit past the
+// static ones: warp w takes queue w % KVZ_QUEUES, whose k-th claim is unit
+// W + q + KVZ_QUEUES * k, so each unit is claimed exactly once whatever the number of queues.
+#ifndef KVZ_QUEUES
+#define KVZ_QUEUES 1
+#endif
+#define QUEUE_STRIDE 16  // 128 bytes: each counter a line of its own
+#define QUEUE_WORDS 128  // the queue region of work (KVZ_QUEUES * QUEUE_STRIDE at most)
+static_assert(KVZ_QUEUES >= 1 && KVZ_QUEUES * QUEUE_STRIDE <= QUEUE_WORDS && WARPS % KVZ_QUEUES == 0,
+              "the queues fit their region and divide the warps");
+// q, the warp's queue, is worked out by lane 0 as it claims (inside the asm, so the compiler
+// cannot keep it in a register across the loop: held there it cost the BF16 decoder 24 bytes of
+// spills).  W is a multiple of WARPS, so the warp w's queue is its place in its block modulo
+// KVZ_QUEUES.
+__device__ __forceinline__ long long claim_chunk(u64* queues, long long W, int lane) {
+    u32 old = 0, q = 0;  // the counter's low word (little-endian; fewer than 2^32 chunks, MAX_VALUES)
     if (lane == 0)
-        asm volatile("{ .reg .u64 g; cvta.to.global.u64 g, %1; atom.global.inc.u32 %0, [g], 0xfffffffe; }"
-                     : "=r"(old) : "l"(queue) : "memory");
-    return lane == 0 ? W + (long long)old : 0;
+        asm volatile("{ .reg .u64 g, o; .reg .u32 t; mov.u32 t, %%tid.x; shr.u32 t, t, 5; rem.u32 %1, t, %3;"
+                     " mul.wide.u32 o, %1, %4; add.u64 g, %2, o; cvta.to.global.u64 g, g;"
+                     " atom.global.inc.u32 %0, [g], 0xfffffffe; }"
+                     : "=r"(old), "=r"(q) : "l"(queues), "n"(KVZ_QUEUES), "n"(QUEUE_STRIDE * 8) : "memory");
+    return lane == 0 ? W + q + (long long)KVZ_QUEUES * old : 0;
 }
 
 // Lane 0's claim, in every lane.
@@ -677,7 +729,7 @@ __device__ __forceinline__ long long next_chunk(long long next) {
 
 // kvz_encode's per-tensor sums, by one lane: a warp's escapes << 31 | plane-coded groups of its
 // `chunks` chunks of tensor `job` into work[1 + job]; with ready, the chunks into the tensor's
-// done count (work[queue_at + 1 + job]) after them, and the lane that completes the count puts
+// done count (work[queue_at + QUEUE_WORDS + job]) after them, and the lane that completes the count puts
 // the totals in ready[job], flagged.  Each lane's fence orders its sum before its count, and the
 // last lane's after its count, so the totals it reads hold every warp's.
 __device__ __noinline__ void flush_totals(const EncodeJob* jobs, int job, u64 sum, int chunks, int chunk,
@@ -687,7 +739,7 @@ __device__ __noinline__ void flush_totals(const EncodeJob* jobs, int job, u64 su
     if (ready == nullptr) return;
     __threadfence();
     const long long nchunks = (jobs[job].n + chunk - 1) / chunk;
-    if ((long long)atomicAdd(work + queue_at + 1 + job, (u64)chunks) + chunks == nchunks) {
+    if ((long long)atomicAdd(work + queue_at + QUEUE_WORDS + job, (u64)chunks) + chunks == nchunks) {
         __threadfence();
         const u64 totals = atomicAdd(work + 1 + job, 0ull);
         *reinterpret_cast<volatile u64*>(ready + job) = totals | (1ull << 63);
@@ -722,6 +774,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
     __shared__ u32 slut_words[((1 << E) * lut_stride<E, M>() + 3) / 4];
     u8* slut = reinterpret_cast<u8*>(slut_words);
     for (int i = threadIdx.x; i < (1 << E); i += blockDim.x) slut[i * lut_stride<E, M>()] = lut[i];
+    constexpr bool LUT8 = KVZ_E5M2_LUT8 && E == 5 && M == 2 && sizeof(T) == 1;
+    __shared__ u32 lut8_words[LUT8 ? LUT8_WORDS : 1];
+    if constexpr (LUT8) build_lut8(lut8_words, lut);
     const u8* qtable = nullptr;
     if constexpr (QT) {
         __shared__ uint4 qtab[(1 << 15) / 16];
@@ -796,7 +851,11 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
                         u32 bits[GPL];
 #pragma unroll
                         for (int q = 0; q < GPL; q++) {
-                            m[q] = encode_e5m2_full(v[q], s0 + q * 32 + lane, slut, codes, rest, &bits[q]);
+                            if constexpr (LUT8)
+                                m[q] = encode_e5m2_lut8(v[q], s0 + q * 32 + lane, reinterpret_cast<const u8*>(lut8_words),
+                                                        codes, &bits[q]);
+                            else
+                                m[q] = encode_e5m2_full(v[q], s0 + q * 32 + lane, slut, codes, rest, &bits[q]);
                             any |= m[q];
                         }
 #pragma unroll

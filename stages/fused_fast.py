@@ -55,6 +55,7 @@ HEAD_SPAN = 2048        # bytes read back per blob to parse its header (more onl
 _TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
 _ESCAPE_STREAMS = ["esc_pos", "esc_exp", "exp_high"]
 SB_CHUNKS = 256         # chunks per block of kvz_scan (one thread each)
+QUEUE_WORDS = 128       # work words of the dense kernels' chunk queues (fused_fast.cu's QUEUE_WORDS)
 
 # Shape of the dense kernels per format: (groups a lane handles per step, blocks per
 # multiprocessor the register budget must allow).  Picked on the H200 with
@@ -339,8 +340,8 @@ class _EncodeProgram:
         sb_base = list(accumulate((-(-p.nchunks // SB_CHUNKS) for p in plans), initial=0))
         total_chunks, total_sb, slot = chunk_base[-1], sb_base[-1], slot_size(chunk)
         tmpl_host = np.frombuffer(b"".join(templates), np.uint8)
-        # work: scan ticket, totals, look-back, kvz_encode's chunk queue, each tensor's chunks done
-        self.sizes_nb, work_nb = 24 * k, 8 * (2 + 2 * k + total_sb)
+        # work: scan ticket, totals, look-back, kvz_encode's chunk queues, each tensor's chunks done
+        self.sizes_nb, work_nb = 24 * k, 8 * (1 + k + total_sb + QUEUE_WORDS + k)
         enc, scan, _, _ = _instances(fmt)
         ops = [("upload", 3), ("zero", 3)]
         if quantize:
@@ -660,7 +661,7 @@ class _DecodeProgram:
         guess = expect is not None
         sizes = [8 * DECODE_COLUMNS * k] + ([16 * k] if guess else [])
         jobs, heads, work, offs = R(0), R(1), R(len(sizes)), R(len(sizes) + 1)
-        sizes += [8 * (2 + k + sb_base), 8 * chunk_base]  # work ends with kvz_decode's chunk queue
+        sizes += [8 * (1 + k + sb_base + QUEUE_WORDS), 8 * chunk_base]  # work ends with kvz_decode's chunk queues
         ops = [("upload", work), ("zero", work)]
         if guess:
             expected = len(sizes)  # region of the expected headers, written once below

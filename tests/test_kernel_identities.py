@@ -194,3 +194,12 @@ def test_host_payload_arithmetic_matches_the_container_layout():
             var_base = offsets[[name for name, _, _ in table].index("esc_pos")]
             totals = escapes << 31 | plane | 1 << 63  # as published: flagged
             assert fused_fast.payload_bytes(var_base, totals, fmt.high_exp_bits) == payload, (fmt.name, n)
+
+
+def test_queue_region_matches_the_host_layout():
+    """The dense kernels' chunk queues take QUEUE_WORDS words of the work region, which
+    fused_fast.py sizes; both files must agree."""
+    from kvzip.stages import fused_fast
+
+    words = re.search(r"#define QUEUE_WORDS (\d+)", SOURCE)
+    assert words and int(words.group(1)) == fused_fast.QUEUE_WORDS

@@ -1,0 +1,82 @@
+"""Kernel variants chosen by macros of stages/fused_fast.cu, alternated in one process: each
+setting rebuilds the kernels with its macros defined in front of the source (benchmarks/NOTES.md,
+v23: KVZ_FP8_CLAIM; v24: KVZ_QUEUES, KVZ_E5M2_LUT8).
+
+    python benchmarks/macro_ab.py SETTINGS [FORMATS] [rounds]
+    python benchmarks/macro_ab.py "KVZ_QUEUES=1;KVZ_QUEUES=4" e5m2,bf16 3
+
+SETTINGS: settings separated by ";", each NAME=VALUE macros separated by "," ("-" for none: the
+shipped defaults).  FORMATS: e5m2 (default), bf16, quantize (QuantizeFP8 + E5M2 of the BF16 data).
+Each round, per setting and format: compress and decompress of 2^28 real values (the bench's
+data), the call and its graph replay alone (CUDA events, median of 30 after warm-up), the blob
+checked against the first setting's and the round trip against the input.
+"""
+import sys
+
+import cupy
+
+import kvzip
+from kvzip import stages as S
+from kvzip.bench import _sample_bits, _timer, format_bits
+from kvzip.stages import call_graphs, fused_fast, quantize_fast
+
+_SOURCE = quantize_fast.cuda_source  # the shipped text, before build() wraps it
+
+
+def build(setting: str) -> None:
+    """The fused kernels with setting's macros defined, from the next call on."""
+    defines = "".join(f"#define {m.replace('=', ' ')}\n" for m in setting.split(",") if m and m != "-")
+    quantize_fast.cuda_source = lambda name: defines + _SOURCE(name) if name == "fused_fast.cu" else _SOURCE(name)
+    fused_fast._module.cache_clear()
+    fused_fast._kernels.clear()
+    fused_fast._grid_cap.cache_clear()
+    call_graphs.release()  # cached programs hold the previous kernels
+
+
+def inputs(names: list, n: int) -> dict:
+    """name -> (pipeline, input bits, dtype argument, what decoding gives back)."""
+    host = _sample_bits(n)
+    out = {}
+    for name in names:
+        if name == "quantize":
+            x = cupy.asarray(host)
+            pipe = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack("e5m2-kv"),
+                                   S.EscapeStream(), S.Serialize()])
+            qonly = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.Serialize()])
+            out[name] = (pipe, x, "bf16", qonly.decode(qonly.encode(x, dtype="bf16")).reshape(-1))
+        else:
+            x = cupy.asarray(format_bits(name, host, n))
+            out[name] = (kvzip.splitzip_pipeline() if name == "bf16" else None, x, name, x)
+    return out
+
+
+def main(settings: str = "-", formats: str = "e5m2", rounds: str = "3", n: int = 1 << 28) -> None:
+    data = inputs(formats.split(","), n)
+    timeit = _timer(cupy, 30)
+    stream = cupy.cuda.get_current_stream()
+    times, first = {}, {}
+    for r in range(int(rounds)):
+        for setting in settings.split(";"):
+            build(setting)
+            for name, (pipe, x, dtype, expect) in data.items():
+                encode = (lambda: pipe.encode(x, dtype=dtype)) if pipe else (lambda: kvzip.compress(x, dtype=dtype))
+                decode = pipe.decode if pipe else kvzip.decompress
+                blob = encode()
+                assert cupy.array_equal(blob, first.setdefault(name, blob)), f"{setting} {name}: the blob differs"
+                row = []
+                for call in (encode, lambda: decode(blob)):
+                    t, out = timeit(call)
+                    prog = call_graphs.entries()[-1]  # the program of the call just timed
+                    g, _ = timeit(lambda: prog.shape.run(stream))
+                    row += [t * 1e6, g * 1e6]
+                assert cupy.array_equal(out.reshape(-1).view(expect.dtype), expect), f"{setting} {name}: round trip"
+                times.setdefault((setting, name), []).append(row)
+                print(f"round {r} {setting:<28} {name:<8} encode call {row[0]:6.1f} graph {row[1]:6.1f}"
+                      f"  decode call {row[2]:6.1f} graph {row[3]:6.1f} us", flush=True)
+    for (setting, name), rows in times.items():
+        span = [f"{min(c):6.1f}-{max(c):6.1f}" for c in zip(*rows)]
+        print(f"{setting:<28} {name:<8} encode call {span[0]} graph {span[1]}  decode call {span[2]} graph {span[3]} us")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
