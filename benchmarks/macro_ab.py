@@ -1,6 +1,7 @@
 """Kernel variants chosen by macros of stages/fused_fast.cu, alternated in one process: each
 setting rebuilds the kernels with its macros defined in front of the source (benchmarks/NOTES.md,
-v23: KVZ_FP8_CLAIM; v24: KVZ_QUEUES, KVZ_E5M2_LUT8).
+v23: claim units of FP8 chunks, since removed; v24: KVZ_QUEUES, and the E5M2 encoder's position
+tables, since the only way).
 
     python benchmarks/macro_ab.py SETTINGS [FORMATS] [rounds]
     python benchmarks/macro_ab.py "KVZ_QUEUES=1;KVZ_QUEUES=4" e5m2,bf16 3

@@ -7,8 +7,8 @@
 // (benchmarks/NOTES.md).  The Numba kernels remain the generic path and, with the @njit twin,
 // the reference this file is tested against byte for byte (tests/gpu).
 //
-// Work split.  Encode: kvz_encode's warps take chunks from a queue (claim_chunk: an atomic counter
-// claimed a chunk ahead; FP8's two chunks a claim, claim_unit); a warp walks its chunk in steps,
+// Work split.  Encode: kvz_encode's warps take chunks from queues (claim_chunk: four atomic
+// counters, claimed a chunk ahead); a warp walks its chunk in steps,
 // each lane loading a few 8-value groups with vector loads, writing 4 code bytes and R rest bytes a
 // group in place in the blob and noting escapes, which ballots put in position order into a
 // per-chunk slot.  kvz_scan (a block per 256 chunks, chained per tensor by a decoupled look-back)
@@ -424,11 +424,6 @@ __device__ __forceinline__ u32 encode_bf16_full(const Raw<u16>& raw, long long g
     return escape_mask(fa, fb);
 }
 
-// kvz_encode's shared LUT holds E5M2's entry e at byte 4e (a word each), so a value's byte masked
-// with 0x7C is its entry's offset: one instruction an index instead of a shift and a mask.
-template <int E, int M>
-__device__ __forceinline__ constexpr int lut_stride() { return E == 5 && M == 2 ? 4 : 1; }
-
 // The rest fields (sign << 2 | mantissa) of four E5M2 values (the bytes of w), packed 3 bits a
 // value at bits 20-31, by two products: every partial product lands on bits of its own or outside
 // 20-31, so nothing carries into them (tests/test_kernel_identities.py: all 4096 field values,
@@ -438,58 +433,37 @@ __device__ __forceinline__ u32 e5m2_rest12(u32 w) {
     return (w & 0x80038003u) * 0x00100401u + (w & 0x03800380u) * 0x00008020u;
 }
 
-// E5M2, a whole group: two words of four values, looked up as BF16's are (slut4: the LUT at a
-// stride of 4, lut_stride).  Rest is 3 bits a value, 24 bits a group.
-// rest24 given: the rest bits go there (for store_rest24_warp) instead of to rest.
-__device__ __forceinline__ u32 encode_e5m2_full(const Raw<u8>& raw, long long g, const u8* slut4,
-                                                u8* __restrict__ codes, u8* __restrict__ rest, u32* rest24 = nullptr) {
-    u32 t[2], f[2];
-#pragma unroll
-    for (int k = 0; k < 2; k++) {
-        const u32 e4 = raw.w[k] & 0x7C7C7C7Cu;  // each value's exponent times 4
-        t[k] = pack4(slut4[e4 & 0xFF], slut4[__byte_perm(e4, 0, 0x4441)], slut4[__byte_perm(e4, 0, 0x4442)],
-                     slut4[e4 >> 24], &f[k]);
-    }
-    reinterpret_cast<u32*>(codes)[g] = __byte_perm(t[0], t[1], 0x6420);
-    const u32 bits = (e5m2_rest12(raw.w[0]) >> 20) | ((e5m2_rest12(raw.w[1]) >> 8) & 0xFFF000u);
-    if (rest24) {
-        *rest24 = bits;
-    } else {
-        u8* p = rest + g * 3;
-        p[0] = (u8)bits; p[1] = (u8)(bits >> 8); p[2] = (u8)(bits >> 16);
-    }
-    return escape_mask(f[0], f[1]);
-}
-
-// E5M2 with position tables (KVZ_E5M2_LUT8): eight 32-entry word tables in shared memory, table
-// j (byte offset 128 j) holding for exponent e value j's code already in its nibble of the group's
-// codes half-word (bits 4 (j & 3)) and its escape flag at bit 16 + j.  A group's codes and escape
-// mask are then the OR of its eight lookups: no packing of bytes into nibbles (pack4) and no
-// gathering of flags (escape_mask).  Lanes looking up one table with different exponents hit
-// different banks (entry e is word e of its table), with equal ones the same word: no conflicts.
-#ifndef KVZ_E5M2_LUT8
-#define KVZ_E5M2_LUT8 0
-#endif
-#define LUT8_WORDS (8 * 32)
-__device__ __forceinline__ void build_lut8(u32* tabs, const u8* __restrict__ lut) {
-    for (int i = threadIdx.x; i < LUT8_WORDS; i += blockDim.x) {
+// E5M2 position tables: eight 32-word tables in kvz_encode's shared memory, table j (byte offset
+// 128 j) holding for exponent e value j's code already in its nibble of the group's codes
+// half-word (bits 4 (j & 3) up) and its escape flag at bit 16 + j.  A group's codes and escape
+// mask are then the OR of its eight lookups, where packing LUT bytes into nibbles (pack4) and
+// gathering the flags (escape_mask) took ~14 more integer instructions a group.  Lanes looking
+// up one table with different exponents hit different banks (entry e is word e of its table),
+// with equal ones the same word: no conflicts.  2^28 graphs: E5M2 encode 182.3-184.2 ->
+// 178.8-179.8 us, the quantizing encoder 378.4-380.4 -> 371.5-372.3, its spills 24 -> 8 bytes
+// (benchmarks/macro_ab.py, NOTES v24).
+#define POSITION_TABLE_WORDS (8 * 32)
+__device__ __forceinline__ void build_position_tables(u32* tabs, const u8* __restrict__ lut) {
+    for (int i = threadIdx.x; i < POSITION_TABLE_WORDS; i += blockDim.x) {
         const int j = i >> 5;
         const u32 c = lut[i & 31];
         tabs[i] = ((c & 0xFu) << (4 * (j & 3))) | ((c >> 7) << (16 + j));
     }
 }
-__device__ __forceinline__ u32 lut8_word(const u8* tabs, u32 byte_offset) {
+__device__ __forceinline__ u32 table_word(const u8* tabs, u32 byte_offset) {
     return *reinterpret_cast<const u32*>(tabs + byte_offset);
 }
-__device__ __forceinline__ u32 encode_e5m2_lut8(const Raw<u8>& raw, long long g, const u8* tabs,
+// E5M2, a whole group, through the position tables: codes to codes[g], the rest fields (3 bits a
+// value, 24 a group) to *rest24 (for store_rest24_warp); returns the escape mask.
+__device__ __forceinline__ u32 encode_e5m2_full(const Raw<u8>& raw, long long g, const u8* tabs,
                                                 u8* __restrict__ codes, u32* rest24) {
     u32 r[2];
 #pragma unroll
     for (int k = 0; k < 2; k++) {
         const u32 e4 = raw.w[k] & 0x7C7C7C7Cu;  // each value's exponent times 4: its entry's offset
         const u8* t = tabs + 512 * k;
-        r[k] = lut8_word(t, e4 & 0xFF) | lut8_word(t + 128, __byte_perm(e4, 0, 0x4441)) |
-               lut8_word(t + 256, __byte_perm(e4, 0, 0x4442)) | lut8_word(t + 384, e4 >> 24);
+        r[k] = table_word(t, e4 & 0xFF) | table_word(t + 128, __byte_perm(e4, 0, 0x4441)) |
+               table_word(t + 256, __byte_perm(e4, 0, 0x4442)) | table_word(t + 384, e4 >> 24);
     }
     reinterpret_cast<u32*>(codes)[g] = __byte_perm(r[0], r[1], 0x5410);
     *rest24 = (e5m2_rest12(raw.w[0]) >> 20) | ((e5m2_rest12(raw.w[1]) >> 8) & 0xFFF000u);
@@ -524,9 +498,6 @@ __device__ __forceinline__ u32 encode_raw(const Raw<T>& raw, long long n, long l
     if constexpr (E == 8 && M == 7 && sizeof(T) == 2) {
         if (FULL || g * 8 + 8 <= n) return encode_bf16_full(raw, g, slut, codes, rest);
     }
-    if constexpr (E == 5 && M == 2 && sizeof(T) == 1) {
-        if (FULL || g * 8 + 8 <= n) return encode_e5m2_full(raw, g, slut, codes, rest);
-    }
     u32 word = 0, mask = 0, r[8];
 #pragma unroll
     for (int j = 0; j < 8; j++) {
@@ -534,7 +505,7 @@ __device__ __forceinline__ u32 encode_raw(const Raw<T>& raw, long long n, long l
         const u32 e = (v >> M) & ((1u << E) - 1u);
         r[j] = ((v >> (E + M)) << M) | (v & ((1u << M) - 1u));
         const bool valid = g * 8 + j < n;
-        const u32 c = valid ? (u32)slut[e * lut_stride<E, M>()] : 0u;  // padding values: code 0, never an escape
+        const u32 c = valid ? (u32)slut[e] : 0u;  // padding values: code 0, never an escape
         mask |= (c >> 7) << j;
         word |= (c & 0xF) << (4 * j);
     }
@@ -666,48 +637,37 @@ __device__ __forceinline__ int find_job(const Job* jobs, int njobs, long long ke
     return lo;
 }
 
-// Chunks kvz_encode's warps claim at once (one atomic a unit of them).  FP8's chunks hold half
-// the bytes of 16-bit ones, and a claim a 4096-value chunk held the E5M2 encoder back: with its
-// arithmetic stubbed out, 185-189 us a 2^28 graph with the queue against 155 with the chunks
-// dealt statically, and 151-155 with the queue and 8192-value chunks.  Units of two: 2^28 E5M2
-// graphs 197.2-197.6 -> 179.0-180.1 us (four: 186-187).  Not for kvz_decode (E5M2 177-180 ->
-// 192-193 us with units of two) nor the quantizing encoder (more spills); benchmarks/NOTES.md,
-// v23.  KVZ_FP8_CLAIM: for A/B runs (benchmarks/claim_ab.py).
-#ifndef KVZ_FP8_CLAIM
-#define KVZ_FP8_CLAIM 2
-#endif
-template <typename T, bool PLAIN>
-__device__ __forceinline__ constexpr int claim_unit() { return sizeof(T) == 1 && PLAIN ? KVZ_FP8_CLAIM : 1; }
-
-// The dense passes' chunks (kvz_encode's in units of claim_unit): the first W (one a warp) dealt
-// out statically, then each warp's next from a queue, an atomic counter (work[queue_at], zeroed)
-// that lane 0 claims from at the start of the chunk before, so the claim's round trip overlaps
-// that chunk's work and no warp waits on another.
+// The dense passes' chunks: the first W (one a warp) dealt out statically, then each warp's next
+// from a queue, an atomic counter that lane 0 claims from at the start of the chunk before, so
+// the claim's round trip overlaps that chunk's work and no warp waits on another.
 // Dealing every chunk statically (warp w: w, w + W, ...) left the warps whose chunks held many
 // escapes finishing last (ncu, E5M2 decode: 82 % of the warps active on average against 91 %
 // without escapes; NOTES v15).  The bytes never depend on which warp takes which chunk.
+// KVZ_QUEUES counters, QUEUE_STRIDE words apart (QUEUE_WORDS words of work from queue_at, zeroed;
+// fused_fast.py sizes the region): warp w takes queue q = w % KVZ_QUEUES, whose k-th claim is
+// chunk W + q + KVZ_QUEUES * k, so each chunk is claimed exactly once.  One counter for 2112 to
+// 3168 warps held the encoders back: with the E5M2 arithmetic stubbed out, 185-189 us a 2^28
+// graph with the queue against 155 with the chunks dealt statically (NOTES v23).  Four: 2^28
+// graphs, BF16 encode 279.7-283.4 -> 271.3-274.9 us, decode 262.9-266.8 -> 258.3-261.4; with the
+// E5M2 encoder's position tables (below) and single chunks a claim where it took two, E5M2 encode
+// 182.3-184.2 -> 174.5-176.8; E5M2 decode unchanged (~180); two queues gained little, eight no
+// more than four (benchmarks/macro_ab.py, NOTES v24).  KVZ_QUEUES: for A/B runs.
 // Both halves are inline PTX, volatile with a memory clobber, so the compiler keeps the atomic at
 // the chunk's start and its use (next_chunk, a shuffle from lane 0) after the chunk's work.
 // Written as atomicAdd and __shfl_sync, the compiler aggregated the atomic across the warp (a
 // leader election and a shuffle of its result right after it; ptxas does this to an atom.add in
 // inline PTX too, not to atom.inc, whose wrap-around it cannot combine) and hoisted the loop's
 // shuffle to the top: every chunk waited out the round trip, 19 % of the E5M2 encoder's stall
-// samples (ncu source view, NOTES v17).
-// KVZ_QUEUES counters, QUEUE_STRIDE words apart in work (QUEUE_WORDS words from queue_at, all
-// zeroed; fused_fast.py sizes the region), each handing out every KVZ_QUEUES-th unit past the
-// static ones: warp w takes queue w % KVZ_QUEUES, whose k-th claim is unit
-// W + q + KVZ_QUEUES * k, so each unit is claimed exactly once whatever the number of queues.
+// samples (ncu source view, NOTES v17).  The queue is picked inside the asm too (W is a multiple
+// of WARPS, so it is the warp's place in its block modulo KVZ_QUEUES): held in a register across
+// the loop it cost the BF16 decoder 24 bytes of spills.
 #ifndef KVZ_QUEUES
-#define KVZ_QUEUES 1
+#define KVZ_QUEUES 4
 #endif
 #define QUEUE_STRIDE 16  // 128 bytes: each counter a line of its own
-#define QUEUE_WORDS 128  // the queue region of work (KVZ_QUEUES * QUEUE_STRIDE at most)
+#define QUEUE_WORDS 128  // the queues' region of work (KVZ_QUEUES * QUEUE_STRIDE at most)
 static_assert(KVZ_QUEUES >= 1 && KVZ_QUEUES * QUEUE_STRIDE <= QUEUE_WORDS && WARPS % KVZ_QUEUES == 0,
               "the queues fit their region and divide the warps");
-// q, the warp's queue, is worked out by lane 0 as it claims (inside the asm, so the compiler
-// cannot keep it in a register across the loop: held there it cost the BF16 decoder 24 bytes of
-// spills).  W is a multiple of WARPS, so the warp w's queue is its place in its block modulo
-// KVZ_QUEUES.
 __device__ __forceinline__ long long claim_chunk(u64* queues, long long W, int lane) {
     u32 old = 0, q = 0;  // the counter's low word (little-endian; fewer than 2^32 chunks, MAX_VALUES)
     if (lane == 0)
@@ -771,12 +731,12 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
     await_predecessor();
     release_dependents();
     constexpr int HB = E - 4, R = M + 1, STEP = 32 * GPL;
-    __shared__ u32 slut_words[((1 << E) * lut_stride<E, M>() + 3) / 4];
+    __shared__ u32 slut_words[((1 << E) + 3) / 4];
     u8* slut = reinterpret_cast<u8*>(slut_words);
-    for (int i = threadIdx.x; i < (1 << E); i += blockDim.x) slut[i * lut_stride<E, M>()] = lut[i];
-    constexpr bool LUT8 = KVZ_E5M2_LUT8 && E == 5 && M == 2 && sizeof(T) == 1;
-    __shared__ u32 lut8_words[LUT8 ? LUT8_WORDS : 1];
-    if constexpr (LUT8) build_lut8(lut8_words, lut);
+    for (int i = threadIdx.x; i < (1 << E); i += blockDim.x) slut[i] = lut[i];
+    constexpr bool E5M2 = E == 5 && M == 2 && sizeof(T) == 1;
+    __shared__ u32 tables[E5M2 ? POSITION_TABLE_WORDS : 1];  // E5M2's position tables (encode_e5m2_full)
+    if constexpr (E5M2) build_position_tables(tables, lut);
     const u8* qtable = nullptr;
     if constexpr (QT) {
         __shared__ uint4 qtab[(1 << 15) / 16];
@@ -791,133 +751,122 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
     long long next = 0;
     u64 sum = 0;  // escapes << 31 | plane-coded groups of this warp's chunks of tensor sum_job
     int sum_job = 0, sum_chunks = 0;
-    constexpr int CU = claim_unit<T, !QT>();
-    const long long total_units = (total_chunks + CU - 1) / CU;
-    for (long long u = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); u < total_units; u = next_chunk(next)) {
+    for (long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); gc < total_chunks; gc = next_chunk(next)) {
         next = claim_chunk(work + queue_at, W, lane);
-#pragma unroll 1
-        for (int k = 0; k < CU; k++) {  // the unit's chunks
-            const long long gc = u * CU + k;
-            if (CU > 1 && gc >= total_chunks) break;
-            const int job = find_job(jobs, njobs, gc, &EncodeJob::chunk_base);
-            const EncodeJob& J = jobs[job];
-            const long long c = gc - J.chunk_base, g0 = c * gpc;
-            const long long n = J.n - g0 * 8;  // values from the chunk's start to the tensor's end
-            const int ng = (int)min((long long)gpc, (n + 7) / 8);
-            // this chunk's data, and group i of it at index i (QT: the 16-bit values it quantizes)
-            using L = typename Pick<QT, u16, T>::type;
-            const L* __restrict__ src = static_cast<const L*>(J.src) + g0 * 8;
-            u8* __restrict__ codes = J.codes + g0 * 4;
-            u8* __restrict__ rest = J.rest + g0 * R;
-            assume_global(src); assume_global(codes); assume_global(rest);
-            int count = 0;
-            // Whole steps (every group 8 values) load with no checks.  Unquantizing, the next whole
-            // step's loads are issued before this step's work, into a second set of registers, so a
-            // warp keeps reads in flight while it encodes: the E5M2 encoder, latency-bound once its
-            // instructions were cut (ncu: 61 % of stall samples waiting on loads), went 183-187 ->
-            // 172-180 us, BF16 260-265 -> 253-259 (at the shapes ENCODE_SHAPE names; NOTES v17).  The
-            // quantizing encoder, which would hold 16-bit values, was slower with it (242 -> 255).
-            constexpr bool PREFETCH = !QT;
-            Raw<T> cur[PREFETCH ? GPL : 1], ahead[PREFETCH ? GPL : 1];
-            bool whole = STEP <= ng && (long long)STEP * 8 <= n;
-            if constexpr (PREFETCH) {
-                if (whole) {
+        const int job = find_job(jobs, njobs, gc, &EncodeJob::chunk_base);
+        const EncodeJob& J = jobs[job];
+        const long long c = gc - J.chunk_base, g0 = c * gpc;
+        const long long n = J.n - g0 * 8;  // values from the chunk's start to the tensor's end
+        const int ng = (int)min((long long)gpc, (n + 7) / 8);
+        // this chunk's data, and group i of it at index i (QT: the 16-bit values it quantizes)
+        using L = typename Pick<QT, u16, T>::type;
+        const L* __restrict__ src = static_cast<const L*>(J.src) + g0 * 8;
+        u8* __restrict__ codes = J.codes + g0 * 4;
+        u8* __restrict__ rest = J.rest + g0 * R;
+        assume_global(src); assume_global(codes); assume_global(rest);
+        int count = 0;
+        // Whole steps (every group 8 values) load with no checks.  Unquantizing, the next whole
+        // step's loads are issued before this step's work, into a second set of registers, so a
+        // warp keeps reads in flight while it encodes: the E5M2 encoder, latency-bound once its
+        // instructions were cut (ncu: 61 % of stall samples waiting on loads), went 183-187 ->
+        // 172-180 us, BF16 260-265 -> 253-259 (at the shapes ENCODE_SHAPE names; NOTES v17).  The
+        // quantizing encoder, which would hold 16-bit values, was slower with it (242 -> 255).
+        constexpr bool PREFETCH = !QT;
+        Raw<T> cur[PREFETCH ? GPL : 1], ahead[PREFETCH ? GPL : 1];
+        bool whole = STEP <= ng && (long long)STEP * 8 <= n;
+        if constexpr (PREFETCH) {
+            if (whole) {
 #pragma unroll
-                    for (int q = 0; q < GPL; q++) load_raw_full(src, q * 32 + lane, cur[q]);
+                for (int q = 0; q < GPL; q++) load_raw_full(src, q * 32 + lane, cur[q]);
+            }
+        }
+        for (int s0 = 0; s0 < ng; s0 += STEP) {
+            const bool next_whole = s0 + 2 * STEP <= ng && (long long)(s0 + 2 * STEP) * 8 <= n;
+            if constexpr (PREFETCH) {
+                if (next_whole) {
+#pragma unroll
+                    for (int q = 0; q < GPL; q++) load_raw_full(src, s0 + STEP + q * 32 + lane, ahead[q]);
                 }
             }
-            for (int s0 = 0; s0 < ng; s0 += STEP) {
-                const bool next_whole = s0 + 2 * STEP <= ng && (long long)(s0 + 2 * STEP) * 8 <= n;
-                if constexpr (PREFETCH) {
-                    if (next_whole) {
+            Raw<T> v[GPL];
+            u32 m[GPL], any = 0;
+            if (whole) {
 #pragma unroll
-                        for (int q = 0; q < GPL; q++) load_raw_full(src, s0 + STEP + q * 32 + lane, ahead[q]);
+                for (int q = 0; q < GPL; q++) {
+                    if constexpr (PREFETCH) {
+                        v[q] = cur[q];
+                    } else {  // QT: quantized as they arrive
+                        Raw<L> raw;
+                        load_raw_full(src, s0 + q * 32 + lane, raw);
+                        quantize_raw(raw, v[q], qtable);
                     }
                 }
-                Raw<T> v[GPL];
-                u32 m[GPL], any = 0;
-                if (whole) {
+                if constexpr (E5M2) {  // rest as whole words (store_rest24_warp)
+                    u32 bits[GPL];
 #pragma unroll
                     for (int q = 0; q < GPL; q++) {
-                        if constexpr (PREFETCH) {
-                            v[q] = cur[q];
-                        } else {  // QT: quantized as they arrive
-                            Raw<L> raw;
-                            load_raw_full(src, s0 + q * 32 + lane, raw);
-                            quantize_raw(raw, v[q], qtable);
-                        }
+                        m[q] = encode_e5m2_full(v[q], s0 + q * 32 + lane, reinterpret_cast<const u8*>(tables), codes,
+                                                &bits[q]);
+                        any |= m[q];
                     }
-                    if constexpr (E == 5 && M == 2 && sizeof(T) == 1) {  // rest as whole words (store_rest24_warp)
-                        u32 bits[GPL];
 #pragma unroll
-                        for (int q = 0; q < GPL; q++) {
-                            if constexpr (LUT8)
-                                m[q] = encode_e5m2_lut8(v[q], s0 + q * 32 + lane, reinterpret_cast<const u8*>(lut8_words),
-                                                        codes, &bits[q]);
-                            else
-                                m[q] = encode_e5m2_full(v[q], s0 + q * 32 + lane, slut, codes, rest, &bits[q]);
-                            any |= m[q];
-                        }
+                    for (int q = 0; q < GPL; q++) store_rest24_warp(rest + (s0 + q * 32) * 3, bits[q], lane);
+                } else if constexpr (E == 5 && M == 10 && sizeof(T) == 2) {  // FP16: rest as whole words
 #pragma unroll
-                        for (int q = 0; q < GPL; q++) store_rest24_warp(rest + (s0 + q * 32) * 3, bits[q], lane);
-                    } else if constexpr (E == 5 && M == 10 && sizeof(T) == 2) {  // FP16: rest as whole words
-#pragma unroll
-                        for (int q = 0; q < GPL; q++) {
-                            u64 lo;
-                            u32 hi;
-                            m[q] = encode_fp16_full(v[q], s0 + q * 32 + lane, slut, codes, &lo, &hi);
-                            any |= m[q];
-                            // word-aligned: the stream is, and whole steps start every 128 groups (1408 bytes)
-                            store_rest11_warp(rest + (s0 + q * 32) * 11, lo, hi, lane);
-                        }
-                    } else {
-#pragma unroll
-                        for (int q = 0; q < GPL; q++) {
-                            m[q] = encode_raw<E, M, T, true>(v[q], n, s0 + q * 32 + lane, slut, codes, rest);
-                            any |= m[q];
-                        }
+                    for (int q = 0; q < GPL; q++) {
+                        u64 lo;
+                        u32 hi;
+                        m[q] = encode_fp16_full(v[q], s0 + q * 32 + lane, slut, codes, &lo, &hi);
+                        any |= m[q];
+                        // word-aligned: the stream is, and whole steps start every 128 groups (1408 bytes)
+                        store_rest11_warp(rest + (s0 + q * 32) * 11, lo, hi, lane);
                     }
                 } else {
 #pragma unroll
-                    for (int q = 0; q < GPL; q++)
-                        if (s0 + q * 32 + lane < ng) {
-                            if constexpr (QT) load_quantized(src, n, s0 + q * 32 + lane, v[q], qtable);
-                            else load_raw(src, n, s0 + q * 32 + lane, v[q]);
-                        }
-#pragma unroll
                     for (int q = 0; q < GPL; q++) {
-                        const int i = s0 + q * 32 + lane;
-                        m[q] = i < ng ? encode_raw<E, M, T>(v[q], n, i, slut, codes, rest) : 0u;
+                        m[q] = encode_raw<E, M, T, true>(v[q], n, s0 + q * 32 + lane, slut, codes, rest);
                         any |= m[q];
                     }
                 }
-                if (__any_sync(FULL_MASK, any != 0)) {
-                    u16* __restrict__ spos = J.slot_pos + c * slot;
-                    u8* __restrict__ sexp = J.slot_exp + c * slot;
-                    assume_global(spos); assume_global(sexp);
+            } else {
 #pragma unroll
-                    for (int q = 0; q < GPL; q++)
-                        if (__any_sync(FULL_MASK, m[q] != 0u))
-                            count = slot_escapes<E, M>(v[q], m[q], (s0 + q * 32 + lane) * 8, count, slot, spos,
-                                                       sexp, lane);
-                }
-                if constexpr (PREFETCH) {
+                for (int q = 0; q < GPL; q++)
+                    if (s0 + q * 32 + lane < ng) {
+                        if constexpr (QT) load_quantized(src, n, s0 + q * 32 + lane, v[q], qtable);
+                        else load_raw(src, n, s0 + q * 32 + lane, v[q]);
+                    }
 #pragma unroll
-                    for (int q = 0; q < GPL; q++) cur[q] = ahead[q];
+                for (int q = 0; q < GPL; q++) {
+                    const int i = s0 + q * 32 + lane;
+                    m[q] = i < ng ? encode_raw<E, M, T>(v[q], n, i, slut, codes, rest) : 0u;
+                    any |= m[q];
                 }
-                whole = next_whole;
             }
-            const bool plane = count > HB * ng / 3;
-            if (lane == 0) J.esc_count[c] = plane ? (u16)PLANE : (u16)count;
-            if (job != sum_job) {
-                if (lane == 0) flush_totals(jobs, sum_job, sum, sum_chunks, chunk, work, queue_at, ready);
-                sum = 0;
-                sum_chunks = 0;
-                sum_job = job;
+            if (__any_sync(FULL_MASK, any != 0)) {
+                u16* __restrict__ spos = J.slot_pos + c * slot;
+                u8* __restrict__ sexp = J.slot_exp + c * slot;
+                assume_global(spos); assume_global(sexp);
+#pragma unroll
+                for (int q = 0; q < GPL; q++)
+                    if (__any_sync(FULL_MASK, m[q] != 0u))
+                        count = slot_escapes<E, M>(v[q], m[q], (s0 + q * 32 + lane) * 8, count, slot, spos, sexp, lane);
             }
-            sum += plane ? (u64)ng : (u64)count << 31;
-            sum_chunks++;
+            if constexpr (PREFETCH) {
+#pragma unroll
+                for (int q = 0; q < GPL; q++) cur[q] = ahead[q];
+            }
+            whole = next_whole;
         }
+        const bool plane = count > HB * ng / 3;
+        if (lane == 0) J.esc_count[c] = plane ? (u16)PLANE : (u16)count;
+        if (job != sum_job) {
+            if (lane == 0) flush_totals(jobs, sum_job, sum, sum_chunks, chunk, work, queue_at, ready);
+            sum = 0;
+            sum_chunks = 0;
+            sum_job = job;
+        }
+        sum += plane ? (u64)ng : (u64)count << 31;
+        sum_chunks++;
     }
     if (lane == 0) flush_totals(jobs, sum_job, sum, sum_chunks, chunk, work, queue_at, ready);
 }

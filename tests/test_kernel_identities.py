@@ -203,3 +203,28 @@ def test_queue_region_matches_the_host_layout():
 
     words = re.search(r"#define QUEUE_WORDS (\d+)", SOURCE)
     assert words and int(words.group(1)) == fused_fast.QUEUE_WORDS
+
+
+def test_e5m2_position_tables_give_codes_and_escape_mask():
+    """encode_e5m2_full ORs a group's eight lookups in the position tables (build_position_tables:
+    value j's table) word by word, then takes the codes with a byte permute of the two words and
+    the escape mask from bits 16 up: that must be the nibble-packed codes (escapes code 0) and
+    bit j for each escaped value j."""
+    entry = re.search(r"tabs\[i\] = (.*);", SOURCE)
+    select = re.search(r"reinterpret_cast<u32\*>\(codes\)\[g\] = __byte_perm\(r\[0\], r\[1\], (0x[0-9a-fA-F]+)\);", SOURCE)
+    mask_shift = re.search(r"return \(r\[0\] \| r\[1\]\) >> (\d+);", SOURCE)
+    assert entry and select and mask_shift
+    tree = ast.parse(re.sub(r"\b(0x[0-9a-fA-F]+|\d+)u\b", r"\1", entry.group(1)), mode="eval")
+    table = [[_evaluate(tree, {"c": c, "j": j}) for c in range(256)] for j in range(8)]
+    rng = random.Random(7)
+    for _ in range(3000):
+        lut = [rng.choice([*range(16), 0x80]) for _ in range(8)]  # each value's LUT byte: code or "escape"
+        r0 = r1 = 0
+        for j, c in enumerate(lut):
+            if j < 4:
+                r0 |= table[j][c]
+            else:
+                r1 |= table[j][c]
+        codes = byte_perm(r0, r1, int(select.group(1), 16))
+        assert codes == sum((c & 0xF) << 4 * j for j, c in enumerate(lut))
+        assert (r0 | r1) >> int(mask_shift.group(1)) == sum(1 << j for j, c in enumerate(lut) if c == 0x80)

@@ -349,14 +349,16 @@ def test_torch_batch_on_a_side_stream():
             assert y.dtype == torch.bfloat16 and torch.equal(x.view(torch.int16), y.view(torch.int16))
 
 
-@pytest.mark.parametrize("fmt", ["e5m2", "e4m3"])
-def test_fp8_batches_whose_claim_units_span_tensors_match_cpu(fmt):
-    """kvz_encode claims FP8 chunks two at a time (claim_unit): tensors of odd chunk counts put a
-    unit's two chunks in two tensors, and the batch's last unit may hold one chunk.  Real and
-    escape-heavy tensors alternate; one is empty."""
+@pytest.mark.parametrize("fmt", ["e5m2", "e4m3", "bf16"])
+def test_batches_whose_chunks_pass_through_every_queue_match_cpu(fmt):
+    """Past the chunks dealt one a warp (at most 3168 here), the dense kernels' warps claim chunks
+    from four queues, every fourth chunk each (claim_chunk): a batch of more chunks than warps,
+    with tensors of odd chunk counts, an empty one and one-value ones, so that the queues' chunks
+    cross tensors at every offset.  Real and escape-heavy tensors alternate."""
     f = FORMATS[fmt]
-    sizes = [4096 * 3, 1, 4096 + 5, 0, 4096 * 5 - 7, 77, 4096]
-    xs = [random_bits(f, n) if i % 2 or fmt != "e5m2" else real_e5m2(n) for i, n in enumerate(sizes)]
+    sizes = [4096 * 1601, 1, 4096 + 5, 0, 4096 * 1999 - 7, 77, 4096 * 3]
+    real = {"e5m2": real_e5m2, "bf16": real_bf16}.get(fmt)
+    xs = [random_bits(f, n) if i % 2 or real is None else real(n) for i, n in enumerate(sizes)]
     for _ in range(2):  # the second call replays the first one's program
         blobs = kvzip.compress_many([cupy.asarray(x) for x in xs], dtype=fmt)
         for blob, x in zip(blobs, xs):
