@@ -7,7 +7,9 @@ tables, since the only way).
     python benchmarks/macro_ab.py "KVZ_QUEUES=1;KVZ_QUEUES=4" e5m2,bf16 3
 
 SETTINGS: settings separated by ";", each NAME=VALUE macros separated by "," ("-" for none: the
-shipped defaults).  FORMATS: e5m2 (default), bf16, quantize (QuantizeFP8 + E5M2 of the BF16 data).
+shipped defaults); a NAME of shape.encode.FMT or shape.decode.FMT with a value GxB sets that
+kernel's shape (fused_fast.ENCODE_SHAPE / DECODE_SHAPE) instead, and py.NAME=V sets fused_fast's
+integer NAME (its shipped value restored by the next setting).  FORMATS: e5m2 (default), bf16, quantize (QuantizeFP8 + E5M2 of the BF16 data).
 Each round, per setting and format: compress and decompress of 2^28 real values (the bench's
 data), the call and its graph replay alone (CUDA events, median of 30 after warm-up), the blob
 checked against the first setting's and the round trip against the input.
@@ -22,11 +24,28 @@ from kvzip.bench import _sample_bits, _timer, format_bits
 from kvzip.stages import call_graphs, fused_fast, quantize_fast
 
 _SOURCE = quantize_fast.cuda_source  # the shipped text, before build() wraps it
+_SHAPES = {"encode": dict(fused_fast.ENCODE_SHAPE), "decode": dict(fused_fast.DECODE_SHAPE)}  # shipped
+_SET = {}  # fused_fast attributes a setting changed: their shipped values
 
 
 def build(setting: str) -> None:
-    """The fused kernels with setting's macros defined, from the next call on."""
-    defines = "".join(f"#define {m.replace('=', ' ')}\n" for m in setting.split(",") if m and m != "-")
+    """The fused kernels with setting's macros defined and shapes set, from the next call on."""
+    tokens = [m for m in setting.split(",") if m and m != "-"]
+    fused_fast.ENCODE_SHAPE.update(_SHAPES["encode"])
+    fused_fast.DECODE_SHAPE.update(_SHAPES["decode"])
+    for name, value in _SET.items():
+        setattr(fused_fast, name, value)
+    for m in tokens:
+        if m.startswith("py."):
+            name, value = m[3:].split("=")
+            _SET.setdefault(name, getattr(fused_fast, name))
+            setattr(fused_fast, name, int(value))
+        elif m.startswith("shape."):
+            name, value = m.split("=")
+            _, kind, fmt = name.split(".")
+            table = fused_fast.ENCODE_SHAPE if kind == "encode" else fused_fast.DECODE_SHAPE
+            table[fmt] = tuple(int(v) for v in value.split("x"))
+    defines = "".join(f"#define {m.replace('=', ' ')}\n" for m in tokens if not m.startswith(("shape.", "py.")))
     quantize_fast.cuda_source = lambda name: defines + _SOURCE(name) if name == "fused_fast.cu" else _SOURCE(name)
     fused_fast._module.cache_clear()
     fused_fast._kernels.clear()

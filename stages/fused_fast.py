@@ -56,6 +56,9 @@ _TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
 _ESCAPE_STREAMS = ["esc_pos", "esc_exp", "exp_high"]
 SB_CHUNKS = 256         # chunks per block of kvz_scan (one thread each)
 QUEUE_WORDS = 128       # work words of the dense kernels' chunk queues (fused_fast.cu's QUEUE_WORDS)
+# Encode calls of at least this many tensors build their blobs as kvz_encode publishes each
+# tensor's totals, while the scan (~10 us) still runs, instead of after the call's wait.
+EARLY_SIZING_MIN = 1
 
 # Shape of the dense kernels per format: (groups a lane handles per step, blocks per
 # multiprocessor the register budget must allow).  Picked on the H200 with
@@ -428,12 +431,12 @@ class _EncodeProgram:
     def encode(self, src_ptrs: list[int], origin, stream) -> list:
         """The blobs of the tensors at src_ptrs as origin's arrays (CuPy's without one), None where
         a payload came out larger than the values.  Returns once the GPU is done; the host's work
-        happens before the launch or while the GPU runs: a CuPy or torch caller's batch blobs are
-        built as kvz_encode publishes each tensor's totals, while the others and the scan run."""
+        happens before the launch or while the GPU runs: a CuPy or torch caller's blobs are built
+        as kvz_encode publishes each tensor's totals, while the others and the scan run."""
         buffer = arrays.ResultBuffer(self.total, origin)
-        # Batches of a CuPy or torch caller (views, no copy: safe before the scan ends) are sized as
-        # published; one tensor gains nothing (a single blob, built while the scan's ~10 us run).
-        early = len(self.starts) > 1 and (origin is None or origin.framework in ("cupy", "torch"))
+        # A CuPy or torch caller's blobs (views, no copy: safe before the scan ends) are sized as
+        # published, from EARLY_SIZING_MIN tensors a call up.
+        early = len(self.starts) >= EARLY_SIZING_MIN and (origin is None or origin.framework in ("cupy", "torch"))
         if early:
             self.ready.fill(0)
         self.launch(src_ptrs, buffer.ptr, stream)
