@@ -368,15 +368,14 @@ __device__ __forceinline__ T warp_inclusive_sum(T x, int lane) {
     return x;
 }
 
-// A per-lane count below 2^BITS: its exclusive prefix over the lanes, and (in *total) the warp's
-// sum, from one ballot per bit of the count.  No shuffle chain: kvz_encode's escape slots took 18 %
-// of its stall samples with a shuffle scan per step (ncu, NOTES v15).
-template <int BITS = 4>
+// A per-lane count 0..15: its exclusive prefix over the lanes, and (in *total) the warp's sum, from
+// one ballot per bit of the count.  No shuffle chain: kvz_encode's escape slots took 18 % of its
+// stall samples with a shuffle scan per step (ncu, NOTES v15).
 __device__ __forceinline__ int warp_exclusive_count(u32 k, int lane, int* total) {
     const u32 below = (1u << lane) - 1u;
     int before = 0, all = 0;
 #pragma unroll
-    for (int b = 0; b < BITS; b++) {
+    for (int b = 0; b < 4; b++) {
         const u32 v = __ballot_sync(FULL_MASK, (k >> b) & 1u);
         before += __popc(v & below) << b;
         all += __popc(v) << b;
@@ -462,9 +461,10 @@ __device__ __forceinline__ void build_position_tables(u32* tabs, const u8* __res
 __device__ __forceinline__ u32 table_word(const u8* tabs, u32 byte_offset) {
     return *reinterpret_cast<const u32*>(tabs + byte_offset);
 }
-// E5M2, a whole group, through the position tables: its codes word to *code, the rest fields (3
-// bits a value, 24 a group) to *rest24; returns the escape mask.
-__device__ __forceinline__ u32 encode_e5m2_group(const Raw<u8>& raw, const u8* tabs, u32* code, u32* rest24) {
+// E5M2, a whole group, through the position tables: codes to codes[g], the rest fields (3 bits a
+// value, 24 a group) to *rest24 (for store_rest24_warp); returns the escape mask.
+__device__ __forceinline__ u32 encode_e5m2_full(const Raw<u8>& raw, long long g, const u8* tabs,
+                                                u8* __restrict__ codes, u32* rest24) {
     u32 r[2];
 #pragma unroll
     for (int k = 0; k < 2; k++) {
@@ -473,53 +473,9 @@ __device__ __forceinline__ u32 encode_e5m2_group(const Raw<u8>& raw, const u8* t
         r[k] = table_word(t, e4 & 0xFF) | table_word(t + 128, __byte_perm(e4, 0, 0x4441)) |
                table_word(t + 256, __byte_perm(e4, 0, 0x4442)) | table_word(t + 384, e4 >> 24);
     }
-    *code = __byte_perm(r[0], r[1], 0x5410);
+    reinterpret_cast<u32*>(codes)[g] = __byte_perm(r[0], r[1], 0x5410);
     *rest24 = (e5m2_rest12(raw.w[0]) >> 20) | ((e5m2_rest12(raw.w[1]) >> 8) & 0xFFF000u);
     return (r[0] | r[1]) >> 16;
-}
-
-// The same, its codes word stored to codes[g] (groups a lane apart: store_rest24_warp takes the rest).
-__device__ __forceinline__ u32 encode_e5m2_full(const Raw<u8>& raw, long long g, const u8* tabs,
-                                                u8* __restrict__ codes, u32* rest24) {
-    u32 code;
-    const u32 m = encode_e5m2_group(raw, tabs, &code, rest24);
-    reinterpret_cast<u32*>(codes)[g] = code;
-    return m;
-}
-
-// E5M2 lane runs (KVZ_E5M2_RUNS): a lane takes GPL consecutive groups of a step, so it loads them
-// with 16-byte loads and stores their codes (4 bytes a group) and rest fields (3 bytes a group) as
-// whole 16- and 8-byte words, where a lane per 32nd group took a load, a codes store, and two
-// shuffles and a store of rest (store_rest24_warp) a group.  Escapes then go to the chunk's slot
-// lane after lane (positions ascend lane by lane): slot_escapes_runs.
-#ifndef KVZ_E5M2_RUNS
-#define KVZ_E5M2_RUNS 0
-#endif
-template <int GPL>
-__device__ __forceinline__ void load_e5m2_run(const u8* __restrict__ src, long long g0, Raw<u8> v[GPL]) {
-    static_assert(GPL % 2 == 0, "whole 16-byte loads");
-    const uint4* p = reinterpret_cast<const uint4*>(src + g0 * 8);  // 16-byte aligned: g0 is even
-#pragma unroll
-    for (int k = 0; k < GPL / 2; k++) {
-        const uint4 q = p[k];
-        v[2 * k].w[0] = q.x; v[2 * k].w[1] = q.y; v[2 * k + 1].w[0] = q.z; v[2 * k + 1].w[1] = q.w;
-    }
-}
-template <int GPL>
-__device__ __forceinline__ void store_e5m2_run(u8* __restrict__ codes, u8* __restrict__ rest, long long g0,
-                                               const u32 code[GPL], const u32 bits[GPL]) {
-    static_assert(GPL % 8 == 0, "whole 8-byte rest words");
-    uint4* c = reinterpret_cast<uint4*>(codes + g0 * 4);
-#pragma unroll
-    for (int k = 0; k < GPL / 4; k++) c[k] = make_uint4(code[4 * k], code[4 * k + 1], code[4 * k + 2], code[4 * k + 3]);
-    uint2* r = reinterpret_cast<uint2*>(rest + g0 * 3);  // 8-byte aligned: g0 is a multiple of 8
-#pragma unroll
-    for (int k = 0; k < GPL / 8; k++) {
-        const u32* b = bits + 8 * k;  // eight groups' 24 bits -> 24 bytes
-        r[3 * k] = make_uint2(b[0] | b[1] << 24, b[1] >> 8 | b[2] << 16);
-        r[3 * k + 1] = make_uint2(b[2] >> 16 | b[3] << 8, b[4] | b[5] << 24);
-        r[3 * k + 2] = make_uint2(b[5] >> 8 | b[6] << 16, b[6] >> 16 | b[7] << 8);
-    }
 }
 
 // FP16, a whole group: codes to codes[g]; the rest fields (sign << 10 | mantissa, 11 bits a
@@ -634,36 +590,6 @@ __device__ __forceinline__ int slot_escapes(const Raw<T>& v, u32 m, int p0, int 
             idx++;
             m &= m - 1u;
         } while (m);
-    }
-    return count + total;
-}
-
-// kvz_encode with lane runs (KVZ_E5M2_RUNS): the escapes of a lane's GPL consecutive groups (bits of
-// m[q]; its first value at position p0 of the chunk) to the chunk's slot after the count already
-// there, lane after lane and in position order within a lane.  Returns the new count (every lane).
-template <int E, int M, typename T, int GPL>
-__device__ __forceinline__ int slot_escapes_runs(const Raw<T> v[GPL], const u32 m[GPL], int p0, int count, int slot,
-                                                 u16* __restrict__ spos, u8* __restrict__ sexp, int lane) {
-    u32 k = 0;
-#pragma unroll
-    for (int q = 0; q < GPL; q++) k += __popc(m[q]);
-    int total;
-    int idx = count + warp_exclusive_count<8>(k, lane, &total);  // a lane has at most 8 * GPL <= 255
-#pragma unroll
-    for (int q = 0; q < GPL; q++) {
-        u32 mq = m[q];
-        if (mq) {
-            const u64 ex = exponent_bytes<E, M>(v[q]);
-            do {
-                const int j = __ffs(mq) - 1;
-                if (idx < slot) {
-                    spos[idx] = (u16)(p0 + 8 * q + j);
-                    sexp[idx] = (u8)(ex >> (8 * j));
-                }
-                idx++;
-                mq &= mq - 1u;
-            } while (mq);
-        }
     }
     return count + total;
 }
@@ -854,12 +780,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
         // 172-180 us, BF16 260-265 -> 253-259 (at the shapes ENCODE_SHAPE names; NOTES v17).  The
         // quantizing encoder, which would hold 16-bit values, was slower with it (242 -> 255).
         constexpr bool PREFETCH = !QT;
-        constexpr bool RUNS = KVZ_E5M2_RUNS && E5M2 && !QT && GPL % 8 == 0;  // whole steps in lane runs
         Raw<T> cur[PREFETCH ? GPL : 1], ahead[PREFETCH ? GPL : 1];
         bool whole = STEP <= ng && (long long)STEP * 8 <= n;
-        if constexpr (RUNS) {
-            if (whole) load_e5m2_run<GPL>(reinterpret_cast<const u8*>(src), lane * GPL, cur);
-        } else if constexpr (PREFETCH) {
+        if constexpr (PREFETCH) {
             if (whole) {
 #pragma unroll
                 for (int q = 0; q < GPL; q++) load_raw_full(src, q * 32 + lane, cur[q]);
@@ -867,9 +790,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
         }
         for (int s0 = 0; s0 < ng; s0 += STEP) {
             const bool next_whole = s0 + 2 * STEP <= ng && (long long)(s0 + 2 * STEP) * 8 <= n;
-            if constexpr (RUNS) {
-                if (next_whole) load_e5m2_run<GPL>(reinterpret_cast<const u8*>(src), s0 + STEP + lane * GPL, ahead);
-            } else if constexpr (PREFETCH) {
+            if constexpr (PREFETCH) {
                 if (next_whole) {
 #pragma unroll
                     for (int q = 0; q < GPL; q++) load_raw_full(src, s0 + STEP + q * 32 + lane, ahead[q]);
@@ -888,15 +809,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
                         quantize_raw(raw, v[q], qtable);
                     }
                 }
-                if constexpr (RUNS) {
-                    u32 code[GPL], bits[GPL];
-#pragma unroll
-                    for (int q = 0; q < GPL; q++) {
-                        m[q] = encode_e5m2_group(v[q], reinterpret_cast<const u8*>(tables), &code[q], &bits[q]);
-                        any |= m[q];
-                    }
-                    store_e5m2_run<GPL>(codes, rest, s0 + lane * GPL, code, bits);
-                } else if constexpr (E5M2) {  // rest as whole words (store_rest24_warp)
+                if constexpr (E5M2) {  // rest as whole words (store_rest24_warp)
                     u32 bits[GPL];
 #pragma unroll
                     for (int q = 0; q < GPL; q++) {
@@ -941,15 +854,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
                 u16* __restrict__ spos = J.slot_pos + c * slot;
                 u8* __restrict__ sexp = J.slot_exp + c * slot;
                 assume_global(spos); assume_global(sexp);
-                if (RUNS && whole) {
-                    count = slot_escapes_runs<E, M, T, GPL>(v, m, (s0 + lane * GPL) * 8, count, slot, spos, sexp, lane);
-                } else {
 #pragma unroll
-                    for (int q = 0; q < GPL; q++)
-                        if (__any_sync(FULL_MASK, m[q] != 0u))
-                            count = slot_escapes<E, M>(v[q], m[q], (s0 + q * 32 + lane) * 8, count, slot, spos, sexp,
-                                                       lane);
-                }
+                for (int q = 0; q < GPL; q++)
+                    if (__any_sync(FULL_MASK, m[q] != 0u))
+                        count = slot_escapes<E, M>(v[q], m[q], (s0 + q * 32 + lane) * 8, count, slot, spos, sexp, lane);
             }
             if constexpr (PREFETCH) {
 #pragma unroll
