@@ -9,7 +9,9 @@ tables, since the only way).
 SETTINGS: settings separated by ";", each NAME=VALUE macros separated by "," ("-" for none: the
 shipped defaults); a NAME of shape.encode.FMT or shape.decode.FMT with a value GxB sets that
 kernel's shape (fused_fast.ENCODE_SHAPE / DECODE_SHAPE) instead, and py.NAME=V sets fused_fast's
-integer NAME (its shipped value restored by the next setting).  FORMATS: e5m2 (default), bf16, quantize (QuantizeFP8 + E5M2 of the BF16 data).
+integer NAME (its shipped value restored by the next setting).
+FORMATS: e5m2 (default), bf16, fp16, fp32, quantize (QuantizeFP8 + E5M2 of the BF16 data), batch
+(the BF16 data as 64 tensors through compress_many / decompress_many, as the bench's batch).
 Each round, per setting and format: compress and decompress of 2^28 real values (the bench's
 data), the call and its graph replay alone (CUDA events, median of 30 after warm-up), the blob
 checked against the first setting's and the round trip against the input.
@@ -58,7 +60,11 @@ def inputs(names: list, n: int) -> dict:
     host = _sample_bits(n)
     out = {}
     for name in names:
-        if name == "quantize":
+        if name == "batch":  # 64 x 8 MiB of BF16 through compress_many / decompress_many, as the bench
+            x = cupy.asarray(host)
+            parts = [x[i * (n // 64):(i + 1) * (n // 64)] for i in range(64)]
+            out[name] = ("many", parts, "bf16", parts)
+        elif name == "quantize":
             x = cupy.asarray(host)
             pipe = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack("e5m2-kv"),
                                    S.EscapeStream(), S.Serialize()])
@@ -70,6 +76,13 @@ def inputs(names: list, n: int) -> dict:
     return out
 
 
+def _same(a, b, flat=False) -> bool:
+    """Arrays (or lists of them, a batch's) equal bit for bit; flat: a's raw bits against b's."""
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(u, v, flat) for u, v in zip(a, b))
+    return bool(cupy.array_equal(a.reshape(-1).view(b.dtype), b.reshape(-1)) if flat else cupy.array_equal(a, b))
+
+
 def main(settings: str = "-", formats: str = "e5m2", rounds: str = "3", n: int = 1 << 28) -> None:
     data = inputs(formats.split(","), n)
     timeit = _timer(cupy, 30)
@@ -79,17 +92,20 @@ def main(settings: str = "-", formats: str = "e5m2", rounds: str = "3", n: int =
         for setting in settings.split(";"):
             build(setting)
             for name, (pipe, x, dtype, expect) in data.items():
-                encode = (lambda: pipe.encode(x, dtype=dtype)) if pipe else (lambda: kvzip.compress(x, dtype=dtype))
-                decode = pipe.decode if pipe else kvzip.decompress
+                if isinstance(pipe, str):  # "many": a batch
+                    encode, decode = (lambda: kvzip.compress_many(x, dtype=dtype)), kvzip.decompress_many
+                else:
+                    encode = (lambda: pipe.encode(x, dtype=dtype)) if pipe else (lambda: kvzip.compress(x, dtype=dtype))
+                    decode = pipe.decode if pipe else kvzip.decompress
                 blob = encode()
-                assert cupy.array_equal(blob, first.setdefault(name, blob)), f"{setting} {name}: the blob differs"
+                assert _same(blob, first.setdefault(name, blob)), f"{setting} {name}: the blob differs"
                 row = []
                 for call in (encode, lambda: decode(blob)):
                     t, out = timeit(call)
                     prog = call_graphs.entries()[-1]  # the program of the call just timed
                     g, _ = timeit(lambda: prog.shape.run(stream))
                     row += [t * 1e6, g * 1e6]
-                assert cupy.array_equal(out.reshape(-1).view(expect.dtype), expect), f"{setting} {name}: round trip"
+                assert _same(out, expect, flat=True), f"{setting} {name}: round trip"
                 times.setdefault((setting, name), []).append(row)
                 print(f"round {r} {setting:<28} {name:<8} encode call {row[0]:6.1f} graph {row[1]:6.1f}"
                       f"  decode call {row[2]:6.1f} graph {row[3]:6.1f} us", flush=True)
