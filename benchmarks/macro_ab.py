@@ -21,8 +21,7 @@ import sys
 import cupy
 
 import kvzip
-from kvzip import stages as S
-from kvzip.bench import _sample_bits, _timer, format_bits
+from kvzip.bench import _sample_bits, _timer, batch_parts, format_bits, quantize_pipelines
 from kvzip.stages import call_graphs, fused_fast, quantize_fast
 
 _SOURCE = quantize_fast.cuda_source  # the shipped text, before build() wraps it
@@ -61,14 +60,11 @@ def inputs(names: list, n: int) -> dict:
     out = {}
     for name in names:
         if name == "batch":  # 64 x 8 MiB of BF16 through compress_many / decompress_many, as the bench
-            x = cupy.asarray(host)
-            parts = [x[i * (n // 64):(i + 1) * (n // 64)] for i in range(64)]
+            parts = batch_parts(cupy.asarray(host))
             out[name] = ("many", parts, "bf16", parts)
         elif name == "quantize":
             x = cupy.asarray(host)
-            pipe = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack("e5m2-kv"),
-                                   S.EscapeStream(), S.Serialize()])
-            qonly = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.Serialize()])
+            pipe, qonly = quantize_pipelines()
             out[name] = (pipe, x, "bf16", qonly.decode(qonly.encode(x, dtype="bf16")).reshape(-1))
         else:
             x = cupy.asarray(format_bits(name, host, n))

@@ -34,8 +34,7 @@ blob = kvzip.compress(x, dtype="bf16")
 kvzip.decompress(blob)
 
 if mode == "ncu":
-    from kvzip import stages as S
-    from kvzip.bench import e5m2_bits
+    from kvzip.bench import e5m2_bits, quantize_pipelines
 
     kind = args[1] if len(args) > 1 else "bf16"
     pipe, data, dtype = kvzip.splitzip_pipeline(), x, "bf16"
@@ -44,8 +43,7 @@ if mode == "ncu":
     if "noescapes" in args[2:]:  # exponent 120 (BF16) / 20 (E5M2): in the default codebooks
         data = (data & 0x83) | (20 << 2) if dtype == "e5m2" else (data & 0x807F) | (120 << 7)
     if kind == "quantize":
-        pipe = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack("e5m2-kv"), S.EscapeStream(),
-                               S.Serialize()])
+        pipe = quantize_pipelines()[0]
     for _ in range(3):
         blob = pipe.encode(data, dtype=dtype)
         pipe.decode(blob)

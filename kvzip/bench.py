@@ -93,6 +93,22 @@ def format_bits(fmt: str, host, n):
     return widened_bits(host, n, {"fp16": np.float16, "fp32": np.float32}[fmt])
 
 
+def quantize_pipelines():
+    """The bench's lossy pipeline, QuantizeFP8 (E5M2, one scale a tensor) + SplitZip, and
+    QuantizeFP8 alone: what the first one's decode must give back."""
+    import kvzip
+    from kvzip import stages as S
+
+    return (kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack("e5m2-kv"), S.EscapeStream(),
+                            S.Serialize()]),
+            kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.Serialize()]))
+
+
+def batch_parts(x, k=64):
+    """The bench's batch: the first k x 8 MiB of x (BF16 bits) as k tensors (views)."""
+    return [x[i * 4 * MiB:(i + 1) * 4 * MiB] for i in range(k)]
+
+
 def bench_kvzip(cupy, timeit, x, dtype, pipe=None, ref=None):
     """Encode/decode figures of one input; x is a cupy array of raw bits."""
     import kvzip
@@ -152,7 +168,6 @@ def run(values_log2=28, repeat=20, out_dir="benchmarks/results", quick=False):
     import cupy
 
     import kvzip
-    from kvzip import stages as S
     from kvzip.stages import fused_fast
 
     dev = cupy.cuda.Device()
@@ -178,9 +193,7 @@ def run(values_log2=28, repeat=20, out_dir="benchmarks/results", quick=False):
         k[name] = bench_kvzip(cupy, timeit, bits, name)
         del bits
         print(name, k[name], flush=True)
-    qpipe = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack("e5m2-kv"), S.EscapeStream(),
-                            S.Serialize()])
-    qonly = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.Serialize()])
+    qpipe, qonly = quantize_pipelines()
     ref = qonly.decode(qonly.encode(x, dtype="bf16"))  # what the lossy stage alone gives back
     k["quantize_e5m2"] = bench_kvzip(cupy, timeit, x, "bf16", pipe=qpipe, ref=ref.reshape(-1))
     k["quantize_e5m2"]["note"] = "lossless = decode equals QuantizeFP8 alone; GB/s of BF16 input"
@@ -202,7 +215,7 @@ def run(values_log2=28, repeat=20, out_dir="benchmarks/results", quick=False):
         lat[f"{mib}MiB"] = {"encode": round(t_enc * 1e6, 1), "decode": round(t_dec * 1e6, 1)}
     print("latency", lat, flush=True)
 
-    parts = [x[i * 4 * MiB:(i + 1) * 4 * MiB] for i in range(64)]  # 64 x 8 MiB of BF16
+    parts = batch_parts(x)  # 64 x 8 MiB of BF16
     t_enc, blobs = timeit(lambda: kvzip.compress_many(parts, dtype="bf16"))
     t_dec, backs = timeit(lambda: kvzip.decompress_many(blobs))
     ok = all(bool(cupy.array_equal(a, b.reshape(-1).view(a.dtype))) for a, b in zip(parts, backs))

@@ -64,14 +64,14 @@ EARLY_SIZING_MIN = 1
 # multiprocessor the register budget must allow).  Picked on the H200 with
 # benchmarks/sweep_shapes.py and ncu (benchmarks/NOTES.md, v5; the encoders' again in v17, when
 # they began loading a step ahead and needed the registers for it).  FP8 in v21, checked with
-# benchmarks/shape_ab.py: since the early chunk (v20) the E5M2 decoder spilled 28 bytes at (4, 3)
-# and none at (2, 3), 194-195 -> 179-180 us a decode graph at 2^28; the encoder (8, 2), no
-# spills either, 202-203 -> 199 us.  E4M3 runs the same code as E5M2 and takes its shapes.  The
-# float16 decoder (its per-value path) at (2, 4): graph 461-462 -> 422-425 us ((2, 3) 436-440);
-# the float32 encoder at (2, 2), where (1, 4) spilled 16 bytes: graph 918-923 -> 561-562 us.
-# Checked again at v24 (benchmarks/macro_ab.py, four queues, position tables, L2 prefetch): E5M2
-# encode (4, 3) 180.9-181.6 us against (8, 2)'s 174.5-175.0, decode (4, 2) 174.8-175.8 against
-# (2, 3)'s 167.3-169.7.
+# shape_ab.py (since v24 benchmarks/macro_ab.py's shape settings): since the early chunk (v20)
+# the E5M2 decoder spilled 28 bytes at (4, 3) and none at (2, 3), 194-195 -> 179-180 us a decode
+# graph at 2^28; the encoder (8, 2), no spills either, 202-203 -> 199 us.  E4M3 runs the same
+# code as E5M2 and takes its shapes.  The float16 decoder (its per-value path) at (2, 4): graph
+# 461-462 -> 422-425 us ((2, 3) 436-440); the float32 encoder at (2, 2), where (1, 4) spilled 16
+# bytes: graph 918-923 -> 561-562 us.  Checked again at v24 (benchmarks/macro_ab.py, four
+# queues, position tables, L2 prefetch): E5M2 encode (4, 3) 180.9-181.6 us against (8, 2)'s
+# 174.5-175.0, decode (4, 2) 174.8-175.8 against (2, 3)'s 167.3-169.7.
 ENCODE_SHAPE = {"e4m3": (8, 2), "e5m2": (8, 2), "bf16": (4, 2), "fp16": (4, 2), "fp32": (2, 2)}
 DECODE_SHAPE = {"e4m3": (2, 3), "e5m2": (2, 3), "bf16": (4, 3), "fp16": (2, 4), "fp32": (1, 4)}
 QUANTIZING_ENCODE_SHAPE = (4, 4)  # kvz_encode<..., QT = true>: loads no step ahead

@@ -39,3 +39,26 @@ def test_format_bits_names_each_input():
     assert format_bits("fp32", host, n).dtype == np.uint32
     with pytest.raises(KeyError):
         format_bits("e4m3", host, n)
+
+
+def test_quantize_pipelines_are_the_lossy_pipeline_and_its_quantizer():
+    from kvzip.bench import quantize_pipelines
+
+    pipe, qonly = quantize_pipelines()
+    assert [type(s).__name__ for s in pipe.stages] == ["QuantizeFP8", "ExponentSplit", "Top16Pack", "EscapeStream",
+                                                      "Serialize"]
+    assert [type(s).__name__ for s in qonly.stages] == ["QuantizeFP8", "Serialize"]
+    bits = _sample_bits(1 << 12)
+    # The pipeline decodes to what the quantizer alone gives back (lossless after it).
+    np.testing.assert_array_equal(pipe.decode(pipe.encode(bits, dtype="bf16")),
+                                  qonly.decode(qonly.encode(bits, dtype="bf16")))
+
+
+def test_batch_parts_are_64_consecutive_views_of_8_mib():
+    from kvzip.bench import MiB, batch_parts
+
+    x = np.zeros(1 << 28, np.uint16)
+    parts = batch_parts(x)
+    assert len(parts) == 64 and all(p.nbytes == 8 * MiB and p.base is x for p in parts)
+    assert [p.__array_interface__["data"][0] - x.__array_interface__["data"][0] for p in parts] == \
+        [i * 8 * MiB for i in range(64)]
