@@ -10,7 +10,8 @@ decompress_many of 64 x 8 MiB, and prints the median of each phase:
     launch   the graph launch itself
     between  from the launch to the wait: host work the GPU's run hides (result arrays, and for
              batches of encodes, the wait for the published sizes)
-    wait     the synchronisation
+    wait     the synchronisation (for an encode that returns before its scan ends,
+             fused_fast.EARLY_RETURN, the detach in its place: ~0)
     post     from the wait to the return: on the wall time again
 """
 import sys
@@ -24,7 +25,7 @@ from kvzip.bench import _sample_bits, e5m2_bits
 from kvzip.stages import call_graphs
 
 _stamps = []
-_launch, _wait = call_graphs.CallShape.launch, call_graphs.CallShape.wait
+_launch, _wait, _detach = call_graphs.CallShape.launch, call_graphs.CallShape.wait, call_graphs.CallShape.detach
 
 
 def _stamped_launch(self, stream):
@@ -40,6 +41,12 @@ def _stamped_wait(self, stream):
     return got
 
 
+def _stamped_detach(self, stream):
+    _stamps.append(("w0", time.perf_counter_ns()))
+    _detach(self, stream)
+    _stamps.append(("w1", time.perf_counter_ns()))
+
+
 def phases(name, call, repeat=40):
     for _ in range(5):
         out = call()
@@ -50,7 +57,7 @@ def phases(name, call, repeat=40):
         t0 = time.perf_counter_ns()
         out = call()
         t1 = time.perf_counter_ns()
-        s = dict(_stamps)  # the last launch and wait of the call (a call has one of each on the fast path)
+        s = dict(_stamps)  # the last launch and wait (or detach) of the call: one each on the fast path
         rows.append((s["l0"] - t0, s["l1"] - s["l0"], s["w0"] - s["l1"], s["w1"] - s["w0"], t1 - s["w1"], t1 - t0))
         del out
     m = np.median(np.array(rows), axis=0) / 1e3
@@ -60,6 +67,7 @@ def phases(name, call, repeat=40):
 
 def main(argv):
     call_graphs.CallShape.launch, call_graphs.CallShape.wait = _stamped_launch, _stamped_wait
+    call_graphs.CallShape.detach = _stamped_detach
     sizes = [int(a) for a in argv] or [28, 23, 19]
     host = _sample_bits(1 << max(sizes))
     for log2 in sizes:

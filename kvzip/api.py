@@ -37,7 +37,9 @@ def compress(x, codebook=None, *, checksum: bool = False, chunk: int = DEFAULT_C
     dtype: the format of x when x holds raw bits (e.g. a CuPy uint16 array of bfloat16 bits).
     backend: "cpu" or "cuda" to override where the work runs (default: where x lives).
 
-    Returns a 1-D uint8 array of x's framework on x's device.
+    Returns a 1-D uint8 array of x's framework on x's device; on a GPU it is ordered on the
+    caller's current stream, where the last kernel writing it may still run (docs/guide.md,
+    "CUDA streams and synchronisation").
     """
     return encode_with(_default(codebook, checksum, chunk), x, dtype=dtype, backend=backend)  # = Pipeline.encode
 

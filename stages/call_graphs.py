@@ -35,20 +35,25 @@ _yield_cpu = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 _NOT_READY = 600  # cudaErrorNotReady: cudaStreamQuery's "still working"
 
 
-def await_word(words: np.ndarray, i: int, stream) -> bool:
+def await_word(words: np.ndarray, i: int, stream, value: int | None = None) -> bool:
     """Poll words[i] (pinned host memory that a kernel on stream writes through its mapped
-    address) until it is nonzero; then True.  Between looks the CPU and the GIL are given up, as
-    a stream synchronisation gives them up; every 256 looks the stream is asked how it is doing:
-    a failed GPU, which would never write the word, has its error raised by a synchronisation,
-    and a stream that finished without writing it gives False."""
+    address) until it is nonzero, or equal to value if one is given; then True.  Between looks
+    the CPU and the GIL are given up, as a stream synchronisation gives them up; every 256 looks
+    the stream is asked how it is doing: a failed GPU, which would never write the word, has its
+    error raised by a synchronisation, and a stream that finished without writing it gives
+    False."""
     looks = 0
-    while not words[i]:
+    while not _arrived(words[i], value):
         looks += 1
-        if looks & 255 == 0 and _stream_status(stream) != _NOT_READY and not words[i]:
+        if looks & 255 == 0 and _stream_status(stream) != _NOT_READY and not _arrived(words[i], value):
             stream.synchronize()  # raises the GPU's error, if that is what it was
-            return bool(words[i])
+            return _arrived(words[i], value)
         _yield_cpu()
     return True
+
+
+def _arrived(word, value) -> bool:
+    return bool(word) if value is None else word == value
 
 
 def _stream_status(stream) -> int:
@@ -66,14 +71,20 @@ def _stream_status(stream) -> int:
 # a programmatic dependent of the kernel before it.  A download, the call's last node, runs as one
 # block and then sets a flag in the pinned staging, which the host polls instead of synchronising
 # the stream: the call's results are complete once the flag is up, and the host learns it ~3 us
-# sooner than a stream synchronisation tells it (benchmarks/NOTES.md, v21).
+# sooner than a stream synchronisation tells it (benchmarks/NOTES.md, v21).  The flag is the
+# shape's run count (a word of its workspace, counted up by each download), not a 1 the host
+# clears: a call the host did not wait for (CallShape.detach) may still be running when the next
+# one is launched, and its download must not stand for the next one's.
 _STAGE_SOURCE = r"""
 extern "C" __global__ void kvz_stage(const uint4* __restrict__ src, uint4* __restrict__ dst, long long n,
-                                     uint4* __restrict__ zero, long long nz, unsigned int* __restrict__ done) {
+                                     uint4* __restrict__ zero, long long nz, unsigned int* __restrict__ done,
+                                     unsigned int* __restrict__ runs) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+    unsigned int run = 0;
+    if (done != nullptr && threadIdx.x == 0) run = *runs + 1;  // read while the block copies
     const long long stride = (long long)gridDim.x * blockDim.x;
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     for (long long i = first; i < n; i += stride) dst[i] = src[i];
@@ -81,8 +92,9 @@ extern "C" __global__ void kvz_stage(const uint4* __restrict__ src, uint4* __res
     if (done != nullptr) {  // a download (one block): the flag once every word is on its way
         __syncthreads();
         if (threadIdx.x == 0) {
+            *runs = run;
             __threadfence_system();  // the block's words, seen by thread 0 at the barrier, land first
-            *reinterpret_cast<volatile unsigned int*>(done) = 1u;
+            *reinterpret_cast<volatile unsigned int*>(done) = run;
         }
     }
 }
@@ -124,7 +136,9 @@ class CallShape:
       ("download", i, nbytes)          the first nbytes of region i -> host (a dependent too; the
                                        last op, if any).
     Each call ends with the host waiting for it (wait), so the workspace and staging are idle when
-    the next call of this thread writes them."""
+    the next call of this thread writes them, or with detach once the GPU has read the staging:
+    then the next call on the same stream follows it in stream order, and any other use of the
+    shape (a call on another stream, settle) first waits for it."""
 
     def __init__(self, sizes: tuple, ops: tuple):
         import cupy
@@ -136,9 +150,16 @@ class CallShape:
             self.offsets.append(at)
             at += -(-max(nb, 1) // 256) * 256
         self.sizes = sizes
+        down = [op[2] for op in ops if op[0] == "download"]
+        self.runs_at = at if down else None  # a word past the regions: the downloads' run count
+        at += 256 if down else 0
         self.nbytes = at
         self.buffer = cupy.empty(max(at, 1), np.uint8)
         self.base = self.buffer.data.ptr
+        if down:
+            self.buffer[self.runs_at:self.runs_at + 4] = 0
+        self.runs = 0           # calls launched (mod 2^32): the flag's value once the last is done
+        self.detached = None    # the stream of a call the host did not wait for (detach)
         up = [op[1] for op in ops if op[0] == "upload"]
         self.zeroed = None  # the region the upload zeroes in place of a memset
         if up and ("zero", up[0]) in ops:
@@ -146,7 +167,6 @@ class CallShape:
             ops = tuple(op for op in ops if op != ("zero", self.zeroed))
         self.ops = ops
         self.up_bytes = self.offsets[up[0] - 1] + sizes[up[0] - 1] if up else 0
-        down = [op[2] for op in ops if op[0] == "download"]
         # Whole 16-byte words both ways (the regions are 256-byte aligned, so the rounding stays
         # inside the last one's padding).
         self.host_up = cupyx.zeros_pinned(max(-(-self.up_bytes // 16) * 16, 16), np.uint8)
@@ -156,7 +176,7 @@ class CallShape:
         self.words = memoryview(self.host_up).cast("B").cast("Q")
         assert not down or ops[-1][0] == "download", "a download is the call's last op"
         down16 = max(-(-(down[0] if down else 0) // 16) * 16, 16)
-        pinned = cupyx.zeros_pinned(down16 + 16, np.uint8)  # the download, then the done flag
+        pinned = cupyx.zeros_pinned(down16 + 16, np.uint8)  # the download, then the done flag (a run count)
         self.host_down = pinned[:down16]
         self.down64 = self.host_down.view(np.uint64)  # the download as 64-bit words
         self.done = pinned[down16:down16 + 4].view(np.uint32) if down else None
@@ -181,10 +201,12 @@ class CallShape:
 
     def launch(self, stream) -> None:
         """Issue the call on stream without waiting: the host may work meanwhile (on anything but
-        this shape's staging), then must call wait before this shape runs again."""
+        this shape's staging), then must call wait (or detach) before this shape runs again."""
         rt = self.cupy.cuda.runtime
+        if self.detached is not None and self.detached.ptr != stream.ptr:
+            self.settle()  # the workspace is the detached call's until it ends
         if self.done is not None:
-            self.done[0] = 0  # the download sets it again once the call's results are in
+            self.runs = (self.runs + 1) & 0xFFFFFFFF  # the flag this call's download raises
         if self.graph:
             rt.graphLaunch(self.graph.graphExec, stream.ptr)
         elif self.uses and self.graph is None:
@@ -200,11 +222,30 @@ class CallShape:
     def wait(self, stream) -> np.ndarray:
         """Wait for the call launch issued; returns the downloaded bytes (as run does).  With a
         download, the host polls the flag the download sets after the bytes (await_word)."""
+        self.detached = None
         if self.done is None:
             stream.synchronize()
-        elif not await_word(self.done, 0, stream):
+        elif not await_word(self.done, 0, stream, self.runs):
             raise RuntimeError("kvzip: a call's stream finished without its download")
         return self.host_down
+
+    def detach(self, stream) -> None:
+        """End the call launched on stream without waiting for it, once its kernels have read
+        the staging (the caller knows: its results so far came from a kernel after the upload).
+        The rest of the call finishes in stream order: the next call on stream follows it, and
+        a call on another stream, or settle, first waits for it."""
+        self.detached = stream
+
+    def settle(self) -> None:
+        """Wait for a detached call, if any (before the workspace or staging is reused or freed)."""
+        if self.detached is not None:
+            self.wait(self.detached)
+
+    def __del__(self):
+        try:  # the workspace and staging go back to CuPy's pools: not while a call still uses them
+            self.settle()
+        except Exception:
+            pass
 
     def _issue(self, stream) -> None:
         # A kernel that awaits its predecessor may start early only after a kernel node (a
@@ -225,11 +266,12 @@ class CallShape:
                 zero = self.ptr(self.zeroed) if self.zeroed is not None else 0
                 kernel, grid, block = _stage_kernel(), _stage_grid(max(n16, z16)), (STAGE_THREADS,)
                 args = (np.uint64(self.host_up.ctypes.data), np.uint64(self.base), np.int64(n16),
-                        np.uint64(zero), np.int64(z16), np.uint64(0))
+                        np.uint64(zero), np.int64(z16), np.uint64(0), np.uint64(0))
             else:  # download: a dependent, one block (its flag follows the block's words)
                 kernel, grid, block = _stage_kernel(), (1,), (STAGE_THREADS,)
                 args = (np.uint64(self.ptr(op[1])), np.uint64(self.host_down.ctypes.data), np.int64(-(-op[2] // 16)),
-                        np.uint64(0), np.int64(0), np.uint64(self.done.ctypes.data))
+                        np.uint64(0), np.int64(0), np.uint64(self.done.ctypes.data),
+                        np.uint64(self.base + self.runs_at))
             if kind in ("dependent", "download") and after_kernel and early:
                 dependent_launch.launch(kernel, grid, block, args, stream)
             else:
@@ -266,6 +308,7 @@ def cached(key, build):
     total = sum(e.shape.nbytes for e in entries.values())
     while len(entries) > 1 and (len(entries) > MAX_SHAPES or total > MAX_BYTES):
         _, old = entries.popitem(last=False)
+        old.shape.settle()
         total -= old.shape.nbytes
     return hit
 
@@ -298,5 +341,7 @@ def recall(name: str):
 
 def release() -> None:
     """Free this thread's workspaces, staging buffers and graphs (rebuilt by the next call)."""
+    for entry in getattr(_local, "entries", {}).values():
+        entry.shape.settle()
     _local.entries = OrderedDict()
     _local.kept = {}

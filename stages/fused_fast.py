@@ -59,6 +59,10 @@ QUEUE_WORDS = 128       # work words of the dense kernels' chunk queues (fused_f
 # Encode calls of at least this many tensors build their blobs as kvz_encode publishes each
 # tensor's totals, while the scan (~10 us) still runs, instead of after the call's wait.
 EARLY_SIZING_MIN = 1
+# Such a call returns once its blobs are built, without waiting for the scan and the download:
+# the blobs are complete in stream order, as any CUDA library's results are, and the next call
+# of the shape on the stream follows the scan there (call_graphs.CallShape.detach).  0: wait.
+EARLY_RETURN = 1
 
 # Shape of the dense kernels per format: (groups a lane handles per step, blocks per
 # multiprocessor the register budget must allow).  Picked on the H200 with
@@ -405,6 +409,7 @@ class _EncodeProgram:
         self.hb = fmt.high_exp_bits
         self.var_bases = [p.off["esc_pos"] for p in plans]  # where each payload's escape streams start
         self.pending = [p.nchunks > 0 for p in plans]  # tensors kvz_encode publishes (the others: no escapes)
+        self.publishes = any(self.pending)
         self.raw_payloads = np.array([p.raw_payload for p in plans], np.int64)
         self.header_list, self.raw_list = self.header_lens.tolist(), self.raw_payloads.tolist()
 
@@ -433,9 +438,10 @@ class _EncodeProgram:
 
     def encode(self, src_ptrs: list[int], origin, stream) -> list:
         """The blobs of the tensors at src_ptrs as origin's arrays (CuPy's without one), None where
-        a payload came out larger than the values.  Returns once the GPU is done; the host's work
-        happens before the launch or while the GPU runs: a CuPy or torch caller's blobs are built
-        as kvz_encode publishes each tensor's totals, while the others and the scan run."""
+        a payload came out larger than the values.  The host's work happens before the launch or
+        while the GPU runs: a CuPy or torch caller's blobs are built as kvz_encode publishes each
+        tensor's totals, while the others and the scan run, and (EARLY_RETURN) handed out while
+        the scan finishes them on the stream; other callers' once the GPU is done."""
         buffer = arrays.ResultBuffer(self.total, origin)
         # A CuPy or torch caller's blobs (views, no copy: safe before the scan ends) are sized as
         # published, from EARLY_SIZING_MIN tensors a call up.
@@ -450,9 +456,15 @@ class _EncodeProgram:
                 blobs = buffer.blobs(self.starts, self._published_lengths(stream), places)
             except _Unpublished:
                 pass
-        self.shape.wait(stream)
         if blobs is not None:
+            # Once a tensor's totals are published the upload before kvz_encode is done (the staging
+            # is free), and with all of them kvz_encode too (ready is free).
+            if EARLY_RETURN and self.publishes:
+                self.shape.detach(stream)
+            else:
+                self.shape.wait(stream)
             return blobs
+        self.shape.wait(stream)
         payloads = self.shape.down64[2:3 * len(self.starts):3].tolist()  # (escapes, high bytes, payload) each
         return buffer.blobs(self.starts, [self._blob_length(t, p) for t, p in enumerate(payloads)], places)
 

@@ -13,8 +13,11 @@ import pytest
 from kvzip.stages import call_graphs
 
 
-def entry(nbytes):
-    return SimpleNamespace(shape=SimpleNamespace(nbytes=nbytes))
+def entry(nbytes, settled=None):
+    """A stand-in for a cached program: its shape's size, and a settle that notes the entry."""
+    e = SimpleNamespace()
+    e.shape = SimpleNamespace(nbytes=nbytes, settle=lambda: settled.append(e) if settled is not None else None)
+    return e
 
 
 @pytest.fixture(autouse=True)
@@ -51,6 +54,17 @@ def test_bytes_cap_drops_old_entries_but_keeps_the_newest():
     assert [e.shape.nbytes for e in call_graphs.entries()] == [70]
     call_graphs.cached("huge", lambda: entry(500))  # alone over the cap: kept, the older one goes
     assert [e.shape.nbytes for e in call_graphs.entries()] == [500]
+
+
+def test_dropped_and_released_entries_settle_first():
+    """A dropped entry's shape may have a detached call still running: it is settled before its
+    workspace goes, as is every entry on release()."""
+    settled = []
+    small = call_graphs.cached("small", lambda: entry(60, settled))
+    big = call_graphs.cached("big", lambda: entry(70, settled))
+    assert settled == [small]
+    call_graphs.release()
+    assert settled == [small, big]
 
 
 def test_each_thread_has_its_own():
@@ -132,3 +146,12 @@ def test_await_word_gives_false_when_the_stream_finished_without_the_word(stand_
 def test_await_word_raises_a_failed_streams_error(stand_in):
     with pytest.raises(RuntimeError, match="cuda error 700"):
         call_graphs.await_word(np.zeros(1, np.uint64), 0, _Stream(700))
+
+
+def test_await_word_with_a_value_waits_for_that_value(monkeypatch, stand_in):
+    """A download's flag is the shape's run count: an earlier call's count is not this call's."""
+    words = np.array([4], np.uint32)  # the previous call's flag
+    monkeypatch.setattr(call_graphs, "_yield_cpu", lambda: stand_in.append(1) or (len(stand_in) == 10 and words.fill(5)))
+    assert call_graphs.await_word(words, 0, _Stream(call_graphs._NOT_READY), 5)
+    assert len(stand_in) == 10
+    assert not call_graphs.await_word(np.array([4], np.uint32), 0, _Stream(0), 5)  # finished at 4: never 5

@@ -3,7 +3,8 @@ the download, the call's last node, sets a flag in pinned memory after its bytes
 polls the flag instead of synchronising the stream.  On a real GPU: every downloaded byte is
 there when wait returns, in the eager run, the captured one and graph replays; a stream that
 ends without the flag raises instead of polling forever; a shape without a download still
-synchronises."""
+synchronises.  A detached call (CallShape.detach) is followed in stream order by the next call
+on its stream, and waited for by a call on another stream and by settle."""
 import numpy as np
 import pytest
 
@@ -37,7 +38,7 @@ def test_every_downloaded_byte_is_in_when_wait_returns():
         shape.put(0, np.array([run + 3, 0], np.uint64))
         got = shape.run(stream).view(np.uint64)[:WORDS]
         np.testing.assert_array_equal(got, np.uint64(run + 3) * np.arange(WORDS, dtype=np.uint64) + np.uint64(1))
-        assert shape.done[0] == 1
+        assert shape.done[0] == run + 1  # the flag is the shape's run count
     assert shape.graph
 
 
@@ -61,3 +62,62 @@ def test_a_shape_without_a_download_synchronises():
         shape.run(stream)
         assert stream.done  # run returned after the stream's work, not before
         assert int(out[WORDS - 1].get()) == (run + 5) * (WORDS - 1) + 1
+
+
+def _expected(first):
+    return np.uint64(first) * np.arange(WORDS, dtype=np.uint64) + np.uint64(1)
+
+
+def _waits(shape):
+    """The streams shape.wait is called with, from now on."""
+    seen, real = [], shape.wait
+    shape.wait = lambda stream: seen.append(stream.ptr) or real(stream)
+    return seen
+
+
+def test_a_detached_call_is_followed_in_stream_order():
+    shape, stream = _shape(), cupy.cuda.get_current_stream()
+    shape.put(0, np.array([3, 0], np.uint64))
+    for _ in range(3):  # eager, captured, replayed: each detached behind the 100 us spin
+        shape.launch(stream)
+        shape.detach(stream)
+    seen = _waits(shape)
+    shape.launch(stream)  # the same stream: no wait, the stream orders the calls
+    assert seen == []
+    got = shape.wait(stream).view(np.uint64)[:WORDS]
+    assert shape.done[0] == 4 and shape.runs == 4  # the fourth call's flag, not an earlier one's
+    np.testing.assert_array_equal(got, _expected(3))
+
+
+def test_a_call_on_another_stream_waits_for_a_detached_one():
+    shape, first, other = _shape(), cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    shape.put(0, np.array([5, 0], np.uint64))
+    shape.launch(first)
+    shape.detach(first)
+    seen = _waits(shape)
+    shape.launch(other)
+    assert seen == [first.ptr] and shape.done[0] >= 1  # the detached call ended first
+    np.testing.assert_array_equal(shape.wait(other).view(np.uint64)[:WORDS], _expected(5))
+    assert shape.detached is None
+
+
+def test_settle_and_release_wait_for_a_detached_call():
+    shape, stream = _shape(), cupy.cuda.Stream(non_blocking=True)
+    shape.put(0, np.array([7, 0], np.uint64))
+    shape.launch(stream)
+    shape.detach(stream)
+    shape.settle()
+    assert shape.done[0] == 1 and shape.detached is None
+    np.testing.assert_array_equal(shape.host_down.view(np.uint64)[:WORDS], _expected(7))
+
+    class Entry:  # what call_graphs.cached holds: an object with its CallShape in .shape
+        pass
+
+    entry = Entry()
+    entry.shape = _shape()
+    entry.shape.put(0, np.array([9, 0], np.uint64))
+    call_graphs.cached(("detached test",), lambda: entry)
+    entry.shape.launch(stream)
+    entry.shape.detach(stream)
+    call_graphs.release()
+    assert entry.shape.done[0] == 1 and entry.shape.detached is None

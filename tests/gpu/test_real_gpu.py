@@ -550,3 +550,26 @@ def test_batch_decode_names_the_bad_blob_by_its_place():
     known_headers.forget()
     with pytest.raises(kvzip.FormatError, match="blob 1"):
         kvzip.decompress_many(bad)  # through the full checks
+
+
+def test_encodes_returning_before_their_scan_give_cpu_bytes_on_any_stream():
+    """A CuPy caller's encode returns once its blobs are sized, while the scan still writes their
+    escapes (fused_fast.EARLY_RETURN): the next call of the program on the same stream follows it
+    there, one on another stream waits for it first, and every blob is the CPU's."""
+    from kvzip.stages import call_graphs
+
+    call_graphs.release()
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    xs = [real_bf16(1 << 22), rng.permutation(real_bf16(1 << 22))]
+    xs[1][::97] = 250 << 7  # escapes enough to keep the scan busy
+    want = [kvzip.compress(x, dtype="bf16") for x in xs]
+    got = []
+    for on, which in [(0, 0), (0, 1), (1, 1), (1, 0), (0, 0), (1, 1)]:  # same stream, then a switch
+        with streams[on]:
+            got.append((kvzip.compress(cupy.asarray(xs[which]), dtype="bf16"), which))
+    detached = [e.shape.detached for e in call_graphs.entries() if hasattr(e, "publishes")]
+    assert any(d is not None for d in detached) == bool(fused_fast.EARLY_RETURN)
+    for s in streams:
+        s.synchronize()
+    for blob, which in got:
+        np.testing.assert_array_equal(blob.get(), want[which])
