@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 from functools import lru_cache
 
 import numpy as np
@@ -241,20 +240,26 @@ def _encode_many_by_lanes(pipe: Pipeline, xs, dtype, backend, out) -> list[int]:
     """Encode the tensors whose (format, shape) the pipeline has a lane for, a program per format
     and caller; returns the indices left for the general path (no lane, or stored raw after all)."""
     rest, groups = [], {}  # (format, id of the origin) -> [indices, inputs, lanes, device addresses, origin]
+    # A serving loop's batch: tensors all alike, the first imported in full and the others only
+    # their addresses read, a property at a time over the list (arrays.cuda_addresses).
+    alike = arrays.cuda_addresses(xs) if len(xs) > 1 else None
+    if alike is not None:
+        bits, fmt, shape, origin = arrays.import_tensor(xs[0], dtype)
+        lane = pipe._lane(fmt, shape, get_backend(backend or origin.backend_name), bits)
+        if lane is not None and origin is alike[0] and bits.data.ptr == alike[1][0] \
+                and (origin.framework == "cupy" or not lane.quantize):  # torch's quantizing lanes read CuPy arrays
+            groups[(fmt.name, id(origin))] = [list(range(len(xs))), [bits, *xs[1:]], [lane] * len(xs), alike[1], origin]
+        else:
+            alike = None
     nd, tt = arrays.cupy_ndarray(), arrays.torch_tensor()
-    strided = getattr(sys.modules.get("torch"), "strided", None)  # a sparse tensor has no is_contiguous()
-    run = None  # (type, dtype, shape, device, lane, group) of the last input imported in full that had a lane
-    for i, x in enumerate(xs):
-        # A serving loop's batch: arrays like the last one need no import, only their address
-        # (what the program reads): CuPy ~1 us a tensor instead of ~3 on the H200's host, torch
-        # ~1 instead of ~5 (a CuPy array over each tensor's memory: NOTES v19).
+    run = None  # (type, dtype, shape, origin, lane, group) of the last input imported in full that had a lane
+    for i, x in enumerate(xs if alike is None else ()):
+        # Other batches: arrays like the last one need no import, only their address (what the
+        # program reads): CuPy ~1 us a tensor instead of ~3 on the H200's host, torch ~1 instead
+        # of ~5 (a CuPy array over each tensor's memory: NOTES v19).
         if run is not None and type(x) is run[0] and x.dtype is run[1] and x.shape == run[2]:
-            if run[0] is nd:
-                ptr = x.data.ptr if x._c_contiguous and x.data.device_id == run[3] else 1  # 1: not like it
-            else:  # torch (its quantizing lanes read CuPy arrays: no run for them)
-                ptr = x.data_ptr() if x.get_device() == run[3] and x.layout is strided and x.is_contiguous() \
-                    and not x.is_neg() else 1
-            if ptr % 16 == 0:  # arrays.aligned: what _lane would say again (its other checks are the backend's)
+            ptr = arrays.cuda_address(x, run[3])
+            if ptr is not None and ptr % 16 == 0:  # arrays.aligned: what _lane would say again (its other checks are the backend's)
                 group = run[5]
                 group[0].append(i)
                 group[1].append(x)
@@ -275,7 +280,7 @@ def _encode_many_by_lanes(pipe: Pipeline, xs, dtype, backend, out) -> list[int]:
         group[2].append(lane)
         group[3].append(bits.data.ptr)
         like = type(x) is nd or (type(x) is tt and not lane.quantize)
-        run = (type(x), x.dtype, x.shape, origin.device_index, lane, group) if like else None
+        run = (type(x), x.dtype, x.shape, origin, lane, group) if like else None
     for indices, inputs, lanes, ptrs, origin in groups.values():
         with origin.stream_context():
             blobs = fused_fast.encode_lanes(lanes, inputs, origin, ptrs)

@@ -34,6 +34,7 @@ import re
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
+from operator import attrgetter, methodcaller
 
 import ml_dtypes
 import numpy as np
@@ -237,6 +238,49 @@ def cuda_address(x, origin: Origin) -> int | None:
             return None
         return x.data_ptr()
     return None
+
+
+# cuda_addresses' reads, one C-level map over a batch each.
+_TYPE_OF, _DTYPE, _SHAPE, _DATA = type, attrgetter("dtype"), attrgetter("shape"), attrgetter("data")
+_PTR, _DEVICE_ID, _CUPY_CONTIGUOUS = attrgetter("ptr"), attrgetter("device_id"), attrgetter("_c_contiguous")
+_GET_DEVICE, _LAYOUT, _DATA_PTR = methodcaller("get_device"), attrgetter("layout"), methodcaller("data_ptr")
+_IS_CONTIGUOUS, _IS_NEG = methodcaller("is_contiguous"), methodcaller("is_neg")
+_MISALIGNED = (16).__rmod__  # p -> p % 16
+
+
+def cuda_addresses(xs) -> tuple | None:
+    """(origin, device addresses) when every x in xs is what cuda_address views in place, and all
+    alike: CuPy arrays or torch CUDA tensors (not subclasses) of one device, dtype and shape,
+    contiguous, each starting on a 16-byte boundary; else None.  cuda_address's checks for a
+    batch, made a property at a time over the whole list by C-level maps, where a Python loop
+    calling cuda_address costs a batch encode's host ~0.6 us a tensor ahead of its launch."""
+    if not xs:
+        return None
+    x0, k = xs[0], len(xs)
+    kind = type(x0)
+    if kind is not cupy_ndarray() and kind is not torch_tensor():
+        return None
+    if list(map(_TYPE_OF, xs)).count(kind) != k or list(map(_DTYPE, xs)).count(x0.dtype) != k \
+            or list(map(_SHAPE, xs)).count(x0.shape) != k:
+        return None
+    if kind is cupy_ndarray():
+        data = list(map(_DATA, xs))
+        device = data[0].device_id
+        if not all(map(_CUPY_CONTIGUOUS, xs)) or list(map(_DEVICE_ID, data)).count(device) != k:
+            return None
+        ptrs, framework = list(map(_PTR, data)), "cupy"
+    else:
+        import torch
+
+        device = x0.get_device()  # -1 on the CPU
+        if device < 0 or list(map(_GET_DEVICE, xs)).count(device) != k \
+                or list(map(_LAYOUT, xs)).count(torch.strided) != k or not all(map(_IS_CONTIGUOUS, xs)) \
+                or any(map(_IS_NEG, xs)):
+            return None
+        ptrs, framework = list(map(_DATA_PTR, xs)), "torch"
+    if any(map(_MISALIGNED, ptrs)):
+        return None
+    return _cuda_origin(framework, device), ptrs
 
 
 def blob_addresses(blobs) -> tuple | None:

@@ -573,3 +573,36 @@ def test_encodes_returning_before_their_scan_give_cpu_bytes_on_any_stream():
         s.synchronize()
     for blob, which in got:
         np.testing.assert_array_equal(blob.get(), want[which])
+
+
+def test_cuda_addresses_is_cuda_address_for_a_whole_batch():
+    """arrays.cuda_addresses (a batch's check, by maps over the list) gives each tensor's
+    cuda_address where all are alike, and None where any one is not: another dtype, shape,
+    framework or device placement, a strided view, a 16-byte misaligned start.  compress_many
+    gives the CPU's bytes either way (the loop takes the batches it refuses)."""
+    torch = pytest.importorskip("torch")
+    from kvzip import arrays
+
+    base = cupy.asarray(real_bf16(8 * 4096 + 64))
+    alike = [base[i * 4096:(i + 1) * 4096] for i in range(8)]
+    origin, ptrs = arrays.cuda_addresses(alike)
+    assert origin.framework == "cupy" and ptrs == [arrays.cuda_address(x, origin) for x in alike]
+    tensors = [torch.from_dlpack(x) for x in alike]  # the same memory
+    t_origin, t_ptrs = arrays.cuda_addresses(tensors)
+    assert t_origin.framework == "torch" and t_ptrs == ptrs
+    refused = {
+        "dtype": alike[:-1] + [alike[-1].view(cupy.int16)],
+        "shape": alike[:-1] + [base[:4096 * 2].reshape(2, 4096)[0:1]],
+        "framework": alike[:-1] + [tensors[-1]],
+        "strided": alike[:-1] + [base[:8192:2]],
+        "misaligned": alike[:-1] + [base[3:4096 + 3]],
+        "cpu": [t.cpu() for t in tensors],
+    }
+    for why, xs in refused.items():
+        assert arrays.cuda_addresses(xs) is None, why
+    assert arrays.cuda_addresses([]) is None and arrays.cuda_addresses([base.get()]) is None
+    for xs in (alike, refused["misaligned"], refused["strided"]):
+        for _ in range(2):  # the second call through the lanes
+            blobs = kvzip.compress_many(xs, dtype="bf16")
+            for blob, x in zip(blobs, xs):
+                np.testing.assert_array_equal(blob.get(), kvzip.compress(x.get(), dtype="bf16"))
