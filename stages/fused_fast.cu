@@ -705,9 +705,13 @@ __device__ __forceinline__ long long next_chunk(long long next) {
 // orders its count before its read, so the totals it reads hold every warp's.  A fence waits for
 // the lane's stores of the chunk in flight too (~1 us): in a batch, where a warp's consecutive
 // chunks lie in different tensors, a fence a chunk cost the 64 x 8 MiB encode graph 33 us
-// (322.6-322.9 against 289.8 with none, and wrong totals).  KVZ_PENDING: for A/B runs.
+// (322.6-322.9 against 289.8 with none, and wrong totals).  A longer list publishes later, and the
+// host builds the blobs still unpublished when the encoder ends after it (~1.3 us each), so the
+// call wants the shortest list that takes the fences off the graph.  H200, macro_ab.py batch,
+// KVZ_PENDING 1 / 2 / 4 / 8 / 16: graph 324.3-327.7 / 312.5-313.5 / 310.8-312.0 / 312.2-314.1 /
+// 327.7-327.9 us, call (on one host) - / 369.0-391.8 / 390.8-398.8 / 412.4-413.7 / 430.8-449.1.
 #ifndef KVZ_PENDING
-#define KVZ_PENDING 8
+#define KVZ_PENDING 2
 #endif
 struct PendingCounts {
     int n;                      // tensors noted
