@@ -205,8 +205,6 @@ class CallShape:
         rt = self.cupy.cuda.runtime
         if self.detached is not None and self.detached.ptr != stream.ptr:
             self.settle()  # the workspace is the detached call's until it ends
-        if self.done is not None:
-            self.runs = (self.runs + 1) & 0xFFFFFFFF  # the flag this call's download raises
         if self.graph:
             rt.graphLaunch(self.graph.graphExec, stream.ptr)
         elif self.uses and self.graph is None:
@@ -218,6 +216,8 @@ class CallShape:
         else:
             self._issue(stream)
         self.uses += 1
+        if self.done is not None:  # counted once launched: a launch that raised leaves no download to wait for
+            self.runs = (self.runs + 1) & 0xFFFFFFFF  # the flag this call's download raises
 
     def wait(self, stream) -> np.ndarray:
         """Wait for the call launch issued; returns the downloaded bytes (as run does).  With a
