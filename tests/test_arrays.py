@@ -708,3 +708,15 @@ def test_jax_cuda_round_trip(name, shape):
     assert isinstance(u8, cupy.ndarray)
     out = export_bytes(u8, origin)
     assert out.devices() == {gpu} and np.asarray(out).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_cuda_addresses_refuses_what_is_not_on_a_gpu():
+    """arrays.cuda_addresses (a batch's in-place check) gives None for anything but CuPy arrays
+    or CUDA torch tensors: NumPy arrays, CPU torch tensors (get_device() is -1), an empty list,
+    mixed frameworks.  (The GPU side: tests/gpu/test_real_gpu.py.)"""
+    from kvzip import arrays
+
+    host = [np.zeros(64, np.uint16) for _ in range(3)]
+    cpu = [torch.zeros(64, dtype=torch.bfloat16) for _ in range(3)]
+    for xs in ([], host, cpu, [cpu[0], host[0]], [host[0], cpu[0]]):
+        assert arrays.cuda_addresses(xs) is None
