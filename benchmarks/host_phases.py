@@ -21,7 +21,7 @@ import cupy
 import numpy as np
 
 import kvzip
-from kvzip.bench import _sample_bits, e5m2_bits
+from kvzip.bench import _sample_bits, batch_parts, e5m2_bits
 from kvzip.stages import call_graphs
 
 _stamps = []
@@ -47,27 +47,36 @@ def _stamped_detach(self, stream):
     _stamps.append(("w1", time.perf_counter_ns()))
 
 
+def phase_medians(call, repeat=40) -> np.ndarray:
+    """Median (us) over repeat calls of pre, launch, between, wait, post and total (the module's
+    docstring), CallShape's launch, wait and detach stamped meanwhile."""
+    shape = call_graphs.CallShape
+    shape.launch, shape.wait, shape.detach = _stamped_launch, _stamped_wait, _stamped_detach
+    try:
+        for _ in range(5):
+            out = call()
+        cupy.cuda.get_current_stream().synchronize()
+        rows = []
+        for _ in range(repeat):
+            _stamps.clear()
+            t0 = time.perf_counter_ns()
+            out = call()
+            t1 = time.perf_counter_ns()
+            s = dict(_stamps)  # the last launch and wait (or detach) of the call: one each on the fast path
+            rows.append((s["l0"] - t0, s["l1"] - s["l0"], s["w0"] - s["l1"], s["w1"] - s["w0"], t1 - s["w1"], t1 - t0))
+            del out
+    finally:
+        shape.launch, shape.wait, shape.detach = _launch, _wait, _detach
+    return np.median(np.array(rows), axis=0) / 1e3
+
+
 def phases(name, call, repeat=40):
-    for _ in range(5):
-        out = call()
-    cupy.cuda.get_current_stream().synchronize()
-    rows = []
-    for _ in range(repeat):
-        _stamps.clear()
-        t0 = time.perf_counter_ns()
-        out = call()
-        t1 = time.perf_counter_ns()
-        s = dict(_stamps)  # the last launch and wait (or detach) of the call: one each on the fast path
-        rows.append((s["l0"] - t0, s["l1"] - s["l0"], s["w0"] - s["l1"], s["w1"] - s["w0"], t1 - s["w1"], t1 - t0))
-        del out
-    m = np.median(np.array(rows), axis=0) / 1e3
+    m = phase_medians(call, repeat)
     print(f"{name:<26} pre {m[0]:6.1f}  launch {m[1]:5.1f}  between {m[2]:6.1f}  wait {m[3]:7.1f}  "
           f"post {m[4]:5.1f}  total {m[5]:7.1f} us", flush=True)
 
 
 def main(argv):
-    call_graphs.CallShape.launch, call_graphs.CallShape.wait = _stamped_launch, _stamped_wait
-    call_graphs.CallShape.detach = _stamped_detach
     sizes = [int(a) for a in argv] or [28, 23, 19]
     host = _sample_bits(1 << max(sizes))
     for log2 in sizes:
@@ -77,8 +86,7 @@ def main(argv):
             blob = kvzip.compress(x, dtype=dtype)
             phases(f"compress {dtype} 2^{log2}", lambda: kvzip.compress(x, dtype=dtype))
             phases(f"decompress {dtype} 2^{log2}", lambda: kvzip.decompress(blob))
-    big = cupy.asarray(_sample_bits(1 << 28))
-    xs = [big[i << 22:(i + 1) << 22] for i in range(64)]
+    xs = batch_parts(cupy.asarray(_sample_bits(1 << 28)))
     blobs = kvzip.compress_many(xs, dtype="bf16")
     phases("compress_many 64x8MiB", lambda: kvzip.compress_many(xs, dtype="bf16"), 20)
     phases("decompress_many 64x8MiB", lambda: kvzip.decompress_many(blobs), 20)
