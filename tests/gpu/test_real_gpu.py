@@ -606,3 +606,40 @@ def test_cuda_addresses_is_cuda_address_for_a_whole_batch():
             blobs = kvzip.compress_many(xs, dtype="bf16")
             for blob, x in zip(blobs, xs):
                 np.testing.assert_array_equal(blob.get(), kvzip.compress(x.get(), dtype="bf16"))
+
+
+@pytest.mark.parametrize("signals", [0, 1], ids=["download", "signal"])
+def test_decoder_reports_errors_as_the_download_did(signals, monkeypatch):
+    """The decoder's last warp copies the error words and raises the host's flag itself
+    (fused_fast.DECODER_SIGNALS, call_graphs' "signal" op) where a download kernel did it: the
+    same results, the same errors for escapes the decoder finds broken (in a warp's early chunk
+    and in later ones), the bad blob of a batch named, and good calls after bad ones."""
+    from kvzip.stages import call_graphs
+
+    monkeypatch.setattr(fused_fast, "DECODER_SIGNALS", signals)
+    call_graphs.release()
+    bits = real_bf16(1 << 24)  # 4096 chunks: more than the decoder's warps (3168 on an H200)
+    blob = kvzip.compress(cupy.asarray(bits), dtype="bf16")
+    program = None
+    for _ in range(3):  # eager, captured, replayed
+        np.testing.assert_array_equal(bits_of(kvzip.decompress(blob)), bits)
+        program = call_graphs.entries()[-1]
+    assert (program.shape.ops[-1][0] == "signal") == bool(signals)
+    from kvzip import container
+    from kvzip.backends import get_backend
+
+    host = blob.get()
+    hdr = container.parse_header(container.read_head(get_backend("cpu"), host), host.shape[0])
+    start = {name: hdr.header_len + off for name, _, off, _ in hdr.streams}
+    counts = np.frombuffer(host[start["esc_count"]:start["esc_pos"]], np.uint16)
+    two = np.nonzero(counts >= 2)[0]
+    for chunk in (two[0], two[-1]):  # a warp's first chunk, and one taken from the queue
+        before = int(counts[:chunk].sum())
+        bad = blob.copy()
+        pos = start["esc_pos"] + 2 * (before + 1)
+        bad[pos:pos + 2] = cupy.asarray(bad[pos - 2:pos])  # a position repeated: not increasing
+        with pytest.raises(kvzip.FormatError, match="position"):
+            kvzip.decompress(bad)
+        with pytest.raises(kvzip.FormatError, match="blob 1"):
+            kvzip.decompress_many([blob, bad, blob])
+        np.testing.assert_array_equal(bits_of(kvzip.decompress(blob)), bits)
