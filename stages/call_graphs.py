@@ -120,17 +120,6 @@ class Region(int):
     __slots__ = ()
 
 
-class Mapped(int):
-    """A kernel argument meaning one of the shape's own addresses, for a call whose last kernel
-    reports its end itself (a "signal" op): DOWN the download area (mapped pinned memory), FLAG
-    the done flag (likewise), RUNS the run count (a workspace word)."""
-
-    __slots__ = ()
-
-
-DOWN, FLAG, RUNS = Mapped(0), Mapped(1), Mapped(2)
-
-
 class CallShape:
     """The device workspace, pinned staging and (once replayed) CUDA graph of one call shape.
 
@@ -145,10 +134,7 @@ class CallShape:
                                        right after another kernel it is launched as that one's
                                        programmatic dependent (stages/dependent_launch.py),
       ("download", i, nbytes)          the first nbytes of region i -> host (a dependent too; the
-                                       last op, if any),
-      ("signal", i, nbytes)            the same done by the launch before it, the call's last
-                                       kernel, whose args name the addresses it needs (DOWN,
-                                       FLAG, RUNS): no node of its own.
+                                       last op, if any).
     Each call ends with the host waiting for it (wait), so the workspace and staging are idle when
     the next call of this thread writes them, or with detach once the GPU has read the staging:
     then the next call on the same stream follows it in stream order, and any other use of the
@@ -164,7 +150,7 @@ class CallShape:
             self.offsets.append(at)
             at += -(-max(nb, 1) // 256) * 256
         self.sizes = sizes
-        down = [op[2] for op in ops if op[0] in ("download", "signal")]
+        down = [op[2] for op in ops if op[0] == "download"]
         self.runs_at = at if down else None  # a word past the regions: the downloads' run count
         at += 256 if down else 0
         self.nbytes = at
@@ -188,8 +174,7 @@ class CallShape:
         # The same words for single-item writes: a memoryview's take ~0.05 us on the H200's host,
         # a NumPy array's ~0.07 (benchmarks/NOTES.md, v22).
         self.words = memoryview(self.host_up).cast("B").cast("Q")
-        assert not down or ops[-1][0] in ("download", "signal"), "a download is the call's last op"
-        assert ops[-1][0] != "signal" or ops[-2][0] in ("launch", "dependent"), "a kernel signals"
+        assert not down or ops[-1][0] == "download", "a download is the call's last op"
         down16 = max(-(-(down[0] if down else 0) // 16) * 16, 16)
         pinned = cupyx.zeros_pinned(down16 + 16, np.uint8)  # the download, then the done flag (a run count)
         self.host_down = pinned[:down16]
@@ -272,11 +257,9 @@ class CallShape:
                 self.cupy.cuda.runtime.memsetAsync(self.ptr(op[1]), 0, self.sizes[op[1]], stream.ptr)
                 after_kernel = False
                 continue
-            if kind == "signal":  # the kernel before it reports
-                continue
             if kind in ("launch", "dependent"):
                 _, kernel, grid, block, args = op
-                args = tuple(self._address(a) if type(a) in (Region, Mapped) else a for a in args)
+                args = tuple(np.uint64(self.base + self.offsets[a]) if type(a) is Region else a for a in args)
             elif kind == "upload":  # the first node: an ordinary launch
                 n16 = -(-self.up_bytes // 16)
                 z16 = -(-self.sizes[self.zeroed] // 16) if self.zeroed is not None else 0
@@ -294,12 +277,6 @@ class CallShape:
             else:
                 kernel(grid, block, args, stream=stream)
             after_kernel = True
-
-    def _address(self, a) -> np.uint64:
-        """A Region's or Mapped's address."""
-        if type(a) is Region:
-            return np.uint64(self.base + self.offsets[a])
-        return np.uint64((self.host_down.ctypes.data, self.done.ctypes.data, self.base + self.runs_at)[a])
 
     def _capture(self) -> None:
         """Record the sequence into a CUDA graph on a private stream (relaxed capture mode, so

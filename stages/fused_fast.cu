@@ -1651,29 +1651,6 @@ __device__ __forceinline__ void finish_early_chunk(const DecodeJob* __restrict__
     }
 }
 
-#ifndef KVZ_DECODE_PREFETCH
-#define KVZ_DECODE_PREFETCH 1
-#endif
-#ifndef KVZ_PREFETCH_FIRST
-#define KVZ_PREFETCH_FIRST 0
-#endif
-#ifndef KVZ_BF16_FIRST_STEP
-#define KVZ_BF16_FIRST_STEP 0
-#endif
-// The prefetch of a chunk's codes and rest (groups 0..ng-1) into L2 as a decoder warp starts it:
-// FP8 and float16 the whole chunk; BF16 its first step's (KVZ_BF16_FIRST_STEP) or none.
-template <int R, int STEP, bool BF16>
-__device__ __forceinline__ void chunk_prefetch(const u8* codes, const u8* rest, int ng, int lane) {
-    if constexpr (KVZ_DECODE_PREFETCH && R != 24 && !BF16) {
-        prefetch_l2(codes, 4ll * ng, lane);
-        prefetch_l2(rest, (long long)R * ng, lane);
-    } else if constexpr (KVZ_BF16_FIRST_STEP && BF16) {
-        const int first = min(ng, STEP);
-        prefetch_l2(codes, 4ll * first, lane);
-        prefetch_l2(rest, (long long)R * first, lane);
-    }
-}
-
 // kvz_decode's work on chunk gc (a batch-wide index) of tensor job, whose row is J.  EARLY: the
 // warp's first chunk, which it may reach before kvz_scan is done (not for DQ, whose values cannot
 // be patched after the table).
@@ -1690,12 +1667,6 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
     const long long c = gc - J.chunk_base, g0 = c * gpc;
     const long long n = J.n - g0 * 8;  // values from the chunk's start to the tensor's end
     const int ng = (int)min((long long)gpc, (n + 7) / 8);
-    // this chunk's data, and group i of it at index i
-    const u8* __restrict__ codes = J.codes + g0 * 4;
-    const u8* __restrict__ rest = J.rest + g0 * R;
-#if KVZ_PREFETCH_FIRST
-    chunk_prefetch<R, STEP, BF16>(codes, rest, ng, lane);
-#endif
     const u32 stored = J.esc_count[c];
     const bool plane = stored == PLANE;
     const bool early = EARLY && !plane;  // a plane-coded chunk needs its offset first
@@ -1714,6 +1685,9 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
     const int len = (int)min((long long)chunk, n);
     int base = 0, pos = NONE;
     u32 exp = 0;
+    // this chunk's data, and group i of it at index i
+    const u8* __restrict__ codes = J.codes + g0 * 4;
+    const u8* __restrict__ rest = J.rest + g0 * R;
     using Out = typename Pick<DQ, u16, T>::type;
     Out* __restrict__ dst = static_cast<Out*>(J.dst) + g0 * 8;
     if constexpr (sizeof(T) == 1) {  // E5M2 decode 189 -> 184 us with global loads and stores; BF16 spilled
@@ -1726,9 +1700,13 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
     // decoder 276.4-277.3 -> 267.7-268.8, float16 418.1-418.4 -> 400.4-400.7; but BF16's
     // 257.9-258.3 -> 268.2-268.6 and float32's 544.4-547.6 -> 673.8-676.8, so not theirs
     // (benchmarks/macro_ab.py, NOTES v24).  KVZ_DECODE_PREFETCH=0: off.
-#if !KVZ_PREFETCH_FIRST
-    chunk_prefetch<R, STEP, BF16>(codes, rest, ng, lane);
+#ifndef KVZ_DECODE_PREFETCH
+#define KVZ_DECODE_PREFETCH 1
 #endif
+    if constexpr (KVZ_DECODE_PREFETCH && (sizeof(T) == 1 || (sizeof(T) == 2 && !BF16))) {
+        prefetch_l2(codes, 4ll * ng, lane);
+        prefetch_l2(rest, (long long)R * ng, lane);
+    }
     const u16* __restrict__ table = J.dq_table;
     const u64 dlo = J.dlo, dhi = J.dhi;
     if constexpr (E5M2 && !DQ) {  // whole chunks a lane per quad, GPL / 2 quads a step (as many registers)
@@ -1820,31 +1798,6 @@ __device__ __noinline__ void decode_early_chunk(const DecodeJob* __restrict__ jo
     decode_chunk<E, M, T, GPL, false, true>(J.row, jobs, job, gc, chunk, chunk_off, work, lane);
 }
 
-// The end of a call whose last kernel reports for itself (call_graphs' "signal" op): each warp
-// counts itself finished (*finished, zeroed by the upload), and the last of `warps` copies
-// words[0, nwords) (the call's error words) to down and raises the host's flag to the shape's
-// next run count, as the download kernel did a node later.  The fence before a warp's count puts
-// its error writes ahead of it; the last warp's fence after its count, ahead of its reads.
-__device__ __noinline__ void signal_last(unsigned int* finished, u32 warps, const u64* words, u64* down, int nwords,
-                                         unsigned int* flag, unsigned int* runs, int lane) {
-    __syncwarp();
-    u32 last = 0;
-    if (lane == 0) {
-        __threadfence();
-        last = atomicAdd(finished, 1u) == warps - 1u;
-    }
-    if (!__shfl_sync(FULL_MASK, last, 0)) return;
-    __threadfence();
-    for (int i = lane; i < nwords; i += 32) down[i] = __ldcg(words + i);
-    __syncwarp();
-    if (lane == 0) {
-        const unsigned int run = __ldcg(runs) + 1;
-        *runs = run;
-        __threadfence_system();  // the words, seen by lane 0 at the barrier, land first
-        *reinterpret_cast<volatile unsigned int*>(flag) = run;
-    }
-}
-
 // Dense pass, the mirror of kvz_encode: chunks from a queue, a warp walking its chunk in
 // steps of 32 * GPL groups, escapes applied in registers before one store per group.  Offsets
 // come from kvz_scan (chunk_off); a tensor it found broken is skipped.  DQ (FP8 only): write each
@@ -1859,8 +1812,7 @@ template <int E, int M, typename T, int GPL, int MINB, bool DQ = false>
 __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* __restrict__ jobs, int njobs,
                                                                 long long total_chunks, int chunk,
                                                                 const u64* __restrict__ chunk_off, u64* __restrict__ work,
-                                                                long long queue_at, u64* __restrict__ down, int down_words,
-                                                                unsigned int* __restrict__ flag, unsigned int* __restrict__ runs) {
+                                                                long long queue_at) {
     release_dependents();
     const int lane = threadIdx.x & 31;
     const long long W = (long long)gridDim.x * WARPS;
@@ -1876,7 +1828,4 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
         const int job = find_job(jobs, njobs, gc, &DecodeJob::chunk_base);
         decode_chunk<E, M, T, GPL, DQ, false>(jobs[job], jobs, job, gc, chunk, chunk_off, work, lane);
     }
-    if (flag != nullptr)
-        signal_last(reinterpret_cast<unsigned int*>(work + queue_at + QUEUE_WORDS), (u32)gridDim.x * WARPS, work,
-                    down, down_words, flag, runs, lane);
 }

@@ -78,9 +78,6 @@ EARLY_RETURN = 1
 # 174.5-175.0, decode (4, 2) 174.8-175.8 against (2, 3)'s 167.3-169.7.
 ENCODE_SHAPE = {"e4m3": (8, 2), "e5m2": (8, 2), "bf16": (4, 2), "fp16": (4, 2), "fp32": (2, 2)}
 DECODE_SHAPE = {"e4m3": (2, 3), "e5m2": (2, 3), "bf16": (4, 3), "fp16": (2, 4), "fp32": (1, 4)}
-# The decoder's last warp copies the call's error words to the host and raises its flag (the
-# "signal" op of call_graphs), where a download kernel did it a node later.  0: the download.
-DECODER_SIGNALS = 1
 QUANTIZING_ENCODE_SHAPE = (4, 4)  # kvz_encode<..., QT = true>: loads no step ahead
 # kvz_decode<..., DQ = true>, which stores 16-bit values: the bench's quantize pipeline decoded at
 # 1810-1839 GB/s at (4, 3) and 1657-1666 at (2, 3) (v21), so it keeps (4, 3).
@@ -687,8 +684,7 @@ class _DecodeProgram:
         guess = expect is not None
         sizes = [8 * DECODE_COLUMNS * k] + ([16 * k] if guess else [])
         jobs, heads, work, offs = R(0), R(1), R(len(sizes)), R(len(sizes) + 1)
-        # work ends with kvz_decode's chunk queues and its count of finished warps (a line of its own)
-        sizes += [8 * (1 + k + sb_base + QUEUE_WORDS + 16), 8 * chunk_base]
+        sizes += [8 * (1 + k + sb_base + QUEUE_WORDS), 8 * chunk_base]  # work ends with kvz_decode's chunk queues
         ops = [("upload", work), ("zero", work)]
         if guess:
             expected = len(sizes)  # region of the expected headers, written once below
@@ -702,15 +698,11 @@ class _DecodeProgram:
                                (jobs, np.int32(k), np.int32(chunk), np.int32(0), P(0), work, offs, P(0), P(0),
                                 heads if guess else P(0), R(expected) if guess else P(0),
                                 np.int32(HEAD_SPAN if guess else 0))))
-        signal = bool(chunk_base and DECODER_SIGNALS)
         if chunk_base:
-            report = (call_graphs.DOWN, np.int32(1 + k), call_graphs.FLAG, call_graphs.RUNS) if signal else (
-                P(0), np.int32(0), P(0), P(0))
             ops.append(_launch(dec, device, _chunk_grid(dec, device, chunk_base),
                                (jobs, np.int32(k), np.int64(chunk_base), np.int32(chunk), offs, work,
-                                np.int64(1 + k + sb_base)) + report))
-        ops.append(("signal" if signal else "download", work, self.errors_nb))
-        self.shape = call_graphs.CallShape(tuple(sizes), tuple(ops))
+                                np.int64(1 + k + sb_base))))
+        self.shape = call_graphs.CallShape(tuple(sizes), tuple(ops) + (("download", work, self.errors_nb),))
         self.heads_at = self.shape.offsets[1] // 8 if guess else None  # heads' first word in the staging
         self.staged_row = None  # the layout row run_one last staged whole (None after a run)
         self.row_streams = None  # and its stream columns (0-5, blob-relative) as ints
