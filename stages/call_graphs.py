@@ -120,6 +120,17 @@ class Region(int):
     __slots__ = ()
 
 
+class Mapped(int):
+    """A kernel argument meaning one of the addresses of the shape's early download (the "early"
+    op), which that kernel makes itself: EARLY_DOWN its area (pinned, mapped), EARLY_FLAG its
+    done flag (likewise), EARLY_RUNS its run count (a workspace word)."""
+
+    __slots__ = ()
+
+
+EARLY_DOWN, EARLY_FLAG, EARLY_RUNS = Mapped(0), Mapped(1), Mapped(2)
+
+
 class CallShape:
     """The device workspace, pinned staging and (once replayed) CUDA graph of one call shape.
 
@@ -134,7 +145,11 @@ class CallShape:
                                        right after another kernel it is launched as that one's
                                        programmatic dependent (stages/dependent_launch.py),
       ("download", i, nbytes)          the first nbytes of region i -> host (a dependent too; the
-                                       last op, if any).
+                                       last op, if any),
+      ("early", i, nbytes)             the same, early in the call (wait_early, early64), made
+                                       by the kernel before it, whose arguments name the
+                                       addresses it needs (EARLY_DOWN, EARLY_FLAG, EARLY_RUNS):
+                                       no node of its own (at most one).
     Each call ends with the host waiting for it (wait), so the workspace and staging are idle when
     the next call of this thread writes them, or with detach once the GPU has read the staging:
     then the next call on the same stream follows it in stream order, and any other use of the
@@ -151,13 +166,15 @@ class CallShape:
             at += -(-max(nb, 1) // 256) * 256
         self.sizes = sizes
         down = [op[2] for op in ops if op[0] == "download"]
-        self.runs_at = at if down else None  # a word past the regions: the downloads' run count
-        at += 256 if down else 0
+        early = [op[2] for op in ops if op[0] == "early"]
+        assert len(early) <= 1, "one early download at most"
+        self.runs_at = at if down or early else None  # a word past the regions: the download's run count
+        at += 256 if down or early else 0  # (the early download's, 128 bytes on)
         self.nbytes = at
         self.buffer = cupy.empty(max(at, 1), np.uint8)
         self.base = self.buffer.data.ptr
-        if down:
-            self.buffer[self.runs_at:self.runs_at + 4] = 0
+        if down or early:
+            self.buffer[self.runs_at:self.runs_at + 256] = 0
         self.runs = 0           # calls launched (mod 2^32): the flag's value once the last is done
         self.detached = None    # the stream of a call the host did not wait for (detach)
         up = [op[1] for op in ops if op[0] == "upload"]
@@ -175,13 +192,21 @@ class CallShape:
         # a NumPy array's ~0.07 (benchmarks/NOTES.md, v22).
         self.words = memoryview(self.host_up).cast("B").cast("Q")
         assert not down or ops[-1][0] == "download", "a download is the call's last op"
-        down16 = max(-(-(down[0] if down else 0) // 16) * 16, 16)
-        pinned = cupyx.zeros_pinned(down16 + 16, np.uint8)  # the download, then the done flag (a run count)
-        self.host_down = pinned[:down16]
+        self.host_down, self.done = self._download_area(down[0] if down else 0, bool(down))
         self.down64 = self.host_down.view(np.uint64)  # the download as 64-bit words
-        self.done = pinned[down16:down16 + 4].view(np.uint32) if down else None
+        early_area, self.early_done = self._download_area(early[0] if early else 0, bool(early))
+        self.early64 = early_area.view(np.uint64) if early else None  # the early download's words
         self.graph = None       # cupy.cuda.Graph once captured; False if capture failed
         self.uses = 0
+
+    @staticmethod
+    def _download_area(nbytes: int, flagged: bool) -> tuple:
+        """Pinned memory for a download of nbytes: its bytes, then its done flag (a run count)."""
+        import cupyx
+
+        down16 = max(-(-nbytes // 16) * 16, 16)
+        pinned = cupyx.zeros_pinned(down16 + 16, np.uint8)
+        return pinned[:down16], pinned[down16:down16 + 4].view(np.uint32) if flagged else None
 
     def ptr(self, i: int) -> int:
         return self.base + self.offsets[i]
@@ -216,7 +241,8 @@ class CallShape:
         else:
             self._issue(stream)
         self.uses += 1
-        if self.done is not None:  # counted once launched: a launch that raised leaves no download to wait for
+        if self.done is not None or self.early_done is not None:  # counted once launched: a launch that raised
+            # leaves no download to wait for
             self.runs = (self.runs + 1) & 0xFFFFFFFF  # the flag this call's download raises
 
     def wait(self, stream) -> np.ndarray:
@@ -228,6 +254,13 @@ class CallShape:
         elif not await_word(self.done, 0, stream, self.runs):
             raise RuntimeError("kvzip: a call's stream finished without its download")
         return self.host_down
+
+    def wait_early(self, stream) -> np.ndarray:
+        """Wait for the launched call's early download (the call goes on: wait for it or detach
+        it next); returns its words (early64)."""
+        if not await_word(self.early_done, 0, stream, self.runs):
+            raise RuntimeError("kvzip: a call's stream finished without its download")
+        return self.early64
 
     def detach(self, stream) -> None:
         """End the call launched on stream without waiting for it, once its kernels have read
@@ -257,9 +290,11 @@ class CallShape:
                 self.cupy.cuda.runtime.memsetAsync(self.ptr(op[1]), 0, self.sizes[op[1]], stream.ptr)
                 after_kernel = False
                 continue
+            if kind == "early":  # made by the kernel before it
+                continue
             if kind in ("launch", "dependent"):
                 _, kernel, grid, block, args = op
-                args = tuple(np.uint64(self.base + self.offsets[a]) if type(a) is Region else a for a in args)
+                args = tuple(self._address(a) if type(a) in (Region, Mapped) else a for a in args)
             elif kind == "upload":  # the first node: an ordinary launch
                 n16 = -(-self.up_bytes // 16)
                 z16 = -(-self.sizes[self.zeroed] // 16) if self.zeroed is not None else 0
@@ -277,6 +312,12 @@ class CallShape:
             else:
                 kernel(grid, block, args, stream=stream)
             after_kernel = True
+
+    def _address(self, a) -> np.uint64:
+        """A Region's or Mapped's address."""
+        if type(a) is Region:
+            return np.uint64(self.base + self.offsets[a])
+        return np.uint64((self.early64.ctypes.data, self.early_done.ctypes.data, self.base + self.runs_at + 128)[a])
 
     def _capture(self) -> None:
         """Record the sequence into a CUDA graph on a private stream (relaxed capture mode, so

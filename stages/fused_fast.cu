@@ -1226,6 +1226,98 @@ __device__ __forceinline__ u32 load_slot_escapes(u32 k0, u32 listed, const u32* 
     return loaded;
 }
 
+// The decode scan's check of its block's escapes, the checks kvz_decode makes as it applies them
+// (load_escapes: positions inside their chunk and increasing, exponents in range), so that the
+// call's errors are known once the scan is done: the host then learns them from a download
+// between the scan and kvz_decode and returns while the decoder still runs (fused_fast.py,
+// EARLY_VERDICT).  A thread per escape, SB_CHUNKS apart, its chunk found in s_eoff (escapes before
+// each chunk of the block; the chunk holding escape k is the last with s_eoff <= k).  A block of
+// more than CHECK_MAX escapes (data far from the codebook: the shared real KV has 3-4 a chunk,
+// under 1200 a block) leaves them to kvz_decode and sets *deferred: the host then waits for the
+// decoder's verdict.  Escapes past the tensor's n_esc are not read (their count is error 2, which
+// the tensor's last block sets).  c0: the block's first chunk; excl: escapes before this thread's
+// chunk in the block; listed: the block's escapes; esc_base: escapes before the block.
+#ifndef KVZ_CHECK_MAX
+#define KVZ_CHECK_MAX (8 * SB_CHUNKS)
+#endif
+#ifndef CHECK_BATCH
+#define CHECK_BATCH 4
+#endif
+template <int E>
+__device__ __forceinline__ void check_block_escapes(const DecodeJob& J, long long n, int chunk, long long c0, u32 excl,
+                                                    u32 listed, long long esc_base, bool guessed, u64* err,
+                                                    u64* deferred, u32* s_eoff) {
+    if (listed == 0) return;
+    if (listed > KVZ_CHECK_MAX) {
+        if (threadIdx.x == 0) *deferred = 1;
+        return;
+    }
+    s_eoff[threadIdx.x] = excl;
+    if (guessed && threadIdx.x == 0) await_guess(J);  // esc_exp and n_esc come from the header guess
+    __syncthreads();
+    // read past L1: this block read J's row (one line) before the guess may have written them
+    const long long n_esc = *reinterpret_cast<const volatile long long*>(&J.n_esc);
+    const u8* esc_exp = *reinterpret_cast<const u8* const volatile*>(&J.esc_exp);
+    const u16* esc_pos = J.esc_pos;
+    // CHECK_BATCH escapes a round, their searches and loads independent of one another.
+    u32 bad = 0;
+    const long long end = min((long long)listed, n_esc - esc_base);  // block-relative escapes to read
+    for (long long k0 = threadIdx.x; k0 < end && !bad; k0 += CHECK_BATCH * SB_CHUNKS) {
+        int len[CHECK_BATCH], pos[CHECK_BATCH], prev[CHECK_BATCH];
+        u32 e[CHECK_BATCH];
+#pragma unroll
+        for (int u = 0; u < CHECK_BATCH; u++) {
+            const long long k = k0 + u * SB_CHUNKS;
+            len[u] = 0;  // no escape: never bad
+            if (k >= end) continue;
+            int lo = 0, hi = SB_CHUNKS - 1;
+            while (lo < hi) {
+                const int mid = (lo + hi + 1) >> 1;
+                if (s_eoff[mid] <= (u32)k) lo = mid; else hi = mid - 1;
+            }
+            const long long at = esc_base + k;
+            len[u] = (int)min((long long)chunk, n - (c0 + lo) * chunk);
+            pos[u] = esc_pos[at];
+            prev[u] = k == s_eoff[lo] ? -1 : (int)esc_pos[at - 1];
+            e[u] = esc_exp[at];
+        }
+#pragma unroll
+        for (int u = 0; u < CHECK_BATCH; u++) {
+            if (bad || len[u] == 0) continue;
+            if (pos[u] >= len[u] || pos[u] <= prev[u]) bad = 3;
+            else if (e[u] >= (1u << E)) bad = 4;
+        }
+    }
+    if (bad) set_error(err, bad);
+}
+
+// The decode scan's verdict, sent by its last block: each block, once every thread is done,
+// counts itself (work[2 + njobs], zeroed by the upload), and the last of them copies work[0, 2 +
+// njobs) (the ticket, each tensor's error, the deferred checks) to down (pinned, mapped) and
+// raises the host's flag to the shape's next run count (runs: a workspace word), as a download
+// kernel would a node later (call_graphs' "early" op): kvz_decode then waits for this kernel
+// alone.  The fence before a block's count puts its writes ahead of it; the last block's, after
+// its count, ahead of its reads.
+__device__ void verdict_block_done(u64* work, int njobs, u64* down, unsigned int* flag, unsigned int* runs) {
+    __shared__ int s_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        s_last = atomicAdd(reinterpret_cast<unsigned long long*>(work + 2 + njobs), 1ull) == gridDim.x - 1ull;
+        if (s_last) __threadfence();
+    }
+    __syncthreads();
+    if (!s_last) return;
+    for (int i = threadIdx.x; i < 2 + njobs; i += blockDim.x) down[i] = __ldcg(work + i);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int run = __ldcg(runs) + 1;
+        *runs = run;
+        __threadfence_system();  // the words, seen by thread 0 at the barrier, land first
+        *reinterpret_cast<volatile unsigned int*>(flag) = run;
+    }
+}
+
 // The escape and plane-group offsets of every chunk, from esc_count: a block per SB_CHUNKS chunks
 // of one tensor, blocks chained per tensor by the decoupled look-back (tickets hand the blocks out
 // in order).  A chunk's value is escapes << 31 | plane-coded groups.
@@ -1237,8 +1329,10 @@ __device__ __forceinline__ u32 load_slot_escapes(u32 k0, u32 listed, const u32* 
 //   each (only escape-heavy data).  The first njobs blocks (by ticket) finish the blobs instead,
 //   one each (finish_blob: padding, header, sizes[3t ..]), alongside the others: kvz_encode's
 //   totals are all they need.  (A kernel of its own before, 10 us and a graph node.)
+// Decode: also checks the block's escapes as kvz_decode does (check_block_escapes).
 // work: [0] ticket, [1 + t] tensor t's totals (encode: kvz_encode's sums) or error (decode),
-// [1 + njobs + sb] status.  fin, sizes: encode only.  heads, expect, span: a decode on guessed
+// (decode: [1 + njobs] the deferred checks, check_block_escapes; [2 + njobs] the blocks done,
+// verdict_block_done) then status, [sb] of it.  down, flag, runs: a decode's verdict (below).  fin, sizes: encode only.  heads, expect, span: a decode on guessed
 // layouts, whose first njobs blocks run guess_head for each blob; the blocks that set a blob's
 // errors or check its totals wait for that verdict first (a wrong guess's counts mean nothing).
 // Tickets hand the guesses out first, so no block waits on one that has not started.  (The guess
@@ -1248,7 +1342,8 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
                                                      const u8* __restrict__ lut, u64* __restrict__ work,
                                                      u64* __restrict__ chunk_off, const FinishJob* __restrict__ fin,
                                                      u64* __restrict__ sizes, const u64* __restrict__ heads,
-                                                     const u8* __restrict__ expect, int span) {
+                                                     const u8* __restrict__ expect, int span, u64* __restrict__ down,
+                                                     unsigned int* __restrict__ flag, unsigned int* __restrict__ runs) {
     await_predecessor();
     release_dependents();
     constexpr int HB = E - 4;
@@ -1274,6 +1369,7 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
         if (heads != nullptr) {
             if (sb < njobs) {
                 guess_head(heads, (int)sb, span, expect, const_cast<Job&>(jobs[sb]), work);
+                if (flag != nullptr) verdict_block_done(work, njobs, down, flag, runs);
                 return;
             }
             sb -= njobs;
@@ -1320,7 +1416,7 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
         loaded = load_slot_escapes(tid, listed, s_eoff, s_cnt, slot, c0, J.slot_pos, J.slot_exp, pos, ex);
     }
     if (wid == 0) {
-        const u64 p = look_back(work + 1 + njobs + J.sb_base, lsb, agg, lane);
+        const u64 p = look_back(work + (ENC ? 1 : 3) + njobs + J.sb_base, lsb, agg, lane);
         if (lane == 0) s_prefix = p;
     }
     const bool any_over = __syncthreads_or(over);
@@ -1338,6 +1434,9 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
             }
         }
         if (c < nchunks) chunk_off[J.chunk_base + c] = prefix + excl;
+        check_block_escapes<E>(J, n, chunk, lsb * SB_CHUNKS, (u32)(excl >> 31), (u32)(agg >> 31), prefix >> 31,
+                               heads != nullptr, err, work + 1 + njobs, s_eoff);
+        if (flag != nullptr) verdict_block_done(work, njobs, down, flag, runs);
     } else {
         const u64 totals = work[1 + job];
         u8* __restrict__ exp_out = reinterpret_cast<u8*>(J.esc_pos) + align16(2 * (long long)(totals >> 31));

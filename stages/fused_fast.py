@@ -78,6 +78,12 @@ EARLY_RETURN = 1
 # 174.5-175.0, decode (4, 2) 174.8-175.8 against (2, 3)'s 167.3-169.7.
 ENCODE_SHAPE = {"e4m3": (8, 2), "e5m2": (8, 2), "bf16": (4, 2), "fp16": (4, 2), "fp32": (2, 2)}
 DECODE_SHAPE = {"e4m3": (2, 3), "e5m2": (2, 3), "bf16": (4, 3), "fp16": (2, 4), "fp32": (1, 4)}
+# A decode's verdict comes from kvz_scan, which checks every blob's escapes as kvz_decode would
+# (check_block_escapes) and whose last block sends the errors to the host (verdict_block_done);
+# where no block deferred its checks a CuPy or torch caller's call returns then, its results
+# complete in stream order, as an early-returning encode's blobs are.  0: every call waits for
+# the decoder's end.
+EARLY_VERDICT = 1
 QUANTIZING_ENCODE_SHAPE = (4, 4)  # kvz_encode<..., QT = true>: loads no step ahead
 # kvz_decode<..., DQ = true>, which stores 16-bit values: the bench's quantize pipeline decoded at
 # 1810-1839 GB/s at (4, 3) and 1657-1666 at (2, 3) (v21), so it keeps (4, 3).
@@ -372,7 +378,7 @@ class _EncodeProgram:
                                 np.int64(1 + k + total_sb), P(self.ready.ctypes.data))))
         ops += [_launch(scan, device, k + total_sb,  # k blocks finish the blobs (headers)
                         (R(0), np.int32(k), np.int32(chunk), np.int32(slot), lut, R(3), P(0), R(1), R(4),
-                         P(0), P(0), np.int32(0))),
+                         P(0), P(0), np.int32(0), P(0), P(0), P(0))),
                 ("download", 4, self.sizes_nb)]
         # Regions: encode jobs | finish jobs | templates | zeroed work | sizes | escape slots |
         # (quantize) amax, table.
@@ -676,15 +682,17 @@ class _DecodeProgram:
             chunk_base += nchunks
             sb_base += -(-nchunks // SB_CHUNKS)
         self.fixed = np.array(fixed, np.uint64).reshape(k, 3)
-        self.out_bytes, self.dtype, self.errors_nb = out_at, out_fmt.uint_dtype, 8 * (1 + k)
+        # The downloads: the scan's ticket, each blob's error, and the scan's deferred checks.
+        self.out_bytes, self.dtype, self.errors_nb = out_at, out_fmt.uint_dtype, 8 * (2 + k)
         _, _, scan, dec = _instances(fmt)
         dec = _dequantizing_decode(fmt) if dequantize else dec
         # Workspace: jobs (| heads: blob address and length) | zeroed work (scan ticket, per-tensor
-        # errors, look-back, decode chunk queue) | chunk offsets (| expected headers) (| dequantize tables).
+        # errors, deferred checks, scan blocks done, look-back, decode chunk queue) | chunk offsets
+        # (| expected headers) (| dequantize tables).
         guess = expect is not None
         sizes = [8 * DECODE_COLUMNS * k] + ([16 * k] if guess else [])
         jobs, heads, work, offs = R(0), R(1), R(len(sizes)), R(len(sizes) + 1)
-        sizes += [8 * (1 + k + sb_base + QUEUE_WORDS), 8 * chunk_base]  # work ends with kvz_decode's chunk queues
+        sizes += [8 * (3 + k + sb_base + QUEUE_WORDS), 8 * chunk_base]  # work ends with kvz_decode's chunk queues
         ops = [("upload", work), ("zero", work)]
         if guess:
             expected = len(sizes)  # region of the expected headers, written once below
@@ -693,15 +701,21 @@ class _DecodeProgram:
             ops.append(("launch", quantize_fast.dequant_tables_kernel(*dequantize, device), (k,), (256,),
                         (jobs, np.int32(DQ_SCALE), np.int32(DECODE_COLUMNS), P(0), R(len(sizes)))))
             sizes.append(512 * k)
+        # The scan's verdict (every check but those it deferred), sent by its last block.
+        self.early = bool(chunk_base and EARLY_VERDICT)
+        verdict = (call_graphs.EARLY_DOWN, call_graphs.EARLY_FLAG, call_graphs.EARLY_RUNS) if self.early else (
+            P(0), P(0), P(0))
         if chunk_base or guess:  # on guessed layouts the scan's first k blocks check the headers
             ops.append(_launch(scan, device, sb_base + (k if guess else 0),
                                (jobs, np.int32(k), np.int32(chunk), np.int32(0), P(0), work, offs, P(0), P(0),
                                 heads if guess else P(0), R(expected) if guess else P(0),
-                                np.int32(HEAD_SPAN if guess else 0))))
+                                np.int32(HEAD_SPAN if guess else 0)) + verdict))
+        if self.early:
+            ops.append(("early", work, self.errors_nb))
         if chunk_base:
             ops.append(_launch(dec, device, _chunk_grid(dec, device, chunk_base),
                                (jobs, np.int32(k), np.int64(chunk_base), np.int32(chunk), offs, work,
-                                np.int64(1 + k + sb_base))))
+                                np.int64(3 + k + sb_base))))
         self.shape = call_graphs.CallShape(tuple(sizes), tuple(ops) + (("download", work, self.errors_nb),))
         self.heads_at = self.shape.offsets[1] // 8 if guess else None  # heads' first word in the staging
         self.staged_row = None  # the layout row run_one last staged whole (None after a run)
@@ -736,8 +750,7 @@ class _DecodeProgram:
         self.shape.launch(stream)
         got = views(out, self.offsets) if views is not None else self._raw_views(out)
         # The validation result: the tensor errors after the work counter.
-        self.shape.wait(stream)
-        errors = self.shape.down64[1:self.errors_nb // 8]
+        errors = self._verdict(stream, origin)[1:self.errors_nb // 8 - 1]
         misses = []
         if errors.any():
             bad = np.nonzero(errors)[0]
@@ -777,11 +790,23 @@ class _DecodeProgram:
         got = views(out, self.offsets) if views is not None else self._raw_views(out)
         if while_running is not None:
             while_running()
-        self.shape.wait(stream)
-        error = int(self.shape.down64[1])  # the tensor's error, after the work counter
+        error = int(self._verdict(stream, origin)[1])  # the tensor's error, after the work counter
         if error and error != GUESS_MISSED:
             raise FormatError(_error_text(error))
         return got[0], error == GUESS_MISSED
+
+    def _verdict(self, stream, origin) -> np.ndarray:
+        """The launched call's downloaded words (work counter, each blob's error, deferred checks):
+        for a CuPy or torch caller's results (origin), from the early download, the decoder left
+        running in stream order, where the scan checked every escape; else once the call is done
+        (raw results go on to more host work, and other frameworks' arrays know no stream)."""
+        if self.early and origin is not None and origin.framework in ("cupy", "torch"):
+            words = self.shape.wait_early(stream)
+            if not words[self.errors_nb // 8 - 1]:
+                self.shape.detach(stream)
+                return words
+        self.shape.wait(stream)
+        return self.shape.down64
 
     def _raw_views(self, out) -> list:
         import cupy

@@ -4,7 +4,8 @@ polls the flag instead of synchronising the stream.  On a real GPU: every downlo
 there when wait returns, in the eager run, the captured one and graph replays; a stream that
 ends without the flag raises instead of polling forever; a shape without a download still
 synchronises.  A detached call (CallShape.detach) is followed in stream order by the next call
-on its stream, and waited for by a call on another stream and by settle."""
+on its stream, and waited for by a call on another stream and by settle.  An early download
+between two kernels has its own flag: wait_early returns its bytes while the call goes on."""
 import numpy as np
 import pytest
 
@@ -121,3 +122,41 @@ def test_settle_and_release_wait_for_a_detached_call():
     entry.shape.detach(stream)
     call_graphs.release()
     assert entry.shape.done[0] == 1 and entry.shape.detached is None
+
+
+_report = cupy.RawKernel(r"""
+extern "C" __global__ void report(const unsigned long long* src, unsigned long long* down, int n, unsigned int* flag,
+                                  unsigned int* runs) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) down[i] = src[i];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int run = *runs + 1;
+        *runs = run;
+        __threadfence_system();
+        *(volatile unsigned int*)flag = run;
+    }
+}""", "report")
+
+
+def test_an_early_download_arrives_while_the_call_goes_on():
+    """An "early" op: a kernel sends words and raises the early flag itself (as kvz_scan sends a
+    decode's verdict); wait_early returns them while a slow kernel after it still runs."""
+    small = 64
+    ops = (("upload", 1),
+           ("launch", _slow_fill, (1,), (64,), (R(0), R(1), np.int64(small), np.int64(0))),
+           ("launch", _report, (1,), (64,), (R(1), call_graphs.EARLY_DOWN, np.int32(small), call_graphs.EARLY_FLAG,
+                                             call_graphs.EARLY_RUNS)),
+           ("early", 1, 8 * small),
+           ("launch", _slow_fill, (64,), (256,), (R(0), R(2), np.int64(WORDS), np.int64(20_000_000))),
+           ("download", 2, 8 * WORDS))
+    shape, stream = call_graphs.CallShape((8 * 2, 8 * small, 8 * WORDS), ops), cupy.cuda.Stream(non_blocking=True)
+    for run in range(3):  # eager, captured, replayed
+        shape.put(0, np.array([run + 2, 0], np.uint64))
+        shape.launch(stream)
+        early = shape.wait_early(stream)[:small].copy()
+        assert not stream.done  # the last kernel spins 20 ms
+        np.testing.assert_array_equal(early, np.uint64(run + 2) * np.arange(small, dtype=np.uint64) + np.uint64(1))
+        assert shape.early_done[0] == run + 1
+        np.testing.assert_array_equal(shape.wait(stream).view(np.uint64)[:WORDS], _expected(run + 2))
+        assert shape.done[0] == run + 1
+    assert shape.graph

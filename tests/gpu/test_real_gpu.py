@@ -606,3 +606,41 @@ def test_cuda_addresses_is_cuda_address_for_a_whole_batch():
             blobs = kvzip.compress_many(xs, dtype="bf16")
             for blob, x in zip(blobs, xs):
                 np.testing.assert_array_equal(blob.get(), kvzip.compress(x.get(), dtype="bf16"))
+
+
+@pytest.mark.parametrize("heavy", [False, True], ids=["real", "escape-heavy"])
+def test_broken_escapes_raise_in_first_and_queued_chunks(heavy):
+    """Escape positions are checked by kvz_scan (check_block_escapes), whose verdict the host
+    reads before the decoder ends, and, where a scan block holds too many escapes for that
+    (escape-heavy data), by kvz_decode as it applies them, on a warp's first chunk (decoded
+    before the scan is done, patched after: finish_early_chunk) and on chunks it takes from the
+    queue later.  Each way a broken position raises, a batch names the bad blob, and good calls
+    after bad ones decode."""
+    from kvzip import container
+    from kvzip.backends import get_backend
+    from kvzip.stages import call_graphs
+
+    bits = real_bf16(1 << 24)  # 4096 chunks: more than the decoder's warps (3168 on an H200)
+    if heavy:
+        bits[::10] = 200 << 7  # an exponent far outside the codebook: ~410 escapes a chunk
+    blob = kvzip.compress(cupy.asarray(bits), dtype="bf16")
+    call_graphs.release()
+    np.testing.assert_array_equal(bits_of(kvzip.decompress(blob)), bits)
+    (program,) = [e for e in call_graphs.entries() if isinstance(e, fused_fast._DecodeProgram)]
+    if fused_fast.EARLY_VERDICT:
+        assert program.shape.early64[program.errors_nb // 8 - 1] == heavy  # the scan deferred its checks
+    host = blob.get()
+    hdr = container.parse_header(container.read_head(get_backend("cpu"), host), host.shape[0])
+    start = {name: hdr.header_len + off for name, _, off, _ in hdr.streams}
+    counts = np.frombuffer(host[start["esc_count"]:start["esc_pos"]], np.uint16)
+    two = np.nonzero(counts >= 2)[0]
+    for chunk in (two[0], two[-1]):  # a warp's first chunk, and one taken from the queue
+        before = int(counts[:chunk].sum())
+        bad = blob.copy()
+        pos = start["esc_pos"] + 2 * (before + 1)
+        bad[pos:pos + 2] = bad[pos - 2:pos]  # a position repeated: not increasing
+        with pytest.raises(kvzip.FormatError, match="position"):
+            kvzip.decompress(bad)
+        with pytest.raises(kvzip.FormatError, match="blob 1"):
+            kvzip.decompress_many([blob, bad, blob])
+        np.testing.assert_array_equal(bits_of(kvzip.decompress(blob)), bits)
