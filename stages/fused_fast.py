@@ -71,13 +71,17 @@ EARLY_RETURN = 1
 # shape_ab.py (since v24 benchmarks/macro_ab.py's shape settings): since the early chunk (v20)
 # the E5M2 decoder spilled 28 bytes at (4, 3) and none at (2, 3), 194-195 -> 179-180 us a decode
 # graph at 2^28; the encoder (8, 2), no spills either, 202-203 -> 199 us.  E4M3 runs the same
-# code as E5M2 and takes its shapes.  The float16 decoder (its per-value path) at (2, 4): graph
+# code as E5M2 and takes its encoder's shape.  The float16 decoder (its per-value path) at (2, 4): graph
 # 461-462 -> 422-425 us ((2, 3) 436-440); the float32 encoder at (2, 2), where (1, 4) spilled 16
 # bytes: graph 918-923 -> 561-562 us.  Checked again at v24 (benchmarks/macro_ab.py, four
 # queues, position tables, L2 prefetch): E5M2 encode (4, 3) 180.9-181.6 us against (8, 2)'s
-# 174.5-175.0, decode (4, 2) 174.8-175.8 against (2, 3)'s 167.3-169.7.
+# 174.5-175.0, decode (4, 2) 174.8-175.8 against (2, 3)'s 167.3-169.7.  At v26 (the scan's early
+# verdict) the E5M2 decoder went to (1, 4): 64 registers, no spills, 32 warps a multiprocessor
+# where (2, 3) ran 24; its whole chunks take the same path (a lane per quad a step either way),
+# and 2^28 decode calls went 177.0-179.0 -> 174.0-175.3 us (graphs 173.8-174.8 -> 172.0-173.2).
+# E4M3's decoder keeps (2, 3), not measured at (1, 4).
 ENCODE_SHAPE = {"e4m3": (8, 2), "e5m2": (8, 2), "bf16": (4, 2), "fp16": (4, 2), "fp32": (2, 2)}
-DECODE_SHAPE = {"e4m3": (2, 3), "e5m2": (2, 3), "bf16": (4, 3), "fp16": (2, 4), "fp32": (1, 4)}
+DECODE_SHAPE = {"e4m3": (2, 3), "e5m2": (1, 4), "bf16": (4, 3), "fp16": (2, 4), "fp32": (1, 4)}
 # A decode's verdict comes from kvz_scan, which checks every blob's escapes as kvz_decode would
 # (check_block_escapes) and whose last block sends the errors to the host (verdict_block_done);
 # where no block deferred its checks a CuPy or torch caller's call returns then, its results
