@@ -1228,8 +1228,8 @@ __device__ __forceinline__ u32 load_slot_escapes(u32 k0, u32 listed, const u32* 
 
 // The decode scan's check of its block's escapes, the checks kvz_decode makes as it applies them
 // (load_escapes: positions inside their chunk and increasing, exponents in range), so that the
-// call's errors are known once the scan is done: the host then learns them from a download
-// between the scan and kvz_decode and returns while the decoder still runs (fused_fast.py,
+// call's errors are known once the scan is done: its last block sends them to the host
+// (verdict_block_done), which returns while the decoder still runs (fused_fast.py,
 // EARLY_VERDICT).  A thread per escape, SB_CHUNKS apart, its chunk found in s_eoff (escapes before
 // each chunk of the block; the chunk holding escape k is the last with s_eoff <= k).  A block of
 // more than CHECK_MAX escapes (data far from the codebook: the shared real KV has 3-4 a chunk,
