@@ -39,8 +39,9 @@ typedef unsigned long long u64;
 // (stages/dependent_launch.py), so its blocks may be resident, and running, before that one
 // ends.  await_predecessor returns once the predecessor has completed and its memory is visible;
 // release_dependents lets the successor's blocks be scheduled (they wait likewise).  Each kernel
-// does both first, except kvz_decode, which decodes a chunk before it waits.  Both are no-ops
-// when the kernel was launched the ordinary way.
+// does both first, except kvz_decode, which decodes a chunk before it waits, and then waits for
+// the scan's offsets only (await_offsets).  Both are no-ops when the kernel was launched the
+// ordinary way.
 __device__ __forceinline__ void await_predecessor() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -1318,6 +1319,34 @@ __device__ void verdict_block_done(u64* work, int njobs, u64* down, unsigned int
     }
 }
 
+// The decode scan's offsets, ready: each block, once its chunk offsets, its count checks
+// (errors 1, 2, 5) and any header guess are written, counts itself at work[offsets_ready_at
+// (njobs)] (a line of its own: kvz_decode's blocks poll it), and kvz_decode waits for that count
+// (await_offsets) instead of the scan's end, so the scan's escape checks (check_block_escapes:
+// 2-3 us of a 2^28 graph, NOTES v26) overlap the decoder's start rather than delay it.  Those
+// checks' errors (3, 4) reach the host through the scan's verdict; the decoder makes the same
+// checks as it applies the escapes, so its reads and writes stay inside the blob and the output
+// either way.  KVZ_OFFSETS_WAIT=0: the decoder waits for the scan's end (griddepcontrol.wait).
+#ifndef KVZ_OFFSETS_WAIT
+#define KVZ_OFFSETS_WAIT 1
+#endif
+#ifndef KVZ_POLL_NS
+#define KVZ_POLL_NS 256
+#endif
+__host__ __device__ constexpr long long offsets_ready_at(int njobs) { return (3ll + njobs + 15) & ~15ll; }
+__host__ __device__ constexpr long long decode_status_at(int njobs) { return offsets_ready_at(njobs) + 16; }
+
+// A scan block's count (every thread calls it; the fence after the barrier orders the block's
+// writes, seen by thread 0 there, before the count, as in verdict_block_done).
+__device__ __forceinline__ void offsets_block_done(u64* work, int njobs) {
+    if (!KVZ_OFFSETS_WAIT) return;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(reinterpret_cast<unsigned long long*>(work + offsets_ready_at(njobs)), 1ull);
+    }
+}
+
 // The escape and plane-group offsets of every chunk, from esc_count: a block per SB_CHUNKS chunks
 // of one tensor, blocks chained per tensor by the decoupled look-back (tickets hand the blocks out
 // in order).  A chunk's value is escapes << 31 | plane-coded groups.
@@ -1332,7 +1361,9 @@ __device__ void verdict_block_done(u64* work, int njobs, u64* down, unsigned int
 // Decode: also checks the block's escapes as kvz_decode does (check_block_escapes).
 // work: [0] ticket, [1 + t] tensor t's totals (encode: kvz_encode's sums) or error (decode),
 // (decode: [1 + njobs] the deferred checks, check_block_escapes; [2 + njobs] the blocks done,
-// verdict_block_done) then status, [sb] of it.  down, flag, runs: a decode's verdict (below).  fin, sizes: encode only.  heads, expect, span: a decode on guessed
+// verdict_block_done; [offsets_ready_at] the blocks whose offsets are written) then status, [sb]
+// of it (encode from 1 + njobs, decode from decode_status_at).  down, flag, runs: a decode's
+// verdict (below).  fin, sizes: encode only.  heads, expect, span: a decode on guessed
 // layouts, whose first njobs blocks run guess_head for each blob; the blocks that set a blob's
 // errors or check its totals wait for that verdict first (a wrong guess's counts mean nothing).
 // Tickets hand the guesses out first, so no block waits on one that has not started.  (The guess
@@ -1369,6 +1400,7 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
         if (heads != nullptr) {
             if (sb < njobs) {
                 guess_head(heads, (int)sb, span, expect, const_cast<Job&>(jobs[sb]), work);
+                offsets_block_done(work, njobs);
                 if (flag != nullptr) verdict_block_done(work, njobs, down, flag, runs);
                 return;
             }
@@ -1416,7 +1448,7 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
         loaded = load_slot_escapes(tid, listed, s_eoff, s_cnt, slot, c0, J.slot_pos, J.slot_exp, pos, ex);
     }
     if (wid == 0) {
-        const u64 p = look_back(work + (ENC ? 1 : 3) + njobs + J.sb_base, lsb, agg, lane);
+        const u64 p = look_back(work + (ENC ? 1 + njobs : decode_status_at(njobs)) + J.sb_base, lsb, agg, lane);
         if (lane == 0) s_prefix = p;
     }
     const bool any_over = __syncthreads_or(over);
@@ -1434,6 +1466,7 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
             }
         }
         if (c < nchunks) chunk_off[J.chunk_base + c] = prefix + excl;
+        offsets_block_done(work, njobs);
         check_block_escapes<E>(J, n, chunk, lsb * SB_CHUNKS, (u32)(excl >> 31), (u32)(agg >> 31), prefix >> 31,
                                heads != nullptr, err, work + 1 + njobs, s_eoff);
         if (flag != nullptr) verdict_block_done(work, njobs, down, flag, runs);
@@ -1725,13 +1758,51 @@ __device__ __forceinline__ void decode_e5m2_quads(const DecodeJob& J, const u8* 
     }
 }
 
-// kvz_decode's early chunk gc of tensor job (below), its dense decode stored: wait for kvz_scan,
-// then, unless it found the tensor broken, write each escape's exponent over its value (stored
+// kvz_decode's wait for the scan's offsets (offsets_block_done; with KVZ_OFFSETS_WAIT=0 for the
+// scan's end).  The first warp of a block to arrive polls the scan's count; the block's other
+// warps watch its word in shared memory (a poller a warp put 2000 and more loads on one L2 line).
+// Acquire loads, by lane 0 before the warp's barrier, put the warp's later reads after the scan
+// blocks' writes.  s_offsets: 0 nobody polls, 1 a warp polls, 2 ready (zeroed as kvz_decode starts).
+struct OffsetsWait {
+    const u64* count;  // work[offsets_ready_at(njobs)]
+    long long blocks;  // the scan's blocks
+};
+__shared__ u32 s_offsets;
+__device__ __forceinline__ void await_offsets(OffsetsWait w) {
+#if KVZ_OFFSETS_WAIT
+    if ((threadIdx.x & 31) == 0) {
+        const u32 at = (u32)__cvta_generic_to_shared(&s_offsets);
+        for (;;) {
+            u32 state;
+            asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];" : "=r"(state) : "r"(at) : "memory");
+            if (state == 2) break;
+            if (state == 0 && atomicCAS(&s_offsets, 0u, 1u) == 0u) {
+                for (;;) {
+                    u64 done;
+                    asm volatile("ld.acquire.gpu.u64 %0, [%1];" : "=l"(done) : "l"(w.count) : "memory");
+                    if ((long long)done >= w.blocks) break;
+                    __nanosleep(KVZ_POLL_NS);
+                }
+                asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(at), "r"(2u) : "memory");
+                break;
+            }
+            __nanosleep(32);
+        }
+    }
+    __syncwarp();
+#else
+    await_predecessor();
+#endif
+}
+
+// kvz_decode's early chunk gc of tensor job (below), its dense decode stored: wait for kvz_scan's
+// offsets (await_offsets), then, unless it found the tensor broken, write each escape's exponent over its value (stored
 // with code 0's); a lane per escape, 32 at a time, checked as load_escapes checks them.
 template <int E, int M, typename T>
 __device__ __forceinline__ void finish_early_chunk(const DecodeJob* __restrict__ jobs, int job, long long gc, int chunk,
-                                                   const u64* __restrict__ chunk_off, u64* __restrict__ work, int lane) {
-    await_predecessor();
+                                                   const u64* __restrict__ chunk_off, u64* __restrict__ work, int lane,
+                                                   OffsetsWait ow) {
+    await_offsets(ow);
     const DecodeJob& J = jobs[job];
     u64* err = work + 1 + job;
     if (*reinterpret_cast<volatile u64*>(err) != 0) return;
@@ -1756,7 +1827,7 @@ __device__ __forceinline__ void finish_early_chunk(const DecodeJob* __restrict__
 template <int E, int M, typename T, int GPL, bool DQ, bool EARLY>
 __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob* __restrict__ jobs, int job,
                                              long long gc, int chunk, const u64* __restrict__ chunk_off,
-                                             u64* __restrict__ work, int lane) {
+                                             u64* __restrict__ work, int lane, OffsetsWait ow = OffsetsWait{nullptr, 0}) {
     constexpr int HB = E - 4, R = M + 1, STEP = 32 * GPL;
     constexpr bool BF16 = E == 8 && M == 7 && sizeof(T) == 2;
     constexpr bool E5M2 = E == 5 && M == 2 && sizeof(T) == 1;
@@ -1769,7 +1840,7 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
     const u32 stored = J.esc_count[c];
     const bool plane = stored == PLANE;
     const bool early = EARLY && !plane;  // a plane-coded chunk needs its offset first
-    if (EARLY && plane) await_predecessor();
+    if (EARLY && plane) await_offsets(ow);
     u64 off = 0;
     if (!early) {
         off = chunk_off[gc];
@@ -1812,7 +1883,7 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
         if (!plane && n >= chunk && (chunk & 31) == 0) {
             decode_e5m2_quads<GPL >= 2 ? GPL / 2 : 1>(J, codes, rest, dst, gpc / 4, esc_off, cnt, len, (u32)(dlo << 2),
                                                       (u32)(dlo >> 30), (u32)(dhi << 2), (u32)(dhi >> 30), lane, err);
-            if (early) finish_early_chunk<E, M, T>(jobs, job, gc, chunk, chunk_off, work, lane);
+            if (early) finish_early_chunk<E, M, T>(jobs, job, gc, chunk, chunk_off, work, lane, ow);
             return;
         }
     }
@@ -1877,24 +1948,25 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
             patch_store<E, M, T, DQ>(dst, n, i, v, pm[q], pe[q], table);
         }
     }
-    if (early) finish_early_chunk<E, M, T>(jobs, job, gc, chunk, chunk_off, work, lane);
+    if (early) finish_early_chunk<E, M, T>(jobs, job, gc, chunk, chunk_off, work, lane, ow);
 }
 
 // A warp's first chunk, gc, before kvz_scan is known to be done.  The job table is read past L1
 // (ld.global.cg: its rows were written by the upload, complete before any scan block released
 // this grid), so no line of it sits in this multiprocessor's L1 when the scan's header guesses
-// write their fields of it: the loads after griddepcontrol.wait then see them.  (Volatile loads,
+// write their fields of it: the loads after the wait (await_offsets) then see them.  (Volatile loads,
 // one at a time, made every warp's start ~10 us later.)  A call, not inlined: a second inlined
 // copy of the chunk's code cost the decoders' loop spills (BF16 0 -> 28 bytes, E5M2 16 -> 68).
 template <int E, int M, typename T, int GPL>
 __device__ __noinline__ void decode_early_chunk(const DecodeJob* __restrict__ jobs, int njobs, long long gc, int chunk,
-                                                const u64* __restrict__ chunk_off, u64* __restrict__ work, int lane) {
+                                                const u64* __restrict__ chunk_off, u64* __restrict__ work, int lane,
+                                                OffsetsWait ow) {
     const int job = find_job<true>(jobs, njobs, gc, &DecodeJob::chunk_base);
     union { uint4 words[sizeof(DecodeJob) / 16]; DecodeJob row; } J;
     const uint4* src = reinterpret_cast<const uint4*>(jobs + job);
 #pragma unroll
     for (int k = 0; k < (int)(sizeof(DecodeJob) / 16); k++) J.words[k] = __ldcg(src + k);
-    decode_chunk<E, M, T, GPL, false, true>(J.row, jobs, job, gc, chunk, chunk_off, work, lane);
+    decode_chunk<E, M, T, GPL, false, true>(J.row, jobs, job, gc, chunk, chunk_off, work, lane, ow);
 }
 
 // Dense pass, the mirror of kvz_encode: chunks from a queue, a warp walking its chunk in
@@ -1903,28 +1975,37 @@ __device__ __noinline__ void decode_early_chunk(const DecodeJob* __restrict__ jo
 // value as J.dq_table maps it, QuantizeFP8's decode fused into the store (the codes never go to
 // memory: 2 bytes a value less traffic than decoding and then dequantizing).
 // Early chunk: launched as the scan's programmatic dependent, the kernel starts while the scan
-// still runs, and each warp decodes its first chunk (listed, not DQ) before it waits for it
-// (decode_chunk<..., EARLY>): no escapes applied, the values stored, then the wait, the scan's
-// verdict and the escapes patched in memory (finish_early_chunk).  The later chunks go through
-// decode_chunk<..., false>, with no wait in the loop (one there cost every decoder spills).
+// still runs, and each warp decodes its first chunk (listed, not DQ) before it waits for the
+// scan's offsets (decode_chunk<..., EARLY>): no escapes applied, the values stored, then the wait,
+// the scan's verdict on the tensor and the escapes patched in memory (finish_early_chunk).  The
+// later chunks go through decode_chunk<..., false>, with no wait in the loop (one there cost
+// every decoder spills).  scan_blocks: the scan's grid (the count await_offsets waits for).
+// Each thread ends with griddepcontrol.wait (the scan long done by then), so the kernel's end
+// still implies the scan's for what follows it in the stream.
 template <int E, int M, typename T, int GPL, int MINB, bool DQ = false>
 __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* __restrict__ jobs, int njobs,
                                                                 long long total_chunks, int chunk,
                                                                 const u64* __restrict__ chunk_off, u64* __restrict__ work,
-                                                                long long queue_at) {
+                                                                long long queue_at, long long scan_blocks) {
     release_dependents();
+    if (KVZ_OFFSETS_WAIT) {
+        if (threadIdx.x == 0) s_offsets = 0;
+        __syncthreads();
+    }
+    const OffsetsWait ow{work + offsets_ready_at(njobs), scan_blocks};
     const int lane = threadIdx.x & 31;
     const long long W = (long long)gridDim.x * WARPS;
     long long next = 0, gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (!DQ && gc < total_chunks) {
         next = claim_chunk(work + queue_at, W, lane);  // from the queue, a chunk a claim
-        decode_early_chunk<E, M, T, GPL>(jobs, njobs, gc, chunk, chunk_off, work, lane);
+        decode_early_chunk<E, M, T, GPL>(jobs, njobs, gc, chunk, chunk_off, work, lane, ow);
         gc = next_chunk(next);
     }
-    await_predecessor();  // returns at once where the first chunk waited already
+    await_offsets(ow);  // returns at once where the first chunk waited already
     for (; gc < total_chunks; gc = next_chunk(next)) {
         next = claim_chunk(work + queue_at, W, lane);
         const int job = find_job(jobs, njobs, gc, &DecodeJob::chunk_base);
         decode_chunk<E, M, T, GPL, DQ, false>(jobs[job], jobs, job, gc, chunk, chunk_off, work, lane);
     }
+    await_predecessor();
 }

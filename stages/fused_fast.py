@@ -56,6 +56,13 @@ _TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
 _ESCAPE_STREAMS = ["esc_pos", "esc_exp", "exp_high"]
 SB_CHUNKS = 256         # chunks per block of kvz_scan (one thread each)
 QUEUE_WORDS = 128       # work words of the dense kernels' chunk queues (fused_fast.cu's QUEUE_WORDS)
+
+
+def _decode_status_at(k: int) -> int:
+    """The decode work's first look-back word for k blobs (fused_fast.cu's decode_status_at): after
+    the ticket, the errors, the deferred and blocks-done words, and a line (16 words, 128 bytes)
+    holding only the count of scan blocks whose offsets are written, which the decoder polls."""
+    return -(-(3 + k) // 16) * 16 + 16
 # Encode calls of at least this many tensors build their blobs as kvz_encode publishes each
 # tensor's totals, while the scan (~10 us) still runs, instead of after the call's wait.
 EARLY_SIZING_MIN = 1
@@ -691,12 +698,14 @@ class _DecodeProgram:
         _, _, scan, dec = _instances(fmt)
         dec = _dequantizing_decode(fmt) if dequantize else dec
         # Workspace: jobs (| heads: blob address and length) | zeroed work (scan ticket, per-tensor
-        # errors, deferred checks, scan blocks done, look-back, decode chunk queue) | chunk offsets
+        # errors, deferred checks, scan blocks done, the line of scan blocks whose offsets are
+        # written, look-back, decode chunk queue) | chunk offsets
         # (| expected headers) (| dequantize tables).
         guess = expect is not None
         sizes = [8 * DECODE_COLUMNS * k] + ([16 * k] if guess else [])
         jobs, heads, work, offs = R(0), R(1), R(len(sizes)), R(len(sizes) + 1)
-        sizes += [8 * (3 + k + sb_base + QUEUE_WORDS), 8 * chunk_base]  # work ends with kvz_decode's chunk queues
+        queue_at = _decode_status_at(k) + sb_base  # work ends with kvz_decode's chunk queues
+        sizes += [8 * (queue_at + QUEUE_WORDS), 8 * chunk_base]
         ops = [("upload", work), ("zero", work)]
         if guess:
             expected = len(sizes)  # region of the expected headers, written once below
@@ -709,8 +718,9 @@ class _DecodeProgram:
         self.early = bool(chunk_base and EARLY_VERDICT)
         verdict = (call_graphs.EARLY_DOWN, call_graphs.EARLY_FLAG, call_graphs.EARLY_RUNS) if self.early else (
             P(0), P(0), P(0))
-        if chunk_base or guess:  # on guessed layouts the scan's first k blocks check the headers
-            ops.append(_launch(scan, device, sb_base + (k if guess else 0),
+        scan_blocks = sb_base + (k if guess else 0)  # on guessed layouts the first k check the headers
+        if scan_blocks:
+            ops.append(_launch(scan, device, scan_blocks,
                                (jobs, np.int32(k), np.int32(chunk), np.int32(0), P(0), work, offs, P(0), P(0),
                                 heads if guess else P(0), R(expected) if guess else P(0),
                                 np.int32(HEAD_SPAN if guess else 0)) + verdict))
@@ -719,7 +729,7 @@ class _DecodeProgram:
         if chunk_base:
             ops.append(_launch(dec, device, _chunk_grid(dec, device, chunk_base),
                                (jobs, np.int32(k), np.int64(chunk_base), np.int32(chunk), offs, work,
-                                np.int64(3 + k + sb_base))))
+                                np.int64(queue_at), np.int64(scan_blocks))))
         self.shape = call_graphs.CallShape(tuple(sizes), tuple(ops) + (("download", work, self.errors_nb),))
         self.heads_at = self.shape.offsets[1] // 8 if guess else None  # heads' first word in the staging
         self.staged_row = None  # the layout row run_one last staged whole (None after a run)
