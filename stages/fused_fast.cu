@@ -678,22 +678,30 @@ __device__ __forceinline__ int find_job(const Job* jobs, int njobs, long long ke
 #define QUEUE_WORDS 128  // the queues' region of work (KVZ_QUEUES * QUEUE_STRIDE at most)
 static_assert(KVZ_QUEUES >= 1 && KVZ_QUEUES * QUEUE_STRIDE <= QUEUE_WORDS && WARPS % KVZ_QUEUES == 0,
               "the queues fit their region and divide the warps");
-__device__ __forceinline__ long long claim_chunk(u64* queues, long long W, int lane) {
-    u32 old = 0, q = 0;  // the counter's low word (little-endian; fewer than 2^32 chunks, MAX_VALUES)
+// claim_chunk returns the counter's old value as the atomic gives it (lane 0's; the counter's low
+// word, little-endian: fewer than 2^32 chunks, MAX_VALUES), and next_chunk makes it a chunk, W + q
+// + KVZ_QUEUES * old, in its own asm: with that arithmetic outside (v24-v26) ptxas put a multiply
+// of old right after the atomic, so lane 0, and with it the warp at the branch's end, waited out
+// the claim's round trip at every chunk's start after all (SASS, NOTES v27).  W (the grid's
+// warps) comes from %nctaid in the asm too: one register less across the chunk.
+__device__ __forceinline__ u32 claim_chunk(u64* queues, int lane) {
+    u32 old = 0;
     if (lane == 0)
-        asm volatile("{ .reg .u64 g, o; .reg .u32 t; mov.u32 t, %%tid.x; shr.u32 t, t, 5; rem.u32 %1, t, %3;"
-                     " mul.wide.u32 o, %1, %4; add.u64 g, %2, o; cvta.to.global.u64 g, g;"
+        asm volatile("{ .reg .u64 g, o; .reg .u32 t, q; mov.u32 t, %%tid.x; shr.u32 t, t, 5; rem.u32 q, t, %2;"
+                     " mul.wide.u32 o, q, %3; add.u64 g, %1, o; cvta.to.global.u64 g, g;"
                      " atom.global.inc.u32 %0, [g], 0xfffffffe; }"
-                     : "=r"(old), "=r"(q) : "l"(queues), "n"(KVZ_QUEUES), "n"(QUEUE_STRIDE * 8) : "memory");
-    return lane == 0 ? W + q + (long long)KVZ_QUEUES * old : 0;
+                     : "=r"(old) : "l"(queues), "n"(KVZ_QUEUES), "n"(QUEUE_STRIDE * 8) : "memory");
+    return old;
 }
 
-// Lane 0's claim, in every lane.
-__device__ __forceinline__ long long next_chunk(long long next) {
+// The chunk lane 0 claimed (claim_chunk's value), in every lane.
+__device__ __forceinline__ long long next_chunk(u32 claim) {
     long long r;
-    asm volatile("{ .reg .b32 lo, hi; mov.b64 {lo, hi}, %1; shfl.sync.idx.b32 lo, lo, 0, 0x1f, 0xffffffff;"
-                 " shfl.sync.idx.b32 hi, hi, 0, 0x1f, 0xffffffff; mov.b64 %0, {lo, hi}; }"
-                 : "=l"(r) : "l"(next) : "memory");
+    asm volatile("{ .reg .u32 k, t, q, w; .reg .u64 a, b; shfl.sync.idx.b32 k, %1, 0, 0x1f, 0xffffffff;"
+                 " mov.u32 t, %%tid.x; shr.u32 t, t, 5; rem.u32 q, t, %2; mov.u32 w, %%nctaid.x;"
+                 " mul.wide.u32 a, w, %3; mul.wide.u32 b, k, %2; add.u64 a, a, b; cvt.u64.u32 b, q;"
+                 " add.u64 %0, a, b; }"
+                 : "=l"(r) : "r"(claim), "n"(KVZ_QUEUES), "n"(WARPS) : "memory");
     return r;
 }
 
@@ -786,13 +794,12 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
     __syncthreads();
     const int lane = threadIdx.x & 31;
     const int gpc = chunk / 8;
-    const long long W = (long long)gridDim.x * WARPS;
-    long long next = 0;
+    u32 next = 0;
     u64 sum = 0;  // escapes << 31 | plane-coded groups of this warp's chunks of tensor sum_job
     int sum_job = 0, sum_chunks = 0;
     PendingCounts* pend = &pending[threadIdx.x >> 5];
     for (long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); gc < total_chunks; gc = next_chunk(next)) {
-        next = claim_chunk(work + queue_at, W, lane);
+        next = claim_chunk(work + queue_at, lane);
         const int job = find_job(jobs, njobs, gc, &EncodeJob::chunk_base);
         const EncodeJob& J = jobs[job];
         const long long c = gc - J.chunk_base, g0 = c * gpc;
@@ -1821,13 +1828,15 @@ __device__ __forceinline__ void finish_early_chunk(const DecodeJob* __restrict__
     }
 }
 
-// kvz_decode's work on chunk gc (a batch-wide index) of tensor job, whose row is J.  EARLY: the
-// warp's first chunk, which it may reach before kvz_scan is done (not for DQ, whose values cannot
-// be patched after the table).
+// kvz_decode's work on chunk gc (a batch-wide index) of tensor job, whose row is J: its groups
+// [g_begin, g_end) (whole steps; a part of a chunk at the kernel's tail, see kvz_decode).  EARLY:
+// the warp's first chunk, which it may reach before kvz_scan is done (not for DQ, whose values
+// cannot be patched after the table).
 template <int E, int M, typename T, int GPL, bool DQ, bool EARLY>
 __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob* __restrict__ jobs, int job,
                                              long long gc, int chunk, const u64* __restrict__ chunk_off,
-                                             u64* __restrict__ work, int lane, OffsetsWait ow = OffsetsWait{nullptr, 0}) {
+                                             u64* __restrict__ work, int lane, OffsetsWait ow = OffsetsWait{nullptr, 0},
+                                             int part = 0) {
     constexpr int HB = E - 4, R = M + 1, STEP = 32 * GPL;
     constexpr bool BF16 = E == 8 && M == 7 && sizeof(T) == 2;
     constexpr bool E5M2 = E == 5 && M == 2 && sizeof(T) == 1;
@@ -1836,7 +1845,7 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
     u64* err = work + 1 + job;
     const long long c = gc - J.chunk_base, g0 = c * gpc;
     const long long n = J.n - g0 * 8;  // values from the chunk's start to the tensor's end
-    const int ng = (int)min((long long)gpc, (n + 7) / 8);
+    int ng = (int)min((long long)gpc, (n + 7) / 8);  // the chunk's groups (a part's: its end, below)
     const u32 stored = J.esc_count[c];
     const bool plane = stored == PLANE;
     const bool early = EARLY && !plane;  // a plane-coded chunk needs its offset first
@@ -1853,6 +1862,14 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
     const u8* __restrict__ high = early ? nullptr
         : (EARLY ? jobs[job].exp_high : J.exp_high) + (long long)HB * (long long)(off & GROUPS_MASK);
     const int len = (int)min((long long)chunk, n);
+    // part p of 2^shift (part = p << 8 | shift; 0: the whole chunk): its share of whole steps,
+    // groups [g_begin, ng).  (No register more in the step loop: one there spilled BF16's claim.)
+    int g_begin = 0;
+    if (part) {
+        const int shift = part & 0xFF, p = part >> 8, steps = (ng + STEP - 1) / STEP;
+        g_begin = ((p * steps) >> shift) * STEP;
+        ng = min(ng, (((p + 1) * steps) >> shift) * STEP);
+    }
     int base = 0, pos = NONE;
     u32 exp = 0;
     // this chunk's data, and group i of it at index i
@@ -1880,14 +1897,16 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
     const u16* __restrict__ table = J.dq_table;
     const u64 dlo = J.dlo, dhi = J.dhi;
     if constexpr (E5M2 && !DQ) {  // whole chunks a lane per quad, GPL / 2 quads a step (as many registers)
-        if (!plane && n >= chunk && (chunk & 31) == 0) {
+        if (!plane && n >= chunk && (chunk & 31) == 0 && part == 0) {
             decode_e5m2_quads<GPL >= 2 ? GPL / 2 : 1>(J, codes, rest, dst, gpc / 4, esc_off, cnt, len, (u32)(dlo << 2),
                                                       (u32)(dlo >> 30), (u32)(dhi << 2), (u32)(dhi >> 30), lane, err);
             if (early) finish_early_chunk<E, M, T>(jobs, job, gc, chunk, chunk_off, work, lane, ow);
             return;
         }
     }
-    for (int s0 = 0; s0 < ng; s0 += STEP) {
+    // a later part's first escapes before its loop (a whole chunk's once its first loads are out)
+    if (g_begin > 0 && cnt > 0 && !load_escapes<E>(J, esc_off, 0, cnt, len, -1, lane, pos, exp, err)) cnt = 0;
+    for (int s0 = g_begin; s0 < ng; s0 += STEP) {
         u32 w[GPL];
         RestRaw<R> rr[GPL];
 #pragma unroll
@@ -1969,6 +1988,24 @@ __device__ __noinline__ void decode_early_chunk(const DecodeJob* __restrict__ jo
     decode_chunk<E, M, T, GPL, false, true>(J.row, jobs, job, gc, chunk, chunk_off, work, lane, ow);
 }
 
+// kvz_decode's tail (below): units u from split_at on, part (u - split_at) % 2^shift of chunk
+// split_at + (u - split_at) / 2^shift each, taken from the queue until it runs out (u: the
+// warp's first).  A call of its own, after the loop of whole chunks: a part's state in that loop
+// spilled the BF16 decoder's claim (4-24 bytes), whose round trip then held up every chunk
+// (2^28 graph +4-5 us, NOTES v27; the same in v20).
+template <int E, int M, typename T, int GPL, bool DQ>
+__device__ __noinline__ void decode_tail(const DecodeJob* __restrict__ jobs, int njobs, long long u, long long units,
+                                         long long split_at, int shift, int chunk, const u64* __restrict__ chunk_off,
+                                         u64* __restrict__ work, long long queue_at, int lane) {
+    for (u32 next; u < units; u = next_chunk(next)) {
+        next = claim_chunk(work + queue_at, lane);
+        const long long r = u - split_at, gc = split_at + (r >> shift);
+        const int job = find_job(jobs, njobs, gc, &DecodeJob::chunk_base);
+        decode_chunk<E, M, T, GPL, DQ, false>(jobs[job], jobs, job, gc, chunk, chunk_off, work, lane,
+                                              OffsetsWait{nullptr, 0}, (int)(r & ((1 << shift) - 1)) << 8 | shift);
+    }
+}
+
 // Dense pass, the mirror of kvz_encode: chunks from a queue, a warp walking its chunk in
 // steps of 32 * GPL groups, escapes applied in registers before one store per group.  Offsets
 // come from kvz_scan (chunk_off); a tensor it found broken is skipped.  DQ (FP8 only): write each
@@ -1980,13 +2017,20 @@ __device__ __noinline__ void decode_early_chunk(const DecodeJob* __restrict__ jo
 // the scan's verdict on the tensor and the escapes patched in memory (finish_early_chunk).  The
 // later chunks go through decode_chunk<..., false>, with no wait in the loop (one there cost
 // every decoder spills).  scan_blocks: the scan's grid (the count await_offsets waits for).
+// The tail: the queue's last units are parts of chunks, so the kernel's last round, where warps
+// that found the queue empty idle while the others finish, lasts a part's time, not a chunk's:
+// chunks from split_at on are dealt as 2^part_shift parts each (unit split_at + (c - split_at) *
+// 2^part_shift + p: part p of chunk c, its share of whole steps).  Each part reads the chunk's
+// escapes from its first and skips those before its steps (each_escape), as whole chunks do
+// step by step.  split_at >= the grid's warps (the early chunks are whole).
 // Each thread ends with griddepcontrol.wait (the scan long done by then), so the kernel's end
 // still implies the scan's for what follows it in the stream.
 template <int E, int M, typename T, int GPL, int MINB, bool DQ = false>
 __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* __restrict__ jobs, int njobs,
-                                                                long long total_chunks, int chunk,
+                                                                long long units, int chunk,
                                                                 const u64* __restrict__ chunk_off, u64* __restrict__ work,
-                                                                long long queue_at, long long scan_blocks) {
+                                                                long long queue_at, long long scan_blocks,
+                                                                long long split_at, int part_shift) {
     release_dependents();
     if (KVZ_OFFSETS_WAIT) {
         if (threadIdx.x == 0) s_offsets = 0;
@@ -1994,18 +2038,25 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
     }
     const OffsetsWait ow{work + offsets_ready_at(njobs), scan_blocks};
     const int lane = threadIdx.x & 31;
-    const long long W = (long long)gridDim.x * WARPS;
-    long long next = 0, gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (!DQ && gc < total_chunks) {
-        next = claim_chunk(work + queue_at, W, lane);  // from the queue, a chunk a claim
+    u32 next = 0;
+    long long gc = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (!DQ && gc < units) {
+        next = claim_chunk(work + queue_at, lane);  // from the queue, a chunk a claim
         decode_early_chunk<E, M, T, GPL>(jobs, njobs, gc, chunk, chunk_off, work, lane, ow);
         gc = next_chunk(next);
     }
     await_offsets(ow);  // returns at once where the first chunk waited already
-    for (; gc < total_chunks; gc = next_chunk(next)) {
-        next = claim_chunk(work + queue_at, W, lane);
+    for (long long u = gc; u < units; u = next_chunk(next)) {
+        next = claim_chunk(work + queue_at, lane);
+        int part = 0;
+        gc = u;
+        if (u >= split_at) {
+            const long long r = u - split_at;
+            gc = split_at + (r >> part_shift);
+            part = (int)(r & ((1 << part_shift) - 1)) << 8 | part_shift;
+        }
         const int job = find_job(jobs, njobs, gc, &DecodeJob::chunk_base);
-        decode_chunk<E, M, T, GPL, DQ, false>(jobs[job], jobs, job, gc, chunk, chunk_off, work, lane);
+        decode_chunk<E, M, T, GPL, DQ, false>(jobs[job], jobs, job, gc, chunk, chunk_off, work, lane, ow, part);
     }
     await_predecessor();
 }

@@ -58,6 +58,16 @@ SB_CHUNKS = 256         # chunks per block of kvz_scan (one thread each)
 QUEUE_WORDS = 128       # work words of the dense kernels' chunk queues (fused_fast.cu's QUEUE_WORDS)
 
 
+def _decode_split(fmt, chunks: int, warps: int) -> tuple:
+    """kvz_decode's split_at and part_shift for chunks chunks on a grid of warps warps: the first
+    chunk dealt in parts (never one of the warps' first chunks, decoded whole before the scan is
+    done), and log2 of the parts (SPLIT_PERCENT, SPLIT_SHIFT; fmt None: the dequantizing decode)."""
+    if fmt is None or fmt.name not in SPLIT_FORMATS or not SPLIT_PERCENT or not SPLIT_SHIFT:
+        return chunks, 0
+    split = min(max(chunks - warps, 0), -(-warps * SPLIT_PERCENT // 100))
+    return chunks - split, (SPLIT_SHIFT if split else 0)
+
+
 def _decode_status_at(k: int) -> int:
     """The decode work's first look-back word for k blobs (fused_fast.cu's decode_status_at): after
     the ticket, the errors, the deferred and blocks-done words, and a line (16 words, 128 bytes)
@@ -99,6 +109,12 @@ QUANTIZING_ENCODE_SHAPE = (4, 4)  # kvz_encode<..., QT = true>: loads no step ah
 # kvz_decode<..., DQ = true>, which stores 16-bit values: the bench's quantize pipeline decoded at
 # 1810-1839 GB/s at (4, 3) and 1657-1666 at (2, 3) (v21), so it keeps (4, 3).
 DEQUANTIZING_DECODE_SHAPE = (4, 3)
+# kvz_decode's tail: the last SPLIT_PERCENT % of a round of chunks (one a warp of its grid) are
+# dealt as 2^SPLIT_SHIFT parts each, so the warps that find the queue empty wait a part's time for
+# the last ones, not a chunk's (formats in SPLIT_FORMATS; 0 %: none).
+SPLIT_FORMATS = ("bf16",)
+SPLIT_PERCENT = 100
+SPLIT_SHIFT = 2
 
 
 def _instances(fmt):
@@ -727,9 +743,12 @@ class _DecodeProgram:
         if self.early:
             ops.append(("early", work, self.errors_nb))
         if chunk_base:
-            ops.append(_launch(dec, device, _chunk_grid(dec, device, chunk_base),
-                               (jobs, np.int32(k), np.int64(chunk_base), np.int32(chunk), offs, work,
-                                np.int64(queue_at), np.int64(scan_blocks))))
+            grid = _chunk_grid(dec, device, chunk_base)
+            split_at, shift = _decode_split(fmt if not dequantize else None, chunk_base, grid * WARPS)
+            units = split_at + ((chunk_base - split_at) << shift)
+            ops.append(_launch(dec, device, grid,
+                               (jobs, np.int32(k), np.int64(units), np.int32(chunk), offs, work,
+                                np.int64(queue_at), np.int64(scan_blocks), np.int64(split_at), np.int32(shift))))
         self.shape = call_graphs.CallShape(tuple(sizes), tuple(ops) + (("download", work, self.errors_nb),))
         self.heads_at = self.shape.offsets[1] // 8 if guess else None  # heads' first word in the staging
         self.staged_row = None  # the layout row run_one last staged whole (None after a run)

@@ -644,3 +644,60 @@ def test_broken_escapes_raise_in_first_and_queued_chunks(heavy):
         with pytest.raises(kvzip.FormatError, match="blob 1"):
             kvzip.decompress_many([blob, bad, blob])
         np.testing.assert_array_equal(bits_of(kvzip.decompress(blob)), bits)
+
+
+def _decoder_split(program):
+    """(units, split_at, part_shift) of a decode program's kvz_decode launch."""
+    (args,) = [op[4] for op in program.shape.ops if op[0] in ("launch", "dependent") and len(op[4]) == 10]
+    return int(args[2]), int(args[8]), int(args[9])
+
+
+@pytest.mark.parametrize("shift", [1, 2, 3])
+@pytest.mark.parametrize("chunk", [4096, 8192])
+def test_decoder_tail_parts_match_input(shift, chunk, monkeypatch):
+    """kvz_decode deals its last chunks as 2^shift parts each (fused_fast.SPLIT_SHIFT): each part
+    decodes its share of the chunk's steps and skips the escapes before them.  Real values, a
+    tail of escape-heavy chunks (more than 32 escapes a part: several loads of them to skip) and
+    plane-coded ones, in one tensor and in a batch whose parts span its tensors, decode to the
+    input; broken escapes in a part still raise."""
+    from kvzip.stages import call_graphs
+
+    monkeypatch.setattr(fused_fast, "SPLIT_SHIFT", shift)
+    call_graphs.release()
+    n = 4096 * chunk  # 4096 chunks: more than the decoder's warps (3168 on an H200)
+    bits = real_bf16(n)
+    bits[-1024 * chunk::10] = 200 << 7  # an exponent far outside the codebook, in the last quarter
+    bits[-256 * chunk::3] = 201 << 7  # a third of the values: plane-coded chunks
+    pipe = pipeline(chunk)
+    blob = pipe.encode(cupy.asarray(bits), dtype="bf16")
+    np.testing.assert_array_equal(bits_of(pipe.decode(blob)), bits)
+    # the program that decoded it (another may be one on a layout guessed from an earlier test's)
+    chunks = n // chunk
+    splits = [_decoder_split(e) for e in call_graphs.entries() if isinstance(e, fused_fast._DecodeProgram)]
+    (split_at,) = {at for units, at, got in splits if got == shift and 0 < at < chunks
+                   and units == at + ((chunks - at) << shift)}
+    parts = [cupy.asarray(bits[i * (n // 4):(i + 1) * (n // 4)]) for i in range(4)]
+    blobs = pipe.encode_many(parts, dtype="bf16")
+    for got, x in zip(pipe.decode_many(blobs), parts):
+        np.testing.assert_array_equal(bits_of(got), x.get())
+    # a repeated escape position in the last listed chunk with escapes (dealt in parts): found by
+    # the scan on real values, by the part's decoder on escape-heavy ones (the scan defers them)
+    from kvzip import container
+    from kvzip.backends import get_backend
+
+    for values in (real_bf16(n), bits):
+        blob = pipe.encode(cupy.asarray(values), dtype="bf16")
+        host = blob.get()
+        hdr = container.parse_header(container.read_head(get_backend("cpu"), host), host.shape[0])
+        start = {name: hdr.header_len + off for name, _, off, _ in hdr.streams}
+        counts = np.frombuffer(host[start["esc_count"]:start["esc_pos"]], np.uint16).astype(np.int64)
+        listed = np.where(counts == 0xFFFF, 0, counts)  # plane-coded chunks list none
+        last = int(np.nonzero((counts >= 2) & (counts != 0xFFFF))[0][-1])
+        assert last >= split_at
+        bad = blob.copy()
+        pos = start["esc_pos"] + 2 * (int(listed[:last].sum()) + 1)
+        bad[pos:pos + 2] = bad[pos - 2:pos]
+        with pytest.raises(kvzip.FormatError, match="position"):
+            pipe.decode(bad)
+        np.testing.assert_array_equal(bits_of(pipe.decode(blob)), values)
+    call_graphs.release()
