@@ -1,7 +1,7 @@
 """Small GPU workload for compute-sanitizer (memcheck, racecheck): every format, the fast
 CUDA C++ path and the Numba-CUDA kernels, escape-free / escape-heavy / plane-coded chunks, the
-batch API, forged blobs, and repeated shapes (graph replay, encode lanes, remembered
-layouts).  Run as
+batch API, forged blobs, repeated shapes (graph replay, encode lanes, remembered layouts)
+and the BF16 decoder's tail dealt in parts.  Run as
     compute-sanitizer --tool memcheck --error-exitcode 9 python benchmarks/sanitize_check.py
 """
 import cupy
@@ -60,6 +60,13 @@ for rate in (0.0, 0.01, 0.05, 0.002):
     xs = [cupy.asarray(bits), cupy.asarray(bits[::-1].copy())]
     backs = kvzip.decompress_many(kvzip.compress_many(xs, dtype="bf16"))
     assert all(bool(cupy.array_equal(a, b.reshape(-1).view(a.dtype))) for a, b in zip(xs, backs)), ("many", rate)
+# The BF16 decoder's tail in parts (more chunks than its warps: 4096 of 4096 values), escape-heavy
+# and plane-coded chunks among them.
+bits = case(FORMATS["bf16"], 1 << 24, False)
+bits[-(1 << 22)::10] = 200 << 7
+bits[-(1 << 20)::3] = 201 << 7
+back = kvzip.decompress(kvzip.compress(cupy.asarray(bits), dtype="bf16"))
+assert np.array_equal(back.get().view(np.uint16).ravel(), bits), "tail parts"
 # A longer batch (header checks on the GPU), repeated so the second pass takes the lanes and
 # remembered layouts; then a short blob and a forged one among them.
 xs = [cupy.asarray(case(FORMATS["bf16"], 20_000 + (i % 3), i == 5)) for i in range(19)]

@@ -1769,7 +1769,9 @@ __device__ __forceinline__ void decode_e5m2_quads(const DecodeJob& J, const u8* 
 // scan's end).  The first warp of a block to arrive polls the scan's count; the block's other
 // warps watch its word in shared memory (a poller a warp put 2000 and more loads on one L2 line).
 // Acquire loads, by lane 0 before the warp's barrier, put the warp's later reads after the scan
-// blocks' writes.  s_offsets: 0 nobody polls, 1 a warp polls, 2 ready (zeroed as kvz_decode starts).
+// blocks' writes.  s_offsets: 0 nobody polls, 1 a warp polls, 2 ready (zeroed as kvz_decode starts);
+// read and written by atomics with acquire and release (plain ld.acquire / st.release were right
+// too, but compute-sanitizer's racecheck reports them as shared-memory races).
 struct OffsetsWait {
     const u64* count;  // work[offsets_ready_at(njobs)]
     long long blocks;  // the scan's blocks
@@ -1781,7 +1783,7 @@ __device__ __forceinline__ void await_offsets(OffsetsWait w) {
         const u32 at = (u32)__cvta_generic_to_shared(&s_offsets);
         for (;;) {
             u32 state;
-            asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];" : "=r"(state) : "r"(at) : "memory");
+            asm volatile("atom.acquire.cta.shared::cta.or.b32 %0, [%1], 0;" : "=r"(state) : "r"(at) : "memory");
             if (state == 2) break;
             if (state == 0 && atomicCAS(&s_offsets, 0u, 1u) == 0u) {
                 for (;;) {
@@ -1790,7 +1792,8 @@ __device__ __forceinline__ void await_offsets(OffsetsWait w) {
                     if ((long long)done >= w.blocks) break;
                     __nanosleep(KVZ_POLL_NS);
                 }
-                asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(at), "r"(2u) : "memory");
+                u32 was;
+                asm volatile("atom.release.cta.shared::cta.exch.b32 %0, [%1], 2;" : "=r"(was) : "r"(at) : "memory");
                 break;
             }
             __nanosleep(32);
@@ -1803,8 +1806,9 @@ __device__ __forceinline__ void await_offsets(OffsetsWait w) {
 }
 
 // kvz_decode's early chunk gc of tensor job (below), its dense decode stored: wait for kvz_scan's
-// offsets (await_offsets), then, unless it found the tensor broken, write each escape's exponent over its value (stored
-// with code 0's); a lane per escape, 32 at a time, checked as load_escapes checks them.
+// offsets (await_offsets), then, unless it found the tensor broken, write each escape's exponent
+// over its value (stored with code 0's); a lane per escape, 32 at a time, checked as load_escapes
+// checks them.
 template <int E, int M, typename T>
 __device__ __forceinline__ void finish_early_chunk(const DecodeJob* __restrict__ jobs, int job, long long gc, int chunk,
                                                    const u64* __restrict__ chunk_off, u64* __restrict__ work, int lane,
