@@ -1992,24 +1992,6 @@ __device__ __noinline__ void decode_early_chunk(const DecodeJob* __restrict__ jo
     decode_chunk<E, M, T, GPL, false, true>(J.row, jobs, job, gc, chunk, chunk_off, work, lane, ow);
 }
 
-// kvz_decode's tail (below): units u from split_at on, part (u - split_at) % 2^shift of chunk
-// split_at + (u - split_at) / 2^shift each, taken from the queue until it runs out (u: the
-// warp's first).  A call of its own, after the loop of whole chunks: a part's state in that loop
-// spilled the BF16 decoder's claim (4-24 bytes), whose round trip then held up every chunk
-// (2^28 graph +4-5 us, NOTES v27; the same in v20).
-template <int E, int M, typename T, int GPL, bool DQ>
-__device__ __noinline__ void decode_tail(const DecodeJob* __restrict__ jobs, int njobs, long long u, long long units,
-                                         long long split_at, int shift, int chunk, const u64* __restrict__ chunk_off,
-                                         u64* __restrict__ work, long long queue_at, int lane) {
-    for (u32 next; u < units; u = next_chunk(next)) {
-        next = claim_chunk(work + queue_at, lane);
-        const long long r = u - split_at, gc = split_at + (r >> shift);
-        const int job = find_job(jobs, njobs, gc, &DecodeJob::chunk_base);
-        decode_chunk<E, M, T, GPL, DQ, false>(jobs[job], jobs, job, gc, chunk, chunk_off, work, lane,
-                                              OffsetsWait{nullptr, 0}, (int)(r & ((1 << shift) - 1)) << 8 | shift);
-    }
-}
-
 // Dense pass, the mirror of kvz_encode: chunks from a queue, a warp walking its chunk in
 // steps of 32 * GPL groups, escapes applied in registers before one store per group.  Offsets
 // come from kvz_scan (chunk_off); a tensor it found broken is skipped.  DQ (FP8 only): write each
@@ -2026,7 +2008,8 @@ __device__ __noinline__ void decode_tail(const DecodeJob* __restrict__ jobs, int
 // chunks from split_at on are dealt as 2^part_shift parts each (unit split_at + (c - split_at) *
 // 2^part_shift + p: part p of chunk c, its share of whole steps).  Each part reads the chunk's
 // escapes from its first and skips those before its steps (each_escape), as whole chunks do
-// step by step.  split_at >= the grid's warps (the early chunks are whole).
+// step by step.  split_at >= the grid's warps (the early chunks are whole).  (The part's state
+// fits the BF16 decoder's 80 registers only since the claim holds one: NOTES v27.)
 // Each thread ends with griddepcontrol.wait (the scan long done by then), so the kernel's end
 // still implies the scan's for what follows it in the stream.
 template <int E, int M, typename T, int GPL, int MINB, bool DQ = false>
