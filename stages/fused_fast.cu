@@ -1832,8 +1832,8 @@ __device__ __forceinline__ void finish_early_chunk(const DecodeJob* __restrict__
     }
 }
 
-// kvz_decode's work on chunk gc (a batch-wide index) of tensor job, whose row is J: its groups
-// [g_begin, g_end) (whole steps; a part of a chunk at the kernel's tail, see kvz_decode).  EARLY:
+// kvz_decode's work on chunk gc (a batch-wide index) of tensor job, whose row is J: all its groups,
+// or with part (kvz_decode's tail) a share of its steps.  EARLY:
 // the warp's first chunk, which it may reach before kvz_scan is done (not for DQ, whose values
 // cannot be patched after the table).
 template <int E, int M, typename T, int GPL, bool DQ, bool EARLY>

@@ -56,23 +56,6 @@ _TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
 _ESCAPE_STREAMS = ["esc_pos", "esc_exp", "exp_high"]
 SB_CHUNKS = 256         # chunks per block of kvz_scan (one thread each)
 QUEUE_WORDS = 128       # work words of the dense kernels' chunk queues (fused_fast.cu's QUEUE_WORDS)
-
-
-def _decode_split(fmt, chunks: int, warps: int) -> tuple:
-    """kvz_decode's split_at and part_shift for chunks chunks on a grid of warps warps: the first
-    chunk dealt in parts (never one of the warps' first chunks, decoded whole before the scan is
-    done), and log2 of the parts (SPLIT_PERCENT, SPLIT_SHIFT; fmt None: the dequantizing decode)."""
-    if fmt is None or fmt.name not in SPLIT_FORMATS or not SPLIT_PERCENT or not SPLIT_SHIFT:
-        return chunks, 0
-    split = min(max(chunks - warps, 0), -(-warps * SPLIT_PERCENT // 100))
-    return chunks - split, (SPLIT_SHIFT if split else 0)
-
-
-def _decode_status_at(k: int) -> int:
-    """The decode work's first look-back word for k blobs (fused_fast.cu's decode_status_at): after
-    the ticket, the errors, the deferred and blocks-done words, and a line (16 words, 128 bytes)
-    holding only the count of scan blocks whose offsets are written, which the decoder polls."""
-    return -(-(3 + k) // 16) * 16 + 16
 # Encode calls of at least this many tensors build their blobs as kvz_encode publishes each
 # tensor's totals, while the scan (~10 us) still runs, instead of after the call's wait.
 EARLY_SIZING_MIN = 1
@@ -682,6 +665,23 @@ DECODE_COLUMNS = 16  # DecodeJob's 8-byte fields
 DQ_TABLE, DQ_SCALE = 14, 15  # its columns for the dequantizing decode
 GUESS_MISSED = 255  # the guess's error for a blob whose header is not the guessed layout's (fused_fast.cu)
 GUESS_PENDING = np.uint64(2**64 - 1)  # n_high (column 8) of a guessed row until the GPU's guess is in
+
+
+def _decode_split(fmt, chunks: int, warps: int) -> tuple:
+    """kvz_decode's split_at and part_shift for chunks chunks on a grid of warps warps: the first
+    chunk dealt in parts (never one of the warps' first chunks, decoded whole before the scan is
+    done), and log2 of the parts (SPLIT_PERCENT, SPLIT_SHIFT; fmt None: the dequantizing decode)."""
+    if fmt is None or fmt.name not in SPLIT_FORMATS or not SPLIT_PERCENT or not SPLIT_SHIFT:
+        return chunks, 0
+    split = min(max(chunks - warps, 0), -(-warps * SPLIT_PERCENT // 100))
+    return chunks - split, (SPLIT_SHIFT if split else 0)
+
+
+def _decode_status_at(k: int) -> int:
+    """The decode work's first look-back word for k blobs (fused_fast.cu's decode_status_at): after
+    the ticket, the errors, the deferred and blocks-done words, and a line (16 words, 128 bytes)
+    holding only the count of scan blocks whose offsets are written, which the decoder polls."""
+    return -(-(3 + k) // 16) * 16 + 16
 
 
 class _DecodeProgram:
