@@ -1205,6 +1205,18 @@ __device__ __forceinline__ u64 block_exclusive_sum(u64 mine, u64* total) {
     return incl - mine + (wid ? warp_sums[wid - 1] : 0);
 }
 
+// The chunk of a scan block holding the block's escape k: the last with s_eoff <= k (s_eoff:
+// escapes before each of the block's chunks; a chunk holding escape k has escapes, so k < its
+// offset + count).  load_slot_escapes and check_block_escapes.
+__device__ __forceinline__ int chunk_of_escape(const u32* s_eoff, u32 k) {
+    int lo = 0, hi = SB_CHUNKS - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (s_eoff[mid] <= k) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
 // kvz_scan's encode: escapes k, k + SB_CHUNKS, .. (MOVE_BATCH of them, those below listed) of a
 // block, read from their chunks' slots into pos / ex; returns a bit per escape read (none for a
 // chunk redone from the input).  s_eoff: escapes before each of the block's chunks; s_cnt: their
@@ -1219,12 +1231,7 @@ __device__ __forceinline__ u32 load_slot_escapes(u32 k0, u32 listed, const u32* 
     for (int u = 0; u < MOVE_BATCH; u++) {
         const u32 k = k0 + u * SB_CHUNKS;
         if (k >= listed) break;
-        // k's chunk: the last with s_eoff <= k (it has escapes, so k < its offset + count)
-        int lo = 0, hi = SB_CHUNKS - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (s_eoff[mid] <= k) lo = mid; else hi = mid - 1;
-        }
+        const int lo = chunk_of_escape(s_eoff, k);
         if (s_cnt[lo] > (u32)slot) continue;  // redone from the input
         const long long at = (c0 + lo) * slot + (k - s_eoff[lo]);
         pos[u] = slot_pos[at];
@@ -1278,11 +1285,7 @@ __device__ __forceinline__ void check_block_escapes(const DecodeJob& J, long lon
             const long long k = k0 + u * SB_CHUNKS;
             len[u] = 0;  // no escape: never bad
             if (k >= end) continue;
-            int lo = 0, hi = SB_CHUNKS - 1;
-            while (lo < hi) {
-                const int mid = (lo + hi + 1) >> 1;
-                if (s_eoff[mid] <= (u32)k) lo = mid; else hi = mid - 1;
-            }
+            const int lo = chunk_of_escape(s_eoff, (u32)k);
             const long long at = esc_base + k;
             len[u] = (int)min((long long)chunk, n - (c0 + lo) * chunk);
             pos[u] = esc_pos[at];
