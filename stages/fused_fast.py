@@ -94,7 +94,9 @@ QUANTIZING_ENCODE_SHAPE = (4, 4)  # kvz_encode<..., QT = true>: loads no step ah
 DEQUANTIZING_DECODE_SHAPE = (4, 3)
 # kvz_decode's tail: the last SPLIT_PERCENT % of a round of chunks (one a warp of its grid) are
 # dealt as 2^SPLIT_SHIFT parts each, so the warps that find the queue empty wait a part's time for
-# the last ones, not a chunk's (formats in SPLIT_FORMATS; 0 %: none).
+# the last ones, not a chunk's (formats in SPLIT_FORMATS; 0 %: none).  The FP8 and float16
+# decoders prefetch their chunk from its start (KVZ_DECODE_PREFETCH), each part too: offset that
+# by the part's first group before adding one of them here.
 SPLIT_FORMATS = ("bf16",)
 SPLIT_PERCENT = 100
 SPLIT_SHIFT = 2
