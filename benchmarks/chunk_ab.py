@@ -11,6 +11,7 @@ after warm-up), the round trip checked, and the ratio.
 import sys
 
 import cupy
+from macro_ab import call_and_graph, spans
 
 import kvzip
 from kvzip.bench import _sample_bits, _timer, format_bits
@@ -31,11 +32,9 @@ def main(formats: str = "e5m2,bf16", chunks: str = "4096,8192,16384,32768", roun
                 call_graphs.release()
                 row = []
                 blob = pipe.encode(x, dtype=fmt)
-                for op, call in (("encode", lambda: pipe.encode(x, dtype=fmt)), ("decode", lambda: pipe.decode(blob))):
-                    t, out = timeit(call)
-                    prog = call_graphs.entries()[-1]  # the program of the call just timed
-                    g, _ = timeit(lambda: prog.shape.run(stream))
-                    row += [t * 1e6, g * 1e6]
+                for call in (lambda: pipe.encode(x, dtype=fmt), lambda: pipe.decode(blob)):
+                    t, g, _ = call_and_graph(timeit, call, stream)
+                    row += [t, g]
                 back = pipe.decode(blob)
                 assert cupy.array_equal(back.reshape(-1).view(x.dtype), x)
                 ratio = x.nbytes / blob.nbytes
@@ -43,8 +42,7 @@ def main(formats: str = "e5m2,bf16", chunks: str = "4096,8192,16384,32768", roun
                 print(f"round {r} {fmt} chunk {chunk:6d} ratio {ratio:.5f}: encode call {row[0]:6.1f} graph {row[1]:6.1f}"
                       f"  decode call {row[2]:6.1f} graph {row[3]:6.1f} us", flush=True)
     for (fmt, chunk), rows in times.items():
-        cols = list(zip(*rows))
-        span = [f"{min(c):6.1f}-{max(c):6.1f}" for c in cols]
+        span = spans(rows)
         print(f"{fmt} chunk {chunk:6d}: encode call {span[0]} graph {span[1]}  decode call {span[2]} graph {span[3]} us")
 
 

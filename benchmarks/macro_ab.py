@@ -79,6 +79,20 @@ def _same(a, b, flat=False) -> bool:
     return bool(cupy.array_equal(a.reshape(-1).view(b.dtype), b.reshape(-1)) if flat else cupy.array_equal(a, b))
 
 
+def call_and_graph(timeit, call, stream) -> tuple:
+    """(call us, its graph's replay alone us, the call's result): call timed by timeit, then the
+    program it just ran replayed (call_graphs' last entry)."""
+    t, out = timeit(call)
+    prog = call_graphs.entries()[-1]  # the program of the call just timed
+    g, _ = timeit(lambda: prog.shape.run(stream))
+    return t * 1e6, g * 1e6, out
+
+
+def spans(rows) -> list:
+    """Each column of rows (one row a round) as "min-max"."""
+    return [f"{min(c):6.1f}-{max(c):6.1f}" for c in zip(*rows)]
+
+
 def main(settings: str = "-", formats: str = "e5m2", rounds: str = "3", n: int = 1 << 28) -> None:
     data = inputs(formats.split(","), n)
     timeit = _timer(cupy, 30)
@@ -97,16 +111,14 @@ def main(settings: str = "-", formats: str = "e5m2", rounds: str = "3", n: int =
                 assert _same(blob, first.setdefault(name, blob)), f"{setting} {name}: the blob differs"
                 row = []
                 for call in (encode, lambda: decode(blob)):
-                    t, out = timeit(call)
-                    prog = call_graphs.entries()[-1]  # the program of the call just timed
-                    g, _ = timeit(lambda: prog.shape.run(stream))
-                    row += [t * 1e6, g * 1e6]
+                    t, g, out = call_and_graph(timeit, call, stream)
+                    row += [t, g]
                 assert _same(out, expect, flat=True), f"{setting} {name}: round trip"
                 times.setdefault((setting, name), []).append(row)
                 print(f"round {r} {setting:<28} {name:<8} encode call {row[0]:6.1f} graph {row[1]:6.1f}"
                       f"  decode call {row[2]:6.1f} graph {row[3]:6.1f} us", flush=True)
     for (setting, name), rows in times.items():
-        span = [f"{min(c):6.1f}-{max(c):6.1f}" for c in zip(*rows)]
+        span = spans(rows)
         print(f"{setting:<28} {name:<8} encode call {span[0]} graph {span[1]}  decode call {span[2]} graph {span[3]} us")
 
 
