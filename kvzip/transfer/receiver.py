@@ -120,10 +120,11 @@ class Receiver:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._listener.close()
+        try:  # shutdown wakes the acceptor's accept(); close alone would not
+            self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        self._listener.close()
         for c in list(self._connections):
             c.close(TransferError("the receiver was closed"))
         self._acceptor.join(timeout=5)

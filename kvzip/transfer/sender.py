@@ -161,11 +161,13 @@ class Sender:
         self._error: BaseException | None = None
         self._closed = False
         self._to_encode: queue.Queue = queue.Queue()
-        self._to_write: queue.Queue = queue.Queue(maxsize=staging_slots)
+        self._to_write: queue.Queue = queue.Queue()  # bounded by the staging slots it carries
         self._to_notify: queue.Queue = queue.Queue()
         self._local = threading.local()
-        self._threads = [threading.Thread(target=self._guard, args=(f,), name=f"kvzip-tx-{f.__name__}", daemon=True)
-                         for f in (self._read, self._encode, self._write, self._notify)]
+        stages = ((self._read, None), (self._encode, self._to_write), (self._write, self._to_notify),
+                  (self._notify, None))
+        self._threads = [threading.Thread(target=self._guard, args=s, name=f"kvzip-tx-{s[0].__name__}", daemon=True)
+                         for s in stages]
         for t in self._threads:
             t.start()
 
@@ -282,23 +284,28 @@ class Sender:
             self._stream = torch.cuda.Stream(device=device)
 
     # ------------------------------------------------------------------ pipeline threads
-    def _guard(self, stage) -> None:
+    def _guard(self, stage, downstream: queue.Queue | None) -> None:
+        """Run a stage; when it ends, however it ends, tell the next stage to stop too."""
         try:
             stage()
         except BaseException as e:  # noqa: BLE001  every failure ends every request, loudly
             if not self._closed:
                 log.error("kvzip sender %s stage failed: %s", stage.__name__, e)
             self._fail(e if isinstance(e, TransferError) else TransferError(f"{type(e).__name__}: {e}"))
+        finally:
+            if downstream is not None:
+                downstream.put(None)
 
     def _encode(self) -> None:
         while True:
             item = self._to_encode.get()
             if item is None or self._error is not None:
-                self._to_write.put(None)
                 return
             kind, h, layers = item
-            if kind == "end" or h.done:
+            if kind == "end":
                 self._to_write.put((kind, h, None))
+                continue
+            if h.done:  # cancelled or failed while queued
                 continue
             slot = self._take(self._free_staging, "a free staging slot")
             t0 = now()
@@ -331,7 +338,6 @@ class Sender:
         while True:
             item = self._to_write.get()
             if item is None:
-                self._to_notify.put(None)
                 return
             kind, h, work = item
             if kind == "end":
