@@ -14,7 +14,8 @@ an object with a ``"kind"`` field.  Frames over MAX_FRAME bytes are refused befo
     sender -> receiver   cancel  {req}
 
 A TensorEntry is {framework, dtype, shape, offset, nbytes, codec}: the tensor's bytes (a kvzip
-blob when codec is "kvzip", its raw bytes when "raw") lie at ``offset`` in the slot.  A slot
+blob when codec is "kvzip", its raw bytes when "raw", else a registered WireCodec's encoding)
+lie at ``offset`` in the slot.  A slot
 holds one group of layers; docs/transfer.md gives the whole exchange.
 """
 from __future__ import annotations
@@ -32,7 +33,6 @@ ALIGN = 256  # tensors start at multiples of this in a slot (kvzip blobs need 16
 
 KINDS = {"hello", "begin", "accept", "reject", "data", "credit", "end", "done", "failed", "cancel"}
 FRAMEWORKS = {"torch", "numpy"}
-CODECS = {"raw", "kvzip"}
 
 
 class TransferError(RuntimeError):
@@ -146,9 +146,9 @@ def check_hello(msg: dict) -> dict:
     return msg
 
 
-def check_data(msg: dict, slots: int, slot_bytes: int) -> dict:
-    """A data message's fields, checked against the ring: every tensor's bytes inside its slot,
-    in order and without overlap."""
+def check_data(msg: dict, slots: int, slot_bytes: int, codecs: set[str]) -> dict:
+    """A data message's fields, checked against the ring (every tensor's bytes inside its slot,
+    in order and without overlap) and the wire codecs known here."""
     _str(msg.get("req"), "request id")
     _int(msg.get("slot"), 0, slots - 1, "slot")
     nbytes = _int(msg.get("nbytes"), 0, slot_bytes, "message size")
@@ -165,7 +165,7 @@ def check_data(msg: dict, slots: int, slot_bytes: int) -> dict:
                 raise ProtocolError("data message has a malformed tensor entry")
             _str(t.get("framework"), "framework", FRAMEWORKS)
             _str(t.get("dtype"), "dtype")
-            _str(t.get("codec"), "codec", CODECS)
+            _str(t.get("codec"), "codec", codecs)
             shape = t.get("shape")
             if not isinstance(shape, list) or len(shape) > 16:
                 raise ProtocolError(f"tensor shape {str(shape)[:80]} is malformed")

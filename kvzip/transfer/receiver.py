@@ -213,7 +213,9 @@ class _Connection:
     def _guard(self, stage) -> None:
         try:
             stage()
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001  the connection ends; its requests fail with e
+            if not self._closed:
+                log.warning("kvzip receiver: connection %s ends: %s", stage.__name__, e)
             self.close(e if isinstance(e, TransferError) else TransferError(f"{type(e).__name__}: {e}"))
 
     def _read(self) -> None:
@@ -226,7 +228,7 @@ class _Connection:
             if kind == "begin":
                 self._begin(msg)
             elif kind == "data":
-                check_data(msg, slots, self.rx.slot_bytes)
+                check_data(msg, slots, self.rx.slot_bytes, codec.known())
                 self._work.put(msg)
             elif kind == "end":
                 self._work.put(msg)  # in order after the request's data

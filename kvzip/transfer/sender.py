@@ -37,6 +37,7 @@ log = logging.getLogger("kvzip.transfer")
 
 MIN_GROUP = 8 << 20     # a compress call should carry a few MiB, or its fixed cost shows
 TARGET_GROUPS = 8       # enough groups that the pipeline's fill is a small part of the time
+FIRST_GROUP = 4 << 20   # the first group closes early, so the wire starts after a short encode
 
 
 class SendHandle:
@@ -44,12 +45,13 @@ class SendHandle:
 
     def __init__(self, sender: "Sender", req: str, n_layers: int, codec_name: str):
         self._sender, self.request, self.n_layers = sender, req, n_layers
-        self.codec = codec_name           # "kvzip" or "raw": for "auto", what was chosen
+        self.codec = codec_name           # the wire codec's name or "raw": for "auto", what was chosen
         self.reason = ""                  # for "auto": why
         self._queued: set[int] = set()
         self._pending: list = []          # layers waiting to fill a group
         self._pending_bytes = 0
         self._group_bytes = None
+        self._groups_flushed = 0
         self._accepted = threading.Event()
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -104,7 +106,8 @@ class Sender:
     """Sends requests' KV to one Receiver (its ``address``) through a transfer engine.
 
     codec: "kvzip" (the default pipeline, checksummed), "raw", "auto" (kvzip only when it is
-    predicted to be faster on this link, see codec.AutoChooser), or a kvzip.Pipeline.
+    predicted to be faster on this link, see codec.AutoChooser), a kvzip.Pipeline, or the name
+    of a WireCodec registered (kvzip.transfer.register_codec) in both processes.
     link_gbps: emulate a link of that rate (benchmarks; pacing.py).  group_bytes: raw bytes per
     message (default: the request split in about 8, at least 8 MiB, at most a ring slot).
     timeout: seconds any one step may stall (connect, a credit, an acceptance) before failing.
@@ -112,7 +115,7 @@ class Sender:
 
     def __init__(self, address: str, *, engine="mooncake", codec="kvzip", link_gbps: float | None = None,
                  group_bytes: int | None = None, staging_slots: int = 3, timeout: float = 30.0):
-        self.codec = _check_codec(codec)
+        self.codec, self._wire = _wire_of(codec)
         if group_bytes is not None and (type(group_bytes) is not int or group_bytes <= 0):
             raise ValueError(f"group_bytes must be a positive int, got {group_bytes!r}")
         if type(staging_slots) is not int or staging_slots < 1:
@@ -192,13 +195,12 @@ class Sender:
             raise ValueError(f"request id must be a non-empty string of at most 256 characters, got {request!r}")
         if type(n_layers) is not int or not 0 < n_layers <= 1 << 20:
             raise ValueError(f"n_layers must be a positive int, got {n_layers!r}")
-        name = "kvzip" if isinstance(self.codec, Pipeline) else self.codec
-        h = SendHandle(self, request, n_layers, name)
+        h = SendHandle(self, request, n_layers, self.codec)
         with self._lock:
             if request in self._handles:
                 raise ValueError(f"request {request!r} is already in flight on this sender")
             self._handles[request] = h
-        self._chan.send("begin", req=request, n_layers=n_layers, codec=name)
+        self._chan.send("begin", req=request, n_layers=n_layers, codec=self.codec)
         self._local.current = h
         return h
 
@@ -250,11 +252,13 @@ class Sender:
             h._group_bytes = self._group_size(need * h.n_layers)
             if self.codec == "auto":
                 n_groups = max(1, -(-need * h.n_layers // h._group_bytes))
-                h.codec, h.reason = self._auto.choose([h._group_bytes] * n_groups)
+                pick, h.reason = self._auto.choose([h._group_bytes] * n_groups)
+                h.codec = "raw" if pick == "raw" else self._wire.name
                 h.stats["codec"] = h.codec
                 h.stats["auto"] = h.reason
                 log.info("request %s: codec=auto sends %s: %s", h.request, h.codec, h.reason)
-        if h._pending and h._pending_bytes + need > h._group_bytes:
+        limit = min(FIRST_GROUP, h._group_bytes) if h._groups_flushed == 0 else h._group_bytes
+        if h._pending and h._pending_bytes + need > limit:
             self._flush(h, last=False)
         h._pending.append((index, tensors, _fence(tensors)))
         h._pending_bytes += need
@@ -268,6 +272,7 @@ class Sender:
         if h._pending:
             self._to_encode.put(("group", h, h._pending))
             h._pending, h._pending_bytes = [], 0
+            h._groups_flushed += 1
         if last:
             self._to_encode.put(("end", h, None))
 
@@ -310,11 +315,10 @@ class Sender:
             slot = self._take(self._free_staging, "a free staging slot")
             t0 = now()
             tensors = [t for _, ts, _ in layers for t in ts]
-            pipe = (self.codec if isinstance(self.codec, Pipeline) else codec.kvzip_pipeline()) \
-                if h.codec == "kvzip" else None
+            wire = None if h.codec == "raw" else self._wire
             if self._device == "cpu":
-                blobs = codec.encode(pipe, tensors)
-                entries, nbytes = codec.pack(self._staging, slot * self.slot_bytes, tensors, blobs)
+                blobs = codec.encode(wire, tensors)
+                entries, nbytes = codec.pack(self._staging, slot * self.slot_bytes, tensors, blobs, h.codec)
                 ready = None
             else:
                 import torch
@@ -323,8 +327,8 @@ class Sender:
                     for *_, fence in layers:
                         if fence is not None:
                             self._stream.wait_event(fence)
-                    blobs = codec.encode(pipe, tensors)
-                    entries, nbytes = codec.pack(self._staging, slot * self.slot_bytes, tensors, blobs)
+                    blobs = codec.encode(wire, tensors)
+                    entries, nbytes = codec.pack(self._staging, slot * self.slot_bytes, tensors, blobs, h.codec)
                     ready = torch.cuda.Event()
                     ready.record(self._stream)
             msg_layers, k = [], 0
@@ -409,7 +413,7 @@ class Sender:
                 self._end(h, TransferError(f"receiver rejected request {h.request!r}: {msg.get('why')}"))
             elif kind == "done":
                 h.stats["decode_s"] = float(msg.get("decode_s", 0.0))
-                if h.codec == "kvzip" and self._auto is not None:
+                if h.codec != "raw" and self._auto is not None:
                     s = h.stats
                     self._auto.observe_codec(s["raw_bytes"], s["sent_bytes"], s["encode_s"], s["decode_s"])
                 self._end(h, None)
@@ -479,7 +483,15 @@ def _remote_error(msg: dict, req: str) -> BaseException:
     return TransferError(why)
 
 
-def _check_codec(c):
-    if isinstance(c, Pipeline) or c in ("kvzip", "raw", "auto"):
-        return c
-    raise ValueError(f"codec must be 'kvzip', 'raw', 'auto' or a kvzip.Pipeline, got {c!r}")
+def _wire_of(c) -> tuple[str, codec.WireCodec | None]:
+    """(the codec setting's name, the WireCodec behind it; None for raw)."""
+    if isinstance(c, Pipeline):
+        return "kvzip", codec.KvzipWire(c)
+    if c == "raw":
+        return "raw", None
+    if c == "auto":
+        return "auto", codec.get("kvzip")
+    if isinstance(c, str) and c in codec.known():
+        return c, codec.get(c)
+    raise ValueError(f"codec must be 'kvzip', 'raw', 'auto', a kvzip.Pipeline or a registered wire codec "
+                     f"({sorted(codec.known())}), got {c!r}")
