@@ -114,7 +114,10 @@ class Receiver:
             raise inc.error
         if n_layers is not None and n_layers != inc.n_layers:
             raise ValueError(f"request {request!r} has {inc.n_layers} layers, the caller expected {n_layers}")
-        return [inc.layers[i] for i in range(inc.n_layers)]
+        layers = [inc.layers[i] for i in range(inc.n_layers)]
+        if self.device != "cpu":
+            _hand_over(layers)
+        return layers
 
     def close(self) -> None:
         if self._closed:
@@ -165,7 +168,8 @@ class Receiver:
                     chan.close()
                     continue
                 conn = _Connection(self, chan, window)
-                self._connections.append(conn)
+                with self._lock:
+                    self._connections.append(conn)
                 chan.send("hello", **hello)
             except TransferError:
                 chan.close()
@@ -190,6 +194,19 @@ class Receiver:
             self._requests.pop(inc.req, None)
         if inc.conn is not None:
             inc.conn.send_quietly("failed", req=inc.req, why=f"receiver gave up: {error}", error=type(error).__name__)
+
+
+def _hand_over(layers) -> None:
+    """The tensors were written on the receiver's decode stream (and synchronised); record them
+    on the caller's current stream too, so that torch's caching allocator does not give their
+    memory to a later decode while the caller's queued work still reads them."""
+    import torch
+
+    stream = torch.cuda.current_stream()
+    for layer in layers:
+        for t in layer if isinstance(layer, tuple) else (layer,):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(stream)
 
 
 class _Connection:
@@ -223,7 +240,10 @@ class _Connection:
         while True:
             msg = self.chan.recv()
             if msg is None:
-                raise TransferError("the sender went away (control connection closed) before its requests completed")
+                if self._requests:
+                    raise TransferError("the sender went away (control connection closed) before its requests completed")
+                self.close(TransferError("the sender closed the connection"))
+                return
             kind, req = msg["kind"], msg.get("req")
             if kind == "begin":
                 self._begin(msg)
@@ -325,10 +345,11 @@ class _Connection:
         if self._closed:
             return
         self._closed = True
+        with self.rx._lock:  # the window is free before anyone hears of the failure
+            if self in self.rx._connections:
+                self.rx._connections.remove(self)
+        self.chan.close()
         for inc in list(self._requests.values()):
             self.rx._finish(inc, error)
         self._requests.clear()
         self._work.put(None)
-        self.chan.close()
-        if self in self.rx._connections:
-            self.rx._connections.remove(self)

@@ -43,9 +43,11 @@ FIRST_GROUP = 4 << 20   # the first group closes early, so the wire starts after
 class SendHandle:
     """One request on its way: ``send_layer`` (streaming), ``wait``, ``cancel``, ``stats``."""
 
-    def __init__(self, sender: "Sender", req: str, n_layers: int, codec_name: str):
+    def __init__(self, sender: "Sender", req: str, n_layers: int, codec_name: str, wire):
         self._sender, self.request, self.n_layers = sender, req, n_layers
         self.codec = codec_name           # the wire codec's name or "raw": for "auto", what was chosen
+        self._auto = codec_name == "auto"
+        self._wire = wire
         self.reason = ""                  # for "auto": why
         self._queued: set[int] = set()
         self._pending: list = []          # layers waiting to fill a group
@@ -175,11 +177,12 @@ class Sender:
             t.start()
 
     # ------------------------------------------------------------------ public API
-    def send(self, request: str, layers) -> SendHandle:
+    def send(self, request: str, layers, codec=None) -> SendHandle:
         """Send a whole request: ``layers`` is a list of tensors or of tuples of tensors.
-        Returns at once; ``handle.wait()`` blocks until the receiver has it all."""
+        Returns at once; ``handle.wait()`` blocks until the receiver has it all.
+        codec: this request's codec (default: the Sender's)."""
         layers = list(layers)
-        h = self.begin(request, len(layers))
+        h = self.begin(request, len(layers), codec)
         try:
             for i, layer in enumerate(layers):
                 h.send_layer(i, *(layer if isinstance(layer, (tuple, list)) else (layer,)))
@@ -188,19 +191,20 @@ class Sender:
             raise
         return h
 
-    def begin(self, request: str, n_layers: int) -> SendHandle:
+    def begin(self, request: str, n_layers: int, codec=None) -> SendHandle:
         """Start a streamed request of ``n_layers`` layers; send them with ``send_layer``."""
         self._check_open()
+        name, wire = (self.codec, self._wire) if codec is None else _wire_of(codec)
         if type(request) is not str or not 0 < len(request) <= 256:
             raise ValueError(f"request id must be a non-empty string of at most 256 characters, got {request!r}")
         if type(n_layers) is not int or not 0 < n_layers <= 1 << 20:
             raise ValueError(f"n_layers must be a positive int, got {n_layers!r}")
-        h = SendHandle(self, request, n_layers, self.codec)
+        h = SendHandle(self, request, n_layers, name, wire)
         with self._lock:
             if request in self._handles:
                 raise ValueError(f"request {request!r} is already in flight on this sender")
             self._handles[request] = h
-        self._chan.send("begin", req=request, n_layers=n_layers, codec=self.codec)
+        self._chan.send("begin", req=request, n_layers=n_layers, codec=name)
         self._local.current = h
         return h
 
@@ -210,6 +214,14 @@ class Sender:
         if h is None:
             raise ValueError("no request begun on this thread: call begin(request, n_layers) first")
         h.send_layer(index, *tensors)
+
+    def set_link(self, gbps: float | None) -> None:
+        """Emulate a link of ``gbps`` GB/s from the next message on (None: the engine's own
+        speed).  codec="auto" starts its estimates for the new link afresh."""
+        self._pacer = Pacer(gbps) if gbps is not None else None
+        self._link_gbps = gbps
+        if self._auto is not None:
+            self._auto = AutoChooser(self._device, gbps)
 
     def cancel(self, request: str) -> None:
         h = self._handles.get(request)
@@ -250,10 +262,10 @@ class Sender:
                 raise ValueError(f"this sender stages {self._device} memory; layer {index} has a tensor on {buffers.device_of(t)}")
         if h._group_bytes is None:
             h._group_bytes = self._group_size(need * h.n_layers)
-            if self.codec == "auto":
+            if h._auto:
                 n_groups = max(1, -(-need * h.n_layers // h._group_bytes))
                 pick, h.reason = self._auto.choose([h._group_bytes] * n_groups)
-                h.codec = "raw" if pick == "raw" else self._wire.name
+                h.codec = "raw" if pick == "raw" else h._wire.name
                 h.stats["codec"] = h.codec
                 h.stats["auto"] = h.reason
                 log.info("request %s: codec=auto sends %s: %s", h.request, h.codec, h.reason)
@@ -313,13 +325,13 @@ class Sender:
             if h.done:  # cancelled or failed while queued
                 continue
             slot = self._take(self._free_staging, "a free staging slot")
-            t0 = now()
             tensors = [t for _, ts, _ in layers for t in ts]
-            wire = None if h.codec == "raw" else self._wire
+            wire = None if h.codec == "raw" else h._wire
+            base = slot * self.slot_bytes
+            t0 = now()
             if self._device == "cpu":
-                blobs = codec.encode(wire, tensors)
-                entries, nbytes = codec.pack(self._staging, slot * self.slot_bytes, tensors, blobs, h.codec)
-                ready = None
+                entries, nbytes = codec.pack(self._staging, base, tensors, codec.encode(wire, tensors), h.codec)
+                events = None
             else:
                 import torch
 
@@ -327,16 +339,17 @@ class Sender:
                     for *_, fence in layers:
                         if fence is not None:
                             self._stream.wait_event(fence)
-                    blobs = codec.encode(wire, tensors)
-                    entries, nbytes = codec.pack(self._staging, slot * self.slot_bytes, tensors, blobs, h.codec)
-                    ready = torch.cuda.Event()
-                    ready.record(self._stream)
+                    events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    events[0].record(self._stream)
+                    entries, nbytes = codec.pack(self._staging, base, tensors, codec.encode(wire, tensors), h.codec)
+                    events[1].record(self._stream)
+            host_s = now() - t0
             msg_layers, k = [], 0
             for index, ts, _ in layers:
                 msg_layers.append({"index": index, "tuple": len(ts) > 1, "tensors": entries[k:k + len(ts)]})
                 k += len(ts)
             raw = sum(buffers.nbytes(t) for t in tensors)
-            self._to_write.put(("group", h, (slot, nbytes, msg_layers, raw, ready, t0)))
+            self._to_write.put(("group", h, (slot, nbytes, msg_layers, raw, events, host_s)))
 
     def _write(self) -> None:
         while True:
@@ -347,10 +360,10 @@ class Sender:
             if kind == "end":
                 self._to_notify.put((0.0, "end", h, None))
                 continue
-            slot, nbytes, layers, raw, ready, t0 = work
-            if ready is not None:
-                ready.synchronize()
-            encoded = now()
+            slot, nbytes, layers, raw, events, encode_s = work
+            if events is not None:  # the encode's span on its stream, if longer than its host time
+                events[1].synchronize()
+                encode_s = max(encode_s, events[0].elapsed_time(events[1]) / 1e3)
             if h.done:  # cancelled or failed while queued
                 self._free_staging.put(slot)
                 continue
@@ -366,13 +379,13 @@ class Sender:
             written = now()
             self._free_staging.put(slot)
             arrival = self._pacer.arrival(nbytes, start, written) if self._pacer else written
-            if h.codec == "raw" and self._pacer is None:
+            if self._pacer is None:  # what the engine really moves, whatever the bytes are
                 self._auto.observe_link(nbytes, written - start)
             s = h.stats
             s["groups"] += 1
             s["raw_bytes"] += raw
             s["sent_bytes"] += nbytes
-            s["encode_s"] += encoded - t0
+            s["encode_s"] += encode_s
             s["write_s"] += written - start
             self._to_notify.put((arrival, "data", h, {"req": h.request, "slot": remote, "nbytes": nbytes,
                                                      "layers": layers}))
