@@ -5,7 +5,10 @@ Engine.  On a GPU the engine moves bytes by CUDA IPC between the two processes o
 (MC_INTRANODE_NVLINK=1), and the links of 10-200 GB/s are EMULATED by kvzip.transfer's pacer (a
 token bucket over the bytes actually sent, so a raw transfer measures the nominal rate); "ipc" is
 the unpaced CUDA IPC copy itself, and "tcp" Mooncake's real, unemulated TCP transport
-(MC_FORCE_TCP=1, GPU memory staged through the host).
+(MC_FORCE_TCP=1, GPU memory staged through the host).  With --mps (the default on a GPU) both
+processes are clients of one CUDA MPS server, so their kernels share the GPU as two GPUs' kernels
+would run side by side; without it the GPU time-slices between the two contexts, which slows
+every codec call 1.5-2.4x (benchmarks/transfer_diag.py, benchmarks/NOTES.md).
 
 KV: real BF16 KV (the SmolLM2 sample shipped in kvzip, and MiniLM-L6 KV when --minilm points at
 its safetensors file), tiled into Llama-3-8B (32 layers) and Llama-3-70B (80 layers) shapes: per
@@ -205,7 +208,7 @@ def model(stats: dict, link_gbps: float | None) -> dict:
             "predicted_ms": (enc + dec + (g - 1) * max(enc, wire, dec) + wire) * 1e3}
 
 
-def run_link(tx, peer, layers, want: str, link, codecs, reps, tag, log) -> list[dict]:
+def run_link(tx, peer, layers, want: str, link, link_gbps, codecs, reps, tag, log) -> list[dict]:
     rows = []
     for rep in range(reps):
         for c in codecs:
@@ -223,7 +226,6 @@ def run_link(tx, peer, layers, want: str, link, codecs, reps, tag, log) -> list[
             dt = time.perf_counter() - t0
             status, got = peer.result()
             exact = status == "ok" and got == want
-            link_gbps = link if isinstance(link, (int, float)) else None
             row = {"codec": c, "chosen": stats["codec"], "rep": rep, "seconds": dt, "exact": exact,
                    "raw_bytes": stats["raw_bytes"], "sent_bytes": stats["sent_bytes"], "groups": stats["groups"],
                    "ratio": stats["raw_bytes"] / max(stats["sent_bytes"], 1), "auto": stats.get("auto"),
@@ -275,6 +277,7 @@ def sender_main(args) -> int:
     res = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
            "device": torch.cuda.get_device_name() if args.device != "cpu" else platform.processor() or "cpu",
            "versions": _versions(), "args": vars(args), "codecs": codecs,
+           "mps": bool(args.mps and args.device != "cpu"),
            "emulation": "links given in GB/s are emulated: real Mooncake writes (CUDA IPC on one GPU) paced "
                         "by a token bucket over the bytes sent; 'ipc' is that copy unpaced; 'tcp' is Mooncake's "
                         "real TCP transport, unemulated",
@@ -308,9 +311,10 @@ def sender_main(args) -> int:
                         tag = f"{fam}-{shape}-{tokens}"
                         links = ([None] if transport == "tcp" else ["ipc"] + args.links)
                         for link in links:
-                            tx.set_link(link if isinstance(link, (int, float)) else None)
+                            gbps = link if isinstance(link, (int, float)) else None
+                            tx.set_link(gbps)
                             label = transport if link in (None, "ipc") else f"{link}GBps"
-                            rows = run_link(tx, peer, layers, want, label, codecs, args.reps, tag, log)
+                            rows = run_link(tx, peer, layers, want, label, gbps, codecs, args.reps, tag, log)
                             summ = summarize(rows, codecs)
                             res["runs"].append({"family": fam, "shape": shape, "layers": n_layers, "tokens": tokens,
                                                 "GiB": gib, "link": label, "transport": transport,
@@ -355,6 +359,25 @@ def _write(path, res) -> None:
     os.replace(path + ".tmp", path)
 
 
+class Mps:
+    """A CUDA MPS control daemon for this run (pipe and log directories of its own)."""
+
+    def __init__(self):
+        import shutil
+
+        self.ctl = shutil.which("nvidia-cuda-mps-control")
+        if self.ctl is None:
+            raise RuntimeError("--mps: nvidia-cuda-mps-control is not on PATH (use --no-mps)")
+        d = f"/tmp/kvzip-mps-{os.getpid()}"
+        os.environ["CUDA_MPS_PIPE_DIRECTORY"], os.environ["CUDA_MPS_LOG_DIRECTORY"] = d + "/pipe", d + "/log"
+        os.makedirs(d + "/pipe", exist_ok=True)
+        os.makedirs(d + "/log", exist_ok=True)
+        subprocess.run([self.ctl, "-d"], check=True, timeout=30)
+
+    def stop(self):
+        subprocess.run([self.ctl], input="quit\n", text=True, timeout=30)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--role", choices=["tx", "rx"], default="tx", help=argparse.SUPPRESS)
@@ -362,7 +385,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768, 131072], help="context lengths")
     ap.add_argument("--links", type=float, nargs="+", default=LINKS, help="emulated link rates, GB/s")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each (link, codec), interleaved")
-    ap.add_argument("--slot-mib", type=int, default=128, help="receive ring slot size, MiB")
+    ap.add_argument("--slot-mib", type=int, default=512, help="receive ring slot size, MiB (a layer must fit)")
     ap.add_argument("--slots", type=int, default=4, help="receive ring slots")
     ap.add_argument("--group-mib", type=int, default=0, help="raw MiB per message (0: the sender's default)")
     ap.add_argument("--tcp-max-tokens", type=int, default=4096, help="longest context sent over real TCP")
@@ -372,6 +395,8 @@ def main(argv=None) -> int:
     ap.add_argument("--minilm", default=None, help="MiniLM-L6 KV safetensors file: a second KV family")
     ap.add_argument("--max-seconds", type=float, default=420, help="stop starting new shapes after this")
     ap.add_argument("--quick", action="store_true", help="small CPU-sized run: 512 tokens, 10 and 25 GB/s")
+    ap.add_argument("--no-mps", dest="mps", action="store_false",
+                    help="let the GPU time-slice between the two processes instead of sharing it through MPS")
     ap.add_argument("--out", default="benchmarks/results/transfer-h200.json")
     args = ap.parse_args(argv)
     if args.role == "rx":
@@ -379,7 +404,12 @@ def main(argv=None) -> int:
         return 0
     if args.quick:
         args.tokens, args.links, args.reps, args.slot_mib = [512], [10, 25], 2, 16
-    return sender_main(args)
+    mps = Mps() if args.mps and args.device != "cpu" else None  # before any CUDA context exists
+    try:
+        return sender_main(args)
+    finally:
+        if mps is not None:
+            mps.stop()
 
 
 if __name__ == "__main__":

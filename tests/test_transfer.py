@@ -155,11 +155,13 @@ def test_streaming_layers_in_any_order(link):
     assert all(same(a, b) for a, b in zip(layers, rx.receive("s")))
 
 
-def test_bit_flip_is_caught_by_the_checksum():
+@pytest.mark.parametrize("codec", ["kvzip", "raw"])
+@pytest.mark.parametrize("where", [5000, 777_777])
+def test_bit_flip_is_caught_by_the_digest(codec, where):
     """A corrupted message fails with FormatError on both sides; never wrong KV."""
-    faults = Faults(flip_bit=(1, 5000, 3))
+    faults = Faults(flip_bit=(1, where, 3))
     with transfer.Receiver(engine="loopback", slot_bytes=1 << 20) as rx, \
-            transfer.Sender(rx.address, engine=LoopbackEngine(faults), codec="kvzip") as tx:
+            transfer.Sender(rx.address, engine=LoopbackEngine(faults), codec=codec) as tx:
         h = tx.send("bad", real_layers())
         with pytest.raises(kvzip.FormatError):
             rx.receive("bad", timeout=30)

@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 
+from ..checksum import sum64_finish
 from ..errors import FormatError
 from . import codec
 from .buffers import Buffer
@@ -196,6 +197,13 @@ class Receiver:
             inc.conn.send_quietly("failed", req=inc.req, why=f"receiver gave up: {error}", error=type(error).__name__)
 
 
+def _check_digest(total, msg: dict) -> None:
+    got = f"{sum64_finish(total, msg['nbytes']):016x}"
+    if got != msg["digest"]:
+        raise FormatError(f"message of request {msg['req']!r} in slot {msg['slot']} is corrupted: "
+                          f"digest {got}, the sender's {msg['digest']}")
+
+
 def _hand_over(layers) -> None:
     """The tensors were written on the receiver's decode stream (and synchronised); record them
     on the caller's current stream too, so that torch's caching allocator does not give their
@@ -299,14 +307,18 @@ class _Connection:
     def _store(self, inc: _Incoming, msg: dict) -> None:
         base = (self.window[0] + msg["slot"]) * self.rx.slot_bytes
         entries = [e for layer in msg["layers"] for e in layer["tensors"]]
+        ring = self.rx._ring
         if self._stream is None:
-            tensors = codec.unpack(self.rx._ring, base, entries, "cpu")
+            _check_digest(ring.digest_start(base, msg["nbytes"]), msg)
+            tensors = codec.unpack(ring, base, entries, "cpu")
         else:
             import torch
 
+            total = ring.digest_start(base, msg["nbytes"], self._stream)
             with torch.cuda.stream(self._stream):
-                tensors = codec.unpack(self.rx._ring, base, entries, self.rx.device)
+                tensors = codec.unpack(ring, base, entries, self.rx.device)
             self._stream.synchronize()  # the slot is read and the tensors written before the credit
+            _check_digest(total, msg)
         k = 0
         for layer in msg["layers"]:
             i, n = layer["index"], len(layer["tensors"])

@@ -25,6 +25,7 @@ import queue
 import socket
 import threading
 
+from ..checksum import sum64_finish
 from ..pipeline import Pipeline
 from . import buffers, codec
 from .buffers import Buffer
@@ -331,6 +332,7 @@ class Sender:
             t0 = now()
             if self._device == "cpu":
                 entries, nbytes = codec.pack(self._staging, base, tensors, codec.encode(wire, tensors), h.codec)
+                total = self._staging.digest_start(base, nbytes)
                 events = None
             else:
                 import torch
@@ -342,6 +344,7 @@ class Sender:
                     events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                     events[0].record(self._stream)
                     entries, nbytes = codec.pack(self._staging, base, tensors, codec.encode(wire, tensors), h.codec)
+                    total = self._staging.digest_start(base, nbytes, self._stream)
                     events[1].record(self._stream)
             host_s = now() - t0
             msg_layers, k = [], 0
@@ -349,7 +352,7 @@ class Sender:
                 msg_layers.append({"index": index, "tuple": len(ts) > 1, "tensors": entries[k:k + len(ts)]})
                 k += len(ts)
             raw = sum(buffers.nbytes(t) for t in tensors)
-            self._to_write.put(("group", h, (slot, nbytes, msg_layers, raw, events, host_s)))
+            self._to_write.put(("group", h, (slot, nbytes, msg_layers, raw, events, host_s, total)))
 
     def _write(self) -> None:
         while True:
@@ -360,7 +363,7 @@ class Sender:
             if kind == "end":
                 self._to_notify.put((0.0, "end", h, None))
                 continue
-            slot, nbytes, layers, raw, events, encode_s = work
+            slot, nbytes, layers, raw, events, encode_s, total = work
             if events is not None:  # the encode's span on its stream, if longer than its host time
                 events[1].synchronize()
                 encode_s = max(encode_s, events[0].elapsed_time(events[1]) / 1e3)
@@ -387,8 +390,9 @@ class Sender:
             s["sent_bytes"] += nbytes
             s["encode_s"] += encode_s
             s["write_s"] += written - start
+            digest = f"{sum64_finish(total, nbytes):016x}"  # ready: the encode's stream is synchronised
             self._to_notify.put((arrival, "data", h, {"req": h.request, "slot": remote, "nbytes": nbytes,
-                                                     "layers": layers}))
+                                                     "digest": digest, "layers": layers}))
 
     def _notify(self) -> None:
         while True:
