@@ -3,10 +3,10 @@ memory blow-up on a hostile blob fails that test instead of killing the pytest r
 
 Protocol, over stdin / stdout: the worker decodes the blobs named on its command line (warming up
 every kernel), sets its address-space limit to what it holds then plus the headroom given, and
-prints "READY".  Then for each request (an 8-byte little-endian length and that many blob bytes)
+prints "READY".  Then for each request (an 8-byte little-endian length plus one, then the blob)
 it prints one JSON line: {decoder: outcome} where an outcome is ["ok", dtype, shape, sha256 of the
 result's bytes], ["FormatError"], or ["other", exception type, message] (the failures the test
-looks for).  A zero length ends it.
+looks for).  A zero ends it.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def main() -> int:
         n = int.from_bytes(inp.read(8), "little")
         if n == 0:
             return 0
-        blob = inp.read(n)
+        blob = inp.read(n - 1)
         out.write(json.dumps({name: outcome(d, blob) for name, d in DECODERS.items()}) + "\n")
         out.flush()
 

@@ -85,6 +85,7 @@ class Worker:
         assert line == "READY", f"fuzz worker did not start: {line!r} {self._stderr()}"
 
     def _line(self, timeout: float) -> str | None:
+        """The worker's next line; None if it gives none within timeout; "" if it died."""
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         if not ready:
             return None
@@ -98,11 +99,11 @@ class Worker:
     def decode(self, blob: bytes) -> dict:
         if self.proc is None or self.proc.poll() is not None:
             self.start()
-        self.proc.stdin.write(len(blob).to_bytes(8, "little") + blob)
+        self.proc.stdin.write((len(blob) + 1).to_bytes(8, "little") + blob)
         self.proc.stdin.flush()
         line = self._line(TIMEOUT_S)
-        if not line:  # a hang (no answer in time) or a death (EOF)
-            hung = self.proc.poll() is None
+        if not line:  # a hang (no answer in time) or a death (end of its output)
+            hung = line is None
             if hung:
                 self.proc.kill()
             self.proc.wait()
@@ -142,8 +143,8 @@ def test_worker_reports_what_it_is_given(worker):
     """The harness itself: a base blob decodes everywhere, junk is a FormatError everywhere."""
     ok = worker.decode(BASES[0])
     assert {v[0] for v in ok.values()} == {"ok"}
-    bad = worker.decode(b"KVZIP\x00\r\n" + bytes(40))
-    assert {v[0] for v in bad.values()} == {"FormatError"}
+    for bad in (b"KVZIP\x00\r\n" + bytes(40), b""):
+        assert {v[0] for v in worker.decode(bad).values()} == {"FormatError"}
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=not LONG,
