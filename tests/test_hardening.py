@@ -448,3 +448,13 @@ def test_demo_on_cuda_without_cupy_is_one_error_line(capsys):
 
     assert main(["demo", "--backend", "cuda", "--repeat", "1"]) == 1
     assert "needs CuPy" in capsys.readouterr().err
+
+
+def test_codebook_with_too_deep_provenance_is_a_value_error():
+    deep: dict = {}
+    node = deep
+    for _ in range(5000):
+        node["a"] = {}
+        node = node["a"]
+    with pytest.raises(ValueError, match="provenance"):
+        kvzip.Codebook(list(range(16)), "bf16", provenance=deep)
