@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import kvzip
 from kvzip import stages as S
@@ -126,6 +127,13 @@ def worker(tmp_path_factory):
     w.stop()
 
 
+@pytest.fixture(scope="module")
+def other_worker(tmp_path_factory):
+    w = Worker(tmp_path_factory.mktemp("fuzz_other"))
+    yield w
+    w.stop()
+
+
 def _check(results: dict, blob: bytes):
     others = {k: v for k, v in results.items() if v[0] == "other"}
     assert not others, f"{others}; blob = {blob.hex()[:4000]}"
@@ -152,3 +160,15 @@ def test_worker_reports_what_it_is_given(worker):
 @given(blob=kt.hostile_blobs(BASES))
 def test_hostile_blobs_are_rejected_or_decoded_alike(worker, blob):
     _check(worker.decode(blob), blob)
+
+
+@settings(max_examples=150 if LONG else 15, deadline=None, derandomize=not LONG,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
+@given(blobs=st.lists(kt.hostile_blobs(BASES), min_size=24, max_size=24))
+def test_answers_do_not_depend_on_what_came_before(worker, other_worker, blobs):
+    """Validation is a function of the blob: two processes that saw the same blobs in opposite
+    orders (each after its own earlier history) give every blob the same answer."""
+    forward = [worker.decode(b) for b in blobs]
+    backward = [other_worker.decode(b) for b in reversed(blobs)][::-1]
+    for b, f, r in zip(blobs, forward, backward):
+        assert f == r, f"{f} != {r}; blob = {b.hex()[:4000]}"
