@@ -212,6 +212,8 @@ def test_empty_shape_too_large_for_numpy_is_a_format_error(shape):
 def test_largest_empty_shape_numpy_takes_decodes():
     blob = _forge(np.zeros(0, ml_dtypes.float8_e5m2), lambda m: json.dumps({**m, "shape": [2**63 - 1, 0]}))
     assert kvzip.decompress(blob).shape == (2**63 - 1, 0)
+    as_torch = torch.from_numpy(np.frombuffer(blob, np.uint8).copy())
+    assert tuple(kvzip.decompress(as_torch).shape) == (2**63 - 1, 0)
 
 
 def test_json_depth_limit_is_exact_and_ignored_keys_within_it_decode():
