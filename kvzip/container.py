@@ -190,9 +190,11 @@ def remember_header(head: bytes, blob_len: int, hdr: Header) -> None:
     """Cache hdr, parse_header's answer for head, once its whole blob has decoded."""
     global _parsed_bytes
     key = _cache_key(head, blob_len)
-    if key is None or key in _parsed:
+    if key is None:
         return
-    with _parsed_lock:
+    with _parsed_lock:  # decodes on several threads: _parsed and _parsed_bytes change together
+        if key in _parsed:
+            return
         while _parsed and _parsed_bytes + len(key[0]) > CACHE_BYTES:  # the oldest go first
             oldest = next(iter(_parsed))
             del _parsed[oldest]
