@@ -105,7 +105,6 @@ def test_float8_e4m3_is_not_e4m3fn():
 
 
 def test_cuda_backend_without_cupy_names_cupy():
-    pytest.importorskip("numba")
     try:
         import cupy  # noqa: F401
         pytest.skip("CuPy is installed")
