@@ -36,12 +36,10 @@ def sum64_start(xp, payload):
     if payload.shape[0] % 8:
         raise ValueError("sum64 needs a whole number of 8-byte words")
     words = payload.view(xp.uint64)
+    if xp is not np:
+        return _device_sum(words)
     with np.errstate(over="ignore"):
-        if xp is np:
-            terms = mix(np, words + np.arange(words.shape[0], dtype=np.uint64) * GOLDEN)
-        else:  # one fused pass instead of a dozen array operations, each with its own temporary
-            terms = _device_terms()(words)
-        return terms.sum(dtype=xp.uint64)
+        return mix(np, words + np.arange(words.shape[0], dtype=np.uint64) * GOLDEN).sum(dtype=np.uint64)
 
 
 def sum64_finish(total, length: int) -> int:
@@ -50,20 +48,42 @@ def sum64_finish(total, length: int) -> int:
         return int(mix(np, np.asarray([int(total) ^ length], dtype=np.uint64))[0])
 
 
-_TERMS = None
+# One pass over the words on a GPU: each thread adds up mix(w_i + i * GOLDEN) for its share in a
+# register, a warp adds its threads' sums by shuffles and one atomic per warp adds that into the
+# total.  Addition mod 2**64 is associative and commutative, so the order of the additions
+# cannot change the result: it is the NumPy form's, bit for bit (tests/gpu/test_checksum_gpu.py).
+_SUM64_SOURCE = r"""
+extern "C" __global__ void kvz_sum64(const unsigned long long* __restrict__ w, unsigned long long n,
+                                     unsigned long long* total) {
+    const unsigned long long golden = 0x9E3779B97F4A7C15ull;
+    unsigned long long acc = 0;
+    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
+        unsigned long long z = w[i] + i * golden + golden;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        acc += z ^ (z >> 31);
+    }
+    for (int d = 16; d > 0; d >>= 1)
+        acc += __shfl_down_sync(0xffffffffu, acc, d);
+    if ((threadIdx.x & 31) == 0)
+        atomicAdd(total, acc);
+}
+"""
+_SUM64_KERNEL = None
+_THREADS = 256
 
 
-def _device_terms():
-    """CuPy kernel: t_i = mix(w_i + i * GOLDEN), the same arithmetic as ``mix`` above (mod 2**64)."""
-    global _TERMS
-    if _TERMS is None:
-        import cupy
+def _device_sum(words):
+    global _SUM64_KERNEL
+    import cupy
 
-        _TERMS = cupy.ElementwiseKernel(
-            "uint64 w", "uint64 t",
-            """unsigned long long z = w + (unsigned long long)i * GOLDEN + GOLDEN;
-               z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-               z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-               t = z ^ (z >> 31);""",
-            "kvz_sum64_terms", preamble=f"#define GOLDEN {int(GOLDEN):#x}ull")
-    return _TERMS
+    if _SUM64_KERNEL is None:
+        _SUM64_KERNEL = cupy.RawKernel(_SUM64_SOURCE, "kvz_sum64")
+    total = cupy.zeros((), dtype=cupy.uint64)
+    n = words.shape[0]
+    if n:
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        blocks = min(-(-n // _THREADS), 8 * sms)  # enough warps in flight to saturate memory
+        _SUM64_KERNEL((blocks,), (_THREADS,), (words, cupy.uint64(n), total))
+    return total
