@@ -1,7 +1,7 @@
 """The fused ExponentSplit -> Top16Pack -> EscapeStream path: one pass over the values.
 
 Same bytes as the three stages run one by one (tests assert it, and that this path ran).
-The CPU twin is a single @njit loop; the CUDA version is a few kernels on the caller's stream,
+The CPU twin runs chunk ranges in threads (stages/fused_cpu.py); the CUDA version is a few kernels on the caller's stream,
 with one host synchronisation to learn how many escapes there are.  Both call the helpers in
 kvzip/bitlogic.py, so the bit logic exists once.
 """
@@ -10,21 +10,15 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, njit  # cuda at module level: the simulator swaps module globals only
 
-from kvzip.bitlogic import CPU, PLANE, cuda_helpers
+from kvzip.bitlogic import PLANE, cuda_helpers
 from kvzip.bitpack import groups
 from kvzip.errors import FormatError
 from kvzip.frame import Frame
 
+from . import fused_cpu
 from .escape_stream import chunk_layout
 from .top16_pack import codebook_meta, frame_codebook
-
-_encode_group = CPU.encode_group
-_encode_group_plane = CPU.encode_group_plane
-_decode_group = CPU.decode_group
-_value_exponent = CPU.value_exponent
-_patch_exponent = CPU.patch_exponent
 
 # Decode error codes (CPU returns one; CUDA kernels store one in a flag word).
 _ERRORS = {
@@ -34,91 +28,28 @@ _ERRORS = {
     4: "an escaped exponent is out of range for the format",
     5: "plane-coded chunks disagree with the length of the exp_high stream",
 }
+# numba.cuda, imported by _cuda_kernels on first CUDA use (a CPU install has no numba-cuda).  A
+# module global, not a local: the CUDA simulator swaps the kernel module's global ``cuda``.
+cuda = None
 
 
 # ----------------------------------------------------------------------------- CPU twin
-@njit(cache=False)
 def _encode_cpu(src, n, E, M, lut, C, codes, rest, esc_count, esc_pos, esc_exp, exp_high):
-    G = (n + 7) // 8
-    HB = E - 4
-    gpc = C // 8
-    nchunks = (n + C - 1) // C
-    ne = 0
-    nh = 0
-    for c in range(nchunks):
-        g0 = c * gpc
-        g1 = min(g0 + gpc, G)
-        cap = (HB * (g1 - g0)) // 3
-        start = ne
-        count = 0
-        for g in range(g0, g1):
-            mask = _encode_group(src, n, g, E, M, lut, codes, rest)
-            for j in range(8):
-                if (mask >> j) & 1:
-                    if count < cap:
-                        i = g * 8 + j
-                        esc_pos[ne] = i - c * C
-                        esc_exp[ne] = _value_exponent(int(src[i]), E, M)
-                        ne += 1
-                    count += 1
-        if count > cap:
-            ne = start
-            esc_count[c] = PLANE
-            for g in range(g0, g1):
-                _encode_group_plane(src, n, g, E, M, codes, exp_high, nh)
-                nh += HB
-        else:
-            esc_count[c] = count
-    return ne, nh
+    """The CPU encode (stages/fused_cpu.py: chunk ranges in threads); returns (escapes, exp_high bytes)."""
+    return fused_cpu.encode(src, n, E, M, lut, C, codes, rest, esc_count, esc_pos, esc_exp, exp_high)
 
 
-@njit(cache=False)
 def _decode_cpu(codes, rest, esc_count, esc_pos, esc_exp, exp_high, n, E, M, dlut, C, dst):
-    G = (n + 7) // 8
-    HB = E - 4
-    gpc = C // 8
-    nchunks = (n + C - 1) // C
-    ne = 0
-    nh = 0
-    for c in range(nchunks):
-        g0 = c * gpc
-        g1 = min(g0 + gpc, G)
-        cnt = int(esc_count[c])
-        if cnt == PLANE:
-            if nh + HB * (g1 - g0) > exp_high.shape[0]:
-                return 5
-            for g in range(g0, g1):
-                _decode_group(codes, rest, n, g, E, M, dlut, True, exp_high, nh, dst)
-                nh += HB
-            continue
-        if cnt > (HB * (g1 - g0)) // 3:
-            return 1
-        if ne + cnt > esc_pos.shape[0]:
-            return 2
-        for g in range(g0, g1):
-            _decode_group(codes, rest, n, g, E, M, dlut, False, exp_high, 0, dst)
-        length = min(C, n - c * C)
-        prev = -1
-        for k in range(ne, ne + cnt):
-            pos = int(esc_pos[k])
-            e = int(esc_exp[k])
-            if pos >= length or pos <= prev:
-                return 3
-            prev = pos
-            if e >= (1 << E):
-                return 4
-            _patch_exponent(dst, c * C + pos, e, E, M)
-        ne += cnt
-    if ne != esc_pos.shape[0]:
-        return 2
-    if nh != exp_high.shape[0]:
-        return 5
-    return 0
+    """The CPU decode into dst; returns 0 or a key of _ERRORS."""
+    return fused_cpu.decode(codes, rest, esc_count, esc_pos, esc_exp, exp_high, n, E, M, dlut, C, dst)
 
 
 # ----------------------------------------------------------------------------- CUDA
 @lru_cache(maxsize=None)
 def _cuda_kernels():
+    global cuda
+    from numba import cuda
+
     h = cuda_helpers()
     encode_group, encode_group_plane, decode_group = h.encode_group, h.encode_group_plane, h.decode_group
     value_exponent, popcount8, patch_exponent = h.value_exponent, h.popcount8, h.patch_exponent

@@ -1,0 +1,137 @@
+"""The CPU benchmark (`kvzip bench --device cpu`, benchmarks/bench_cpu.py): kvzip against the
+general-purpose compressors a user would otherwise reach for, side by side in one run.
+
+Every row compresses the same bytes and checks its own round trip.  Throughput is uncompressed
+bytes over wall time (time.perf_counter), the median of ``repeat`` runs after one warm-up.
+zstandard and lz4 rows appear when those packages are importable; the NumPy copy row is the
+memory ceiling of the machine.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+import statistics
+import time
+
+import numpy as np
+
+MiB = 1 << 20
+
+
+def sample_bf16(nbytes: int) -> np.ndarray:
+    """The shipped real KV sample (kvzip/data) as one BF16 array of nbytes, tiled to that size."""
+    import ml_dtypes
+
+    from .data import load_sample
+
+    bits = np.concatenate([v.view(np.uint16).ravel() for v in load_sample().values()])
+    return np.resize(bits, nbytes // 2).view(ml_dtypes.bfloat16)
+
+
+def _median_time(fn, repeat: int):
+    out = fn()  # warm-up: JIT compilation, first-touch of the output buffers
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def _row(name, raw: bytes | np.ndarray, encode, decode, equal, repeat):
+    t_enc, blob = _median_time(encode, repeat)
+    t_dec, back = _median_time(lambda: decode(blob), repeat)
+    nbytes = raw.nbytes if isinstance(raw, np.ndarray) else len(raw)
+    size = blob.nbytes if isinstance(blob, np.ndarray) else len(blob)
+    return {"method": name, "ratio": nbytes / size, "encode_MBps": nbytes / t_enc / 1e6,
+            "decode_MBps": nbytes / t_dec / 1e6, "exact": bool(equal(back))}
+
+
+def run(x: np.ndarray, repeat: int = 5, progress=None) -> list[dict]:
+    """The table's rows for the BF16 array x.  progress: called with each method's name first."""
+    import kvzip
+    from . import cpu_parallel
+
+    raw = x.view(np.uint8).reshape(-1)
+    raw_bytes = raw.tobytes()
+    ref = x.view(np.uint16)
+
+    def same_bits(back):
+        return back.shape == x.shape and np.array_equal(np.asarray(back).view(np.uint16), ref)
+
+    def same_bytes(back):
+        return back == raw_bytes
+
+    cases = []
+    nthreads = cpu_parallel.available_cores()
+    for threads in dict.fromkeys((nthreads, 1)):  # one row when the machine has one core
+        for checksum in (False, True):
+            def encode(checksum=checksum, threads=threads):
+                with cpu_parallel.threads(threads):
+                    return kvzip.compress(x, checksum=checksum, backend="cpu")
+
+            def decode(blob, threads=threads):
+                with cpu_parallel.threads(threads):
+                    return kvzip.decompress(blob, backend="cpu")
+
+            label = f"kvzip, {threads} thread{'s' if threads > 1 else ''}" + (", checksum" if checksum else "")
+            cases.append((label, encode, decode, same_bits))
+    try:
+        import zstandard
+    except ImportError:
+        zstandard = None
+    if zstandard is not None:
+        dctx = zstandard.ZstdDecompressor()
+        for threads in dict.fromkeys((1, nthreads)):
+            cctx = zstandard.ZstdCompressor(level=1, threads=threads if threads > 1 else 0)
+            label = f"zstd -1, {threads} thread{'s' if threads > 1 else ''}"
+            cases.append((label, lambda c=cctx: c.compress(raw_bytes), dctx.decompress, same_bytes))
+    try:
+        import lz4.frame as lz4f
+    except ImportError:
+        lz4f = None
+    if lz4f is not None:
+        cases.append(("lz4 (frame, default level)", lambda: lz4f.compress(raw_bytes), lz4f.decompress, same_bytes))
+    cases.append(("numpy copy", lambda: raw.copy(), lambda b: b.copy(), lambda b: np.array_equal(b, raw)))
+    rows = []
+    for name, encode, decode, equal in cases:
+        if progress is not None:
+            progress(name)
+        rows.append(_row(name, raw, encode, decode, equal, repeat))
+    return rows
+
+
+def environment() -> dict:
+    """Machine, versions and date, stored with every result."""
+    from importlib import metadata
+
+    import numba
+
+    import kvzip
+    from .cpu_parallel import available_cores
+
+    versions = {"kvzip": kvzip.__version__, "numba": numba.__version__, "numpy": np.__version__,
+                "python": platform.python_version()}
+    for pkg in ("zstandard", "lz4"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "cpu": cpu,
+            "cores": available_cores(), "platform": platform.platform(), "versions": versions}
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'method':<30} {'ratio':>7} {'encode MB/s':>12} {'decode MB/s':>12}  exact"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['method']:<30} {r['ratio']:>7.4f} {r['encode_MBps']:>12.0f} {r['decode_MBps']:>12.0f}  "
+                     f"{'yes' if r['exact'] else 'NO'}")
+    return "\n".join(lines)
