@@ -50,15 +50,18 @@ class CUDABackend(Backend):
     name = "cuda"
 
     def __init__(self):
-        from numba import cuda
+        from .jit import GPU_INSTALL_HINT, numba_cuda
 
-        self._cuda = cuda
+        self._cuda = numba_cuda()
         self._staging = threading.local()
         self.simulated = cuda_simulated()
         if self.simulated:
             self.xp = np
         else:
-            import cupy
+            try:
+                import cupy
+            except ImportError as e:
+                raise ImportError(f"kvzip's CUDA backend needs CuPy, which is not installed: {GPU_INSTALL_HINT}") from e
 
             self.xp = cupy
 

@@ -15,6 +15,7 @@ from kvzip.bitlogic import PLANE, cuda_helpers
 from kvzip.bitpack import groups
 from kvzip.errors import FormatError
 from kvzip.frame import Frame
+from kvzip.jit import numba_cuda
 
 from . import fused_cpu
 from .escape_stream import chunk_layout
@@ -48,7 +49,7 @@ def _decode_cpu(codes, rest, esc_count, esc_pos, esc_exp, exp_high, n, E, M, dlu
 @lru_cache(maxsize=None)
 def _cuda_kernels():
     global cuda
-    from numba import cuda
+    cuda = numba_cuda()
 
     h = cuda_helpers()
     encode_group, encode_group_plane, decode_group = h.encode_group, h.encode_group_plane, h.decode_group
