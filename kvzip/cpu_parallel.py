@@ -15,9 +15,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-# Below this many values a range is not worth a thread hand-off (~20-50 us on the 2-core CI
-# machine, about what one thread needs for 64 Ki BF16 values).
-MIN_VALUES_PER_THREAD = 1 << 16
+# Below this many input bytes a range is not worth a thread hand-off (~20-50 us on the 2-core CI
+# machine, about what one thread needs for 128 KiB of BF16 values).
+MIN_BYTES_PER_THREAD = 1 << 17
 
 _local = threading.local()
 _lock = threading.Lock()
@@ -77,10 +77,11 @@ def _executor(workers: int) -> ThreadPoolExecutor:
         return _pool
 
 
-def split(nchunks: int, values_per_chunk: int) -> list[tuple[int, int]]:
-    """Contiguous chunk ranges, one per thread that gets enough work; always at least one."""
-    want = min(get_threads(), max(1, (nchunks * values_per_chunk) // MIN_VALUES_PER_THREAD), max(nchunks, 1))
-    bounds = [nchunks * k // want for k in range(want + 1)]
+def split(nitems: int, item_bytes: int) -> list[tuple[int, int]]:
+    """Contiguous ranges of nitems items (chunks, words) of item_bytes input bytes each, one per
+    thread that gets enough work; always at least one."""
+    want = min(get_threads(), max(1, (nitems * item_bytes) // MIN_BYTES_PER_THREAD), max(nitems, 1))
+    bounds = [nitems * k // want for k in range(want + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
 
 

@@ -223,7 +223,7 @@ def encode(src, n, E, M, lut, C, codes, rest, esc_count, esc_pos, esc_exp, exp_h
     def work(c0, c1):
         encode_range(src, n, lut, C, c0, c1, codes, rest, esc_count, esc_pos, esc_exp, exp_high)
 
-    cpu_parallel.run_ranges(work, cpu_parallel.split(nchunks, C))
+    cpu_parallel.run_ranges(work, cpu_parallel.split(nchunks, C * src.itemsize))
     ne, nh = _compact(esc_count, n, C, E - 4, esc_pos, esc_exp, exp_high)
     return int(ne), int(nh)
 
@@ -241,7 +241,7 @@ def decode(codes, rest, esc_count, esc_pos, esc_exp, exp_high, n, E, M, dlut, C,
         return decode_range(codes, rest, esc_count, esc_off, plane_off, esc_pos, esc_exp, exp_high, n, dlut, C,
                             c0, min(c1, stop), dst)
 
-    errors = [e for e in cpu_parallel.run_ranges(work, cpu_parallel.split(stop, C)) if e >= 0]
+    errors = [e for e in cpu_parallel.run_ranges(work, cpu_parallel.split(stop, C * dst.itemsize)) if e >= 0]
     if count_error >= 0:
         errors.append(count_error)
     return min(errors) % 8 if errors else 0

@@ -21,7 +21,7 @@ THREADS = (1, 2, 3)
 @pytest.fixture
 def tiny_ranges(monkeypatch):
     """Every chunk range worth a thread: small inputs then split over all the threads asked for."""
-    monkeypatch.setattr(cpu_parallel, "MIN_VALUES_PER_THREAD", 1)
+    monkeypatch.setattr(cpu_parallel, "MIN_BYTES_PER_THREAD", 1)
 
 
 def pipeline(chunk, fuse=True, checksum=False):
@@ -73,7 +73,7 @@ def test_default_threads_split_a_large_input():
     with cpu_parallel.threads(1):
         one = np.asarray(kvzip.compress(bits, dtype="bf16"))
     with cpu_parallel.threads(2):
-        assert len(cpu_parallel.split(-(-bits.size // 4096), 4096)) == 2
+        assert len(cpu_parallel.split(-(-bits.size // 4096), 8192)) == 2
         two = np.asarray(kvzip.compress(bits, dtype="bf16"))
         np.testing.assert_array_equal(np.asarray(kvzip.decompress(two)).view(np.uint16), bits)
     np.testing.assert_array_equal(one, two)
@@ -117,6 +117,22 @@ def test_decode_errors_do_not_depend_on_threads(tiny_ranges):
         assert len(outcomes) == 1, outcomes
         errors += next(iter(outcomes))[0] == "error"
     assert errors  # the corruption did reach the kernels' checks
+
+
+def test_checksum_at_any_thread_count(tiny_ranges):
+    """sum64 summed over word ranges in threads equals the array formula (the CuPy code path)."""
+    from kvzip import checksum
+
+    rng = np.random.default_rng(2)
+    for nbytes in (0, 8, 24, 4096, 1 << 16):
+        payload = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        words = payload.view(np.uint64)
+        with np.errstate(over="ignore"):
+            terms = checksum.mix(np, words + np.arange(words.shape[0], dtype=np.uint64) * checksum.GOLDEN)
+            want = int(checksum.mix(np, np.asarray([int(terms.sum(dtype=np.uint64)) ^ nbytes], np.uint64))[0])
+        for t in THREADS:
+            with cpu_parallel.threads(t):
+                assert checksum.sum64(np, payload) == want
 
 
 def test_thread_count_arguments():
