@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     source = {"files": files, "folder": str(a.data)}
     if x is None:
         x, source = bench_cpu.sample_bf16(nbytes), {"files": ["kvzip/data/kv_sample.npz (tiled)"]}
-    rows = bench_cpu.run(x, a.repeat, progress=lambda name: print(f"  {name} ...", file=sys.stderr))
+    rows = bench_cpu.run(x, a.repeat, progress=lambda done, total, name: print(f"  {done}/{total} {name}", file=sys.stderr))
     print(bench_cpu.format_table(rows))
     out = a.out or ROOT / "benchmarks" / "results" / f"cpu-{available_cores()}core.json"
     out.parent.mkdir(parents=True, exist_ok=True)

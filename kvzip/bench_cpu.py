@@ -2,7 +2,9 @@
 general-purpose compressors a user would otherwise reach for, side by side in one run.
 
 Every row compresses the same bytes and checks its own round trip.  Throughput is uncompressed
-bytes over wall time (time.perf_counter), the median of ``repeat`` runs after one warm-up.
+bytes over wall time (time.perf_counter), the median of ``repeat`` rounds after a warm-up round;
+a round times every method once, in turn, so that a machine busy with other work for a while
+slows all rows alike instead of the few measured then.
 zstandard and lz4 rows appear when those packages are importable; the NumPy copy row is the
 memory ceiling of the machine.
 """
@@ -28,27 +30,8 @@ def sample_bf16(nbytes: int) -> np.ndarray:
     return np.resize(bits, nbytes // 2).view(ml_dtypes.bfloat16)
 
 
-def _median_time(fn, repeat: int):
-    out = fn()  # warm-up: JIT compilation, first-touch of the output buffers
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
-
-
-def _row(name, raw: bytes | np.ndarray, encode, decode, equal, repeat):
-    t_enc, blob = _median_time(encode, repeat)
-    t_dec, back = _median_time(lambda: decode(blob), repeat)
-    nbytes = raw.nbytes if isinstance(raw, np.ndarray) else len(raw)
-    size = blob.nbytes if isinstance(blob, np.ndarray) else len(blob)
-    return {"method": name, "ratio": nbytes / size, "encode_MBps": nbytes / t_enc / 1e6,
-            "decode_MBps": nbytes / t_dec / 1e6, "exact": bool(equal(back))}
-
-
 def run(x: np.ndarray, repeat: int = 5, progress=None) -> list[dict]:
-    """The table's rows for the BF16 array x.  progress: called with each method's name first."""
+    """The table's rows for the BF16 array x.  progress(done, total, method): after each step."""
     import kvzip
     from . import cpu_parallel
 
@@ -93,11 +76,28 @@ def run(x: np.ndarray, repeat: int = 5, progress=None) -> list[dict]:
     if lz4f is not None:
         cases.append(("lz4 (frame, default level)", lambda: lz4f.compress(raw_bytes), lz4f.decompress, same_bytes))
     cases.append(("numpy copy", lambda: raw.copy(), lambda b: b.copy(), lambda b: np.array_equal(b, raw)))
+    times = [([], []) for _ in cases]
+    blobs, exact = [None] * len(cases), [True] * len(cases)
+    total = (repeat + 1) * len(cases)
+    for r in range(repeat + 1):  # round 0: warm-up (JIT compilation, first touch of buffers)
+        for k, (name, encode, decode, equal) in enumerate(cases):
+            t0 = time.perf_counter()
+            blobs[k] = encode()
+            t1 = time.perf_counter()
+            back = decode(blobs[k])
+            t2 = time.perf_counter()
+            exact[k] = exact[k] and bool(equal(back))
+            if r:
+                times[k][0].append(t1 - t0)
+                times[k][1].append(t2 - t1)
+            if progress is not None:
+                progress(r * len(cases) + k + 1, total, name)
+    nbytes = raw.nbytes
     rows = []
-    for name, encode, decode, equal in cases:
-        if progress is not None:
-            progress(name)
-        rows.append(_row(name, raw, encode, decode, equal, repeat))
+    for k, (name, *_) in enumerate(cases):
+        size = blobs[k].nbytes if isinstance(blobs[k], np.ndarray) else len(blobs[k])
+        rows.append({"method": name, "ratio": nbytes / size, "encode_MBps": nbytes / statistics.median(times[k][0]) / 1e6,
+                     "decode_MBps": nbytes / statistics.median(times[k][1]) / 1e6, "exact": exact[k]})
     return rows
 
 
