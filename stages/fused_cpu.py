@@ -20,6 +20,7 @@ through the helpers of kvzip/bitlogic.py shared with the CUDA kernels.
 """
 from __future__ import annotations
 
+import sys
 from functools import lru_cache
 
 import numpy as np
@@ -43,38 +44,52 @@ def kernels(E: int, M: int):
     EMASK, MMASK = (1 << E) - 1, (1 << M) - 1
     encode_group, encode_group_plane, decode_group = CPU.encode_group, CPU.encode_group_plane, CPU.decode_group
     value_exponent, patch_exponent = CPU.value_exponent, CPU.patch_exponent
-    bf16 = (E, M) == (8, 7)
+    bf16 = (E, M) == (8, 7) and sys.byteorder == "little"  # the word views read little-endian words
 
     @_jit
-    def list_chunk_bf16(src, n, i0, i1, lut, codes, rest, esc_pos, esc_exp, slot, cap):
-        """Codes and rest bytes of values i0..i1 (i0 a multiple of 8; zero padding past n up to a
-        group end); escapes listed from esc_pos[slot] while fewer than cap.  Returns their count."""
+    def list_chunk_bf16(src, n, g0, g1, lut, flut, codes, rest, esc_pos, esc_exp, slot, cap, src64, codes32, rest64):
+        """Groups g0..g1 of BF16 values, a word at a time: each whole group's 8 values are two
+        uint64 words of src64, its codes one uint32 of codes32, its rest bytes (sign << 7 |
+        mantissa) one uint64 of rest64.  flut is lut with each escape as 0x10 (code nibble 0, the
+        flag in bit 4), so the loop has no branch; only a group with one is scanned again, to list its escapes from esc_pos[slot] in order
+        while fewer than cap.  A last partial group goes through the shared helper.  Returns the
+        chunk's escape count."""
         count = 0
-        end = min(i1, n)
-        for i in range(i0, end):  # rest byte = sign << 7 | mantissa
-            v = np.uint32(src[i])
-            rest[i] = np.uint8(((v >> 8) & 0x80) | (v & 0x7F))
-        for i in range(end, i1):
-            rest[i] = 0
-        for p in range(i0 >> 1, (i1 + 1) >> 1):
-            i = 2 * p
-            byte = 0
-            for h in range(2):
-                if i + h < end:
-                    e = (np.uint32(src[i + h]) >> 7) & 0xFF
-                    c = np.uint32(lut[e])
-                    if c == ESCAPE:
+        whole = min(g1, n // 8)
+        for g in range(g0, whole):
+            w0 = src64[2 * g]
+            w1 = src64[2 * g + 1]
+            word = np.uint64(0)
+            r = np.uint64(0)
+            flags = np.uint64(0)
+            for j in range(8):
+                lane = (w0 if j < 4 else w1) >> np.uint64(16 * (j % 4))
+                c = np.uint64(flut[(lane >> np.uint64(7)) & np.uint64(0xFF)])
+                flags |= c
+                word |= (c & np.uint64(0xF)) << np.uint64(4 * j)
+                r |= (((lane >> np.uint64(8)) & np.uint64(0x80)) | (lane & np.uint64(0x7F))) << np.uint64(8 * j)
+            codes32[g] = np.uint32(word)
+            rest64[g] = r
+            if flags & np.uint64(0x10):
+                for i in range(8 * g, 8 * g + 8):
+                    e = (src[i] >> 7) & 0xFF
+                    if lut[e] == ESCAPE:
                         if count < cap:
-                            esc_pos[slot + count] = i + h - i0
+                            esc_pos[slot + count] = i - 8 * g0
                             esc_exp[slot + count] = e
                         count += 1
-                    else:
-                        byte |= c << (4 * h)
-            codes[p] = byte
+        for g in range(whole, g1):  # at most one: the group holding the last values
+            mask = encode_group(src, n, g, E, M, lut, codes, rest)
+            for j in range(8):
+                if (mask >> j) & 1:
+                    if count < cap:
+                        esc_pos[slot + count] = 8 * g + j - 8 * g0
+                        esc_exp[slot + count] = (src[8 * g + j] >> 7) & 0xFF
+                    count += 1
         return count
 
     @_jit
-    def list_chunk_groups(src, n, g0, g1, lut, codes, rest, esc_pos, esc_exp, slot, cap):
+    def list_chunk_groups(src, n, g0, g1, lut, flut, codes, rest, esc_pos, esc_exp, slot, cap, src64, codes32, rest64):
         count = 0
         for g in range(g0, g1):
             mask = encode_group(src, n, g, E, M, lut, codes, rest)
@@ -89,7 +104,8 @@ def kernels(E: int, M: int):
         return count
 
     @_jit
-    def encode_range(src, n, lut, C, c0, c1, codes, rest, esc_count, esc_pos, esc_exp, exp_high):
+    def encode_range(src, n, lut, flut, C, c0, c1, codes, rest, esc_count, esc_pos, esc_exp, exp_high, src64,
+                     codes32, rest64):
         G = (n + 7) // 8
         gpc = C // 8
         full_cap = (HB * gpc) // 3
@@ -98,10 +114,9 @@ def kernels(E: int, M: int):
             g1 = min(g0 + gpc, G)
             cap = (HB * (g1 - g0)) // 3
             slot = c * full_cap
-            if bf16:
-                count = list_chunk_bf16(src, n, 8 * g0, 8 * g1, lut, codes, rest, esc_pos, esc_exp, slot, cap)
-            else:
-                count = list_chunk_groups(src, n, g0, g1, lut, codes, rest, esc_pos, esc_exp, slot, cap)
+            list_chunk = list_chunk_bf16 if bf16 else list_chunk_groups
+            count = list_chunk(src, n, g0, g1, lut, flut, codes, rest, esc_pos, esc_exp, slot, cap, src64, codes32,
+                               rest64)
             if count > cap:
                 esc_count[c] = PLANE
                 hoff = g0 * HB
@@ -112,16 +127,31 @@ def kernels(E: int, M: int):
                 esc_count[c] = count
 
     @_jit
-    def decode_chunk_bf16(codes, rest, n, i0, i1, dlut, dst):
-        end = min(i1, n)
-        for i in range(i0, end):
-            r = np.uint32(rest[i])
-            e = np.uint32(dlut[(np.uint32(codes[i >> 1]) >> (4 * (i & 1))) & 0xF])
-            dst[i] = np.uint16(((r & 0x80) << 8) | (e << 7) | (r & 0x7F))
+    def decode_chunk_bf16(codes, rest, n, g0, g1, dlut, dst, codes32, rest64, dst64):
+        """Groups g0..g1 of BF16 values without their escapes, a word at a time (the views of
+        list_chunk_bf16; dst64: dst as uint64, whole groups only)."""
+        whole = min(g1, n // 8)
+        for g in range(g0, whole):
+            word = np.uint64(codes32[g])
+            r = rest64[g]
+            out0 = np.uint64(0)
+            out1 = np.uint64(0)
+            for j in range(8):
+                e = np.uint64(dlut[(word >> np.uint64(4 * j)) & np.uint64(0xF)])
+                rb = (r >> np.uint64(8 * j)) & np.uint64(0xFF)
+                lane = ((rb & np.uint64(0x80)) << np.uint64(8)) | (e << np.uint64(7)) | (rb & np.uint64(0x7F))
+                if j < 4:
+                    out0 |= lane << np.uint64(16 * j)
+                else:
+                    out1 |= lane << np.uint64(16 * (j - 4))
+            dst64[2 * g] = out0
+            dst64[2 * g + 1] = out1
+        for g in range(whole, g1):  # at most one: the group holding the last values
+            decode_group(codes, rest, n, g, E, M, dlut, False, codes, 0, dst)
 
     @_jit
     def decode_range(codes, rest, esc_count, esc_off, plane_off, esc_pos, esc_exp, exp_high, n, dlut, C, c0, c1,
-                     dst):
+                     dst, codes32, rest64, dst64):
         """Decode chunks c0..c1; returns 8 * chunk + error code of the first bad chunk, or -1."""
         G = (n + 7) // 8
         gpc = C // 8
@@ -136,7 +166,7 @@ def kernels(E: int, M: int):
                     hoff += HB
                 continue
             if bf16:
-                decode_chunk_bf16(codes, rest, n, 8 * g0, 8 * g1, dlut, dst)
+                decode_chunk_bf16(codes, rest, n, g0, g1, dlut, dst, codes32, rest64, dst64)
             else:
                 for g in range(g0, g1):
                     decode_group(codes, rest, n, g, E, M, dlut, False, exp_high, 0, dst)
@@ -213,15 +243,27 @@ def _decode_offsets(esc_count, n, C, HB, n_pos, n_high, esc_off, plane_off):
     return nchunks, -1
 
 
+def _word_views(values, codes, rest, E, M):
+    """The BF16 kernels' word views: values as uint64 (4 a word, whole groups only), codes as
+    uint32 and rest as uint64 (one a group).  Other formats get empty views (unused)."""
+    if (E, M) != (8, 7) or sys.byteorder != "little":
+        return np.zeros(0, np.uint64), np.zeros(0, np.uint32), np.zeros(0, np.uint64)
+    whole = values.shape[0] // 8 * 8
+    return values[:whole].view(np.uint64), codes.view(np.uint32), rest.view(np.uint64)
+
+
 def encode(src, n, E, M, lut, C, codes, rest, esc_count, esc_pos, esc_exp, exp_high):
     """Fill codes, rest and esc_count; escapes and high bits packed at the front of esc_pos,
     esc_exp (each sized for escape_slot per chunk) and exp_high (HB bytes a group).
     Returns (escapes, exp_high bytes)."""
     encode_range, _ = kernels(E, M)
     nchunks = esc_count.shape[0]
+    flut = np.where(lut == ESCAPE, 0x10, lut).astype(np.uint8)
+    src64, codes32, rest64 = _word_views(src, codes, rest, E, M)
 
     def work(c0, c1):
-        encode_range(src, n, lut, C, c0, c1, codes, rest, esc_count, esc_pos, esc_exp, exp_high)
+        encode_range(src, n, lut, flut, C, c0, c1, codes, rest, esc_count, esc_pos, esc_exp, exp_high, src64, codes32,
+                     rest64)
 
     cpu_parallel.run_ranges(work, cpu_parallel.split(nchunks, C * src.itemsize))
     ne, nh = _compact(esc_count, n, C, E - 4, esc_pos, esc_exp, exp_high)
@@ -237,9 +279,11 @@ def decode(codes, rest, esc_count, esc_pos, esc_exp, exp_high, n, E, M, dlut, C,
     stop, count_error = _decode_offsets(esc_count, n, C, E - 4, esc_pos.shape[0], exp_high.shape[0], esc_off,
                                         plane_off)
 
+    dst64, codes32, rest64 = _word_views(dst, codes, rest, E, M)
+
     def work(c0, c1):
         return decode_range(codes, rest, esc_count, esc_off, plane_off, esc_pos, esc_exp, exp_high, n, dlut, C,
-                            c0, min(c1, stop), dst)
+                            c0, c1, dst, codes32, rest64, dst64)
 
     errors = [e for e in cpu_parallel.run_ranges(work, cpu_parallel.split(stop, C * dst.itemsize)) if e >= 0]
     if count_error >= 0:
