@@ -59,12 +59,13 @@ def main(argv=None) -> int:
     source = {"files": files, "folder": str(a.data)}
     if x is None:
         x, source = bench_cpu.sample_bf16(nbytes), {"files": ["kvzip/data/kv_sample.npz (tiled)"]}
+    before = bench_cpu.environment()["load_average_1_5_15min"]
     rows = bench_cpu.run(x, a.repeat, progress=lambda done, total, name: print(f"  {done}/{total} {name}", file=sys.stderr))
     print(bench_cpu.format_table(rows))
     out = a.out or ROOT / "benchmarks" / "results" / f"cpu-{available_cores()}core.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    res = {"label": a.label, **bench_cpu.environment(), "input": {"bytes": int(x.nbytes), "dtype": "bfloat16",
-                                                                   **source}, "repeat": a.repeat, "rows": rows}
+    res = {"label": a.label, "load_average_before": before, **bench_cpu.environment(),
+           "input": {"bytes": int(x.nbytes), "dtype": "bfloat16", **source}, "repeat": a.repeat, "rows": rows}
     out.write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {out}")
     return 0 if all(r["exact"] for r in rows) else 1

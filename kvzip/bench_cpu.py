@@ -11,6 +11,7 @@ memory ceiling of the machine.
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import statistics
 import time
@@ -124,8 +125,13 @@ def environment() -> dict:
         cpu = names[0] if names else cpu
     except OSError:
         pass
+    try:  # other work on the machine slows every row; the load average says how busy it was
+        load = [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        load = None
     return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "cpu": cpu,
-            "cores": available_cores(), "platform": platform.platform(), "versions": versions}
+            "cores": available_cores(), "load_average_1_5_15min": load, "platform": platform.platform(),
+            "versions": versions}
 
 
 def format_table(rows: list[dict]) -> str:
