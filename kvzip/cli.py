@@ -541,7 +541,7 @@ def _demo(args) -> int:
           f"{'NO' if failed else 'yes'}")
     print("GB/s: uncompressed bytes per second of wall time, median.", end=" ")
     if backend == "cpu":
-        print("A ~6 MB sample pays thread start-up; `kvzip bench --device cpu` compares with zstd and lz4 on 64 MiB.")
+        print("`kvzip bench --device cpu` sets kvzip beside zstd and lz4 on 64 MiB.")
     else:
         print("A ~6 MB sample cannot fill a GPU: throughput at scale needs far more values.")
     if failed:
