@@ -435,7 +435,9 @@ def _run_calibrate(args) -> int:
         return _fail("calibrate", f"no such file: {', '.join(missing)}")
     name = args.name or args.output.stem
     try:
-        cb = calibrate(args.files, format=args.format, name=name, always_include=tuple(args.always_include))
+        with _progress(sum(f.stat().st_size for f in args.files), "calibrate", False) as bar:
+            cb = calibrate(args.files, format=args.format, name=name, always_include=tuple(args.always_include),
+                           progress=bar.update)
     except (ValueError, TypeError, ImportError) as e:
         return _fail("calibrate", e)
     prov = cb.provenance

@@ -208,3 +208,12 @@ def test_delegated_command_gets_its_arguments(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "echo-args" in capsys.readouterr().out
+
+
+def test_calibrate_reports_progress():
+    import kvzip
+
+    tensors = list(load_sample("code").values())
+    sizes = []
+    kvzip.calibrate(tensors, progress=sizes.append)
+    assert sizes == [x.nbytes for x in tensors]
