@@ -70,10 +70,9 @@ def _executor(workers: int) -> ThreadPoolExecutor:
     global _pool, _pool_size
     with _lock:
         if _pool is None or _pool_size < workers:
-            old = _pool
+            # A smaller pool is dropped, not shut down: a call in another thread may be submitting
+            # to it; its threads end once the last such call lets go of it.
             _pool, _pool_size = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvzip-cpu"), workers
-            if old is not None:
-                old.shutdown(wait=False)
         return _pool
 
 

@@ -150,3 +150,21 @@ def test_thread_count_arguments():
     finally:
         cpu_parallel.set_threads(None)
     assert cpu_parallel.get_threads() == cpu_parallel.available_cores()
+
+
+def test_calls_from_many_threads_at_once(tiny_ranges):
+    """Callers in several threads, each with its own thread count (the pool grows meanwhile):
+    every one gets the reference bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bits = kt.kv_like_bits("bf16", 40000, escape_rate=0.003, seed=9)
+    want = np.asarray(pipeline(512, fuse=False).encode(bits, dtype="bf16"))
+
+    def work(t):
+        with cpu_parallel.threads(t):
+            blob = np.asarray(pipeline(512).encode(bits, dtype="bf16"))
+            back = np.asarray(kvzip.decompress(blob)).view(np.uint16)
+        return np.array_equal(blob, want) and np.array_equal(back, bits)
+
+    with ThreadPoolExecutor(6) as pool:
+        assert all(pool.map(work, [1, 2, 3, 4, 5, 6] * 3))
