@@ -93,8 +93,9 @@ def _add_compress(sub) -> None:
                        description="Compress IN to OUT losslessly.  A .safetensors file gives a .safetensors "
                                    "file of the same tensors, each floating one (BF16, F16, F32, F8) as a kvzip "
                                    "blob, names and metadata kept (`kvzip decompress` restores the original "
-                                   "file byte for byte).  A .npy or .pt file (one tensor) or a raw file of "
-                                   "values (with --dtype) gives one kvzip blob.",
+                                   "file byte for byte); a .pt state dict (str -> tensor) the same, restored as "
+                                   ".pt or .safetensors.  A .npy file, a .pt file of one tensor or a raw file "
+                                   "of values (with --dtype) gives one kvzip blob.",
                        epilog=EXIT_CODES)
     p.add_argument("input", type=Path, metavar="IN", help="file to compress (its kind is told by its first bytes)")
     p.add_argument("output", type=Path, metavar="OUT", help="file to write")
@@ -117,7 +118,8 @@ def _add_write_options(p) -> None:
 def _add_decompress(sub) -> None:
     p = sub.add_parser("decompress", help="restore a file that kvzip compress wrote",
                        description="Restore IN, written by `kvzip compress`, to OUT.  A compressed .safetensors "
-                                   "file gives back the original file, byte for byte.  A kvzip blob gives its "
+                                   "file gives back the original file, byte for byte (or, when OUT ends with "
+                                   ".pt, its tensors as a torch state dict).  A kvzip blob gives its "
                                    "tensor as .npy or .pt when OUT ends so, else its raw bytes.",
                        epilog=EXIT_CODES)
     p.add_argument("input", type=Path, metavar="IN", help="a kvzip blob or a compressed .safetensors file")
@@ -221,6 +223,12 @@ def _run_compress(args) -> int:
                     done["bytes"], time.perf_counter() - t0)
             return EXIT_OK
         x, dtype, what = _load_tensor(args, kind)
+        if isinstance(x, files.SafetensorsFile):  # a .pt state dict
+            with _progress(int(x.data.nbytes), "compress", args.quiet) as bar:
+                done = files.compress_safetensors(x, args.output, compress, bar.update)
+            _report(args, f"{what}: {done['compressed']} of {done['tensors']} tensors compressed",
+                    int(x.data.nbytes), done["bytes"], time.perf_counter() - t0)
+            return EXIT_OK
         blob = np.asarray(compress(x, dtype))
         files.write_atomic(args.output, [blob])
         _report(args, what, int(np.asarray(x).nbytes) if not hasattr(x, "element_size") else
@@ -253,9 +261,10 @@ def _load_tensor(args, kind: str):
             x = torch.load(args.input, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - torch raises many kinds for a bad file
             raise files.WrongKind(f"{args.input} is not a loadable .pt file: {str(e).splitlines()[0]}") from None
+        if isinstance(x, dict):
+            return _pt_dict(args, x, torch), None, f".pt dict of {len(x)} tensors"
         if not isinstance(x, torch.Tensor):
-            raise files.WrongKind(f"{args.input} holds a {type(x).__name__}, not one tensor (save a state dict "
-                                  "as .safetensors to compress it tensor by tensor)")
+            raise files.WrongKind(f"{args.input} holds a {type(x).__name__}, not a tensor or a dict of tensors")
         return x.contiguous(), args.dtype, f".pt {str(x.dtype).replace('torch.', '')} {list(x.shape)}"
     if args.dtype is None:
         raise files.WrongKind(f"{args.input} is not a .safetensors, .npy, .pt or kvzip file; to compress it as "
@@ -267,6 +276,47 @@ def _load_tensor(args, kind: str):
     if x.nbytes % fmt.itemsize:
         raise files.WrongKind(f"{args.input}: {x.nbytes} bytes is not a whole number of {args.dtype} values")
     return x.view(fmt.uint_dtype), args.dtype, f"raw {args.dtype} values"
+
+
+_TORCH_SAFETENSORS = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64",
+                      "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "int64": "I64", "int32": "I32",
+                      "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def _pt_dict(args, state: dict, torch):
+    """A .pt dict of tensors as the .safetensors file it makes (in memory)."""
+    from . import files
+
+    arrays = {}
+    for name, t in state.items():
+        st_dtype = _TORCH_SAFETENSORS.get(str(t.dtype).replace("torch.", "")) if isinstance(t, torch.Tensor) else None
+        if not isinstance(name, str) or st_dtype is None:
+            what = type(t).__name__ if not isinstance(t, torch.Tensor) else f"a {t.dtype} tensor"
+            raise files.WrongKind(f"{args.input}: entry {name!r} is {what}; only a flat dict of str to tensors of "
+                                  f"{', '.join(sorted(_TORCH_SAFETENSORS))} is taken")
+        raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        arrays[name] = (st_dtype, tuple(t.shape), raw)
+    return files.safetensors_of_arrays(arrays, {"kvzip.source": "pt"})
+
+
+def _save_pt_dict(st, path: Path) -> None:
+    """torch.save of the tensors of a .safetensors file (one written by restore_safetensors)."""
+    import torch
+
+    from . import files
+
+    from_safetensors = {v: k for k, v in _TORCH_SAFETENSORS.items()}
+    out = {}
+    for name, e in st.entries.items():
+        torch_name = from_safetensors.get(e["dtype"])
+        if torch_name is None:
+            raise files.WrongKind(f"tensor {name!r} is {e['dtype']}, which a .pt file of this kind does not hold; "
+                                  "decompress to .safetensors")
+        a, b = e["data_offsets"]
+        raw = torch.from_numpy(np.array(st.data[a:b]))
+        out[name] = raw.view(getattr(torch, torch_name)).reshape(e["shape"])
+    with files.atomic_output(path) as f:
+        torch.save(out, f)
 
 
 def _run_decompress(args) -> int:
@@ -290,8 +340,15 @@ def _run_decompress(args) -> int:
                                             f"{entry['dtype']} {entry['shape']}")
                 return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
 
+            as_pt = args.output.suffix.lower() == ".pt"
+            target = args.output.with_name(f".{args.output.name}.safetensors") if as_pt else args.output
             with _progress(int(st.data.nbytes), "decompress", args.quiet) as bar:
-                done = files.restore_safetensors(st, args.output, restore, bar.update)
+                done = files.restore_safetensors(st, target, restore, bar.update)
+            if as_pt:  # a state dict: the restored .safetensors file, saved by torch
+                try:
+                    _save_pt_dict(files.read_safetensors(target), args.output)
+                finally:
+                    target.unlink()
             _report(args, f"{done['tensors']} tensors restored", done["bytes"], args.input.stat().st_size,
                     time.perf_counter() - t0)
             return EXIT_OK

@@ -8,7 +8,9 @@ Kinds, told by their first bytes (never by the name):
   safetensors file (a *kvzip archive*): same tensor names, the original metadata plus
   ``kvzip.header``, the original header text, so that restoring it gives the original file byte
   for byte (same header, same data offsets);
-* ``.npy``: one array -> a blob;  ``.pt`` (torch.save of one tensor) -> a blob;
+* ``.npy``: one array -> a blob;  ``.pt``: torch.save of one tensor -> a blob, of a flat dict
+  of tensors (a state dict) -> a kvzip archive as above, of the .safetensors file the dict makes
+  (restored as .pt or .safetensors, as the output name asks);
 * anything else is a raw blob of values, when the caller names their format.
 
 A blob restores to the kind the output name asks for: ``.npy``, ``.pt``, or raw bytes.
@@ -131,6 +133,18 @@ def write_atomic(path: Path, pieces) -> int:
             f.write(piece)
             total += len(piece) if isinstance(piece, bytes) else piece.nbytes
     return total
+
+
+def safetensors_of_arrays(arrays: dict, metadata: dict | None = None) -> SafetensorsFile:
+    """The .safetensors file of {name: (safetensors dtype, shape, uint8 bytes)}, in memory: the
+    header written as the format's writers do, the tensors in the dict's order."""
+    entries, offset = {}, 0
+    for name, (dtype, shape, raw) in arrays.items():
+        entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + raw.nbytes]}
+        offset += raw.nbytes
+    head = safetensors_bytes_header(entries, metadata)
+    data = np.concatenate([raw for _, _, raw in arrays.values()]) if arrays else np.zeros(0, np.uint8)
+    return SafetensorsFile(head[8:], entries, metadata, data)
 
 
 # ---------------------------------------------------------------------------- safetensors archives

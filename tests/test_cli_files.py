@@ -117,9 +117,35 @@ def test_pt_round_trip(tmp_path, capsys):
     assert run(capsys, "decompress", blob, back)[0] == EXIT_OK
     y = torch.load(back, weights_only=True)
     assert y.dtype == torch.bfloat16 and y.shape == x.shape and torch.equal(y.view(torch.int16), x.view(torch.int16))
-    torch.save({"k": x}, src)
+    torch.save({"k": x, "step": 3}, src)
     status, _, err = run(capsys, "compress", "--force", src, blob)
-    assert status == EXIT_WRONG_KIND and "not one tensor" in err
+    assert status == EXIT_WRONG_KIND and "'step' is int" in err
+
+
+@pytest.mark.skipif(torch is None, reason="needs torch")
+def test_pt_state_dict_round_trip(tmp_path, capsys):
+    """A state dict: compressed tensor by tensor into an archive, restored as .pt or .safetensors."""
+    st = pytest.importorskip("safetensors.torch")
+    sample = load_sample("html")
+    state = {name: torch.from_numpy(v.view(np.int16).copy()).view(torch.bfloat16) for name, v in sample.items()}
+    state["norm"] = torch.linspace(-2, 2, 96, dtype=torch.float32).reshape(8, 12)
+    state["ids"] = torch.arange(10, dtype=torch.int64)
+    src, packed = tmp_path / "model.pt", tmp_path / "model.kvz.safetensors"
+    torch.save(state, src)
+    assert run(capsys, "compress", src, packed)[0] == EXIT_OK
+    assert packed.stat().st_size < 0.8 * sum(t.numel() * t.element_size() for t in state.values())
+    doc = json.loads(run(capsys, "info", "--json", packed)[1])
+    assert doc["tensors"]["html/layer00.k"]["compressed"] and not doc["tensors"]["ids"]["compressed"]
+    for out in (tmp_path / "back.pt", tmp_path / "back.safetensors"):
+        assert run(capsys, "decompress", packed, out)[0] == EXIT_OK
+        back = torch.load(out, weights_only=True) if out.suffix == ".pt" else st.load_file(str(out))
+        assert list(back) == list(state)
+        for name, t in state.items():
+            assert back[name].dtype == t.dtype and back[name].shape == t.shape
+            assert torch.equal(back[name].view(torch.uint8) if t.dtype != torch.bool else back[name],
+                               t.view(torch.uint8) if t.dtype != torch.bool else t)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["back.pt", "back.safetensors", "model.kvz.safetensors",
+                                                           "model.pt"]
 
 
 def test_errors_have_one_line_and_a_status(st_file, tmp_path, capsys):
