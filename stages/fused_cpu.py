@@ -15,7 +15,7 @@ any number of threads, because every chunk's output lies at a position known in 
   lowest chunk's, a count error of that chunk before its position errors, the stream totals last.
 
 Kernels are specialised per (E, M) with the field widths as compile-time constants; BF16 (every
-rest field one whole byte) has its own value-wise loops, the other formats go group by group
+rest field one whole byte) has its own word-wise loops, the other formats go group by group
 through the helpers of kvzip/bitlogic.py shared with the CUDA kernels.
 """
 from __future__ import annotations
@@ -32,16 +32,11 @@ from kvzip.bitlogic import CPU, ESCAPE, PLANE
 _jit = njit(nogil=True, cache=False)  # nogil: threads over chunk ranges run at the same time
 
 
-def escape_slot(chunk: int, hb: int) -> int:
-    """Escapes a listed chunk of ``chunk`` values may hold: the size of its slot."""
-    return (hb * (chunk // 8)) // 3
-
-
 @lru_cache(maxsize=None)
 def kernels(E: int, M: int):
     """(encode_range, decode_range) for the format with E exponent and M mantissa bits."""
-    R, HB = M + 1, E - 4
-    EMASK, MMASK = (1 << E) - 1, (1 << M) - 1
+    HB = E - 4
+    EMASK = (1 << E) - 1
     encode_group, encode_group_plane, decode_group = CPU.encode_group, CPU.encode_group_plane, CPU.decode_group
     value_exponent, patch_exponent = CPU.value_exponent, CPU.patch_exponent
     bf16 = (E, M) == (8, 7) and sys.byteorder == "little"  # the word views read little-endian words
@@ -254,7 +249,7 @@ def _word_views(values, codes, rest, E, M):
 
 def encode(src, n, E, M, lut, C, codes, rest, esc_count, esc_pos, esc_exp, exp_high):
     """Fill codes, rest and esc_count; escapes and high bits packed at the front of esc_pos,
-    esc_exp (each sized for escape_slot per chunk) and exp_high (HB bytes a group).
+    esc_exp (each at least HB * groups // 3 long: every chunk's slot) and exp_high (HB bytes a group).
     Returns (escapes, exp_high bytes)."""
     encode_range, _ = kernels(E, M)
     nchunks = esc_count.shape[0]
