@@ -243,3 +243,15 @@ def test_calibrate_reports_progress():
     sizes = []
     kvzip.calibrate(tensors, progress=sizes.append)
     assert sizes == [x.nbytes for x in tensors]
+
+
+def test_bench_cuda_without_a_gpu_says_so(capsys):
+    try:
+        import cupy
+
+        cupy.cuda.runtime.getDeviceCount()
+        pytest.skip("a CUDA GPU is here: the GPU bench would run in full")
+    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device
+        pass
+    assert main(["bench", "--device", "cuda", "--quick"]) == 2
+    assert "needs a CUDA GPU and CuPy" in capsys.readouterr().err
