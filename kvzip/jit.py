@@ -28,7 +28,6 @@ def numba_cuda():
     return cuda
 
 
-
 def twin_compile(funcs, target: str) -> SimpleNamespace:
     if target == "cpu":
         from numba import njit

@@ -132,7 +132,8 @@ class Pipeline:
                         return Frame(frame.backend, {"blob": batch.blob(0)}, frame.meta)
                     return self._stored(before_split)
                 if i == len(steps) - 1 and frame.backend.name == "cpu" and set(frame.streams) == {"data"}:
-                    # The CPU writes the container itself too (a quantizer's scales: the general way).
+                    # The CPU writes the container itself too; a frame with more streams (a
+                    # quantizer's scales) takes the general way below.
                     out = step.encode_blob(frame, serialize.checksum)
                     return self._stored(before_split) if out is None else out
             frame = step.encode(frame)
