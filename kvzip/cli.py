@@ -97,8 +97,7 @@ def _add_compress(sub) -> None:
                                    ".pt or .safetensors.  A .npy file, a .pt file of one tensor or a raw file "
                                    "of values (with --dtype) gives one kvzip blob.",
                        epilog=EXIT_CODES)
-    p.add_argument("input", type=Path, metavar="IN", help="file to compress (its kind is told by its first bytes)")
-    p.add_argument("output", type=Path, metavar="OUT", help="file to write")
+    _add_in_out(p, "file to compress (its kind is told by its first bytes)", "file to write")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "e4m3", "e5m2"),
                    help="format of the values of a raw file, or of a .npy of raw bits (NumPy saves bfloat16 as "
                         "2-byte void items); not needed otherwise")
@@ -106,11 +105,13 @@ def _add_compress(sub) -> None:
     p.add_argument("--codebook", metavar="NAME|FILE.json",
                    help="a shipped codebook name (bf16-kv, ...) or one from `kvzip calibrate` (default: the "
                         "shipped one of each tensor's format)")
-    _add_write_options(p)
     p.set_defaults(run=_run_compress)
 
 
-def _add_write_options(p) -> None:
+def _add_in_out(p, in_help: str, out_help: str) -> None:
+    """IN, OUT and the options about writing OUT, shared by compress and decompress."""
+    p.add_argument("input", type=Path, metavar="IN", help=in_help)
+    p.add_argument("output", type=Path, metavar="OUT", help=out_help)
     p.add_argument("-f", "--force", action="store_true", help="overwrite OUT if it exists")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors, no progress bar")
 
@@ -122,9 +123,8 @@ def _add_decompress(sub) -> None:
                                    ".pt, its tensors as a torch state dict).  A kvzip blob gives its "
                                    "tensor as .npy or .pt when OUT ends so, else its raw bytes.",
                        epilog=EXIT_CODES)
-    p.add_argument("input", type=Path, metavar="IN", help="a kvzip blob or a compressed .safetensors file")
-    p.add_argument("output", type=Path, metavar="OUT", help="file to write (.npy, .pt, or anything for raw bytes)")
-    _add_write_options(p)
+    _add_in_out(p, "a kvzip blob or a compressed .safetensors file",
+                "file to write (.npy, .pt, or anything for raw bytes)")
     p.set_defaults(run=_run_decompress)
 
 
