@@ -50,9 +50,9 @@ class CUDABackend(Backend):
     name = "cuda"
 
     def __init__(self):
-        from numba import cuda
+        from .jit import GPU_INSTALL_HINT, numba_cuda
 
-        self._cuda = cuda
+        self._cuda = numba_cuda()
         self._staging = threading.local()
         self.simulated = cuda_simulated()
         if self.simulated:
@@ -61,7 +61,8 @@ class CUDABackend(Backend):
             try:
                 import cupy
             except ImportError as e:
-                raise ImportError("backend 'cuda' needs CuPy and a CUDA GPU: pip install 'kvzip[gpu]'") from e
+                raise ImportError(f"kvzip's CUDA backend needs CuPy, which is not installed: {GPU_INSTALL_HINT}") from e
+
             self.xp = cupy
 
     def to_numpy(self, a) -> np.ndarray:

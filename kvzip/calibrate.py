@@ -84,7 +84,7 @@ def choose_exponents(histogram, always_include=(0,)) -> tuple[int, ...]:
     return tuple(sorted(chosen, key=lambda c: rank[c]))
 
 
-def calibrate(samples, format=None, name=None, *, always_include=(0,), provenance=None) -> Codebook:
+def calibrate(samples, format=None, name=None, *, always_include=(0,), provenance=None, progress=None) -> Codebook:
     """Calibrate a Top-16 codebook on sample tensors.
 
     ``samples``: one tensor or an iterable (or a mapping, whose values are used) of NumPy arrays
@@ -92,6 +92,7 @@ def calibrate(samples, format=None, name=None, *, always_include=(0,), provenanc
     unsigned/signed integer bit arrays (then ``format`` is required) or paths to ``.safetensors``
     files (every tensor in each file).  All must be of one float format.
     ``provenance``: extra entries (model, dataset, ...) merged into the recorded provenance.
+    ``progress``: called with each tensor's size in bytes once it is counted (a progress bar).
     """
     want = _as_format(format) if format is not None else None
     fmt: FloatFormat | None = want
@@ -117,6 +118,8 @@ def calibrate(samples, format=None, name=None, *, always_include=(0,), provenanc
         h = exponent_histogram(bits, fmt)
         hist = h if hist is None else hist + h
         n_tensors += 1
+        if progress is not None:
+            progress(int(bits.nbytes))
         if source not in sources:
             sources.append(source)
     if hist is None or hist.sum() == 0:

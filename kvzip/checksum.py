@@ -7,11 +7,15 @@ Payload bytes (a multiple of 8 long) are read as little-endian uint64 words w_0.
 with mix = the SplitMix64 finaliser (a bijection on 64-bit words).  Because mix is a bijection,
 changing any single word always changes the sum; any other corruption goes unnoticed with
 probability about 2**-64.  Unlike CRC32 it needs no sequential scan, so a GPU computes it at
-memory speed with plain array operations (the same code runs on NumPy and CuPy).
+memory speed with plain array operations (the same code runs on NumPy and CuPy).  On the CPU a
+nogil Numba loop sums word ranges in threads instead (the array form makes four temporaries).
 """
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
+
+from . import cpu_parallel
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -25,21 +29,51 @@ def mix(xp, z):
     return z ^ (z >> np.uint64(31))
 
 
+@njit(nogil=True, cache=False)
+def _sum_terms(words, i0, i1):
+    """sum of mix(w_i + i * GOLDEN) over i0 <= i < i1, mod 2**64.  Two words a step into two
+    sums, k stepping by GOLDEN instead of a multiply (~20 % faster on the 2-core CI machine).
+    All uint64: numba would turn a uint64 and int64 mix into float64."""
+    t0 = np.uint64(0)
+    t1 = np.uint64(0)
+    k = np.uint64(i0) * GOLDEN + GOLDEN  # mix's own + GOLDEN folded in
+    i = i0
+    while i + 2 <= i1:
+        z = words[i] + k
+        y = words[i + 1] + k + GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        y = (y ^ (y >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        y = (y ^ (y >> np.uint64(27))) * _M2
+        t0 += z ^ (z >> np.uint64(31))
+        t1 += y ^ (y >> np.uint64(31))
+        k += GOLDEN + GOLDEN
+        i += 2
+    if i < i1:
+        z = words[i] + k
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        t0 += z ^ (z >> np.uint64(31))
+    return t0 + t1
+
+
+def _cpu_total(words: np.ndarray) -> int:
+    ranges = cpu_parallel.split(words.shape[0], 8)
+    return sum(int(t) for t in cpu_parallel.run_ranges(lambda i0, i1: _sum_terms(words, i0, i1), ranges)) % (1 << 64)
+
+
 def sum64(xp, payload) -> int:
     """Checksum of a 1-D uint8 array whose length is a multiple of 8 (NumPy or CuPy)."""
     return sum64_finish(sum64_start(xp, payload), payload.shape[0])
 
 
 def sum64_start(xp, payload):
-    """The inner sum of sum64 as a 0-d array of the payload's library, without waiting for it:
-    on a GPU the caller reads it once its stream is synchronised anyway."""
+    """The inner sum of sum64: an int on the CPU; on a GPU a 0-d CuPy array, queued on the current
+    stream and not waited for, so the caller reads it once it synchronises that stream anyway."""
     if payload.shape[0] % 8:
         raise ValueError("sum64 needs a whole number of 8-byte words")
     words = payload.view(xp.uint64)
-    if xp is not np:
-        return _device_sum(words)
-    with np.errstate(over="ignore"):
-        return mix(np, words + np.arange(words.shape[0], dtype=np.uint64) * GOLDEN).sum(dtype=np.uint64)
+    return _cpu_total(words) if xp is np else _device_sum(words)
 
 
 def sum64_finish(total, length: int) -> int:

@@ -11,6 +11,22 @@ from __future__ import annotations
 import types
 from types import SimpleNamespace
 
+GPU_INSTALL_HINT = "pip install 'kvzip[cuda12]' (CUDA 12) or 'kvzip[cuda13]' (CUDA 13)"
+
+
+def numba_cuda():
+    """numba.cuda from the numba-cuda package, which only the GPU extras install.  Numba's own
+    deprecated numba.cuda (still in numba 0.6x) is refused: the kernels and the simulator tests
+    are written against numba-cuda, and a half-working built-in target would fail later and
+    less clearly."""
+    try:
+        import numba_cuda  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"kvzip's CUDA backend needs numba-cuda, which is not installed: {GPU_INSTALL_HINT}") from e
+    from numba import cuda
+
+    return cuda
+
 
 def twin_compile(funcs, target: str) -> SimpleNamespace:
     if target == "cpu":
@@ -18,9 +34,7 @@ def twin_compile(funcs, target: str) -> SimpleNamespace:
 
         decorate = njit(cache=False)
     elif target == "cuda":
-        from numba import cuda
-
-        decorate = cuda.jit(device=True)
+        decorate = numba_cuda().jit(device=True)
     else:
         raise ValueError(target)
     funcs = list(funcs)

@@ -131,6 +131,11 @@ class Pipeline:
                         self._remember_lane(frame, batch.plans[0], steps, serialize.checksum)
                         return Frame(frame.backend, {"blob": batch.blob(0)}, frame.meta)
                     return self._stored(before_split)
+                if i == len(steps) - 1 and frame.backend.name == "cpu" and set(frame.streams) == {"data"}:
+                    # The CPU writes the container itself too; a frame with more streams (a
+                    # quantizer's scales) takes the general way below.
+                    out = step.encode_blob(frame, serialize.checksum)
+                    return self._stored(before_split) if out is None else out
             frame = step.encode(frame)
         if before_split is not None and serialize.payload_size(frame) > serialize.payload_size(before_split):
             return self._stored(before_split)

@@ -21,7 +21,7 @@ import numpy as np
 from kvzip import fp8_bits
 from kvzip.errors import FormatError
 from kvzip.formats import FORMATS, get_format
-from kvzip.jit import twin_compile
+from kvzip.jit import numba_cuda, twin_compile
 
 from . import quantize_fast
 from .base import TENSOR, Stage, register
@@ -99,7 +99,7 @@ def _cuda_kernels(source, fp8):
     # A module global, not a local: the CUDA simulator swaps the kernel module's global
     # ``cuda`` for its fake one, and would miss a closure variable.
     global cuda
-    from numba import cuda
+    cuda = numba_cuda()
 
     SRC_E, SRC_M, E, M, FN = _format_constants(source, fp8)
     THREADS = _THREADS

@@ -1,0 +1,6 @@
+"""python -m kvzip: the kvzip command."""
+import sys
+
+from .cli import main
+
+sys.exit(main())
