@@ -91,6 +91,18 @@ def digest(layers) -> str:
     return f"{hash(tuple(parts)) & (2**64 - 1):016x}"
 
 
+def free_gpu_pools(device: str) -> None:
+    """Give cached GPU memory back between requests: torch's cache and CuPy's pool (nvCOMP and
+    the digests allocate from CuPy's) would otherwise each keep the largest request's worth."""
+    if device == "cpu":
+        return
+    import cupy
+    import torch
+
+    torch.cuda.empty_cache()
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
 # ---------------------------------------------------------------------------------- nvCOMP
 def nvcomp_codec():
     """nvCOMP ANS (data_type '<f2', its best setting for BF16 KV) as a kvzip.transfer wire codec,
@@ -153,6 +165,7 @@ def receiver_main(args) -> None:
             kv = rx.receive(name, timeout=600)
             print(f"ok {name} {digest(kv)}", flush=True)
             del kv
+            free_gpu_pools(args.device)
         except Exception as e:  # noqa: BLE001  the sender reports it
             print(f"error {name} {type(e).__name__}: {str(e)[:200]}", flush=True)
     rx.close()
@@ -325,8 +338,7 @@ def sender_main(args) -> int:
                                 f"{'' if v['exact'] else ' INEXACT'}" for c, v in summ.items()))
                             _write(out_path, res)
                         del layers
-                        if args.device != "cpu":
-                            torch.cuda.empty_cache()
+                        free_gpu_pools(args.device)
         finally:
             tx.close()
             peer.close()

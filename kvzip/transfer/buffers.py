@@ -88,7 +88,7 @@ class Buffer:
             return sum64_start(np, self._np[offset:offset + n])
         import cupy
 
-        with cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index):
+        with _cupy_stream(stream):
             return sum64_start(cupy, self.array(offset, n))
 
     def view(self, offset: int, n: int, fw: str = "torch"):
@@ -105,6 +105,16 @@ class Buffer:
 
     def contains(self, ptr: int) -> bool:
         return self.ptr <= ptr < self.ptr + self.nbytes
+
+
+def _cupy_stream(stream):
+    """A torch stream as CuPy's current stream (CuPy 14 names it Stream.from_external)."""
+    import cupy
+
+    try:
+        return cupy.cuda.Stream.from_external(stream)
+    except (AttributeError, TypeError):  # CuPy 13, or a torch without the stream protocol
+        return cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
 
 
 def data_ptr(a) -> int:

@@ -160,57 +160,65 @@ def unpack(buf, base: int, entries: list[dict], device: str) -> list:
 
 # ---- codec="auto" ----------------------------------------------------------------------------
 
-# Starting estimates until this connection has measured its own (GB/s of raw bytes; ratio).
-# GPU figures are kvzip's batch API on an H200 (docs/performance.md) rounded down; CPU ones the
-# single-thread CPU backend's.  Each is replaced by the running measurement after one request.
-_START = {"cuda": (1000.0, 1000.0), "cpu": (0.4, 0.5)}
+# Each stage of the pipeline (encode: pack + digest + codec; decode: digest + codec + unpack)
+# costs, per group, a fixed time plus the group's raw bytes over a rate, for raw and kvzip alike.
+# Starting values, per device kind: (fixed seconds, GB/s) per codec and stage, from the H200
+# transfer runs of benchmarks/bench_transfer.py (benchmarks/NOTES.md, transfer t2) and the 2-core
+# CPU; a connection refines the rates from its own requests.
+_START = {
+    "cuda": {"raw": {"enc": (6e-4, 800.0), "dec": (8e-4, 900.0)},
+             "kvzip": {"enc": (9e-4, 800.0), "dec": (9e-4, 1400.0)}},
+    "cpu": {"raw": {"enc": (2e-4, 3.0), "dec": (1e-4, 3.0)},
+            "kvzip": {"enc": (3e-4, 0.5), "dec": (3e-4, 0.6)}},
+}
 _START_RATIO = 1.30
-_CALL_S = {"cuda": 60e-6, "cpu": 50e-6}  # fixed host cost of one compress or decompress call
 
 
 class AutoChooser:
-    """Running estimates of the link and codec speeds on one connection, and the choice."""
+    """Running estimates of the link and of each codec's stage costs on one connection."""
 
     def __init__(self, device: str, link_gbps: float | None):
-        kind = "cpu" if device == "cpu" else "cuda"
-        self.encode_gbps, self.decode_gbps = _START[kind]
-        self.call_s = _CALL_S[kind]
+        start = _START["cpu" if device == "cpu" else "cuda"]
+        self.stage = {c: dict(st) for c, st in start.items()}
         self.ratio = _START_RATIO
-        self.link_gbps = link_gbps  # known when paced; else measured from raw-rate writes
+        self.link_gbps = link_gbps  # known when paced; else measured from the engine's writes
         self._fixed_link = link_gbps is not None
 
     def observe_link(self, nbytes: int, seconds: float) -> None:
         if not self._fixed_link and seconds > 0 and nbytes >= 1 << 20:
             self.link_gbps = _ewma(self.link_gbps, nbytes / seconds / 1e9)
 
-    def observe_codec(self, raw: int, sent: int, encode_s: float, decode_s: float) -> None:
-        if raw >= 1 << 20:
+    def observe(self, kind: str, raw: int, sent: int, groups: int, encode_s: float, decode_s: float) -> None:
+        """A finished request: ``kind`` "raw" or "kvzip", its bytes and summed stage times."""
+        if raw < 1 << 20 or groups < 1:
+            return
+        if kind == "kvzip":
             self.ratio = _ewma(self.ratio, raw / max(sent, 1))
-            if encode_s > 0:
-                self.encode_gbps = _ewma(self.encode_gbps, raw / encode_s / 1e9)
-            if decode_s > 0:
-                self.decode_gbps = _ewma(self.decode_gbps, raw / decode_s / 1e9)
+        g = raw / groups
+        for stage, seconds in (("enc", encode_s), ("dec", decode_s)):
+            fixed, rate = self.stage[kind][stage]
+            if seconds > 0:
+                self.stage[kind][stage] = (fixed, _ewma(rate, g / max(seconds / groups - fixed, 1e-6) / 1e9))
 
-    def predict(self, group_bytes: list[int]) -> tuple[float, float]:
-        """Predicted (raw, kvzip) seconds for groups of these raw sizes."""
+    def predict(self, kind: str, group_bytes: list[int]) -> float:
+        """Seconds to move groups of these raw sizes with ``kind``: the pipeline's fill (first
+        encode, last decode) plus every group through its slowest stage."""
         link = self.link_gbps * 1e9
-        raw = sum(group_bytes) / link
-        enc = [self.call_s + g / (self.encode_gbps * 1e9) for g in group_bytes]
-        dec = [self.call_s + g / (self.decode_gbps * 1e9) for g in group_bytes]
-        wire = [g / self.ratio / link for g in group_bytes]
-        stages = [max(e, w, d) for e, w, d in zip(enc, wire, dec)]
-        kvzip = enc[0] + dec[-1] + sum(stages) - max(stages) + max(wire[0], wire[-1])
-        return raw, kvzip
+        ratio = self.ratio if kind == "kvzip" else 1.0
+        (fe, re), (fd, rd) = self.stage[kind]["enc"], self.stage[kind]["dec"]
+        enc = [fe + g / (re * 1e9) for g in group_bytes]
+        dec = [fd + g / (rd * 1e9) for g in group_bytes]
+        wire = [g / ratio / link for g in group_bytes]
+        return enc[0] + dec[-1] + sum(max(e, w, d) for e, w, d in zip(enc, wire, dec))
 
     def choose(self, group_bytes: list[int]) -> tuple[str, str]:
         """("kvzip" or "raw", the reason in words)."""
         if self.link_gbps is None:
             return "kvzip", "link speed not measured yet: compressing until it is"
-        raw, kz = self.predict(group_bytes)
+        raw, kz = self.predict("raw", group_bytes), self.predict("kvzip", group_bytes)
         pick = "kvzip" if kz < 0.98 * raw else "raw"
         return pick, (f"predicted {kz * 1e3:.3f} ms compressed against {raw * 1e3:.3f} ms raw "
-                      f"(link {self.link_gbps:.1f} GB/s, codec {self.encode_gbps:.0f}/{self.decode_gbps:.0f} GB/s, "
-                      f"ratio {self.ratio:.3f})")
+                      f"(link {self.link_gbps:.1f} GB/s, ratio {self.ratio:.3f}, {len(group_bytes)} groups)")
 
 
 def _ewma(old, new, keep=0.5):

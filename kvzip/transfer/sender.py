@@ -430,9 +430,9 @@ class Sender:
                 self._end(h, TransferError(f"receiver rejected request {h.request!r}: {msg.get('why')}"))
             elif kind == "done":
                 h.stats["decode_s"] = float(msg.get("decode_s", 0.0))
-                if h.codec != "raw" and self._auto is not None:
+                if h.codec in ("raw", "kvzip") and self._auto is not None:
                     s = h.stats
-                    self._auto.observe_codec(s["raw_bytes"], s["sent_bytes"], s["encode_s"], s["decode_s"])
+                    self._auto.observe(h.codec, s["raw_bytes"], s["sent_bytes"], s["groups"], s["encode_s"], s["decode_s"])
                 self._end(h, None)
             elif kind == "failed":
                 self._end(h, _remote_error(msg, h.request))
