@@ -1,0 +1,108 @@
+"""Registered memory and byte views of tensors, for torch tensors (CPU or CUDA) and NumPy arrays.
+
+A ``Buffer`` is one allocation an engine writes from or into: NumPy memory on the CPU, plain
+``cudaMalloc`` memory on a GPU (CUDA IPC, which Mooncake uses between processes of one host,
+needs a whole cudaMalloc allocation, which a caching allocator's block is not).  Slots are views
+of it in torch (CUDA, or CPU for torch tensors) or NumPy.
+"""
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+
+def framework(t) -> str:
+    mod = type(t).__module__
+    if mod.startswith("torch"):
+        return "torch"
+    if isinstance(t, np.ndarray):
+        return "numpy"
+    raise TypeError(f"kvzip.transfer sends torch tensors and NumPy arrays, not {type(t).__module__}.{type(t).__name__}")
+
+
+def dtype_name(t) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def raw_bytes(t):
+    """The tensor's bytes as a 1-D uint8 array of its framework (a view when contiguous)."""
+    if framework(t) == "torch":
+        import torch
+
+        if t.is_complex() and t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        return t.contiguous().reshape(-1).view(torch.uint8)
+    return np.ascontiguousarray(t).reshape(-1).view(np.uint8)
+
+
+def nbytes(t) -> int:
+    return math.prod(t.shape) * t.element_size() if framework(t) == "torch" else t.nbytes
+
+
+def device_of(t) -> str:
+    return str(t.device) if framework(t) == "torch" else "cpu"
+
+
+def np_dtype(name: str) -> np.dtype:
+    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) and name not in np.sctypeDict else np.dtype(name)
+
+
+class Buffer:
+    """``nbytes`` of registered-able memory on ``device`` ("cpu" or "cuda[:i]")."""
+
+    def __init__(self, nbytes: int, device: str):
+        self.nbytes, self.device = nbytes, device
+        if device == "cpu":
+            self._np = np.empty(nbytes, dtype=np.uint8)
+            self.ptr = self._np.ctypes.data
+            self._torch = None
+        else:
+            import cupy
+            import torch
+
+            index = int(device.partition(":")[2] or 0)
+            with cupy.cuda.Device(index):
+                self._mem = cupy.cuda.Memory(nbytes)  # a cudaMalloc of its own, never pooled
+            self.ptr = self._mem.ptr
+            arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(self._mem, 0))
+            self._torch = torch.as_tensor(arr, device=f"cuda:{index}")
+            self._np = None
+
+    def view(self, offset: int, n: int, fw: str = "torch"):
+        """Bytes [offset, offset + n) as a uint8 array: torch on a GPU; on the CPU, NumPy or
+        torch (zero-copy over the same memory) as ``fw`` asks."""
+        if self._torch is not None:
+            return self._torch[offset:offset + n]
+        v = self._np[offset:offset + n]
+        if fw == "torch":
+            import torch
+
+            return torch.from_numpy(v)
+        return v
+
+    def contains(self, ptr: int) -> bool:
+        return self.ptr <= ptr < self.ptr + self.nbytes
+
+
+def data_ptr(a) -> int:
+    if framework(a) == "torch":
+        return a.data_ptr()
+    return a.ctypes.data if a.size else 0
+
+
+def empty_like_entry(entry: dict, device: str):
+    """An uninitialised tensor for a TensorEntry, on ``device``: torch for torch entries and for
+    every entry on a GPU receiver (NumPy has no GPU arrays), NumPy for NumPy entries on the CPU."""
+    shape = tuple(entry["shape"])
+    if entry["framework"] == "numpy" and device == "cpu":
+        return np.empty(shape, dtype=np_dtype(entry["dtype"]))
+    import torch
+
+    dt = getattr(torch, entry["dtype"], None)
+    if not isinstance(dt, torch.dtype):
+        raise TypeError(f"torch has no dtype {entry['dtype']!r}")
+    return torch.empty(shape, dtype=dt, device=device)

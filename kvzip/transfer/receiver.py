@@ -1,0 +1,332 @@
+"""The decode side: a registered receive ring, and requests rebuilt from its slots.
+
+The ring is ``slots`` slots of ``slot_bytes`` in registered memory (the CPU, or one plain
+cudaMalloc on a GPU).  Each connected sender owns ``slots // max_senders`` of them and may write
+into a slot only while it holds that slot's credit; the receiver returns the credit once it has
+decoded the slot's message into new memory.  So memory is bounded by the ring plus the tensors
+handed out, however many requests are in flight, and a slow decoder slows the sender
+(backpressure) instead of being overrun.
+
+Threads: one accepting connections; per connection a reader (control messages) and a decoder
+(slot -> tensors, on its own CUDA stream on a GPU), so message i+1 arrives while i decodes.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+
+from ..errors import FormatError
+from . import codec
+from .buffers import Buffer
+from .codec import now
+from .engines import make_engine
+from .protocol import VERSION, Channel, ProtocolError, TransferError, check_data
+
+log = logging.getLogger("kvzip.transfer")
+
+DEFAULT_SLOT = {"cpu": 32 << 20, "cuda": 64 << 20}
+DEFAULT_SLOTS = 4
+
+
+class _Incoming:
+    """One request's state on the receiver."""
+
+    def __init__(self, req: str):
+        self.req = req
+        self.n_layers: int | None = None
+        self.layers: dict[int, object] = {}
+        self.ended = False
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.abandoned = False
+        self.conn: "_Connection | None" = None
+        self.decode_s = 0.0
+
+    def complete(self) -> bool:
+        return self.ended and self.n_layers is not None and len(self.layers) == self.n_layers
+
+
+class Receiver:
+    """Receives requests' KV from Senders.
+
+    engine: "mooncake" (two processes or hosts) or "loopback" (one process), or an Engine.
+    device: where the ring lives and the tensors arrive ("cpu", "cuda", "cuda:1").
+    slot_bytes: the largest message (group of layers, raw bytes); ring_bytes: the whole ring
+    (default four slots).  host / port: where to listen for senders (port 0: any free one).
+    """
+
+    def __init__(self, *, engine="mooncake", device: str = "cpu", slot_bytes: int | None = None,
+                 ring_bytes: int | None = None, max_senders: int = 1, host: str = "127.0.0.1", port: int = 0):
+        if device != "cpu" and not device.startswith("cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:i]', got {device!r}")
+        if device == "cuda":
+            device = "cuda:0"
+        kind = "cpu" if device == "cpu" else "cuda"
+        slot_bytes = DEFAULT_SLOT[kind] if slot_bytes is None else slot_bytes
+        if type(slot_bytes) is not int or slot_bytes < 1 << 16 or slot_bytes % 256:
+            raise ValueError(f"slot_bytes must be a multiple of 256 of at least 64 KiB, got {slot_bytes!r}")
+        ring_bytes = DEFAULT_SLOTS * slot_bytes if ring_bytes is None else ring_bytes
+        if type(max_senders) is not int or max_senders < 1:
+            raise ValueError(f"max_senders must be a positive int, got {max_senders!r}")
+        if type(ring_bytes) is not int or ring_bytes // slot_bytes < 2 * max_senders:
+            raise ValueError(f"ring_bytes {ring_bytes!r} holds fewer than two slots of {slot_bytes} bytes "
+                             f"per sender (max_senders={max_senders}): a sender could not overlap two messages")
+        self.device, self.slot_bytes = device, slot_bytes
+        self.slots = ring_bytes // slot_bytes
+        self._engine = make_engine(engine)
+        self._ring = Buffer(self.slots * slot_bytes, device)
+        try:
+            self._engine.register(self._ring.ptr, self._ring.nbytes, device)
+            self._listener = socket.create_server((host, port))
+        except BaseException:
+            self._engine.close()
+            raise
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self._windows = [list(range(i * (self.slots // max_senders), (i + 1) * (self.slots // max_senders)))
+                         for i in range(max_senders)]
+        self._requests: dict[str, _Incoming] = {}
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._closed = False
+        self._connections: list[_Connection] = []
+        self._acceptor = threading.Thread(target=self._accept, name="kvzip-rx-accept", daemon=True)
+        self._acceptor.start()
+
+    # ------------------------------------------------------------------ public API
+    def receive(self, request: str, timeout: float | None = 30.0, n_layers: int | None = None) -> list:
+        """The request's layers, as sent (a tensor or a tuple per layer), bit-identical, on this
+        receiver's device.  Raises TimeoutError after ``timeout`` seconds (the request is then
+        dropped: later messages for it are discarded), TransferError if its sender failed or went
+        away, kvzip.FormatError if a message was corrupted, ValueError if ``n_layers`` is given
+        and the sender's manifest says otherwise."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            inc = self._requests.setdefault(request, _Incoming(request))
+        if not inc.done.wait(None if deadline is None else max(deadline - time.monotonic(), 0)):
+            self._drop(inc, TimeoutError(f"request {request!r} not received within {timeout} s"))
+            raise TimeoutError(f"request {request!r} not received within {timeout} s")
+        with self._cond:
+            self._requests.pop(request, None)
+        if inc.error is not None:
+            raise inc.error
+        if n_layers is not None and n_layers != inc.n_layers:
+            raise ValueError(f"request {request!r} has {inc.n_layers} layers, the caller expected {n_layers}")
+        return [inc.layers[i] for i in range(inc.n_layers)]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:  # shutdown wakes the acceptor's accept(); close alone would not
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for c in list(self._connections):
+            c.close(TransferError("the receiver was closed"))
+        self._acceptor.join(timeout=5)
+        with self._cond:
+            pending = list(self._requests.values())
+        for inc in pending:
+            self._finish(inc, TransferError("the receiver was closed"))
+        self._engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def in_flight(self) -> int:
+        with self._cond:
+            return sum(not inc.done.is_set() for inc in self._requests.values())
+
+    # ------------------------------------------------------------------ internals
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            chan = Channel(sock)
+            with self._lock:
+                window = next((w for w in self._windows if not any(c.window is w for c in self._connections)), None)
+            ring = {"base": self._ring.ptr + (window[0] if window else 0) * self.slot_bytes,
+                    "slot_bytes": self.slot_bytes, "slots": len(window) if window else 1}
+            hello = {"version": VERSION, "engine": self._engine.name, "session": self._engine.session,
+                     "device": self.device, "ring": ring}
+            try:
+                if window is None:
+                    chan.send("hello", refused=f"receiver already serves its max_senders={len(self._windows)} senders", **hello)
+                    chan.close()
+                    continue
+                conn = _Connection(self, chan, window)
+                self._connections.append(conn)
+                chan.send("hello", **hello)
+            except TransferError:
+                chan.close()
+                continue
+            conn.start()
+
+    def _incoming(self, req: str) -> _Incoming:
+        with self._cond:
+            return self._requests.setdefault(req, _Incoming(req))
+
+    def _finish(self, inc: _Incoming, error: BaseException | None) -> None:
+        if not inc.done.is_set():
+            inc.error = error
+            if error is not None:
+                inc.layers.clear()  # free what was decoded: nobody will get it
+            inc.done.set()
+
+    def _drop(self, inc: _Incoming, error: BaseException) -> None:
+        inc.abandoned = True
+        self._finish(inc, error)
+        with self._cond:
+            self._requests.pop(inc.req, None)
+        if inc.conn is not None:
+            inc.conn.send_quietly("failed", req=inc.req, why=f"receiver gave up: {error}", error=type(error).__name__)
+
+
+class _Connection:
+    """One sender's control connection and its window of the ring."""
+
+    def __init__(self, rx: Receiver, chan: Channel, window: list[int]):
+        self.rx, self.chan, self.window = rx, chan, window
+        self._work: queue.Queue = queue.Queue()
+        self._requests: dict[str, _Incoming] = {}
+        self._closed = False
+        self._stream = None
+        if rx.device != "cpu":
+            import torch
+
+            self._stream = torch.cuda.Stream(device=rx.device)
+
+    def start(self) -> None:
+        for f in (self._read, self._decode):
+            threading.Thread(target=self._guard, args=(f,), name=f"kvzip-rx-{f.__name__}", daemon=True).start()
+
+    def _guard(self, stage) -> None:
+        try:
+            stage()
+        except BaseException as e:  # noqa: BLE001
+            self.close(e if isinstance(e, TransferError) else TransferError(f"{type(e).__name__}: {e}"))
+
+    def _read(self) -> None:
+        slots = len(self.window)
+        while True:
+            msg = self.chan.recv()
+            if msg is None:
+                raise TransferError("the sender went away (control connection closed) before its requests completed")
+            kind, req = msg["kind"], msg.get("req")
+            if kind == "begin":
+                self._begin(msg)
+            elif kind == "data":
+                check_data(msg, slots, self.rx.slot_bytes)
+                self._work.put(msg)
+            elif kind == "end":
+                self._work.put(msg)  # in order after the request's data
+            elif kind == "cancel":
+                inc = self._requests.pop(req, None)
+                if inc is not None:
+                    inc.abandoned = True
+                    self.rx._finish(inc, TransferError(f"request {req!r} was cancelled by its sender"))
+            else:
+                raise ProtocolError(f"unexpected {kind!r} message from a sender")
+
+    def _begin(self, msg: dict) -> None:
+        req, n = msg.get("req"), msg.get("n_layers")
+        if type(req) is not str or not 0 < len(req) <= 256 or type(n) is not int or not 0 < n <= 1 << 20:
+            raise ProtocolError(f"malformed begin message: {str(msg)[:120]}")
+        inc = self.rx._incoming(req)
+        if inc.n_layers is not None or inc.done.is_set():
+            self.send_quietly("reject", req=req, why="a request of that id is already being received")
+            return
+        inc.n_layers, inc.conn = n, self
+        self._requests[req] = inc
+        self.chan.send("accept", req=req)
+
+    def _decode(self) -> None:
+        while True:
+            msg = self._work.get()
+            if msg is None:
+                return
+            inc = self._requests.get(msg["req"])
+            if msg["kind"] == "end":
+                if inc is not None and not inc.done.is_set():
+                    inc.ended = True
+                    self._settle(inc)
+                continue
+            slot = msg["slot"]
+            try:
+                if inc is not None and not inc.abandoned and not inc.done.is_set():
+                    t0 = now()
+                    self._store(inc, msg)
+                    inc.decode_s += now() - t0
+            except FormatError as e:
+                self._fail(inc, e, "FormatError")
+            except (ProtocolError, TypeError, ValueError) as e:
+                self._fail(inc, e, type(e).__name__)
+            finally:
+                self.chan.send("credit", slot=slot)
+
+    def _store(self, inc: _Incoming, msg: dict) -> None:
+        base = (self.window[0] + msg["slot"]) * self.rx.slot_bytes
+        entries = [e for layer in msg["layers"] for e in layer["tensors"]]
+        if self._stream is None:
+            tensors = codec.unpack(self.rx._ring, base, entries, "cpu")
+        else:
+            import torch
+
+            with torch.cuda.stream(self._stream):
+                tensors = codec.unpack(self.rx._ring, base, entries, self.rx.device)
+            self._stream.synchronize()  # the slot is read and the tensors written before the credit
+        k = 0
+        for layer in msg["layers"]:
+            i, n = layer["index"], len(layer["tensors"])
+            if i >= inc.n_layers or i in inc.layers:
+                raise ProtocolError(f"layer {i} of request {inc.req!r} is outside its {inc.n_layers} layers or sent twice")
+            if n != 1 and layer.get("tuple") is not True or n == 1 and layer.get("tuple") not in (True, False):
+                raise ProtocolError(f"layer {i} of request {inc.req!r} has a malformed structure")
+            inc.layers[i] = tuple(tensors[k:k + n]) if layer["tuple"] else tensors[k]
+            k += n
+
+    def _settle(self, inc: _Incoming) -> None:
+        self._requests.pop(inc.req, None)
+        if inc.complete():
+            self.rx._finish(inc, None)
+            self.send_quietly("done", req=inc.req, decode_s=inc.decode_s)
+        else:
+            missing = inc.n_layers - len(inc.layers)
+            self._fail(inc, ProtocolError(f"request {inc.req!r} ended with {missing} of its {inc.n_layers} layers missing"),
+                       "ProtocolError")
+
+    def _fail(self, inc: _Incoming | None, error: BaseException, name: str) -> None:
+        if inc is None:
+            return
+        log.warning("kvzip receiver: request %s failed: %s", inc.req, error)
+        self._requests.pop(inc.req, None)
+        self.rx._finish(inc, error)
+        self.send_quietly("failed", req=inc.req, why=str(error), error=name)
+
+    def send_quietly(self, kind: str, **fields) -> None:
+        try:
+            self.chan.send(kind, **fields)
+        except TransferError:
+            pass
+
+    def close(self, error: BaseException) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for inc in list(self._requests.values()):
+            self.rx._finish(inc, error)
+        self._requests.clear()
+        self._work.put(None)
+        self.chan.close()
+        if self in self.rx._connections:
+            self.rx._connections.remove(self)

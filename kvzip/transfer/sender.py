@@ -1,0 +1,485 @@
+"""The prefill side: groups layers, compresses group i+1 while group i is on the wire.
+
+Threads of one Sender, each a stage of the pipeline, joined by bounded queues:
+
+    caller --(groups)--> encoder --(packed slots)--> writer --(arrivals)--> notifier
+                                                        ^                      |
+    reader <--(credits, accept, done, failed)-- receiver  <-----(data)---------+
+
+- the caller's ``send`` / ``send_layer`` only queue work (a CUDA caller's tensors are fenced by
+  an event on its current stream, so the encoder's side stream waits for them);
+- the encoder compresses a group (on its own CUDA stream on a GPU) straight into a free staging
+  slot of registered memory;
+- the writer takes a credit (a free slot of the receiver's ring), writes the slot through the
+  engine, and hands the message to the notifier, which sends ``data`` once the (possibly
+  emulated, kvzip/transfer/pacing.py) link has delivered it;
+- the reader applies the receiver's credits and verdicts.
+
+Any failure (engine, control connection, protocol) fails every request in flight with one
+TransferError and closes the Sender; ``close`` always unregisters its memory.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+
+from ..pipeline import Pipeline
+from . import buffers, codec
+from .buffers import Buffer
+from .codec import AutoChooser, now
+from .engines import EngineError, make_engine
+from .pacing import Pacer, wait_until
+from .protocol import Channel, ProtocolError, TransferError, check_hello, parse_address
+
+log = logging.getLogger("kvzip.transfer")
+
+MIN_GROUP = 8 << 20     # a compress call should carry a few MiB, or its fixed cost shows
+TARGET_GROUPS = 8       # enough groups that the pipeline's fill is a small part of the time
+
+
+class SendHandle:
+    """One request on its way: ``send_layer`` (streaming), ``wait``, ``cancel``, ``stats``."""
+
+    def __init__(self, sender: "Sender", req: str, n_layers: int, codec_name: str):
+        self._sender, self.request, self.n_layers = sender, req, n_layers
+        self.codec = codec_name           # "kvzip" or "raw": for "auto", what was chosen
+        self.reason = ""                  # for "auto": why
+        self._queued: set[int] = set()
+        self._pending: list = []          # layers waiting to fill a group
+        self._pending_bytes = 0
+        self._group_bytes = None
+        self._accepted = threading.Event()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self.stats = {"request": req, "codec": codec_name, "layers": n_layers, "groups": 0,
+                      "raw_bytes": 0, "sent_bytes": 0, "encode_s": 0.0, "decode_s": 0.0,
+                      "write_s": 0.0, "start": now(), "end": None}
+
+    # -- caller side
+    def send_layer(self, index: int, *tensors) -> None:
+        """Queue layer ``index`` (one or more tensors, e.g. k and v).  The tensors must not be
+        overwritten before the request completes (``wait``)."""
+        if type(index) is not int or not 0 <= index < self.n_layers:
+            raise ValueError(f"layer index {index!r} is outside the request's {self.n_layers} layers")
+        if not tensors:
+            raise ValueError("send_layer needs at least one tensor")
+        with self._lock:
+            if index in self._queued:
+                raise ValueError(f"layer {index} of request {self.request!r} was sent already")
+            self._queued.add(index)
+            self._sender._add_layer(self, index, tensors)
+            if len(self._queued) == self.n_layers:
+                self._sender._flush(self, last=True)
+
+    def wait(self, timeout: float | None = None) -> dict:
+        """Block until the receiver has every layer decoded; returns the request's stats.
+        Raises TransferError (or kvzip.FormatError from the receiver) if it failed, and
+        TimeoutError after ``timeout`` seconds (None: the Sender's timeout per stalled step)."""
+        if not self._done.wait(self._sender.timeout * 4 if timeout is None else timeout):
+            raise TimeoutError(f"request {self.request!r} not done after {timeout or self._sender.timeout * 4} s")
+        if self._error is not None:
+            raise self._error
+        return dict(self.stats)
+
+    def cancel(self) -> None:
+        self._sender._cancel(self)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    # -- sender side
+    def _finish(self, error: BaseException | None = None) -> None:
+        if not self._done.is_set():
+            self._error = error
+            self.stats["end"] = now()
+            self._done.set()
+            self._accepted.set()
+
+
+class Sender:
+    """Sends requests' KV to one Receiver (its ``address``) through a transfer engine.
+
+    codec: "kvzip" (the default pipeline, checksummed), "raw", "auto" (kvzip only when it is
+    predicted to be faster on this link, see codec.AutoChooser), or a kvzip.Pipeline.
+    link_gbps: emulate a link of that rate (benchmarks; pacing.py).  group_bytes: raw bytes per
+    message (default: the request split in about 8, at least 8 MiB, at most a ring slot).
+    timeout: seconds any one step may stall (connect, a credit, an acceptance) before failing.
+    """
+
+    def __init__(self, address: str, *, engine="mooncake", codec="kvzip", link_gbps: float | None = None,
+                 group_bytes: int | None = None, staging_slots: int = 3, timeout: float = 30.0):
+        self.codec = _check_codec(codec)
+        if group_bytes is not None and (type(group_bytes) is not int or group_bytes <= 0):
+            raise ValueError(f"group_bytes must be a positive int, got {group_bytes!r}")
+        if type(staging_slots) is not int or staging_slots < 1:
+            raise ValueError(f"staging_slots must be a positive int, got {staging_slots!r}")
+        self.timeout = float(timeout)
+        self._group_bytes = group_bytes
+        self._pacer = Pacer(link_gbps) if link_gbps is not None else None
+        self._link_gbps = link_gbps
+        host, port = parse_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=self.timeout)
+        except OSError as e:
+            raise TransferError(f"no kvzip receiver at {address}: {e}") from None
+        self._chan = Channel(sock)
+        try:
+            hello = check_hello(self._chan.recv() or {})
+        except (TransferError, OSError) as e:
+            self._chan.close()
+            raise TransferError(f"{address} did not greet as a kvzip receiver: {e}") from None
+        sock.settimeout(None)
+        if hello.get("refused"):
+            self._chan.close()
+            raise TransferError(f"receiver at {address} refused the connection: {hello['refused']}")
+        try:
+            self._engine = make_engine(engine)
+        except BaseException:
+            self._chan.close()
+            raise
+        if self._engine.name != hello["engine"]:
+            self._engine.close()
+            self._chan.close()
+            raise TransferError(f"receiver at {address} uses engine {hello['engine']!r}, this sender {self._engine.name!r}")
+        self.address, self._peer = address, hello["session"]
+        ring = hello["ring"]
+        self.slot_bytes, self._remote_base, self._slots = ring["slot_bytes"], ring["base"], ring["slots"]
+        self._free_remote: queue.Queue = queue.Queue()
+        for s in range(self._slots):
+            self._free_remote.put(s)
+        self._staging_slots = staging_slots
+        self._staging: Buffer | None = None
+        self._free_staging: queue.Queue = queue.Queue()
+        self._device = None
+        self._auto: AutoChooser | None = None
+        self._handles: dict[str, SendHandle] = {}
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._to_encode: queue.Queue = queue.Queue()
+        self._to_write: queue.Queue = queue.Queue()  # bounded by the staging slots it carries
+        self._to_notify: queue.Queue = queue.Queue()
+        self._local = threading.local()
+        stages = ((self._read, None), (self._encode, self._to_write), (self._write, self._to_notify),
+                  (self._notify, None))
+        self._threads = [threading.Thread(target=self._guard, args=s, name=f"kvzip-tx-{s[0].__name__}", daemon=True)
+                         for s in stages]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ public API
+    def send(self, request: str, layers) -> SendHandle:
+        """Send a whole request: ``layers`` is a list of tensors or of tuples of tensors.
+        Returns at once; ``handle.wait()`` blocks until the receiver has it all."""
+        layers = list(layers)
+        h = self.begin(request, len(layers))
+        try:
+            for i, layer in enumerate(layers):
+                h.send_layer(i, *(layer if isinstance(layer, (tuple, list)) else (layer,)))
+        except BaseException:
+            self._cancel(h)
+            raise
+        return h
+
+    def begin(self, request: str, n_layers: int) -> SendHandle:
+        """Start a streamed request of ``n_layers`` layers; send them with ``send_layer``."""
+        self._check_open()
+        if type(request) is not str or not 0 < len(request) <= 256:
+            raise ValueError(f"request id must be a non-empty string of at most 256 characters, got {request!r}")
+        if type(n_layers) is not int or not 0 < n_layers <= 1 << 20:
+            raise ValueError(f"n_layers must be a positive int, got {n_layers!r}")
+        name = "kvzip" if isinstance(self.codec, Pipeline) else self.codec
+        h = SendHandle(self, request, n_layers, name)
+        with self._lock:
+            if request in self._handles:
+                raise ValueError(f"request {request!r} is already in flight on this sender")
+            self._handles[request] = h
+        self._chan.send("begin", req=request, n_layers=n_layers, codec=name)
+        self._local.current = h
+        return h
+
+    def send_layer(self, index: int, *tensors, request: str | None = None) -> None:
+        """``begin(...).send_layer`` for the request this thread began last (or ``request``)."""
+        h = self._handles.get(request) if request is not None else getattr(self._local, "current", None)
+        if h is None:
+            raise ValueError("no request begun on this thread: call begin(request, n_layers) first")
+        h.send_layer(index, *tensors)
+
+    def cancel(self, request: str) -> None:
+        h = self._handles.get(request)
+        if h is not None:
+            self._cancel(h)
+
+    def close(self) -> None:
+        """Fail what is still in flight, stop the threads, unregister memory.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._fail(TransferError("the sender was closed"))
+        self._to_encode.put(None)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=5)
+        self._engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ grouping (caller's thread)
+    def _add_layer(self, h: SendHandle, index: int, tensors) -> None:
+        self._check_open()
+        for t in tensors:
+            buffers.framework(t)  # TypeError for anything but torch / NumPy
+        need = codec.slot_need(tensors)
+        if need > self.slot_bytes:
+            raise ValueError(f"layer {index} needs {need} bytes, more than one slot of the receiver's ring "
+                             f"({self.slot_bytes} bytes): give the Receiver a larger slot_bytes")
+        if self._staging is None:
+            self._start_staging(buffers.device_of(tensors[0]))
+        for t in tensors:
+            if buffers.device_of(t) != self._device:
+                raise ValueError(f"this sender stages {self._device} memory; layer {index} has a tensor on {buffers.device_of(t)}")
+        if h._group_bytes is None:
+            h._group_bytes = self._group_size(need * h.n_layers)
+            if self.codec == "auto":
+                n_groups = max(1, -(-need * h.n_layers // h._group_bytes))
+                h.codec, h.reason = self._auto.choose([h._group_bytes] * n_groups)
+                h.stats["codec"] = h.codec
+                h.stats["auto"] = h.reason
+                log.info("request %s: codec=auto sends %s: %s", h.request, h.codec, h.reason)
+        if h._pending and h._pending_bytes + need > h._group_bytes:
+            self._flush(h, last=False)
+        h._pending.append((index, tensors, _fence(tensors)))
+        h._pending_bytes += need
+
+    def _group_size(self, total: int) -> int:
+        if self._group_bytes is not None:
+            return min(self._group_bytes, self.slot_bytes)
+        return min(self.slot_bytes, max(MIN_GROUP, -(-total // TARGET_GROUPS)))
+
+    def _flush(self, h: SendHandle, last: bool) -> None:
+        if h._pending:
+            self._to_encode.put(("group", h, h._pending))
+            h._pending, h._pending_bytes = [], 0
+        if last:
+            self._to_encode.put(("end", h, None))
+
+    def _start_staging(self, device: str) -> None:
+        self._device = device
+        self._staging = Buffer(self._staging_slots * self.slot_bytes, device)
+        self._engine.register(self._staging.ptr, self._staging.nbytes, device)
+        for s in range(self._staging_slots):
+            self._free_staging.put(s)
+        self._auto = AutoChooser(device, self._link_gbps)
+        if self._device != "cpu":
+            import torch
+
+            self._stream = torch.cuda.Stream(device=device)
+
+    # ------------------------------------------------------------------ pipeline threads
+    def _guard(self, stage, downstream: queue.Queue | None) -> None:
+        """Run a stage; when it ends, however it ends, tell the next stage to stop too."""
+        try:
+            stage()
+        except BaseException as e:  # noqa: BLE001  every failure ends every request, loudly
+            if not self._closed:
+                log.error("kvzip sender %s stage failed: %s", stage.__name__, e)
+            self._fail(e if isinstance(e, TransferError) else TransferError(f"{type(e).__name__}: {e}"))
+        finally:
+            if downstream is not None:
+                downstream.put(None)
+
+    def _encode(self) -> None:
+        while True:
+            item = self._to_encode.get()
+            if item is None or self._error is not None:
+                return
+            kind, h, layers = item
+            if kind == "end":
+                self._to_write.put((kind, h, None))
+                continue
+            if h.done:  # cancelled or failed while queued
+                continue
+            slot = self._take(self._free_staging, "a free staging slot")
+            t0 = now()
+            tensors = [t for _, ts, _ in layers for t in ts]
+            pipe = (self.codec if isinstance(self.codec, Pipeline) else codec.kvzip_pipeline()) \
+                if h.codec == "kvzip" else None
+            if self._device == "cpu":
+                blobs = codec.encode(pipe, tensors)
+                entries, nbytes = codec.pack(self._staging, slot * self.slot_bytes, tensors, blobs)
+                ready = None
+            else:
+                import torch
+
+                with torch.cuda.stream(self._stream):
+                    for *_, fence in layers:
+                        if fence is not None:
+                            self._stream.wait_event(fence)
+                    blobs = codec.encode(pipe, tensors)
+                    entries, nbytes = codec.pack(self._staging, slot * self.slot_bytes, tensors, blobs)
+                    ready = torch.cuda.Event()
+                    ready.record(self._stream)
+            msg_layers, k = [], 0
+            for index, ts, _ in layers:
+                msg_layers.append({"index": index, "tuple": len(ts) > 1, "tensors": entries[k:k + len(ts)]})
+                k += len(ts)
+            raw = sum(buffers.nbytes(t) for t in tensors)
+            self._to_write.put(("group", h, (slot, nbytes, msg_layers, raw, ready, t0)))
+
+    def _write(self) -> None:
+        while True:
+            item = self._to_write.get()
+            if item is None:
+                return
+            kind, h, work = item
+            if kind == "end":
+                self._to_notify.put((0.0, "end", h, None))
+                continue
+            slot, nbytes, layers, raw, ready, t0 = work
+            if ready is not None:
+                ready.synchronize()
+            encoded = now()
+            if h.done:  # cancelled or failed while queued
+                self._free_staging.put(slot)
+                continue
+            if not h._accepted.wait(self.timeout):
+                raise TransferError(f"receiver did not accept request {h.request!r} within {self.timeout} s")
+            remote = self._take(self._free_remote, "a credit (a free slot in the receiver's ring)")
+            start = now()
+            try:
+                self._engine.write(self._peer, self._staging.ptr + slot * self.slot_bytes,
+                                   self._remote_base + remote * self.slot_bytes, nbytes)
+            except EngineError as e:
+                raise TransferError(f"writing request {h.request!r} to {self.address} failed: {e}") from None
+            written = now()
+            self._free_staging.put(slot)
+            arrival = self._pacer.arrival(nbytes, start, written) if self._pacer else written
+            if h.codec == "raw" and self._pacer is None:
+                self._auto.observe_link(nbytes, written - start)
+            s = h.stats
+            s["groups"] += 1
+            s["raw_bytes"] += raw
+            s["sent_bytes"] += nbytes
+            s["encode_s"] += encoded - t0
+            s["write_s"] += written - start
+            self._to_notify.put((arrival, "data", h, {"req": h.request, "slot": remote, "nbytes": nbytes,
+                                                     "layers": layers}))
+
+    def _notify(self) -> None:
+        while True:
+            item = self._to_notify.get()
+            if item is None:
+                return
+            arrival, kind, h, msg = item
+            if kind == "end":
+                self._chan.send("end", req=h.request, layers=h.n_layers)
+                continue
+            wait_until(arrival)
+            if not h.done:
+                self._chan.send("data", **msg)
+            else:  # the receiver will not read it: the slot is free again
+                self._free_remote.put(msg["slot"])
+
+    def _read(self) -> None:
+        while True:
+            msg = self._chan.recv()
+            if msg is None:
+                raise TransferError(f"receiver at {self.address} closed the connection")
+            kind = msg["kind"]
+            if kind == "credit":
+                slot = msg.get("slot")
+                if type(slot) is not int or not 0 <= slot < self._slots:
+                    raise ProtocolError(f"credit for slot {slot!r} outside the ring")
+                self._free_remote.put(slot)
+                continue
+            h = self._handles.get(msg.get("req"))
+            if h is None:
+                continue  # a verdict on a request this sender already gave up
+            if kind == "accept":
+                h._accepted.set()
+            elif kind == "reject":
+                self._end(h, TransferError(f"receiver rejected request {h.request!r}: {msg.get('why')}"))
+            elif kind == "done":
+                h.stats["decode_s"] = float(msg.get("decode_s", 0.0))
+                if h.codec == "kvzip" and self._auto is not None:
+                    s = h.stats
+                    self._auto.observe_codec(s["raw_bytes"], s["sent_bytes"], s["encode_s"], s["decode_s"])
+                self._end(h, None)
+            elif kind == "failed":
+                self._end(h, _remote_error(msg, h.request))
+            else:
+                raise ProtocolError(f"unexpected {kind!r} message from the receiver")
+
+    # ------------------------------------------------------------------ helpers
+    def _take(self, q: queue.Queue, what: str):
+        deadline = now() + self.timeout
+        while True:
+            if self._error is not None:
+                raise self._error
+            try:
+                return q.get(timeout=min(0.1, max(deadline - now(), 0.001)))
+            except queue.Empty:
+                if now() > deadline:
+                    raise TransferError(f"no {what} within {self.timeout} s: the receiver is stalled") from None
+
+    def _end(self, h: SendHandle, error) -> None:
+        with self._lock:
+            self._handles.pop(h.request, None)
+        h._finish(error)
+
+    def _cancel(self, h: SendHandle) -> None:
+        if h.done:
+            return
+        self._end(h, TransferError(f"request {h.request!r} was cancelled"))
+        try:
+            self._chan.send("cancel", req=h.request)
+        except TransferError:
+            pass
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            handles, self._handles = list(self._handles.values()), {}
+        for h in handles:
+            h._finish(error)
+        self._chan.close()
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise TransferError(f"this sender has failed or was closed: {self._error}")
+
+
+def _fence(tensors):
+    """An event on the caller's current CUDA stream after which the tensors are ready."""
+    t = tensors[0]
+    if buffers.framework(t) != "torch" or not t.is_cuda:
+        return None
+    import torch
+
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(t.device))
+    return ev
+
+
+def _remote_error(msg: dict, req: str) -> BaseException:
+    why = f"receiver failed request {req!r}: {msg.get('why')}"
+    if msg.get("error") == "FormatError":
+        from ..errors import FormatError
+
+        return FormatError(why)
+    return TransferError(why)
+
+
+def _check_codec(c):
+    if isinstance(c, Pipeline) or c in ("kvzip", "raw", "auto"):
+        return c
+    raise ValueError(f"codec must be 'kvzip', 'raw', 'auto' or a kvzip.Pipeline, got {c!r}")

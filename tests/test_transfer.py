@@ -1,0 +1,351 @@
+"""kvzip.transfer on the CPU: round trips through the loopback engine and Mooncake's TCP
+transport, faults (corruption, engine failure, dead peers in other processes), load, bad input.
+Timing is never asserted here (benchmarks/bench_transfer.py measures)."""
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kvzip
+from kvzip import transfer
+from kvzip.transfer import Faults, LoopbackEngine, TransferError
+
+torch = pytest.importorskip("torch")
+
+SAMPLE = np.load(os.path.join(os.path.dirname(kvzip.__file__), "data", "kv_sample.npz"))
+
+
+def real_layers(n=30, fw="torch"):
+    """(k, v) pairs of the shipped real SmolLM2 KV sample (prose, [3, 128, 64] bf16 each)."""
+    pairs = [(SAMPLE[f"prose/layer{i % 30:02d}.k"], SAMPLE[f"prose/layer{i % 30:02d}.v"]) for i in range(n)]
+    if fw == "numpy":
+        return [tuple(b.view(ml_dtypes.bfloat16) for b in p) for p in pairs]
+    return [tuple(torch.from_numpy(b.astype(np.int16)).view(torch.bfloat16) for b in p) for p in pairs]
+
+
+def same(a, b) -> bool:
+    if isinstance(a, tuple):
+        return isinstance(b, tuple) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+            and a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+@pytest.fixture
+def link():
+    """A loopback receiver with small slots (several messages a request) and a sender factory."""
+    made = []
+    rx = transfer.Receiver(engine="loopback", slot_bytes=1 << 20)
+    made.append(rx)
+
+    def sender(**kw):
+        kw.setdefault("engine", "loopback")
+        tx = transfer.Sender(rx.address, **kw)
+        made.append(tx)
+        return tx
+    yield rx, sender
+    for m in reversed(made):
+        m.close()
+
+
+@pytest.mark.parametrize("codec", ["kvzip", "raw", "auto"])
+def test_round_trip_real_kv(link, codec):
+    rx, sender = link
+    layers = real_layers()
+    tx = sender(codec=codec)
+    stats = tx.send("r", layers).wait()
+    back = rx.receive("r", timeout=30)
+    assert all(same(a, b) for a, b in zip(layers, back)) and len(back) == len(layers)
+    assert stats["raw_bytes"] == sum(k.nbytes + v.nbytes for k, v in layers)
+    assert stats["groups"] >= 2
+    if stats["codec"] == "kvzip":
+        assert stats["sent_bytes"] < stats["raw_bytes"] / 1.2
+    else:
+        assert stats["sent_bytes"] >= stats["raw_bytes"]
+
+
+def test_mixed_structure_and_dtypes(link):
+    """Single tensors and tuples, every kvzip format, other dtypes (sent raw), 0-d and empty."""
+    rx, sender = link
+    g = torch.Generator().manual_seed(3)
+    layers = [
+        torch.randn(4, 33, 17, generator=g).to(torch.bfloat16),
+        (torch.randn(5, 7, generator=g).half(), torch.randn(3, generator=g)),
+        (torch.randn(64, 64, generator=g).to(torch.float8_e5m2), torch.randn(8, 8, generator=g).to(torch.float8_e4m3fn)),
+        torch.arange(10, dtype=torch.int32),
+        (torch.tensor(1.5, dtype=torch.bfloat16), torch.empty(0, 4, dtype=torch.bfloat16)),
+        torch.randn(3, 3, dtype=torch.float64, generator=g),
+        torch.tensor([True, False]),
+    ]
+    tx = sender(codec="kvzip")
+    tx.send("m", layers).wait()
+    back = rx.receive("m")
+    assert all(same(a, b) for a, b in zip(layers, back))
+
+
+def test_numpy_layers(link):
+    rx, sender = link
+    layers = real_layers(3, fw="numpy") + [np.arange(7, dtype=np.float32)]
+    sender().send("n", layers).wait()
+    back = rx.receive("n")
+    assert all(same(a, b) for a, b in zip(layers, back))
+
+
+def test_pipeline_codec(link):
+    rx, sender = link
+    pipe = kvzip.Pipeline([kvzip.stages.ExponentSplit(), kvzip.stages.Top16Pack("bf16-kv"),
+                           kvzip.stages.EscapeStream(chunk=1024), kvzip.stages.Serialize(checksum=True)])
+    layers = real_layers(2)
+    sender(codec=pipe).send("p", layers).wait()
+    assert all(same(a, b) for a, b in zip(layers, rx.receive("p")))
+
+
+def test_streaming_layers_in_any_order(link):
+    rx, sender = link
+    layers = real_layers(5)
+    tx = sender()
+    s = tx.begin("s", len(layers))
+    for i in (3, 0, 4):
+        s.send_layer(i, *layers[i])
+    for i in (1, 2):
+        tx.send_layer(i, *layers[i])  # the request this thread began last
+    s.wait()
+    assert all(same(a, b) for a, b in zip(layers, rx.receive("s")))
+
+
+def test_bit_flip_is_caught_by_the_checksum():
+    """A corrupted message fails with FormatError on both sides; never wrong KV."""
+    faults = Faults(flip_bit=(1, 5000, 3))
+    with transfer.Receiver(engine="loopback", slot_bytes=1 << 20) as rx, \
+            transfer.Sender(rx.address, engine=LoopbackEngine(faults), codec="kvzip") as tx:
+        h = tx.send("bad", real_layers())
+        with pytest.raises(kvzip.FormatError):
+            rx.receive("bad", timeout=30)
+        with pytest.raises(kvzip.FormatError):
+            h.wait(timeout=30)
+        # the link still works afterwards, and the slots came back
+        tx.send("good", real_layers(2)).wait(timeout=30)
+        assert all(same(a, b) for a, b in zip(real_layers(2), rx.receive("good")))
+
+
+def test_engine_failure_fails_the_request_and_frees_registrations():
+    engine = LoopbackEngine(Faults(fail_at=1))
+    with transfer.Receiver(engine="loopback", slot_bytes=1 << 20) as rx:
+        tx = transfer.Sender(rx.address, engine=engine, timeout=5)
+        h = tx.send("f", real_layers())
+        with pytest.raises(TransferError, match="injected failure"):
+            h.wait(timeout=10)
+        with pytest.raises(TransferError):
+            tx.send("again", real_layers(1))
+        with pytest.raises(TransferError):
+            rx.receive("f", timeout=10)
+        tx.close()
+        assert engine.registered == {}
+
+
+def test_eight_requests_from_four_threads(link):
+    """All bit-exact through a ring of four 1 MiB slots: memory bounded by the ring."""
+    rx, sender = link
+    tx = sender(codec="kvzip")
+    data = {f"q{i}": real_layers(4 + i % 3) for i in range(8)}
+    errors, got = [], {}
+
+    def client(names):
+        try:
+            hs = [tx.send(n, data[n]) for n in names]
+            for h in hs:
+                h.wait(timeout=60)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    def server(names):
+        for n in names:
+            got[n] = rx.receive(n, timeout=60)
+    names = sorted(data)
+    threads = [threading.Thread(target=client, args=(names[i::4],)) for i in range(4)]
+    threads += [threading.Thread(target=server, args=(names[i::2],)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors
+    assert all(all(same(a, b) for a, b in zip(data[n], got[n])) for n in names)
+    assert rx.slots == 4 and rx.in_flight == 0
+
+
+def test_cancel(link):
+    rx, sender = link
+    tx = sender()
+    s = tx.begin("c", 4)
+    s.send_layer(0, *real_layers(1)[0])
+    s.cancel()
+    with pytest.raises(TransferError, match="cancelled"):
+        s.wait(timeout=5)
+    with pytest.raises(TransferError, match="cancelled"):
+        rx.receive("c", timeout=10)
+    tx.send("after", real_layers(2)).wait(timeout=30)  # the sender still works
+    assert len(rx.receive("after")) == 2
+
+
+def test_receive_timeout_drops_the_request(link):
+    rx, sender = link
+    with pytest.raises(TimeoutError):
+        rx.receive("never", timeout=0.2)
+    tx = sender()
+    s = tx.begin("late", 2)
+    with pytest.raises(TimeoutError):
+        rx.receive("late", timeout=0.2)
+    s.send_layer(0, *real_layers(1)[0])
+    s.send_layer(1, *real_layers(1)[0])
+    with pytest.raises(TransferError, match="gave up"):
+        s.wait(timeout=10)
+    tx.send("next", real_layers(3)).wait(timeout=30)  # its slots were freed
+    assert len(rx.receive("next")) == 3
+
+
+def test_bad_input_fails_before_any_transfer(link):
+    rx, sender = link
+    with pytest.raises(TransferError, match="no kvzip receiver"):
+        transfer.Sender("127.0.0.1:1", engine="loopback", timeout=2)
+    with pytest.raises(ValueError, match="host:port"):
+        transfer.Sender("nonsense", engine="loopback")
+    with pytest.raises(ValueError, match="codec"):
+        transfer.Sender(rx.address, engine="loopback", codec="zip")
+    tx = sender()
+    s = tx.begin("x", 2)
+    with pytest.raises(ValueError, match="outside"):
+        s.send_layer(2, torch.zeros(4))
+    s.send_layer(0, torch.zeros(4))
+    with pytest.raises(ValueError, match="sent already"):
+        s.send_layer(0, torch.zeros(4))
+    with pytest.raises(ValueError, match="already in flight"):
+        tx.begin("x", 2)
+    with pytest.raises(ValueError, match="more than one slot"):
+        tx.send("big", [torch.zeros(1 << 20)])  # 4 MiB against 1 MiB slots
+    with pytest.raises(TypeError, match="torch tensors and NumPy"):
+        tx.send("list", [[1.0, 2.0]])
+    s.send_layer(1, torch.ones(4))
+    s.wait(timeout=10)
+    with pytest.raises(ValueError, match="expected 3"):
+        rx.receive("x", n_layers=3)
+    with pytest.raises(ValueError, match="two slots"):
+        transfer.Receiver(engine="loopback", slot_bytes=1 << 20, ring_bytes=1 << 20)
+    with pytest.raises(ValueError, match="engine"):
+        transfer.Receiver(engine="carrier-pigeon")
+
+
+def test_second_sender_refused_when_max_senders_reached(link):
+    rx, sender = link
+    sender()
+    with pytest.raises(TransferError, match="max_senders"):
+        transfer.Sender(rx.address, engine="loopback")
+
+
+def test_pacer_models_a_pipe():
+    p = transfer.Pacer(1.0)  # 1 GB/s
+    assert p.arrival(1000, ready=0.0, written=0.0) == pytest.approx(1e-6)
+    assert p.arrival(1000, ready=0.0, written=0.0) == pytest.approx(2e-6)   # queued behind the first
+    assert p.arrival(1000, ready=1.0, written=1.0) == pytest.approx(1.0 + 1e-6)  # link idle meanwhile
+    assert p.arrival(1000, ready=2.0, written=3.0) == 3.0  # a slow real write is never hidden
+    with pytest.raises(ValueError):
+        transfer.Pacer(0)
+
+
+# ---- two processes through Mooncake's TCP transport ------------------------------------------
+
+mooncake = pytest.importorskip("mooncake.engine", reason="Mooncake Transfer Engine not installed")
+
+CHILD = textwrap.dedent("""
+    import sys, time, torch, kvzip
+    from kvzip import transfer
+    role, arg = sys.argv[1], sys.argv[2]
+    def layers(n):
+        g = torch.Generator().manual_seed(n)
+        return [(torch.randn(3, 512, 64, generator=g).bfloat16(), torch.randn(3, 512, 64, generator=g).bfloat16())
+                for _ in range(n)]
+    if role == "rx":
+        rx = transfer.Receiver(engine="mooncake", slot_bytes=1 << 20)
+        print(rx.address, flush=True)
+        kv = rx.receive("r", timeout=60)
+        ok = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for p, q in zip(layers(12), kv) for a, b in zip(p, q))
+        print("OK" if ok else "MISMATCH", flush=True)
+        if arg == "hang":
+            time.sleep(600)
+    else:
+        tx = transfer.Sender(arg, engine="mooncake", codec="kvzip")
+        s = tx.begin("r", 12)
+        for i, l in enumerate(layers(12)[:6]):
+            s.send_layer(i, *l)
+        print("HALF", flush=True)
+        time.sleep(600)  # killed here, mid-request
+""")
+
+
+def _spawn(*args):
+    return subprocess.Popen([sys.executable, "-c", CHILD, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+
+
+def test_two_processes_over_mooncake_tcp():
+    rx = _spawn("rx", "exit")
+    try:
+        addr = rx.stdout.readline().strip()
+        g = torch.Generator().manual_seed(12)
+        layers = [(torch.randn(3, 512, 64, generator=g).bfloat16(), torch.randn(3, 512, 64, generator=g).bfloat16())
+                  for _ in range(12)]
+        with transfer.Sender(addr, engine="mooncake", codec="kvzip") as tx:
+            stats = tx.send("r", layers).wait(timeout=60)
+            assert stats["sent_bytes"] < stats["raw_bytes"]
+            assert tx._engine.registered  # staging registered while open ...
+        assert tx._engine.registered == {}  # ... and not after close
+        assert rx.stdout.readline().strip() == "OK"
+    finally:
+        rx.kill()
+        rx.wait()
+
+
+def test_receiver_killed_mid_transfer_fails_the_sender_quickly():
+    rx_proc = _spawn("rx", "hang")
+    addr = rx_proc.stdout.readline().strip()
+    tx = transfer.Sender(addr, engine="mooncake", codec="kvzip", timeout=10)
+    try:
+        s = tx.begin("r", 12)
+        g = torch.Generator().manual_seed(0)
+        s.send_layer(0, torch.randn(3, 512, 64, generator=g).bfloat16())
+        rx_proc.kill()
+        rx_proc.wait()
+        t0 = time.monotonic()
+        with pytest.raises(TransferError):
+            for i in range(1, 12):
+                s.send_layer(i, torch.randn(3, 512, 64, generator=g).bfloat16())
+            s.wait(timeout=20)
+        assert time.monotonic() - t0 < 20
+    finally:
+        tx.close()
+    assert tx._engine.registered == {}
+
+
+def test_sender_killed_mid_transfer_fails_the_receive_and_frees_its_slots():
+    with transfer.Receiver(engine="mooncake", slot_bytes=1 << 20) as rx:
+        tx_proc = _spawn("tx", rx.address)
+        try:
+            assert tx_proc.stdout.readline().strip() == "HALF"
+            tx_proc.kill()
+            tx_proc.wait()
+            t0 = time.monotonic()
+            with pytest.raises(TransferError, match="went away"):
+                rx.receive("r", timeout=30)
+            assert time.monotonic() - t0 < 30
+        finally:
+            tx_proc.kill()
+        # the dead sender's window is free: a new sender gets it and works
+        with transfer.Sender(rx.address, engine="mooncake") as tx:
+            tx.send("again", real_layers(2)).wait(timeout=60)
+        assert len(rx.receive("again")) == 2
