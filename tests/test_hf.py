@@ -209,3 +209,26 @@ def test_bad_caches_and_layers_are_refused():
     for tokens in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="tokens"):
             hf.StreamingCache(_Recorder(), tokens=tokens)
+
+
+def test_streaming_cache_through_a_transfer_rebuilds_the_prefill_cache():
+    """Prefill streams into a real Sender (loopback engine, kvzip codec); the receiver's layers
+    become a cache whose greedy continuation equals one generate() over the prompt."""
+    transfer = pytest.importorskip("kvzip.transfer")
+    model, ids = _tiny_model(layers=5), _prompt(64)
+    with torch.inference_mode():
+        want = model.generate(ids, max_new_tokens=5, do_sample=False)
+    with transfer.Receiver(engine="loopback", slot_bytes=1 << 16) as rx, \
+            transfer.Sender(rx.address, engine="loopback", codec="kvzip", group_bytes=1 << 12) as tx:
+        stream = tx.begin("r", 5)
+        cache = hf.StreamingCache(stream)
+        with torch.inference_mode():
+            logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+        stats = stream.wait(timeout=60)
+        assert cache.complete and stats["groups"] > 1  # several messages: layers left one group at a time
+        rebuilt = hf.layers_to_cache(rx.receive("r", timeout=60))
+    _assert_same_layers(hf.cache_to_layers(rebuilt), hf.cache_to_layers(cache))
+    first = logits[:, -1].argmax(-1, keepdim=True)
+    with torch.inference_mode():
+        got = model.generate(torch.cat([ids, first], 1), cache=rebuilt, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, want)
