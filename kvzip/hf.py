@@ -63,10 +63,11 @@ def cache_to_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def layers_to_cache(layers) -> DynamicCache:
     """A DynamicCache holding these (keys, values) pairs, one per layer, in order.
 
-    The tensors are kept as they are (DynamicLayer concatenates onto an empty tensor, which copies
-    them once); dtype, device, shape and every bit are preserved.  Each pair must be two 4-D torch
-    tensors [batch, kv_heads, seq, head_dim] of one dtype and device, and all layers must agree on
-    batch and sequence length (a model reads one position count off the cache)."""
+    The cache holds the given tensors themselves, not copies (a decode node restores a long
+    prompt's KV at no cost): DynamicLayer never writes its tensors in place (update, crop and
+    reorder all make new ones), so generating from the cache leaves them as they were.  Each pair
+    must be two 4-D torch tensors [batch, kv_heads, seq, head_dim] of one dtype and device, and all
+    layers must agree on batch and sequence length (a model reads one position count off the cache)."""
     if isinstance(layers, (torch.Tensor, str, bytes)) or not isinstance(layers, Sequence):
         raise TypeError(f"expected a list of (keys, values) pairs, got {type(layers).__name__}")
     pairs = []
@@ -77,7 +78,13 @@ def layers_to_cache(layers) -> DynamicCache:
     if not pairs:
         raise ValueError("no layers to build a cache from")
     _check_layers(pairs)
-    return DynamicCache(pairs)
+    cache = DynamicCache()  # full-attention layers, appended as DynamicCache(pairs) would make them
+    for k, v in pairs:
+        layer = DynamicLayer()
+        layer.lazy_initialization(k, v)  # device, dtype, is_initialized: as on a first update
+        layer.keys, layer.values = k, v  # where that first update would store a copy (cat onto empty)
+        cache.layers.append(layer)
+    return cache
 
 
 def _check_layers(pairs: list) -> None:

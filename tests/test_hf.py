@@ -83,6 +83,20 @@ def test_real_kv_round_trips_through_layers_and_blobs():
     _assert_same_layers(hf.cache_to_layers(hf.decompress_cache(blobs)), layers)
 
 
+def test_layers_to_cache_holds_the_tensors_and_generation_never_writes_them():
+    model, ids = _tiny_model(), _prompt()
+    cache, logits = _prefill(model, ids)
+    layers = [(k.clone(), v.clone()) for k, v in hf.cache_to_layers(cache)]
+    before = [(k.clone(), v.clone()) for k, v in layers]
+    rebuilt = hf.layers_to_cache(layers)
+    assert all(a is k and b is v for (a, b), (k, v) in zip(hf.cache_to_layers(rebuilt), layers))
+    with torch.inference_mode():
+        first = logits[:, -1].argmax(-1, keepdim=True)
+        model.generate(torch.cat([ids, first], 1), cache=rebuilt, max_new_tokens=3, do_sample=False)
+    assert rebuilt.get_seq_length() == ids.shape[1] + 3
+    _assert_same_layers(layers, before)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_every_bit_pattern_survives(dtype):
     """Special values (NaN payloads, -0, Inf, subnormals) and escape-heavy KV in all layers."""
