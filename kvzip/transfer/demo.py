@@ -32,6 +32,7 @@ import glob
 import hashlib
 import importlib.util
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -73,9 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=("mooncake", "loopback"), default="mooncake",
                    help="mooncake: two processes over Mooncake Transfer Engine (default); "
                         "loopback: decode side in a thread of this process")
-    p.add_argument("--link-gbps", type=float, default=None,
-                   help="emulate a link of this many GB/s (paced writes, labelled as emulated); "
-                        "default: the engine's real link")
+    p.add_argument("--link-gbps", type=float, nargs="+", default=[0.0], metavar="GBPS",
+                   help="links to run on, each with every codec: 0 is the engine's real link (the default), "
+                        "a rate emulates a link of that many GB/s (paced writes, labelled as emulated)")
     p.add_argument("--json", metavar="PATH", help="also write the figures and checks as JSON")
     return p
 
@@ -87,8 +88,8 @@ def _check_args(args) -> None:
         raise ValueError(f"--new-tokens must be at least 1, got {args.new_tokens}")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise ValueError(f"--device must be cpu or cuda[:i], got {args.device!r}")
-    if args.link_gbps is not None and not args.link_gbps > 0:
-        raise ValueError(f"--link-gbps must be positive, got {args.link_gbps}")
+    if not all(g >= 0 and math.isfinite(g) for g in args.link_gbps):  # NaN fails too
+        raise ValueError(f"--link-gbps rates must be positive, or 0 for the real link; got {args.link_gbps}")
 
 
 class DemoError(RuntimeError):
@@ -240,7 +241,7 @@ def kv_digests(layers) -> list[str]:
 
 # ---- the decode side -------------------------------------------------------------------------
 
-def decode_side(conn, engine: str, device: str, tokens: int, n_codecs: int, model=None, tokenizer=None) -> None:
+def decode_side(conn, engine: str, device: str, tokens: int, model=None, tokenizer=None) -> None:
     """Serve the prefill side over ``conn`` (a multiprocessing Connection): receive each run's
     KV, rebuild the cache, hash it, generate.  In a child process it loads its own model; in the
     loopback thread it is given the prefill side's (the runs never overlap)."""
@@ -258,7 +259,9 @@ def decode_side(conn, engine: str, device: str, tokens: int, n_codecs: int, mode
         tensor_bytes = kv_bytes_per_token(model.config) // model.config.num_hidden_layers // 2 * tokens
         default = transfer.receiver.DEFAULT_SLOT["cpu" if device == "cpu" else "cuda"]
         slot = -(-max(default, 2 * align(tensor_bytes)) // 256) * 256
-        with transfer.Receiver(engine=engine, device=device, slot_bytes=slot, max_senders=max(2, n_codecs)) as rx:
+        # One Sender per run, one after the other: two windows of the ring, so that a run never
+        # waits for the receiver to notice that the previous run's Sender has closed.
+        with transfer.Receiver(engine=engine, device=device, slot_bytes=slot, max_senders=2) as rx:
             conn.send({"address": rx.address})
             while True:
                 msg = conn.recv()
@@ -286,9 +289,9 @@ def decode_side(conn, engine: str, device: str, tokens: int, n_codecs: int, mode
             pass
 
 
-def _decode_process(conn, engine: str, device: str, tokens: int, n_codecs: int) -> None:
+def _decode_process(conn, engine: str, device: str, tokens: int) -> None:
     os.environ["TQDM_DISABLE"] = "1"  # the GGUF loader's progress bar: the prefill side shows one
-    decode_side(conn, engine, device, tokens, n_codecs)
+    decode_side(conn, engine, device, tokens)
 
 
 # ---- the prefill side ------------------------------------------------------------------------
@@ -296,18 +299,18 @@ def _decode_process(conn, engine: str, device: str, tokens: int, n_codecs: int) 
 class _Peer:
     """The decode side: a spawned process (mooncake) or a thread (loopback), and its pipe."""
 
-    def __init__(self, args, n_codecs: int, model=None, tokenizer=None):
+    def __init__(self, args, model=None, tokenizer=None):
         if args.engine == "loopback":
             self.conn, theirs = multiprocessing.Pipe()
             self.proc = None
             self.thread = threading.Thread(target=decode_side, name="kvzip-demo-decode", daemon=True,
-                                           args=(theirs, "loopback", args.device, args.tokens, n_codecs, model, tokenizer))
+                                           args=(theirs, "loopback", args.device, args.tokens, model, tokenizer))
             self.thread.start()
         else:
             ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads or CUDA
             self.conn, theirs = ctx.Pipe()
             self.proc = ctx.Process(target=_decode_process, name="kvzip-demo-decode",
-                                    args=(theirs, args.engine, args.device, args.tokens, n_codecs))
+                                    args=(theirs, args.engine, args.device, args.tokens))
             self.proc.start()
             theirs.close()
 
@@ -341,15 +344,15 @@ def run(args) -> dict:
     from transformers import DynamicCache
 
     codecs = CODECS if args.codec == "both" else (args.codec,)
+    links = [g or None for g in args.link_gbps]  # 0: the engine's real link, unpaced
     role = "prefill"
-    link = (f"emulated {args.link_gbps:g} GB/s link (Mooncake writes paced by a token bucket)"
-            if args.link_gbps else f"real {args.engine} link, unpaced")
-    _say(role, f"kvzip pd-demo: SmolLM2-135M-Instruct, bfloat16, {args.device}, engine {args.engine}"
-               f" ({'two processes' if args.engine != 'loopback' else 'decode side in a thread'}), {link}")
+    _say(role, f"kvzip pd-demo: SmolLM2-135M-Instruct, bfloat16, {args.device}, engine {args.engine} "
+               f"({'two processes' if args.engine != 'loopback' else 'decode side in a thread'}); links: "
+               + ", ".join(_link_name(g) for g in links))
     model = tokenizer = None
     if args.engine == "loopback":
         model, tokenizer = load_model(args.device, role)
-    peer = _Peer(args, len(codecs), model, tokenizer)  # the child loads its model while we load ours
+    peer = _Peer(args, model, tokenizer)  # a child process loads its model while we load ours
     try:
         if model is None:
             model, tokenizer = load_model(args.device, role)
@@ -371,59 +374,64 @@ def run(args) -> dict:
         want = reference_tokens(model, tokenizer, ids, args.new_tokens)
         _say(role, f"single-process reference (generate, {args.new_tokens} tokens): {time.perf_counter() - t0:.2f} s")
 
-        runs = {}
-        for c in codecs:
-            runs[c] = _one_run(args, peer, address, model, ids, c, n_layers)
-            r = runs[c]
-            r["tokens_ok"] = r["tokens"] == want
-            _say(role, f"codec {c}: prefill {r['prefill_s']:.3f} s, transfer exposed {r['transfer_s']:.3f} s, "
-                       f"restore {r['restore_s']:.3f} s; KV {'identical' if r['kv_ok'] else 'DIFFERENT'}, "
-                       f"tokens {'identical' if r['tokens_ok'] else 'DIFFERENT'}")
+        runs = []
+        for link in links:
+            for c in codecs:
+                r = _one_run(args, peer, address, model, ids, c, link, n_layers)
+                r["tokens_ok"] = r["tokens"] == want
+                runs.append(r)
+                _say(role, f"{c} on {_link_name(link)}: prefill {r['prefill_s']:.3f} s, transfer exposed "
+                           f"{r['transfer_s']:.3f} s, restore {r['restore_s']:.3f} s; KV "
+                           f"{'identical' if r['kv_ok'] else 'DIFFERENT'}, tokens {'identical' if r['tokens_ok'] else 'DIFFERENT'}")
     finally:
         peer.close()
 
     report = {"model": "SmolLM2-135M-Instruct", "device": args.device, "engine": args.engine,
-              "link_gbps": args.link_gbps, "tokens": n, "new_tokens": args.new_tokens,
-              "kv_bytes_per_token": per_token, "kv_bytes": per_token * n, "reference_tokens": want,
+              "tokens": n, "new_tokens": args.new_tokens, "kv_bytes_per_token": per_token,
+              "kv_bytes": per_token * n, "reference_tokens": want,
               "short_prefill": {"tokens": short.shape[1], "s": short_s}, "runs": runs}
-    report["ok"] = all(r["kv_ok"] and r["tokens_ok"] for r in runs.values())
-    _print_report(report, tokenizer)
+    report["ok"] = all(r["kv_ok"] and r["tokens_ok"] for r in runs)
+    _print_report(report, links, tokenizer)
     return report
 
 
-def _one_run(args, peer: _Peer, address: str, model, ids, codec: str, n_layers: int) -> dict:
+def _link_name(gbps) -> str:
+    return f"emulated {gbps:g} GB/s link" if gbps else "real link"
+
+
+def _one_run(args, peer: _Peer, address: str, model, ids, codec: str, link, n_layers: int) -> dict:
     from kvzip import hf, transfer
 
-    role = "prefill"
+    role, tag = "prefill", f"{codec}-{link or 'real'}"
     n_ids = ids[0].tolist()
-    with transfer.Sender(address, engine=args.engine, codec=codec, link_gbps=args.link_gbps,
-                         timeout=WAIT_S) as tx:
+    with transfer.Sender(address, engine=args.engine, codec=codec, link_gbps=link, timeout=WAIT_S) as tx:
         # Warm the link and the codec (engine registration, the codec's compiled kernels) with a
         # tiny request first: the figures are those of a serving system, not of its first call.
         warm = _warm_layers(model, ids, n_layers)
-        peer.conn.send({"request": f"warmup-{codec}", "n_layers": n_layers, "ids": n_ids, "warmup": True})
-        tx.send(f"warmup-{codec}", warm).wait(WAIT_S)
+        peer.conn.send({"request": f"warmup-{tag}", "n_layers": n_layers, "ids": n_ids, "warmup": True})
+        tx.send(f"warmup-{tag}", warm).wait(WAIT_S)
         if peer.recv("warm-up digests")["digests"] != kv_digests(warm):
-            raise DemoError(f"the warm-up request ({codec}) arrived different")
+            raise DemoError(f"the warm-up request ({tag}) arrived different")
 
-        req = f"demo-{codec}"
+        req = f"demo-{tag}"
         peer.conn.send({"request": req, "n_layers": n_layers, "ids": n_ids, "new_tokens": args.new_tokens})
         stream = tx.begin(req, n_layers)
         cache = hf.StreamingCache(stream)
-        _say(role, f"codec {codec}: prefill of {ids.shape[1]} tokens, streaming each layer as it is written ...")
+        _say(role, f"{codec} on {_link_name(link)}: prefill of {ids.shape[1]} tokens, streaming each layer "
+                   f"as it is written ...")
         first, start, end = prefill(model, ids, cache, args.device)
         peer.conn.send({"first": first})
         if not cache.complete:
             raise DemoError(f"prefill updated {len(cache.sent)} of {n_layers} layers")
         stats = stream.wait(WAIT_S)
-        got = peer.recv(f"the {codec} run's result")
+        got = peer.recv(f"the result of {req}")
     # The last layer's KV exists before the logits do, so on a fast link it arrives (and is even
     # restored) while prefill still runs the final norm and lm_head.  The decode side can emit
     # the first token once it has both the cache and that token: TTFT = max(restored, end) -
     # start, split into the parts each stage adds after the one before it.
     ready = max(got["restored"], end)
     transfer_s = max(0.0, got["received"] - end)
-    return {"codec": codec, "prefill_s": end - start, "transfer_s": transfer_s,
+    return {"codec": codec, "link_gbps": link, "prefill_s": end - start, "transfer_s": transfer_s,
             "restore_s": ready - max(got["received"], end), "restore_full_s": got["restored"] - got["received"],
             "ttft_s": ready - start, "write_s": stats["write_s"],
             "decode_s": got["decode_s"], "raw_bytes": stats["raw_bytes"], "sent_bytes": stats["sent_bytes"],
@@ -444,69 +452,75 @@ def _warm_layers(model, ids, n_layers: int):
     return layers
 
 
-def _print_report(rep: dict, tokenizer) -> None:
+def _print_report(rep: dict, links: list, tokenizer) -> None:
     n, per_token, runs = rep["tokens"], rep["kv_bytes_per_token"], rep["runs"]
     print()
-    print(f"kvzip pd-demo: {rep['model']} on {rep['device']}, engine {rep['engine']}, "
-          + (f"EMULATED link {rep['link_gbps']:g} GB/s" if rep["link_gbps"] else "real link (unpaced)"))
+    print(f"kvzip pd-demo: {rep['model']} on {rep['device']}, engine {rep['engine']} "
+          f"(emulated links: real writes paced by a token bucket to the nominal rate)")
     print(f"prompt {n} tokens -> KV {per_token} bytes/token x {n} = {rep['kv_bytes'] / 1e6:.2f} MB; "
           f"{rep['new_tokens']} tokens generated greedily")
-    print(f"{'codec':6} {'KV sent':>10} {'ratio':>6} {'prefill':>9} {'transfer':>9} {'restore':>9} "
+    print(f"{'link':>14} {'codec':6} {'KV sent':>10} {'ratio':>6} {'prefill':>9} {'transfer':>9} {'restore':>9} "
           f"{'TTFT':>9} {'(encode':>8} {'decode)':>8}  KV bits   tokens")
-    for c, r in runs.items():
-        print(f"{c:6} {r['sent_bytes'] / 1e6:8.2f}MB {r['raw_bytes'] / r['sent_bytes']:6.3f} {r['prefill_s']:8.3f}s "
-              f"{r['transfer_s']:8.3f}s {r['restore_s']:8.3f}s {r['ttft_s']:8.3f}s {r['encode_s']:7.3f}s "
-              f"{r['arrival_decode_s']:7.3f}s  {'identical' if r['kv_ok'] else 'DIFFERENT'} "
+    for r in runs:
+        link = f"{r['link_gbps']:g} GB/s" if r["link_gbps"] else "real"
+        print(f"{link:>14} {r['codec']:6} {r['sent_bytes'] / 1e6:8.2f}MB {r['raw_bytes'] / r['sent_bytes']:6.3f} "
+              f"{r['prefill_s']:8.3f}s {r['transfer_s']:8.3f}s {r['restore_s']:8.3f}s {r['ttft_s']:8.3f}s "
+              f"{r['encode_s']:7.3f}s {r['arrival_decode_s']:7.3f}s  {'identical' if r['kv_ok'] else 'DIFFERENT'} "
               f"{'identical' if r['tokens_ok'] else 'DIFFERENT'}")
     print("  TTFT = prefill + transfer + restore, each the part not hidden behind the one before: transfer from\n"
           "  the end of prefill until the decode side holds all KV (decompression included), restore until its\n"
           "  DynamicCache is built; encode/decode = codec time summed over groups, overlapped with the rest")
-    if "raw" in runs and "kvzip" in runs:
-        raw, kz = runs["raw"], runs["kvzip"]
-        print(f"TTFT kvzip vs raw: {raw['ttft_s'] / kz['ttft_s']:.3f}x "
-              f"(exposed transfer {raw['transfer_s']:.3f} s -> {kz['transfer_s']:.3f} s)")
-    _print_bound(rep)
+    fit = _prefill_fit(rep)
+    print(f"prefill on this {rep['device']}: {n / fit['full_s']:.0f} tokens/s at {n} tokens ({fit['how']}), "
+          f"i.e. KV made at {per_token / fit['b'] / 1e9:.4g} GB/s")
+    for link in links:
+        here = {r["codec"]: r for r in runs if r["link_gbps"] == link}
+        if "raw" in here and "kvzip" in here:
+            raw, kz = here["raw"], here["kvzip"]
+            print(f"{_link_name(link)}: TTFT kvzip vs raw {raw['ttft_s'] / kz['ttft_s']:.3f}x "
+                  f"(exposed transfer {raw['transfer_s']:.3f} s -> {kz['transfer_s']:.3f} s)")
+        _print_bound(rep, fit, link, here.get("raw"))
     text = tokenizer.decode(rep["reference_tokens"])
     print(f"generated: {text!r}")
     print("OK: tokens and KV bits identical in every run" if rep["ok"] else "MISMATCH: see the table above")
 
 
-def _print_bound(rep: dict) -> None:
-    """Which prompt lengths are transfer-bound (raw KV longer on the wire than the prefill that
-    makes it), from the model's KV bytes per token and two measured prefills fitted as a + b*n."""
-    n, per_token, runs = rep["tokens"], rep["kv_bytes_per_token"], rep["runs"]
-    full_s = min(r["prefill_s"] for r in runs.values())
+def _prefill_fit(rep: dict) -> dict:
+    """Prefill time as a + b*n from the short prefill and the fastest full-length one."""
+    n, runs = rep["tokens"], rep["runs"]
+    full_s = min(r["prefill_s"] for r in runs)
     m, m_s = rep["short_prefill"]["tokens"], rep["short_prefill"]["s"]
     b = (full_s - m_s) / (n - m) if n > m else 0.0
     a = full_s - b * n
     if b <= 0 or a < 0:  # timing noise beat the fit: fall back to a rate with no fixed cost
-        b, a, fit = full_s / n, 0.0, "no fixed cost assumed: the two-point fit was not usable"
+        return {"a": 0.0, "b": full_s / n, "full_s": full_s, "how": "no fixed cost assumed: the two-point fit was not usable"}
+    return {"a": a, "b": b, "full_s": full_s,
+            "how": f"a fit of prefills of {m} and {n} tokens: {a * 1e3:.1f} ms + {b * 1e6:.1f} us/token"}
+
+
+def _print_bound(rep: dict, fit: dict, link, raw: dict | None) -> None:
+    """Which prompt lengths are transfer-bound on ``link`` (raw KV longer on the wire than the
+    prefill that makes it), from the model's KV bytes per token and the prefill fit."""
+    per_token, a, b = rep["kv_bytes_per_token"], fit["a"], fit["b"]
+    if link:
+        rate, label = link * 1e9, f"the emulated {link:g} GB/s link"
+    elif raw is not None and raw["write_s"] > 0:
+        rate = raw["raw_bytes"] / raw["write_s"]  # raw bytes over the engine's write time
+        label = f"the real {rep['engine']} link ({rate / 1e9:.4g} GB/s measured on the raw run)"
     else:
-        fit = f"a fit of prefills of {m} and {n} tokens: {a * 1e3:.1f} ms + {b * 1e6:.1f} us/token"
-    if rep["link_gbps"]:
-        rate, label = rep["link_gbps"] * 1e9, f"the emulated {rep['link_gbps']:g} GB/s link"
-    elif "raw" in runs and runs["raw"]["write_s"] > 0:
-        rate = runs["raw"]["raw_bytes"] / runs["raw"]["write_s"]  # raw bytes over the engine's write time
-        label = f"the real {rep['engine']} link (measured on the raw run)"
-    else:
-        rate, label = None, "the link"
-    wire_per_token = per_token / rate if rate else None
-    print(f"prefill on this {rep['device']}: {n / full_s:.0f} tokens/s at {n} tokens ({fit}), i.e. KV made at "
-          f"{per_token / b / 1e9:.4g} GB/s")
-    if wire_per_token is None:
         return
-    print(f"{label} ({rate / 1e9:.4g} GB/s) carries raw KV at {wire_per_token * 1e6:.2f} us/token")
-    if wire_per_token <= b:
-        print(f"  -> no prompt length is transfer-bound on {label} here: prefill makes KV slower than the link "
-              f"carries it (transfer-bound below {per_token / b / 1e9:.4g} GB/s)")
-    else:
-        n_star = a / (wire_per_token - b)
-        if n_star < 1:
-            print(f"  -> every prompt length is transfer-bound on {label}: its raw KV takes "
-                  f"{wire_per_token * 1e6:.2f} us/token on the wire, prefill {b * 1e6:.1f} us/token")
-            return
-        print(f"  -> prompts of >= {max(1, int(n_star) + 1)} tokens are transfer-bound on {label} "
-              f"(raw KV wire time n x {wire_per_token * 1e6:.2f} us > prefill {a * 1e3:.1f} ms + n x {b * 1e6:.1f} us)")
+    wire = per_token / rate  # seconds per token of raw KV on the wire
+    if wire <= b:
+        print(f"  -> no prompt length is transfer-bound on {label}: its raw KV takes {wire * 1e6:.2f} us/token "
+              f"on the wire, prefill {b * 1e6:.1f} us/token (transfer-bound below {per_token / b / 1e9:.4g} GB/s)")
+        return
+    n_star = a / (wire - b)
+    if n_star < 1:
+        print(f"  -> every prompt length is transfer-bound on {label}: its raw KV takes {wire * 1e6:.2f} us/token "
+              f"on the wire, prefill {b * 1e6:.1f} us/token")
+        return
+    print(f"  -> prompts of >= {int(n_star) + 1} tokens are transfer-bound on {label} "
+          f"(raw KV wire time n x {wire * 1e6:.2f} us > prefill {a * 1e3:.1f} ms + n x {b * 1e6:.1f} us)")
 
 
 if __name__ == "__main__":
