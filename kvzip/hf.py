@@ -78,12 +78,12 @@ def layers_to_cache(layers) -> DynamicCache:
     if not pairs:
         raise ValueError("no layers to build a cache from")
     _check_layers(pairs)
-    cache = DynamicCache()  # full-attention layers, appended as DynamicCache(pairs) would make them
-    for k, v in pairs:
-        layer = DynamicLayer()
+    # The constructor makes one empty DynamicLayer per (None, None) entry and a cache of exactly
+    # that many layers (a model with more layers fails on it rather than finding empty ones).
+    cache = DynamicCache([(None, None)] * len(pairs))
+    for layer, (k, v) in zip(cache.layers, pairs):
         layer.lazy_initialization(k, v)  # device, dtype, is_initialized: as on a first update
         layer.keys, layer.values = k, v  # where that first update would store a copy (cat onto empty)
-        cache.layers.append(layer)
     return cache
 
 
