@@ -20,6 +20,18 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 from transformers.cache_utils import DynamicSlidingWindowLayer  # noqa: E402
 
 
+def _cuda_ready() -> bool:
+    try:
+        import cupy  # noqa: F401  kvzip's GPU path
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+DEVICES = ["cpu"] + (["cuda"] if _cuda_ready() else [])
+
+
 def _tiny_model(layers=3, seed=0):
     cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
@@ -70,13 +82,14 @@ def test_compress_of_a_cache_points_to_kvzip_hf():
         kvzip.compress(hf.StreamingCache(Stream()))
 
 
-def test_real_kv_round_trips_through_layers_and_blobs():
-    layers = _real_kv_layers()
+@pytest.mark.parametrize("device", DEVICES)
+def test_real_kv_round_trips_through_layers_and_blobs(device):
+    layers = [(k.to(device), v.to(device)) for k, v in _real_kv_layers()]
     cache = hf.layers_to_cache(layers)
     assert isinstance(cache, DynamicCache) and cache.get_seq_length() == 128
     _assert_same_layers(hf.cache_to_layers(cache), layers)
     blobs = hf.compress_cache(cache)
-    assert len(blobs) == 30 and all(len(p) == 2 for p in blobs)
+    assert len(blobs) == 30 and all(len(p) == 2 and p[0].device == layers[0][0].device for p in blobs)
     raw = sum(k.numel() * 2 + v.numel() * 2 for k, v in layers)
     packed = sum(b.numel() for p in blobs for b in p)
     assert packed < raw / 1.25, f"real SmolLM2 KV compressed only {raw / packed:.3f}x"
@@ -225,14 +238,15 @@ def test_bad_caches_and_layers_are_refused():
             hf.StreamingCache(_Recorder(), tokens=tokens)
 
 
-def test_streaming_cache_through_a_transfer_rebuilds_the_prefill_cache():
+@pytest.mark.parametrize("device", DEVICES)
+def test_streaming_cache_through_a_transfer_rebuilds_the_prefill_cache(device):
     """Prefill streams into a real Sender (loopback engine, kvzip codec); the receiver's layers
     become a cache whose greedy continuation equals one generate() over the prompt."""
     transfer = pytest.importorskip("kvzip.transfer")
-    model, ids = _tiny_model(layers=5), _prompt(64)
+    model, ids = _tiny_model(layers=5).to(device), _prompt(64).to(device)
     with torch.inference_mode():
         want = model.generate(ids, max_new_tokens=5, do_sample=False)
-    with transfer.Receiver(engine="loopback", slot_bytes=1 << 16) as rx, \
+    with transfer.Receiver(engine="loopback", device=device, slot_bytes=1 << 16) as rx, \
             transfer.Sender(rx.address, engine="loopback", codec="kvzip", group_bytes=1 << 12) as tx:
         stream = tx.begin("r", 5)
         cache = hf.StreamingCache(stream)
