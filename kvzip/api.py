@@ -67,8 +67,10 @@ def _shared(codebook, checksum, chunk) -> Pipeline:
 
 def _default(codebook, checksum, chunk) -> Pipeline:
     """The pipeline compress()/decompress() run: built once per setting when the codebook is a
-    name or the default (building one costs ~8 us a call); private, so no caller can change it."""
-    if codebook is None or isinstance(codebook, str):
+    name or the default (building one costs ~8 us a call); private, so no caller can change it.
+    Only exact types reach the cache: it matches keys by equality, and 0 == False, 4096.0 == 4096,
+    which the stages refuse; so a cached answer is always the one a fresh build would give."""
+    if (codebook is None or type(codebook) is str) and type(checksum) is bool and type(chunk) is int:
         return _shared(codebook, checksum, chunk)
     return splitzip_pipeline(codebook, checksum=checksum, chunk=chunk)
 
@@ -165,7 +167,12 @@ def decode_with(pipe: Pipeline, blob, *, backend=None):
             # cannot be read in place by any GPU kernel, ours or CuPy's; decode an aligned copy.
             u8 = u8.copy()
         if not (pipe.fuse and fused_fast.applicable(be, 0, u8)):
-            return _export_decoded(pipe.decode_frame(Frame(be, {"blob": _to_backend(u8, be)}, {})), origin)
+            u8 = _to_backend(u8, be)
+            head = container.read_head(be, u8)
+            hdr = container.parse_header(head, u8.shape[0])
+            out = _export_decoded(pipe.decode_opened(serialize.frame_from_header(be, u8, hdr)), origin)
+            container.remember_header(head, u8.shape[0], hdr)
+            return out
         layout = known_headers.guess(u8.shape[0])
         if layout is not None:  # most blobs are of the layout decoded last: no header read-back
             got = known_headers.decode_one_guessed(layout, u8, origin)
@@ -177,18 +184,22 @@ def decode_with(pipe: Pipeline, blob, *, backend=None):
         if hit is not None:  # a layout that passed every check before: straight to the kernels
             pipe.last_path = "fast"
             return known_headers.decode([hit], [u8], origin)[0]
-        opened = serialize.open_blob(be, u8, head)
+        hdr = container.parse_header(head, u8.shape[0])
+        opened = serialize.frame_from_header(be, u8, hdr)
         out = _export_decoded(pipe.decode_opened(opened), origin)
+        container.remember_header(head, u8.shape[0], hdr)
         if pipe.last_path == "fast":
             known_headers.remember(head, u8.shape[0], opened, recorded_pipeline(opened.meta).stages)
         return out
 
 
 def info(blob) -> dict:
-    """What a blob holds, without decoding it: dtype, shape, sizes, ratio, escapes, pipeline.
-    Raises kvzip.FormatError for a malformed blob, like decompress."""
+    """What a blob holds: dtype, shape, sizes, ratio, escapes, pipeline.  It accepts exactly the
+    blobs decompress accepts (it decodes the blob and drops the values: some checks, such as
+    escape positions, are made only while decoding) and raises kvzip.FormatError for the rest."""
     from .stages.serialize import frame_from_header
 
+    decompress(blob)
     u8, origin = arrays.import_bytes(blob)
     be = get_backend(origin.backend_name)
     hdr = container.parse_header(container.read_head(be, u8), u8.shape[0])
@@ -407,24 +418,27 @@ def _decode_general(pipe: Pipeline, rest: list, out: list) -> bool:
 
     groups: dict = {}
     for (i, u8, origin, be), head in rest:
-        frame = st.serialize.open_blob(be, u8, head)
+        hdr = container.parse_header(head, u8.shape[0])
+        frame = st.serialize.frame_from_header(be, u8, hdr)
         recorded = recorded_pipeline(frame.meta)
         recorded.check_streams(frame)
         steps = recorded._steps(recorded.stages[:-1])
         if steps and isinstance(steps[-1], st.FusedSplitPackEscape) and st.fused_fast.decode_applicable(frame):
             fused = steps[-1]
             cb = fused.check(frame)
-            groups.setdefault((frame.format.name, fused.chunk), []).append((i, frame, origin, steps, cb, head, u8))
+            groups.setdefault((frame.format.name, fused.chunk), []).append((i, frame, origin, steps, cb, head, u8, hdr))
         else:
             out[i] = _export_decoded(recorded.decode_frame_steps(frame), origin)
+            container.remember_header(head, u8.shape[0], hdr)
     for (_, chunk), members in groups.items():
         dsts = st.fused_fast.decode_batch([m[1] for m in members], chunk, [m[4] for m in members],
                                           [m[0] for m in members])
-        for (i, opened, origin, steps, _, head, u8), dst in zip(members, dsts):
+        for (i, opened, origin, steps, _, head, u8, hdr), dst in zip(members, dsts):
             frame = steps[-1].finish_decode(opened, dst)
             for step in reversed(steps[:-1]):
                 frame = step.decode(frame)
             out[i] = _export_decoded(frame, origin)
+            container.remember_header(head, u8.shape[0], hdr)
             if pipe.fuse:
                 st.known_headers.remember(head, u8.shape[0], opened, recorded_pipeline(opened.meta).stages)
     return bool(groups)

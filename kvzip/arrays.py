@@ -400,7 +400,7 @@ def _borrow(x, framework: str | None = None) -> tuple[object, str, Origin]:
     caller already asked."""
     framework = framework or framework_of(x)
     if framework == "numpy":
-        arr = np.asarray(x)
+        arr = _native(x if isinstance(x, np.ma.MaskedArray) else np.asarray(x))
         return arr, arr.dtype.name, Origin("numpy")
     if framework == "torch":
         return _borrow_torch(x)
@@ -409,6 +409,20 @@ def _borrow(x, framework: str | None = None) -> tuple[object, str, Origin]:
     if framework == "jax":
         return _borrow_jax(x)
     return _borrow_foreign(x)
+
+
+def _native(arr: np.ndarray) -> np.ndarray:
+    """arr with its values in the machine's byte order: the codec reads the values' bits from
+    memory, so a big-endian array is copied into native order (the same values, so a '>u2' of
+    raw bits keeps its bits too).  A masked array is refused: its mask would be lost."""
+    if isinstance(arr, np.ma.MaskedArray):
+        raise TypeError("kvzip cannot compress a masked array (its mask would be lost); "
+                        "pass arr.filled(value) or arr.data with the mask separately")
+    if arr.dtype.isnative:
+        return arr
+    if arr.dtype.fields is not None or arr.dtype.subdtype is not None:
+        return arr  # structured or sub-array dtypes: refused by name later (no format has them)
+    return arr.astype(arr.dtype.newbyteorder("="))
 
 
 @lru_cache(maxsize=None)
@@ -423,6 +437,9 @@ def _borrow_torch(t):
     name = _TORCH_NAMES.get(t.dtype)
     if name is None:
         name = _TORCH_NAMES[t.dtype] = str(t.dtype).removeprefix("torch.")
+    if t.is_nested:
+        raise TypeError("kvzip takes dense torch tensors, not nested ones; compress each component tensor "
+                        "(t.unbind()) or a padded copy (t.to_padded_tensor(0))")
     if t.is_cuda and t.layout is torch.strided and t.is_contiguous() and t.numel() and not t.is_neg():
         # Contiguous CUDA memory becomes a CuPy array over the tensor's own memory (the tensor
         # owns it): ~3 us, where the DLPack capsule and its stream handshake took ~60.
@@ -432,6 +449,12 @@ def _borrow_torch(t):
         index = t.get_device()
         return _cupy_over_torch(t, tuple(t.shape), width, index), name, _cuda_origin("torch", index)
     t = t.detach()  # DLPack refuses tensors that require grad; the bits are the same
+    # A tensor with torch's lazy negative or conjugate bit set has memory holding the values
+    # before negation / conjugation: resolve (a copy) so the bits read are the values' own.
+    if t.is_neg():
+        t = _resolve_neg(t)
+    if t.is_conj():
+        t = t.resolve_conj()
     if t.layout != torch.strided or t.device.type not in ("cpu", "cuda"):
         raise TypeError(f"kvzip takes dense CPU or CUDA torch tensors, got {t.layout} on {t.device}")
     if name not in _DLPACK_NATIVE:
@@ -446,6 +469,23 @@ def _borrow_torch(t):
     origin = Origin("torch", "cuda", t.device.index)
     with origin.stream_context():  # consumer stream = producer stream: DLPack needs no event
         return _cupy().from_dlpack(t), name, origin
+
+
+def _resolve_neg(t):
+    """t.resolve_neg(), also for the float dtypes torch cannot negate (float8): negating an IEEE
+    float flips its sign bit and nothing else, NaNs included."""
+    import torch
+
+    try:
+        return t.resolve_neg()
+    except (NotImplementedError, RuntimeError):
+        if not t.is_floating_point() or not hasattr(torch, "_neg_view"):
+            raise TypeError(f"kvzip cannot read a torch tensor of dtype {t.dtype} with the negative bit set; "
+                            "pass t.resolve_neg() or a copy") from None
+    int_dtype = _torch_dtype(_INT_OF_WIDTH[t.element_size()].name)
+    stored = torch._neg_view(t).view(int_dtype)  # the memory as it is, before the lazy negation
+    sign = np.array(1 << (8 * t.element_size() - 1), np.uint64).astype(_INT_OF_WIDTH[t.element_size()]).item()
+    return torch.bitwise_xor(stored, sign).view(t.dtype)
 
 
 def _borrow_jax(x):
@@ -475,7 +515,7 @@ def _borrow_foreign(x):
         arr = cupy.asarray(x) if hasattr(x, "__cuda_array_interface__") else cupy.from_dlpack(x)
         return arr, arr.dtype.name, Origin("cupy", "cuda", int(arr.device.id))
     if hasattr(x, "__array_interface__") or hasattr(x, "__array_struct__"):
-        arr = np.asarray(x)
+        arr = _native(np.asarray(x))
     elif hasattr(x, "__dlpack__"):
         arr = np.from_dlpack(x)
     else:

@@ -58,8 +58,10 @@ class CUDABackend(Backend):
         if self.simulated:
             self.xp = np
         else:
-            import cupy
-
+            try:
+                import cupy
+            except ImportError as e:
+                raise ImportError("backend 'cuda' needs CuPy and a CUDA GPU: pip install 'kvzip[gpu]'") from e
             self.xp = cupy
 
     def to_numpy(self, a) -> np.ndarray:

@@ -204,22 +204,25 @@ def _read_file(path: Path):
     if path.suffix != ".safetensors":
         raise ValueError(f"{path}: can only calibrate on .safetensors files (or pass arrays)")
     try:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
     except ImportError:
         raise ImportError("reading .safetensors files needs the safetensors package: "
                           "pip install safetensors (or kvzip[test])") from None
     import ml_dtypes  # noqa: F401  registers 'bfloat16' with NumPy, which safetensors looks up by name
 
     header = None
-    with safe_open(str(path), framework="np") as f:
-        for key in f.keys():
-            dtype = f.get_slice(key).get_dtype()
-            if dtype in _RAW_F8:
-                header = header or _safetensors_header(path)
-                yield path.name, _raw_tensor(path, header, key, _RAW_F8[dtype])
-            else:
-                # One tensor at a time keeps memory at one tensor, not the whole file.
-                yield path.name, f.get_tensor(key)
+    try:
+        with safe_open(str(path), framework="np") as f:
+            for key in f.keys():
+                dtype = f.get_slice(key).get_dtype()
+                if dtype in _RAW_F8:
+                    header = header or _safetensors_header(path)
+                    yield path.name, _raw_tensor(path, header, key, _RAW_F8[dtype])
+                else:
+                    # One tensor at a time keeps memory at one tensor, not the whole file.
+                    yield path.name, f.get_tensor(key)
+    except SafetensorError as e:  # a malformed file is a bad input, like any other
+        raise ValueError(f"{path}: not a readable .safetensors file: {e}") from None
 
 
 def _safetensors_header(path: Path) -> tuple[dict, int]:

@@ -121,7 +121,10 @@ def _demo(args) -> int:
 
     backend = args.backend or _default_backend()
     if backend == "cuda":
-        import cupy
+        try:
+            import cupy
+        except ImportError:
+            return _fail("demo", "--backend cuda needs CuPy and a CUDA GPU: pip install 'kvzip[gpu]'")
 
         # CuPy has no bfloat16: the sample goes up as its uint16 bits, with dtype= saying what
         # they are, and comes back as uint16 bits.

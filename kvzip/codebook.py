@@ -78,8 +78,8 @@ class Codebook:
             raise ValueError(f"provenance must be a dict, got {type(provenance).__name__}")
         try:
             json.dumps(provenance)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"provenance must be JSON-able: {e}") from None
+        except (TypeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep to copy
+            raise ValueError(f"provenance must be JSON-able: {type(e).__name__}: {str(e)[:200]}") from None
         set_ = object.__setattr__
         set_(self, "format", fmt)
         set_(self, "exponents", exps)

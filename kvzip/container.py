@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 
@@ -92,35 +94,114 @@ def build_header(meta: dict, streams: list[tuple[str, str, int]], flags: int, ch
     return bytes(raw)
 
 
+# The metadata JSON's nesting depth limit.  A writer's deepest value is a codebook's exponent list
+# inside a stage config inside meta.pipeline (depth 6); the limit keeps every later step (parsing,
+# copying, repr) far from Python's recursion limit however deep the caller's own stack is.
+MAX_JSON_DEPTH = 32
+# Strings of a JSON text, escapes included (the unrolled form: a run of plain bytes is one step),
+# which json_depth skips to count only structure; and every byte that is not a bracket.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = np.zeros(256, np.int8)
+_STEP[list(b"[{")] = 1
+_STEP[list(b"]}")] = -1
+
+
+def json_depth(text: bytes) -> int:
+    """The deepest nesting of arrays and objects in a JSON text, counted without recursion.
+
+    For valid JSON this is exact: outside strings no '"' occurs, so each match of _JSON_STRING
+    is one whole string.  For invalid JSON it is exact up to the point where a parser stops
+    (a parser reads a string to the same closing quote), which is all a limit checked before
+    parsing needs."""
+    brackets = _JSON_STRING.sub(b"", text).translate(None, _NOT_BRACKETS)
+    if len(brackets) <= 4096:  # a writer's metadata: a few dozen brackets
+        return _depth_of(brackets)
+    return int(np.cumsum(_STEP[np.frombuffer(brackets, np.uint8)], dtype=np.int64).max(initial=0))
+
+
+def _depth_of(brackets: bytes) -> int:
+    depth = deepest = 0
+    for b in brackets:
+        depth += 1 if b in b"[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs):
+    """A JSON object's dict; duplicate keys are refused (RFC 8259 leaves their meaning open, so
+    two decoders could read one blob differently)."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _DuplicateKey(f"duplicate key {dup[:80]!r}")
+    return d
+
+
 def _parse_metadata(text: bytes):
+    depth = json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise FormatError(f"metadata JSON nests {depth} deep; the limit is {MAX_JSON_DEPTH}")
     try:
-        return json.loads(text.decode("utf-8"))
+        return json.loads(text.decode("utf-8"), object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise FormatError(f"metadata is not valid JSON: {type(e).__name__}: {e}") from None
+        raise FormatError(f"metadata is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
 
 
+# Headers of blobs that decoded, by their bytes and the blob's length (a serving loop decodes the
+# same few shapes; parsing and checking one costs ~25 us).  Only remember_header adds to it, after
+# a whole blob has passed every check, so a stream of rejected blobs leaves nothing behind; and it
+# holds at most CACHE_BYTES of header bytes, none over CACHE_HEADER_MAX (a writer's header is ~1 KB).
 _parsed: dict = {}
+_parsed_bytes = 0
+CACHE_BYTES = 4 << 20
+CACHE_HEADER_MAX = 16 << 10
+_parsed_lock = threading.Lock()
+
+
+def _cache_key(head: bytes, blob_len: int):
+    if len(head) < PREFIX.size:
+        return None
+    header_len = int.from_bytes(head[12:16], "little")
+    if header_len > CACHE_HEADER_MAX or len(head) < header_len:
+        return None
+    return bytes(head[:header_len]), blob_len
 
 
 def parse_header(head: bytes, blob_len: int) -> Header:
     """Validate and decode a header.  ``head`` holds at least the first H bytes (or the whole
     blob if shorter); ``blob_len`` is the blob's full length.
 
-    Valid headers are remembered by their bytes (a serving loop decodes the same few shapes, and
-    parsing and checking one costs ~25 us); each caller gets its own top-level meta dict, which
+    A header remember_header was given comes from the cache: the same bytes parse to the same
+    Header, so the cache changes no answer.  Each caller gets its own top-level meta dict, which
     is all the decoders change."""
-    key = None
-    if len(head) >= PREFIX.size:
-        key = (bytes(head[:int.from_bytes(head[12:16], "little")]), blob_len)
-        hit = _parsed.get(key)
-        if hit is not None:
-            return dataclasses.replace(hit, meta=dict(hit.meta))
-    hdr = _parse_header(head, blob_len)
-    if key is not None:
-        if len(_parsed) > 1024:
-            _parsed.clear()
-        _parsed[key] = hdr
+    key = _cache_key(head, blob_len)
+    hit = _parsed.get(key) if key is not None else None
+    hdr = hit if hit is not None else _parse_header(head, blob_len)
     return dataclasses.replace(hdr, meta=dict(hdr.meta))
+
+
+def remember_header(head: bytes, blob_len: int, hdr: Header) -> None:
+    """Cache hdr, parse_header's answer for head, once its whole blob has decoded."""
+    global _parsed_bytes
+    key = _cache_key(head, blob_len)
+    if key is None:
+        return
+    with _parsed_lock:  # decodes on several threads: _parsed and _parsed_bytes change together
+        if key in _parsed:
+            return
+        while _parsed and _parsed_bytes + len(key[0]) > CACHE_BYTES:  # the oldest go first
+            oldest = next(iter(_parsed))
+            del _parsed[oldest]
+            _parsed_bytes -= len(oldest[0])
+        # Decoders change only their own copy of meta's top level (frame_from_header copies it).
+        _parsed[key] = dataclasses.replace(hdr, meta=dict(hdr.meta))
+        _parsed_bytes += len(key[0])
 
 
 def _parse_header(head: bytes, blob_len: int) -> Header:

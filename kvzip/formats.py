@@ -49,7 +49,8 @@ _ALIASES = {
     "bfloat16": "bf16", "bf16": "bf16",
     "float16": "fp16", "half": "fp16", "fp16": "fp16", "f2": "fp16", "<f2": "fp16",
     "float32": "fp32", "float": "fp32", "fp32": "fp32", "f4": "fp32", "<f4": "fp32",
-    "float8_e4m3fn": "e4m3", "float8_e4m3": "e4m3", "e4m3": "e4m3", "e4m3fn": "e4m3",
+    # Not "float8_e4m3": ml_dtypes' float8_e4m3 is IEEE-like (Inf and NaNs), another format.
+    "float8_e4m3fn": "e4m3", "e4m3": "e4m3", "e4m3fn": "e4m3",
     "float8_e5m2": "e5m2", "e5m2": "e5m2",
 }
 

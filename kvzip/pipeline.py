@@ -245,6 +245,7 @@ def _api():
 
 _recorded: dict = {}
 _recorded_by_id: dict = {}
+MAX_CACHED_CONFIG = 4096  # longest config repr the two caches above hold (so at most ~2 MiB of keys)
 
 
 def recorded_pipeline(meta: dict) -> Pipeline:
@@ -256,13 +257,17 @@ def recorded_pipeline(meta: dict) -> Pipeline:
     hit = _recorded_by_id.get(id(config))
     if hit is not None and hit[0] is config:
         return Pipeline(hit[1])
-    key = repr(config)
+    if not isinstance(config, list):  # docs/format.md, rule 17 (from_config also takes a dict)
+        raise FormatError(f"bad pipeline in metadata: a list of stage configs is required, got {type(config).__name__}")
+    key = repr(config)  # repr, not ==: 14.0 == 14 and False == 0, which the stages refuse
     stages = _recorded.get(key)
     if stages is None:
         try:
             stages = Pipeline.from_config(config).stages
         except (ValueError, TypeError, KeyError, RecursionError) as e:
-            raise FormatError(f"bad pipeline in metadata: {e}") from None
+            raise FormatError(f"bad pipeline in metadata: {str(e)[:300]}") from None
+        if len(key) > MAX_CACHED_CONFIG:  # a writer's config is a few hundred bytes: bound the caches' bytes
+            return Pipeline(stages)
         if len(_recorded) > 256:
             _recorded.clear()
         _recorded[key] = stages

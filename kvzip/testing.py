@@ -35,7 +35,8 @@ __all__ = [
     "formats", "bit_arrays", "special_values", "special_heavy_arrays", "kv_like_arrays",
     "escape_heavy_arrays", "kv_like_bits", "shapes", "codebooks", "chunk_sizes", "pipelines", "pipeline_configs",
     "views", "quantize_fp8_available", "as_float", "as_torch", "bits_of", "assert_bits_equal",
-    "assert_roundtrip", "CHUNK_SIZES",
+    "assert_roundtrip", "CHUNK_SIZES", "blob_parts", "build_blob", "reseal", "with_metadata_text", "nested_json",
+    "hostile_blobs",
 ]
 
 CHUNK_SIZES = tuple(1 << k for k in range(3, 17))  # 8 .. 65536, every chunk EscapeStream accepts
@@ -411,3 +412,219 @@ def assert_roundtrip(x, pipeline=None, **compress_kwargs: Any):
     blob = pipeline.encode(x, **compress_kwargs) if pipeline is not None else api.compress(x, **compress_kwargs)
     assert_bits_equal(api.decompress(blob), x, "round trip:")
     return blob
+
+
+# ------------------------------------------------------------------------------------ hostile blobs
+# Blob surgery for tests of untrusted input: take a real blob apart, change it, and put it back
+# together with a valid header CRC (and payload checksum), so that only the decoder's own checks
+# stand between the forgery and the kernels.
+
+def blob_parts(blob) -> tuple[dict, int, list]:
+    """(meta, flags, [(stream name, dtype name, payload bytes)]) of a valid blob."""
+    from . import container
+
+    blob = bytes(blob)
+    hdr = container.parse_header(blob, len(blob))
+    streams = [(name, dt, blob[hdr.header_len + off: hdr.header_len + off + nb]) for name, dt, off, nb in hdr.streams]
+    return hdr.meta, hdr.flags, streams
+
+
+def build_blob(meta: dict, streams: list, flags: int = 0, checksum: int | None = None) -> bytes:
+    """A blob of meta and streams [(name, dtype name, bytes)] laid out as a writer lays it out,
+    with a valid header CRC and, when flags has the checksum bit, the payload's sum64 (or
+    ``checksum`` as given)."""
+    from . import container
+    from .checksum import sum64
+
+    offsets, plen = container.layout([len(b) for _, _, b in streams])
+    payload = bytearray(plen)
+    for off, (_, _, b) in zip(offsets, streams):
+        payload[off:off + len(b)] = b
+    if checksum is None:
+        checksum = sum64(np, np.frombuffer(bytes(payload), np.uint8)) if flags & container.FLAG_CHECKSUM else 0
+    head = container.build_header(meta, [(n, d, len(b)) for n, d, b in streams], flags, checksum)
+    return head + bytes(payload)
+
+
+def reseal(blob) -> bytes:
+    """The blob with its header CRC recomputed (after header bytes were edited in place)."""
+    import struct
+    import zlib
+
+    raw = bytearray(blob)
+    if len(raw) < 48:
+        return bytes(raw)
+    H = min(struct.unpack_from("<I", raw, 12)[0], len(raw))
+    struct.pack_into("<I", raw, 40, 0)
+    struct.pack_into("<I", raw, 40, zlib.crc32(bytes(raw[:H])))
+    return bytes(raw)
+
+
+def with_metadata_text(blob, text: bytes) -> bytes:
+    """The blob with its metadata JSON replaced by ``text`` verbatim (even text build_header
+    would refuse to write: deep, duplicate keys, not JSON), the header resized and resealed."""
+    import struct
+
+    from . import container
+
+    blob = bytes(blob)
+    (_, _, _, H, P, checksum, J, S, _) = container.PREFIX.unpack_from(blob)
+    table = blob[48:48 + 16 * S]
+    new_h = -(-(48 + len(table) + len(text)) // 16) * 16
+    prefix = bytearray(blob[:48])
+    struct.pack_into("<I", prefix, 12, new_h)
+    struct.pack_into("<I", prefix, 32, len(text))
+    head = bytes(prefix) + table + text
+    return reseal(head + bytes(new_h - len(head)) + blob[H:])
+
+
+def nested_json(depth: int, leaf=0) -> str:
+    """JSON text of ``depth`` nested one-element lists around ``leaf`` (built without recursion)."""
+    import json
+
+    return "[" * depth + json.dumps(leaf) + "]" * depth
+
+
+def hostile_blobs(base_blobs):
+    """Forgeries of the given real blobs: what an attacker or a damaged link can hand a decoder.
+
+    Each example is one real blob with one to three of: bit flips (anywhere, or in the header
+    with the CRC resealed), truncation or extension, a forged prefix field (resealed), a metadata
+    value replaced by another JSON value (a wrong type, a huge or negative integer, a float
+    for an integer, a boolean, deep nesting), a metadata key dropped or duplicated in the text,
+    a stream resized or its bytes overwritten, and deep JSON anywhere in the metadata; each
+    structural change rebuilt with valid CRCs and payload checksum, so that the decoder's own
+    validation is what stands in the way."""
+    st = _hyp()
+    import json
+
+    base_blobs = [bytes(b) for b in base_blobs]
+    if not base_blobs:
+        raise ValueError("hostile_blobs needs at least one real blob")
+    values = st.one_of(
+        st.none(), st.booleans(), st.integers(-2**70, 2**70), st.sampled_from([0, 1, 2**62, 2**63, -1]),
+        st.floats(allow_nan=True), st.text(max_size=20), st.sampled_from(["bf16", "e4m3fn", "float8_e4m3", "x"]),
+        st.lists(st.integers(-3, 2**64), max_size=20),
+        st.integers(1, 1200).map(lambda d: {"__deep__": d}),
+    )
+
+    def bit_flips(blob, draw):
+        raw = bytearray(blob)
+        if not raw:
+            return blob
+        header_only = draw(st.booleans())
+        limit = min(len(raw), int.from_bytes(raw[12:16], "little") or len(raw)) if header_only and len(raw) >= 48 else len(raw)
+        for _ in range(draw(st.integers(1, 8))):
+            k = draw(st.integers(0, max(0, limit - 1)))
+            raw[k] ^= 1 << draw(st.integers(0, 7))
+        return reseal(raw) if header_only else bytes(raw)
+
+    def resize(blob, draw):
+        if draw(st.booleans()):
+            return blob[:draw(st.integers(0, len(blob)))]
+        return blob + bytes(draw(st.integers(1, 64)))
+
+    def prefix_field(blob, draw):
+        import struct
+
+        raw = bytearray(blob)
+        if len(raw) < 48:
+            return blob
+        at, fmt = draw(st.sampled_from([(8, "<H"), (10, "<H"), (12, "<I"), (16, "<Q"), (24, "<Q"), (32, "<I"),
+                                        (36, "<I"), (44, "<I")]))
+        bits = struct.calcsize(fmt) * 8
+        struct.pack_into(fmt, raw, at, draw(st.one_of(st.integers(0, 2**bits - 1), st.sampled_from([0, 1, 16, 48]))))
+        return reseal(raw)
+
+    def meta_value(blob, draw):
+        meta, flags, streams = _parts_or_none(blob)
+        if meta is None:
+            return blob
+        path = _paths(meta)
+        where = draw(st.sampled_from(path))
+        value = draw(values)
+        text = _replace_at(meta, where, value)
+        doc = json.dumps({"meta": "@META@", "streams": [[n, d] for n, d, _ in streams]}, sort_keys=True,
+                         separators=(",", ":"))
+        rebuilt = build_blob(meta, streams, flags)
+        return with_metadata_text(rebuilt, doc.replace('"@META@"', text).encode())
+
+    def duplicate_key(blob, draw):
+        meta, flags, streams = _parts_or_none(blob)
+        if meta is None or not meta:
+            return blob
+        key = draw(st.sampled_from(sorted(meta)))
+        doc = json.dumps({"meta": meta, "streams": [[n, d] for n, d, _ in streams]}, sort_keys=True)
+        extra = json.dumps(key) + ": " + json.dumps(draw(values.filter(lambda v: not isinstance(v, dict))))
+        text = doc.replace('"meta": {', '"meta": {' + extra + ", ", 1)
+        return with_metadata_text(build_blob(meta, streams, flags), text.encode())
+
+    def stream_edit(blob, draw):
+        meta, flags, streams = _parts_or_none(blob)
+        if meta is None or not streams:
+            return blob
+        k = draw(st.integers(0, len(streams) - 1))
+        name, dt, data = streams[k]
+        data = bytearray(data)
+        if draw(st.booleans()) and data:
+            for _ in range(draw(st.integers(1, 8))):
+                data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+        else:
+            width = {"uint8": 1, "uint16": 2, "uint32": 4, "float32": 4}[dt]
+            delta = draw(st.integers(-4, 4)) * width
+            data = data[:max(0, len(data) + delta)] if delta < 0 else data + bytes(delta)
+        streams = list(streams)
+        streams[k] = (name, dt, bytes(data))
+        return build_blob(meta, streams, flags)
+
+    mutations = [bit_flips, resize, prefix_field, meta_value, meta_value, duplicate_key, stream_edit, stream_edit]
+
+    @st.composite
+    def draw_hostile(draw):
+        blob = draw(st.sampled_from(base_blobs))
+        for _ in range(draw(st.integers(1, 3))):
+            blob = draw(st.sampled_from(mutations))(blob, draw)
+        return blob
+
+    return draw_hostile()
+
+
+def _parts_or_none(blob):
+    from .errors import FormatError
+
+    try:
+        return blob_parts(blob)
+    except FormatError:
+        return None, None, None
+
+
+def _paths(meta) -> list:
+    """Every place in meta (a JSON tree) as a tuple of keys and indices, and a new key at its top."""
+    out, todo = [("@new",)], [((), meta)]
+    while todo:
+        at, node = todo.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for k, v in items:
+            out.append(at + (k,))
+            todo.append((at + (k,), v))
+    return out
+
+
+def _replace_at(meta, where: tuple, value) -> str:
+    """meta's JSON text with the value at ``where`` replaced by ``value``; {"__deep__": d} stands for
+    d nested lists (written as text: json.dumps would recurse)."""
+    import copy
+    import json
+
+    marker = "@@VALUE@@"
+    tree = copy.deepcopy(meta)
+    node = tree
+    for k in where[:-1]:
+        node = node[k]
+    node[where[-1]] = marker
+    text = json.dumps(tree, sort_keys=True, separators=(",", ":"))
+    if isinstance(value, dict) and "__deep__" in value:
+        inner = nested_json(value["__deep__"])
+    else:
+        inner = json.dumps(value)
+    return text.replace(json.dumps(marker), inner, 1)

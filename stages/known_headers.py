@@ -120,6 +120,8 @@ def _read(head: bytes):
 def remember(head: bytes, nbytes: int, opened: Frame, stages: list) -> None:
     """Remember the layout of a blob of nbytes the general path has just decoded on the fast path
     (opened: its frame as serialize.open_blob gave it; stages: its recorded pipeline's)."""
+    if int.from_bytes(head[12:16], "little") > container.CACHE_HEADER_MAX:
+        return  # bounds the layouts' bytes as container's cache is bounded (MAX_LAYOUTS of them)
     hdr = container.parse_header(head, nbytes)  # cached: the general path parsed it
     read = _read(head)
     ids = tuple(s.id for s in stages)

@@ -240,7 +240,7 @@ class QuantizeFP8(Stage):
     def decode(self, frame):
         meta = frame.meta
         frame.require("data", "scales")
-        if meta.get("format") != self.format:
+        if frame.format.name != self.format:  # meta.format may be any alias (docs/format.md, section 3)
             raise FormatError(f"QuantizeFP8({self.format}) cannot decode a frame in format {meta.get('format')!r}")
         info = meta.get("quantize_fp8")
         source = info.get("source_format") if isinstance(info, dict) else None

@@ -5,6 +5,8 @@ the same bytes whichever path (fused or stage by stage, CPU or GPU) produced the
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from kvzip import container
@@ -15,6 +17,7 @@ from kvzip.frame import Frame
 from .base import BYTES, ESCAPED, SPLIT, TENSOR, Stage, register
 
 MAX_DIMS = 64  # NumPy's limit on array dimensions
+MAX_SPAN = 2**63 - 1  # bytes a shape may span (NumPy's limit), its zero sides counted as 1
 
 
 @register
@@ -70,7 +73,12 @@ def open_blob(backend, blob, head: bytes | None = None) -> Frame:
 def frame_from_header(backend, blob, hdr: container.Header) -> Frame:
     """open_blob for a header already parsed: payload checksum, stream views, metadata checks."""
     container.verify_payload(backend, blob, hdr)
-    out = Frame(backend, container.stream_views(backend, blob, hdr), dict(hdr.meta))
+    views = container.stream_views(backend, blob, hdr)
+    if "data" in views:
+        # A stored-raw blob's values: the one stream a decoder can hand back as it is, so it is
+        # copied here, and no decoded tensor is ever a view of (or a writable alias of) the blob.
+        views["data"] = views["data"].copy()
+    out = Frame(backend, views, dict(hdr.meta))
     n = out.meta_int("n")
     shape = out.meta.get("shape")
     if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
@@ -78,4 +86,8 @@ def frame_from_header(backend, blob, hdr: container.Header) -> Frame:
         raise FormatError(f"bad shape {str(shape)[:200]} in metadata (at most {MAX_DIMS} non-negative integers)")
     if int(np.prod(shape, dtype=object)) != n:
         raise FormatError(f"shape {shape} does not hold n={n} values")
+    # An empty tensor's other sides are free of n; NumPy (and torch) still refuse a shape whose
+    # sides, a 0 counted as 1, span more than 2**63 - 1 bytes.
+    if math.prod(max(d, 1) for d in shape) * out.dtype_format.itemsize > MAX_SPAN:
+        raise FormatError(f"shape {str(shape)[:200]} spans more than {MAX_SPAN} bytes")
     return out

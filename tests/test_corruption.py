@@ -22,7 +22,6 @@ import subprocess
 import sys
 import time
 import tracemalloc
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +35,6 @@ from kvzip import FormatError, container
 from kvzip import stages as S
 from kvzip import testing as kt
 from kvzip.backends import get_backend
-from kvzip.checksum import sum64
 from kvzip.frame import Frame
 from kvzip.formats import FORMATS
 
@@ -54,34 +52,9 @@ def no_hang():
 
 
 # --------------------------------------------------------------------------- blob surgery
-def unpack(blob: bytes):
-    """(meta, flags, [(name, dtype, payload bytes)]) of a valid blob."""
-    hdr = container.parse_header(blob, len(blob))
-    streams = [(name, dt, blob[hdr.header_len + off: hdr.header_len + off + nb]) for name, dt, off, nb in hdr.streams]
-    return hdr.meta, hdr.flags, streams
-
-
-def rebuild(meta, streams, flags=0, checksum=None) -> bytes:
-    """A blob with a valid header CRC (and, with the checksum flag, a payload checksum that
-    matches the forged payload): only the decoder's own validation stands in the way."""
-    offsets, plen = container.layout([len(b) for _, _, b in streams])
-    payload = bytearray(plen)
-    for off, (_, _, b) in zip(offsets, streams):
-        payload[off:off + len(b)] = b
-    if checksum is None:
-        checksum = sum64(np, np.frombuffer(bytes(payload), np.uint8)) if flags & container.FLAG_CHECKSUM else 0
-    head = container.build_header(meta, [(n, d, len(b)) for n, d, b in streams], flags, checksum)
-    return head + bytes(payload)
-
-
-def reseal(blob) -> bytes:
-    """Recompute the header CRC after editing header bytes in place."""
-    raw = bytearray(blob)
-    H = struct.unpack_from("<I", raw, 12)[0]
-    H = min(H, len(raw))
-    struct.pack_into("<I", raw, 40, 0)
-    struct.pack_into("<I", raw, 40, zlib.crc32(bytes(raw[:H])))
-    return bytes(raw)
+unpack = kt.blob_parts  # (meta, flags, [(name, dtype, payload bytes)]) of a valid blob
+rebuild = kt.build_blob  # a forged blob with a valid CRC (and payload checksum)
+reseal = kt.reseal  # the header CRC recomputed after editing header bytes in place
 
 
 def raw_header(text: bytes, table=(), flags=0, payload=b"", version=1, checksum=0, header_len=None,
@@ -379,10 +352,7 @@ def _text_of(blob):
     return blob[48 + 16 * n: 48 + 16 * n + f[6]]
 
 
-def _with_text(blob, text: bytes):
-    hdr = container.parse_header(blob, len(blob))
-    table = [(off, nb) for _, _, off, nb in hdr.streams]
-    return raw_header(text, table, hdr.flags, blob[hdr.header_len:], checksum=hdr.checksum)
+_with_text = kt.with_metadata_text  # the metadata JSON replaced verbatim, resealed
 
 
 @pytest.mark.parametrize("text", [

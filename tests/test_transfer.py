@@ -107,6 +107,41 @@ def test_pipeline_codec(link):
     assert all(same(a, b) for a, b in zip(layers, rx.receive("p")))
 
 
+class ZlibWire(transfer.WireCodec):
+    """A registered plug-in codec: zlib over the raw bytes (CPU tensors)."""
+
+    name = "zlib-test"
+
+    def encode(self, tensors):
+        import zlib
+
+        from kvzip.transfer import buffers
+        return [torch.frombuffer(bytearray(zlib.compress(buffers.raw_bytes(t).numpy().tobytes(), 1)), dtype=torch.uint8)
+                for t in tensors]
+
+    def decode(self, views, entries):
+        import zlib
+
+        from kvzip.transfer import buffers
+        out = []
+        for v, e in zip(views, entries):
+            t = buffers.empty_like_entry(e, "cpu")
+            buffers.raw_bytes(t).copy_(torch.frombuffer(bytearray(zlib.decompress(v.numpy().tobytes())), dtype=torch.uint8))
+            out.append(t)
+        return out
+
+
+def test_registered_wire_codec(link):
+    rx, sender = link
+    transfer.register_codec(ZlibWire())
+    layers = real_layers(4) + [torch.zeros(1000)]
+    stats = sender(codec="zlib-test").send("z", layers).wait()
+    assert all(same(a, b) for a, b in zip(layers, rx.receive("z")))
+    assert stats["codec"] == "zlib-test" and stats["sent_bytes"] < stats["raw_bytes"]
+    with pytest.raises(ValueError):
+        transfer.register_codec(object())
+
+
 def test_streaming_layers_in_any_order(link):
     rx, sender = link
     layers = real_layers(5)
@@ -120,11 +155,13 @@ def test_streaming_layers_in_any_order(link):
     assert all(same(a, b) for a, b in zip(layers, rx.receive("s")))
 
 
-def test_bit_flip_is_caught_by_the_checksum():
+@pytest.mark.parametrize("codec", ["kvzip", "raw"])
+@pytest.mark.parametrize("where", [5000, 777_777])
+def test_bit_flip_is_caught_by_the_digest(codec, where):
     """A corrupted message fails with FormatError on both sides; never wrong KV."""
-    faults = Faults(flip_bit=(1, 5000, 3))
+    faults = Faults(flip_bit=(1, where, 3))
     with transfer.Receiver(engine="loopback", slot_bytes=1 << 20) as rx, \
-            transfer.Sender(rx.address, engine=LoopbackEngine(faults), codec="kvzip") as tx:
+            transfer.Sender(rx.address, engine=LoopbackEngine(faults), codec=codec) as tx:
         h = tx.send("bad", real_layers())
         with pytest.raises(kvzip.FormatError):
             rx.receive("bad", timeout=30)

@@ -16,6 +16,7 @@ Engines (kvzip/transfer/engines.py): "mooncake" (Mooncake Transfer Engine, peer 
 "loopback" (one process; fault injection for tests).  The wire format and the pipelining are
 in docs/transfer.md.
 """
+from .codec import WireCodec, register as register_codec  # noqa: F401
 from .engines import ENGINES, Engine, EngineError, Faults, LoopbackEngine, MooncakeEngine  # noqa: F401
 from .pacing import Pacer  # noqa: F401
 from .protocol import ProtocolError, TransferError  # noqa: F401
@@ -23,4 +24,4 @@ from .receiver import Receiver  # noqa: F401
 from .sender import SendHandle, Sender  # noqa: F401
 
 __all__ = ["Sender", "Receiver", "SendHandle", "TransferError", "ProtocolError", "Engine", "EngineError",
-           "LoopbackEngine", "MooncakeEngine", "Faults", "ENGINES", "Pacer"]
+           "LoopbackEngine", "MooncakeEngine", "Faults", "ENGINES", "Pacer", "WireCodec", "register_codec"]

@@ -72,6 +72,25 @@ class Buffer:
             self._torch = torch.as_tensor(arr, device=f"cuda:{index}")
             self._np = None
 
+    def array(self, offset: int, n: int):
+        """Bytes [offset, offset + n) as a NumPy (CPU) or CuPy (GPU) uint8 array."""
+        if self._np is not None:
+            return self._np[offset:offset + n]
+        import cupy
+
+        return cupy.ndarray((n,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(self._mem, offset))
+
+    def digest_start(self, offset: int, n: int, stream=None):
+        """sum64_start of bytes [offset, offset + n), queued on ``stream`` (a torch stream) on a GPU."""
+        from ..checksum import sum64_start
+
+        if self._np is not None:
+            return sum64_start(np, self._np[offset:offset + n])
+        import cupy
+
+        with cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index):
+            return sum64_start(cupy, self.array(offset, n))
+
     def view(self, offset: int, n: int, fw: str = "torch"):
         """Bytes [offset, offset + n) as a uint8 array: torch on a GPU; on the CPU, NumPy or
         torch (zero-copy over the same memory) as ``fw`` asks."""

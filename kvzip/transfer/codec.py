@@ -23,12 +23,68 @@ from .protocol import ALIGN, ProtocolError, align
 KVZIP_DTYPES = frozenset(BY_DTYPE_NAME)
 
 
-def kvzip_pipeline() -> Pipeline:
-    """The wire pipeline of codec="kvzip": kvzip's default, with the payload checksum on, so a
-    corrupted message fails with FormatError instead of decoding to wrong KV."""
-    from ..api import splitzip_pipeline
+class WireCodec:
+    """A way to put tensors on the wire, known by ``name`` on both sides (``register``).
 
-    return splitzip_pipeline(checksum=True)
+    ``encode(tensors)`` returns, per tensor, a 1-D uint8 array of its framework and device, or
+    None where the tensor should go raw; ``decode(views, entries)`` turns the slot's bytes (views,
+    one per entry) back into tensors of the entries' dtype and shape.  Both run on the caller's
+    current CUDA stream when the tensors are on a GPU."""
+
+    name = "?"
+
+    def encode(self, tensors) -> list:
+        raise NotImplementedError
+
+    def decode(self, views, entries) -> list:
+        raise NotImplementedError
+
+
+class KvzipWire(WireCodec):
+    """kvzip blobs (self-describing: any pipeline decodes through kvzip.decompress_many).
+
+    The default pipeline leaves the blob checksum off: every message carries a sum64 digest of
+    all its bytes (blobs and raw tensors alike), which the receiver checks, so a corrupted
+    message still fails with FormatError.  Per message it costs one fused pass with no host
+    synchronisation of its own; per blob it cost a synchronisation each (benchmarks/NOTES.md)."""
+
+    name = "kvzip"
+
+    def __init__(self, pipeline: Pipeline | None = None):
+        from ..api import splitzip_pipeline
+
+        self.pipeline = pipeline or splitzip_pipeline()
+
+    def encode(self, tensors):
+        out = [None] * len(tensors)
+        idx = [i for i, t in enumerate(tensors) if buffers.dtype_name(t) in KVZIP_DTYPES and buffers.nbytes(t)]
+        if idx:
+            for i, b in zip(idx, self.pipeline.encode_many([tensors[i] for i in idx])):
+                out[i] = b
+        return out
+
+    def decode(self, views, entries):
+        from ..api import decompress_many
+
+        return decompress_many(views)
+
+
+_CODECS: dict[str, WireCodec] = {"kvzip": KvzipWire()}
+
+
+def register(codec: WireCodec) -> None:
+    """Make a wire codec known in this process (both the sending and the receiving one)."""
+    if not isinstance(codec, WireCodec) or type(codec.name) is not str or codec.name in ("raw", "auto"):
+        raise ValueError(f"not a wire codec with a usable name: {codec!r}")
+    _CODECS[codec.name] = codec
+
+
+def known() -> set[str]:
+    return {"raw", *_CODECS}
+
+
+def get(name: str) -> WireCodec:
+    return _CODECS[name]
 
 
 def slot_need(tensors) -> int:
@@ -36,21 +92,15 @@ def slot_need(tensors) -> int:
     return sum(align(buffers.nbytes(t)) for t in tensors)
 
 
-def encode(pipe: Pipeline | None, tensors) -> list:
-    """Per tensor, its blob when a blob is smaller than the raw bytes, else None (send raw)."""
-    out = [None] * len(tensors)
-    if pipe is None:
-        return out
-    idx = [i for i, t in enumerate(tensors) if buffers.dtype_name(t) in KVZIP_DTYPES and buffers.nbytes(t)]
-    if idx:
-        blobs = pipe.encode_many([tensors[i] for i in idx])
-        for i, b in zip(idx, blobs):
-            if b.shape[0] < buffers.nbytes(tensors[i]):
-                out[i] = b
-    return out
+def encode(wire: WireCodec | None, tensors) -> list:
+    """Per tensor, its encoding when that is smaller than the raw bytes, else None (send raw)."""
+    if wire is None:
+        return [None] * len(tensors)
+    return [b if b is not None and b.shape[0] < buffers.nbytes(t) else None
+            for t, b in zip(tensors, wire.encode(tensors))]
 
 
-def pack(buf, base: int, tensors, blobs) -> tuple[list[dict], int]:
+def pack(buf, base: int, tensors, blobs, wire_name: str) -> tuple[list[dict], int]:
     """Copy each tensor's wire bytes into ``buf`` from ``base``; returns the TensorEntries (their
     offsets relative to ``base``) and the message length."""
     entries, end = [], 0
@@ -66,7 +116,7 @@ def pack(buf, base: int, tensors, blobs) -> tuple[list[dict], int]:
                 np.copyto(dst, src)
         entries.append({"framework": buffers.framework(t), "dtype": buffers.dtype_name(t),
                         "shape": list(t.shape), "offset": end, "nbytes": n,
-                        "codec": "raw" if blob is None else "kvzip"})
+                        "codec": "raw" if blob is None else wire_name})
         end = align(end + n)
     return entries, end
 
@@ -74,15 +124,13 @@ def pack(buf, base: int, tensors, blobs) -> tuple[list[dict], int]:
 def unpack(buf, base: int, entries: list[dict], device: str) -> list:
     """The tensors of a message at ``base`` in ``buf``, as new memory (never a view of ``buf``:
     the slot is reused by the next message)."""
-    from ..api import decompress_many
-
     out = [None] * len(entries)
-    blobs = {}
+    coded = {}
     for i, e in enumerate(entries):
         fw = "torch" if e["framework"] == "torch" or device != "cpu" else "numpy"
         view = buf.view(base + e["offset"], e["nbytes"], fw)
-        if e["codec"] == "kvzip":
-            blobs.setdefault(fw, []).append((i, view))
+        if e["codec"] != "raw":
+            coded.setdefault((e["codec"], fw), []).append((i, view))
             continue
         t = buffers.empty_like_entry(e, device)
         dst = buffers.raw_bytes(t)
@@ -94,11 +142,15 @@ def unpack(buf, base: int, entries: list[dict], device: str) -> list:
             else:
                 dst[...] = view
         out[i] = t
-    for fw, items in blobs.items():
-        for (i, _), t in zip(items, decompress_many([v for _, v in items])):
+    for (name, fw), items in coded.items():
+        wire = _CODECS.get(name)
+        if wire is None:
+            raise ProtocolError(f"message uses wire codec {name!r}, unknown here: register it on the receiver too")
+        decoded = wire.decode([v for _, v in items], [entries[i] for i, _ in items])
+        for (i, _), t in zip(items, decoded):
             e = entries[i]
             if list(t.shape) != e["shape"] or buffers.dtype_name(t) != e["dtype"]:
-                raise ProtocolError(f"a blob decoded to {buffers.dtype_name(t)} {list(t.shape)}, "
+                raise ProtocolError(f"a {name} payload decoded to {buffers.dtype_name(t)} {list(t.shape)}, "
                                     f"the message says {e['dtype']} {e['shape']}")
             if buf.contains(buffers.data_ptr(t)):  # guard the ring invariant above
                 t = t.clone() if fw == "torch" else t.copy()

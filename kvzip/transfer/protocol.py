@@ -7,15 +7,18 @@ an object with a ``"kind"`` field.  Frames over MAX_FRAME bytes are refused befo
     receiver -> sender   hello   {version, engine, session, device, ring: {base, slot_bytes, slots}}
     sender -> receiver   begin   {req, n_layers, codec}
     receiver -> sender   accept  {req}  |  reject {req, why}
-    sender -> receiver   data    {req, slot, nbytes, layers: [{index, tensors: [TensorEntry]}]}
+    sender -> receiver   data    {req, slot, nbytes, digest, layers: [{index, tuple, tensors: [TensorEntry]}]}
     receiver -> sender   credit  {slot, decode_s}          the slot is free again
     sender -> receiver   end     {req, layers}              every layer of req was sent
     receiver -> sender   done    {req}  |  failed {req, why, error}
     sender -> receiver   cancel  {req}
 
 A TensorEntry is {framework, dtype, shape, offset, nbytes, codec}: the tensor's bytes (a kvzip
-blob when codec is "kvzip", its raw bytes when "raw") lie at ``offset`` in the slot.  A slot
-holds one group of layers; docs/transfer.md gives the whole exchange.
+blob when codec is "kvzip", its raw bytes when "raw", else a registered WireCodec's encoding)
+lie at ``offset`` in the slot.  A slot
+holds one group of layers; ``digest`` is kvzip's sum64 (kvzip/checksum.py) of the message's
+nbytes bytes, as 16 hex digits, checked by the receiver before it hands any tensor out.
+docs/transfer.md gives the whole exchange.
 """
 from __future__ import annotations
 
@@ -32,7 +35,6 @@ ALIGN = 256  # tensors start at multiples of this in a slot (kvzip blobs need 16
 
 KINDS = {"hello", "begin", "accept", "reject", "data", "credit", "end", "done", "failed", "cancel"}
 FRAMEWORKS = {"torch", "numpy"}
-CODECS = {"raw", "kvzip"}
 
 
 class TransferError(RuntimeError):
@@ -146,12 +148,18 @@ def check_hello(msg: dict) -> dict:
     return msg
 
 
-def check_data(msg: dict, slots: int, slot_bytes: int) -> dict:
-    """A data message's fields, checked against the ring: every tensor's bytes inside its slot,
-    in order and without overlap."""
+def _is_hex16(v) -> bool:
+    return type(v) is str and len(v) == 16 and all(c in "0123456789abcdef" for c in v)
+
+
+def check_data(msg: dict, slots: int, slot_bytes: int, codecs: set[str]) -> dict:
+    """A data message's fields, checked against the ring (every tensor's bytes inside its slot,
+    in order and without overlap) and the wire codecs known here."""
     _str(msg.get("req"), "request id")
     _int(msg.get("slot"), 0, slots - 1, "slot")
     nbytes = _int(msg.get("nbytes"), 0, slot_bytes, "message size")
+    if nbytes % 8 or not _is_hex16(msg.get("digest")):
+        raise ProtocolError("data message has no valid digest or a size that is not a multiple of 8")
     layers = msg.get("layers")
     if not isinstance(layers, list) or not layers:
         raise ProtocolError("data message carries no layers")
@@ -165,7 +173,7 @@ def check_data(msg: dict, slots: int, slot_bytes: int) -> dict:
                 raise ProtocolError("data message has a malformed tensor entry")
             _str(t.get("framework"), "framework", FRAMEWORKS)
             _str(t.get("dtype"), "dtype")
-            _str(t.get("codec"), "codec", CODECS)
+            _str(t.get("codec"), "codec", codecs)
             shape = t.get("shape")
             if not isinstance(shape, list) or len(shape) > 16:
                 raise ProtocolError(f"tensor shape {str(shape)[:80]} is malformed")

@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 
+from ..checksum import sum64_finish
 from ..errors import FormatError
 from . import codec
 from .buffers import Buffer
@@ -114,7 +115,10 @@ class Receiver:
             raise inc.error
         if n_layers is not None and n_layers != inc.n_layers:
             raise ValueError(f"request {request!r} has {inc.n_layers} layers, the caller expected {n_layers}")
-        return [inc.layers[i] for i in range(inc.n_layers)]
+        layers = [inc.layers[i] for i in range(inc.n_layers)]
+        if self.device != "cpu":
+            _hand_over(layers)
+        return layers
 
     def close(self) -> None:
         if self._closed:
@@ -165,7 +169,8 @@ class Receiver:
                     chan.close()
                     continue
                 conn = _Connection(self, chan, window)
-                self._connections.append(conn)
+                with self._lock:
+                    self._connections.append(conn)
                 chan.send("hello", **hello)
             except TransferError:
                 chan.close()
@@ -192,6 +197,26 @@ class Receiver:
             inc.conn.send_quietly("failed", req=inc.req, why=f"receiver gave up: {error}", error=type(error).__name__)
 
 
+def _check_digest(total, msg: dict) -> None:
+    got = f"{sum64_finish(total, msg['nbytes']):016x}"
+    if got != msg["digest"]:
+        raise FormatError(f"message of request {msg['req']!r} in slot {msg['slot']} is corrupted: "
+                          f"digest {got}, the sender's {msg['digest']}")
+
+
+def _hand_over(layers) -> None:
+    """The tensors were written on the receiver's decode stream (and synchronised); record them
+    on the caller's current stream too, so that torch's caching allocator does not give their
+    memory to a later decode while the caller's queued work still reads them."""
+    import torch
+
+    stream = torch.cuda.current_stream()
+    for layer in layers:
+        for t in layer if isinstance(layer, tuple) else (layer,):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(stream)
+
+
 class _Connection:
     """One sender's control connection and its window of the ring."""
 
@@ -213,7 +238,9 @@ class _Connection:
     def _guard(self, stage) -> None:
         try:
             stage()
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001  the connection ends; its requests fail with e
+            if not self._closed:
+                log.warning("kvzip receiver: connection %s ends: %s", stage.__name__, e)
             self.close(e if isinstance(e, TransferError) else TransferError(f"{type(e).__name__}: {e}"))
 
     def _read(self) -> None:
@@ -221,12 +248,15 @@ class _Connection:
         while True:
             msg = self.chan.recv()
             if msg is None:
-                raise TransferError("the sender went away (control connection closed) before its requests completed")
+                if self._requests:
+                    raise TransferError("the sender went away (control connection closed) before its requests completed")
+                self.close(TransferError("the sender closed the connection"))
+                return
             kind, req = msg["kind"], msg.get("req")
             if kind == "begin":
                 self._begin(msg)
             elif kind == "data":
-                check_data(msg, slots, self.rx.slot_bytes)
+                check_data(msg, slots, self.rx.slot_bytes, codec.known())
                 self._work.put(msg)
             elif kind == "end":
                 self._work.put(msg)  # in order after the request's data
@@ -277,14 +307,18 @@ class _Connection:
     def _store(self, inc: _Incoming, msg: dict) -> None:
         base = (self.window[0] + msg["slot"]) * self.rx.slot_bytes
         entries = [e for layer in msg["layers"] for e in layer["tensors"]]
+        ring = self.rx._ring
         if self._stream is None:
-            tensors = codec.unpack(self.rx._ring, base, entries, "cpu")
+            _check_digest(ring.digest_start(base, msg["nbytes"]), msg)
+            tensors = codec.unpack(ring, base, entries, "cpu")
         else:
             import torch
 
+            total = ring.digest_start(base, msg["nbytes"], self._stream)
             with torch.cuda.stream(self._stream):
-                tensors = codec.unpack(self.rx._ring, base, entries, self.rx.device)
+                tensors = codec.unpack(ring, base, entries, self.rx.device)
             self._stream.synchronize()  # the slot is read and the tensors written before the credit
+            _check_digest(total, msg)
         k = 0
         for layer in msg["layers"]:
             i, n = layer["index"], len(layer["tensors"])
@@ -323,10 +357,11 @@ class _Connection:
         if self._closed:
             return
         self._closed = True
+        with self.rx._lock:  # the window is free before anyone hears of the failure
+            if self in self.rx._connections:
+                self.rx._connections.remove(self)
+        self.chan.close()
         for inc in list(self._requests.values()):
             self.rx._finish(inc, error)
         self._requests.clear()
         self._work.put(None)
-        self.chan.close()
-        if self in self.rx._connections:
-            self.rx._connections.remove(self)

@@ -25,6 +25,7 @@ import queue
 import socket
 import threading
 
+from ..checksum import sum64_finish
 from ..pipeline import Pipeline
 from . import buffers, codec
 from .buffers import Buffer
@@ -37,19 +38,23 @@ log = logging.getLogger("kvzip.transfer")
 
 MIN_GROUP = 8 << 20     # a compress call should carry a few MiB, or its fixed cost shows
 TARGET_GROUPS = 8       # enough groups that the pipeline's fill is a small part of the time
+FIRST_GROUP = 4 << 20   # the first group closes early, so the wire starts after a short encode
 
 
 class SendHandle:
     """One request on its way: ``send_layer`` (streaming), ``wait``, ``cancel``, ``stats``."""
 
-    def __init__(self, sender: "Sender", req: str, n_layers: int, codec_name: str):
+    def __init__(self, sender: "Sender", req: str, n_layers: int, codec_name: str, wire):
         self._sender, self.request, self.n_layers = sender, req, n_layers
-        self.codec = codec_name           # "kvzip" or "raw": for "auto", what was chosen
+        self.codec = codec_name           # the wire codec's name or "raw": for "auto", what was chosen
+        self._auto = codec_name == "auto"
+        self._wire = wire
         self.reason = ""                  # for "auto": why
         self._queued: set[int] = set()
         self._pending: list = []          # layers waiting to fill a group
         self._pending_bytes = 0
         self._group_bytes = None
+        self._groups_flushed = 0
         self._accepted = threading.Event()
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -104,7 +109,8 @@ class Sender:
     """Sends requests' KV to one Receiver (its ``address``) through a transfer engine.
 
     codec: "kvzip" (the default pipeline, checksummed), "raw", "auto" (kvzip only when it is
-    predicted to be faster on this link, see codec.AutoChooser), or a kvzip.Pipeline.
+    predicted to be faster on this link, see codec.AutoChooser), a kvzip.Pipeline, or the name
+    of a WireCodec registered (kvzip.transfer.register_codec) in both processes.
     link_gbps: emulate a link of that rate (benchmarks; pacing.py).  group_bytes: raw bytes per
     message (default: the request split in about 8, at least 8 MiB, at most a ring slot).
     timeout: seconds any one step may stall (connect, a credit, an acceptance) before failing.
@@ -112,7 +118,7 @@ class Sender:
 
     def __init__(self, address: str, *, engine="mooncake", codec="kvzip", link_gbps: float | None = None,
                  group_bytes: int | None = None, staging_slots: int = 3, timeout: float = 30.0):
-        self.codec = _check_codec(codec)
+        self.codec, self._wire = _wire_of(codec)
         if group_bytes is not None and (type(group_bytes) is not int or group_bytes <= 0):
             raise ValueError(f"group_bytes must be a positive int, got {group_bytes!r}")
         if type(staging_slots) is not int or staging_slots < 1:
@@ -172,11 +178,12 @@ class Sender:
             t.start()
 
     # ------------------------------------------------------------------ public API
-    def send(self, request: str, layers) -> SendHandle:
+    def send(self, request: str, layers, codec=None) -> SendHandle:
         """Send a whole request: ``layers`` is a list of tensors or of tuples of tensors.
-        Returns at once; ``handle.wait()`` blocks until the receiver has it all."""
+        Returns at once; ``handle.wait()`` blocks until the receiver has it all.
+        codec: this request's codec (default: the Sender's)."""
         layers = list(layers)
-        h = self.begin(request, len(layers))
+        h = self.begin(request, len(layers), codec)
         try:
             for i, layer in enumerate(layers):
                 h.send_layer(i, *(layer if isinstance(layer, (tuple, list)) else (layer,)))
@@ -185,15 +192,15 @@ class Sender:
             raise
         return h
 
-    def begin(self, request: str, n_layers: int) -> SendHandle:
+    def begin(self, request: str, n_layers: int, codec=None) -> SendHandle:
         """Start a streamed request of ``n_layers`` layers; send them with ``send_layer``."""
         self._check_open()
+        name, wire = (self.codec, self._wire) if codec is None else _wire_of(codec)
         if type(request) is not str or not 0 < len(request) <= 256:
             raise ValueError(f"request id must be a non-empty string of at most 256 characters, got {request!r}")
         if type(n_layers) is not int or not 0 < n_layers <= 1 << 20:
             raise ValueError(f"n_layers must be a positive int, got {n_layers!r}")
-        name = "kvzip" if isinstance(self.codec, Pipeline) else self.codec
-        h = SendHandle(self, request, n_layers, name)
+        h = SendHandle(self, request, n_layers, name, wire)
         with self._lock:
             if request in self._handles:
                 raise ValueError(f"request {request!r} is already in flight on this sender")
@@ -208,6 +215,14 @@ class Sender:
         if h is None:
             raise ValueError("no request begun on this thread: call begin(request, n_layers) first")
         h.send_layer(index, *tensors)
+
+    def set_link(self, gbps: float | None) -> None:
+        """Emulate a link of ``gbps`` GB/s from the next message on (None: the engine's own
+        speed).  codec="auto" starts its estimates for the new link afresh."""
+        self._pacer = Pacer(gbps) if gbps is not None else None
+        self._link_gbps = gbps
+        if self._auto is not None:
+            self._auto = AutoChooser(self._device, gbps)
 
     def cancel(self, request: str) -> None:
         h = self._handles.get(request)
@@ -248,13 +263,15 @@ class Sender:
                 raise ValueError(f"this sender stages {self._device} memory; layer {index} has a tensor on {buffers.device_of(t)}")
         if h._group_bytes is None:
             h._group_bytes = self._group_size(need * h.n_layers)
-            if self.codec == "auto":
+            if h._auto:
                 n_groups = max(1, -(-need * h.n_layers // h._group_bytes))
-                h.codec, h.reason = self._auto.choose([h._group_bytes] * n_groups)
+                pick, h.reason = self._auto.choose([h._group_bytes] * n_groups)
+                h.codec = "raw" if pick == "raw" else h._wire.name
                 h.stats["codec"] = h.codec
                 h.stats["auto"] = h.reason
                 log.info("request %s: codec=auto sends %s: %s", h.request, h.codec, h.reason)
-        if h._pending and h._pending_bytes + need > h._group_bytes:
+        limit = min(FIRST_GROUP, h._group_bytes) if h._groups_flushed == 0 else h._group_bytes
+        if h._pending and h._pending_bytes + need > limit:
             self._flush(h, last=False)
         h._pending.append((index, tensors, _fence(tensors)))
         h._pending_bytes += need
@@ -268,6 +285,7 @@ class Sender:
         if h._pending:
             self._to_encode.put(("group", h, h._pending))
             h._pending, h._pending_bytes = [], 0
+            h._groups_flushed += 1
         if last:
             self._to_encode.put(("end", h, None))
 
@@ -308,14 +326,14 @@ class Sender:
             if h.done:  # cancelled or failed while queued
                 continue
             slot = self._take(self._free_staging, "a free staging slot")
-            t0 = now()
             tensors = [t for _, ts, _ in layers for t in ts]
-            pipe = (self.codec if isinstance(self.codec, Pipeline) else codec.kvzip_pipeline()) \
-                if h.codec == "kvzip" else None
+            wire = None if h.codec == "raw" else h._wire
+            base = slot * self.slot_bytes
+            t0 = now()
             if self._device == "cpu":
-                blobs = codec.encode(pipe, tensors)
-                entries, nbytes = codec.pack(self._staging, slot * self.slot_bytes, tensors, blobs)
-                ready = None
+                entries, nbytes = codec.pack(self._staging, base, tensors, codec.encode(wire, tensors), h.codec)
+                total = self._staging.digest_start(base, nbytes)
+                events = None
             else:
                 import torch
 
@@ -323,16 +341,18 @@ class Sender:
                     for *_, fence in layers:
                         if fence is not None:
                             self._stream.wait_event(fence)
-                    blobs = codec.encode(pipe, tensors)
-                    entries, nbytes = codec.pack(self._staging, slot * self.slot_bytes, tensors, blobs)
-                    ready = torch.cuda.Event()
-                    ready.record(self._stream)
+                    events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    events[0].record(self._stream)
+                    entries, nbytes = codec.pack(self._staging, base, tensors, codec.encode(wire, tensors), h.codec)
+                    total = self._staging.digest_start(base, nbytes, self._stream)
+                    events[1].record(self._stream)
+            host_s = now() - t0
             msg_layers, k = [], 0
             for index, ts, _ in layers:
                 msg_layers.append({"index": index, "tuple": len(ts) > 1, "tensors": entries[k:k + len(ts)]})
                 k += len(ts)
             raw = sum(buffers.nbytes(t) for t in tensors)
-            self._to_write.put(("group", h, (slot, nbytes, msg_layers, raw, ready, t0)))
+            self._to_write.put(("group", h, (slot, nbytes, msg_layers, raw, events, host_s, total)))
 
     def _write(self) -> None:
         while True:
@@ -343,10 +363,10 @@ class Sender:
             if kind == "end":
                 self._to_notify.put((0.0, "end", h, None))
                 continue
-            slot, nbytes, layers, raw, ready, t0 = work
-            if ready is not None:
-                ready.synchronize()
-            encoded = now()
+            slot, nbytes, layers, raw, events, encode_s, total = work
+            if events is not None:  # the encode's span on its stream, if longer than its host time
+                events[1].synchronize()
+                encode_s = max(encode_s, events[0].elapsed_time(events[1]) / 1e3)
             if h.done:  # cancelled or failed while queued
                 self._free_staging.put(slot)
                 continue
@@ -362,16 +382,17 @@ class Sender:
             written = now()
             self._free_staging.put(slot)
             arrival = self._pacer.arrival(nbytes, start, written) if self._pacer else written
-            if h.codec == "raw" and self._pacer is None:
+            if self._pacer is None:  # what the engine really moves, whatever the bytes are
                 self._auto.observe_link(nbytes, written - start)
             s = h.stats
             s["groups"] += 1
             s["raw_bytes"] += raw
             s["sent_bytes"] += nbytes
-            s["encode_s"] += encoded - t0
+            s["encode_s"] += encode_s
             s["write_s"] += written - start
+            digest = f"{sum64_finish(total, nbytes):016x}"  # ready: the encode's stream is synchronised
             self._to_notify.put((arrival, "data", h, {"req": h.request, "slot": remote, "nbytes": nbytes,
-                                                     "layers": layers}))
+                                                     "digest": digest, "layers": layers}))
 
     def _notify(self) -> None:
         while True:
@@ -409,7 +430,7 @@ class Sender:
                 self._end(h, TransferError(f"receiver rejected request {h.request!r}: {msg.get('why')}"))
             elif kind == "done":
                 h.stats["decode_s"] = float(msg.get("decode_s", 0.0))
-                if h.codec == "kvzip" and self._auto is not None:
+                if h.codec != "raw" and self._auto is not None:
                     s = h.stats
                     self._auto.observe_codec(s["raw_bytes"], s["sent_bytes"], s["encode_s"], s["decode_s"])
                 self._end(h, None)
@@ -479,7 +500,15 @@ def _remote_error(msg: dict, req: str) -> BaseException:
     return TransferError(why)
 
 
-def _check_codec(c):
-    if isinstance(c, Pipeline) or c in ("kvzip", "raw", "auto"):
-        return c
-    raise ValueError(f"codec must be 'kvzip', 'raw', 'auto' or a kvzip.Pipeline, got {c!r}")
+def _wire_of(c) -> tuple[str, codec.WireCodec | None]:
+    """(the codec setting's name, the WireCodec behind it; None for raw)."""
+    if isinstance(c, Pipeline):
+        return "kvzip", codec.KvzipWire(c)
+    if c == "raw":
+        return "raw", None
+    if c == "auto":
+        return "auto", codec.get("kvzip")
+    if isinstance(c, str) and c in codec.known():
+        return c, codec.get(c)
+    raise ValueError(f"codec must be 'kvzip', 'raw', 'auto', a kvzip.Pipeline or a registered wire codec "
+                     f"({sorted(codec.known())}), got {c!r}")

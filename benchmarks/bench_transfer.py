@@ -1,0 +1,416 @@
+"""KV transfer benchmark: raw vs kvzip vs codec="auto" (and nvCOMP ANS) through kvzip.transfer.
+
+Two processes: this one sends, a child receives (``--role rx``), both through Mooncake Transfer
+Engine.  On a GPU the engine moves bytes by CUDA IPC between the two processes on the one GPU
+(MC_INTRANODE_NVLINK=1), and the links of 10-200 GB/s are EMULATED by kvzip.transfer's pacer (a
+token bucket over the bytes actually sent, so a raw transfer measures the nominal rate); "ipc" is
+the unpaced CUDA IPC copy itself, and "tcp" Mooncake's real, unemulated TCP transport
+(MC_FORCE_TCP=1, GPU memory staged through the host).  With --mps (the default on a GPU) both
+processes are clients of one CUDA MPS server, so their kernels share the GPU as two GPUs' kernels
+would run side by side; without it the GPU time-slices between the two contexts, which slows
+every codec call 1.5-2.4x (benchmarks/transfer_diag.py, benchmarks/NOTES.md).
+
+KV: real BF16 KV (the SmolLM2 sample shipped in kvzip, and MiniLM-L6 KV when --minilm points at
+its safetensors file), tiled into Llama-3-8B (32 layers) and Llama-3-70B (80 layers) shapes: per
+layer K and V of [8 KV heads, tokens, 128].  Each layer starts at a different offset of the real
+values.  Time is from ``send`` until ``wait`` returns, which is when the receiver has decoded
+every layer; every received request is checked bit for bit (a checksum of every tensor, computed
+on both sides).  The analytical model, fill + (groups - 1) x max(encode, wire, decode) with the
+per-group times this run measured, is written beside each measurement.
+
+    python benchmarks/bench_transfer.py                       # the full sweep on a GPU
+    python benchmarks/bench_transfer.py --device cpu --quick  # a small CPU run (Mooncake TCP)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+SHAPES = {"llama3-8b": 32, "llama3-70b": 80}
+KV_HEADS, HEAD_DIM = 8, 128
+LINKS = [10, 25, 50, 100, 200]
+
+
+# ---------------------------------------------------------------------------------- KV data
+def real_values(minilm: str | None):
+    """{family: 1-D uint16 array of real BF16 KV bits}."""
+    from kvzip.data import load_sample
+
+    fams = {"smollm2": np.concatenate([v.view(np.uint16).reshape(-1) for v in load_sample("prose").values()])}
+    if minilm and os.path.exists(minilm):
+        from safetensors.numpy import load_file
+
+        d = load_file(minilm)
+        fams["minilm"] = np.concatenate([d[k].view(np.uint16).reshape(-1) for k in sorted(d)])
+    return fams
+
+
+def make_layers(values, n_layers: int, tokens: int, device: str):
+    """(k, v) per layer, [8, tokens, 128] bf16, tiled from the real values at a per-layer offset."""
+    import torch
+
+    n = KV_HEADS * tokens * HEAD_DIM
+    src = torch.from_numpy(values.astype(np.int16)).to(device)
+    reps = -(-(n + src.numel()) // src.numel())
+    tiled = src.repeat(reps)
+    layers = []
+    for i in range(n_layers):
+        pair = []
+        for j in range(2):
+            off = (i * 2 + j) * 7919 % src.numel()
+            pair.append(tiled[off:off + n].view(torch.bfloat16).reshape(KV_HEADS, tokens, HEAD_DIM).clone())
+        layers.append(tuple(pair))
+    del tiled
+    return layers
+
+
+def digest(layers) -> str:
+    """A checksum of every tensor's bytes (kvzip's sum64, on the tensor's device)."""
+    import torch
+
+    from kvzip.checksum import sum64
+    parts = []
+    for layer in layers:
+        for t in (layer if isinstance(layer, tuple) else (layer,)):
+            u8 = t.contiguous().reshape(-1).view(torch.uint8)
+            if t.is_cuda:
+                import cupy
+
+                parts.append(sum64(cupy, cupy.asarray(u8)))
+            else:
+                parts.append(sum64(np, u8.numpy()))
+    return f"{hash(tuple(parts)) & (2**64 - 1):016x}"
+
+
+# ---------------------------------------------------------------------------------- nvCOMP
+def nvcomp_codec():
+    """nvCOMP ANS (data_type '<f2', its best setting for BF16 KV) as a kvzip.transfer wire codec,
+    or None when nvidia.nvcomp is not importable."""
+    try:
+        import cupy
+        from nvidia import nvcomp
+    except ImportError:
+        return None
+    import torch
+
+    from kvzip import transfer
+
+    class NvcompAns(transfer.WireCodec):
+        name = "nvcomp-ans"
+
+        def __init__(self):
+            self.codec = nvcomp.Codec(algorithm="ANS", data_type="<f2")
+
+        def encode(self, tensors):
+            out = []
+            for t in tensors:
+                if t.dtype != torch.bfloat16 or not t.is_cuda:
+                    out.append(None)
+                    continue
+                arr = cupy.asarray(t.contiguous().reshape(-1).view(torch.int16)).view(cupy.float16)
+                comp = self.codec.encode(nvcomp.as_array(arr))
+                cupy.cuda.Device().synchronize()
+                u8 = cupy.asarray(comp).view(cupy.uint8).reshape(-1)[: comp.buffer_size]
+                out.append(torch.as_tensor(u8, device=t.device))
+            return out
+
+        def decode(self, views, entries):
+            out = []
+            for v, e in zip(views, entries):
+                d = self.codec.decode(nvcomp.as_array(cupy.asarray(v)))
+                cupy.cuda.Device().synchronize()
+                bits = cupy.asarray(d).view(cupy.int16).reshape(e["shape"]).copy()
+                out.append(torch.as_tensor(bits, device=v.device).view(torch.bfloat16))
+            return out
+
+    return NvcompAns()
+
+
+# ---------------------------------------------------------------------------------- receiver
+def receiver_main(args) -> None:
+    from kvzip import transfer
+
+    wire = nvcomp_codec()
+    if wire is not None:
+        transfer.register_codec(wire)
+    rx = transfer.Receiver(engine="mooncake", device=args.device, slot_bytes=args.slot_mib << 20,
+                           ring_bytes=args.slots * (args.slot_mib << 20))
+    print(rx.address, flush=True)
+    for line in sys.stdin:
+        cmd, _, name = line.strip().partition(" ")
+        if cmd == "quit":
+            break
+        try:
+            kv = rx.receive(name, timeout=600)
+            print(f"ok {name} {digest(kv)}", flush=True)
+            del kv
+        except Exception as e:  # noqa: BLE001  the sender reports it
+            print(f"error {name} {type(e).__name__}: {str(e)[:200]}", flush=True)
+    rx.close()
+
+
+class Peer:
+    """The receiver child process, spoken to over its stdin/stdout."""
+
+    def __init__(self, args, env):
+        cmd = [sys.executable, os.path.abspath(__file__), "--role", "rx", "--device", args.device,
+               "--slot-mib", str(args.slot_mib), "--slots", str(args.slots)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.address = self.proc.stdout.readline().strip()
+        if ":" not in self.address:
+            raise RuntimeError(f"receiver did not start: {self.address!r}")
+
+    def expect(self, name: str) -> None:
+        self.proc.stdin.write(f"recv {name}\n")
+        self.proc.stdin.flush()
+
+    def result(self) -> tuple[str, str]:
+        status, _, rest = self.proc.stdout.readline().strip().partition(" ")
+        return status, rest.partition(" ")[2]
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+
+# ---------------------------------------------------------------------------------- sender
+def engine_env(transport: str) -> dict:
+    env = dict(os.environ)
+    env.pop("MC_FORCE_TCP", None)
+    env.pop("MC_INTRANODE_NVLINK", None)
+    if transport == "tcp":
+        env["MC_FORCE_TCP"] = "1"
+    elif transport == "ipc":
+        env["MC_INTRANODE_NVLINK"] = "1"
+    return env
+
+
+def model(stats: dict, link_gbps: float | None) -> dict:
+    """The pipelined model from this run's own per-group times."""
+    g = max(stats["groups"], 1)
+    enc = stats["encode_s"] / g
+    dec = stats["decode_s"] / g
+    wire = stats["sent_bytes"] / g / (link_gbps * 1e9) if link_gbps else stats["write_s"] / g
+    return {"encode_ms": enc * 1e3, "decode_ms": dec * 1e3, "wire_ms": wire * 1e3,
+            "predicted_ms": (enc + dec + (g - 1) * max(enc, wire, dec) + wire) * 1e3}
+
+
+def run_link(tx, peer, layers, want: str, link, link_gbps, codecs, reps, tag, log) -> list[dict]:
+    rows = []
+    for rep in range(reps):
+        for c in codecs:
+            name = f"{tag}-{link}-{c}-{rep}"
+            peer.expect(name)
+            t0 = time.perf_counter()
+            h = tx.send(name, layers, codec=c)
+            try:
+                stats = h.wait(timeout=900)
+            except Exception as e:  # noqa: BLE001
+                peer.result()
+                rows.append({"codec": c, "rep": rep, "error": f"{type(e).__name__}: {e}"[:300]})
+                log(f"  {c:11s} rep {rep}: FAILED {e}")
+                continue
+            dt = time.perf_counter() - t0
+            status, got = peer.result()
+            exact = status == "ok" and got == want
+            row = {"codec": c, "chosen": stats["codec"], "rep": rep, "seconds": dt, "exact": exact,
+                   "raw_bytes": stats["raw_bytes"], "sent_bytes": stats["sent_bytes"], "groups": stats["groups"],
+                   "ratio": stats["raw_bytes"] / max(stats["sent_bytes"], 1), "auto": stats.get("auto"),
+                   "effective_GBps": stats["raw_bytes"] / dt / 1e9, "model": model(stats, link_gbps)}
+            if link_gbps:
+                wire = stats["sent_bytes"] / (link_gbps * 1e9)
+                row["wire_s"] = wire
+                row["exposed_codec_s"] = dt - wire
+            rows.append(row)
+            if not exact:
+                log(f"  {c:11s} rep {rep}: NOT BIT-EXACT ({status} {got} vs {want})")
+    return rows
+
+
+def summarize(rows, codecs) -> dict:
+    out = {}
+    for c in codecs:
+        ok = [r for r in rows if r["codec"] == c and "seconds" in r]
+        if ok:
+            out[c] = {"median_s": statistics.median(r["seconds"] for r in ok),
+                      "all_s": [round(r["seconds"], 6) for r in ok],
+                      "exact": all(r["exact"] for r in ok), "ratio": ok[0]["ratio"], "chosen": ok[-1]["chosen"]}
+            if "exposed_codec_s" in ok[0]:
+                out[c]["exposed_codec_s"] = statistics.median(r["exposed_codec_s"] for r in ok)
+                out[c]["wire_s"] = ok[0]["wire_s"]
+    if "raw" in out:
+        for c, v in out.items():
+            v["speedup_vs_raw"] = out["raw"]["median_s"] / v["median_s"]
+    return out
+
+
+def sender_main(args) -> int:
+    import torch
+
+    from kvzip import transfer
+
+    t_start = time.monotonic()
+    lines = []
+
+    def log(s):
+        print(s, flush=True)
+        lines.append(s)
+
+    wire = nvcomp_codec() if args.device != "cpu" and not args.no_nvcomp else None
+    if wire is not None:
+        transfer.register_codec(wire)
+    codecs = ["raw", "kvzip", "auto"] + (["nvcomp-ans"] if wire is not None else [])
+    fams = real_values(args.minilm)
+    res = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
+           "device": torch.cuda.get_device_name() if args.device != "cpu" else platform.processor() or "cpu",
+           "versions": _versions(), "args": vars(args), "codecs": codecs,
+           "mps": bool(args.mps and args.device != "cpu"),
+           "emulation": "links given in GB/s are emulated: real Mooncake writes (CUDA IPC on one GPU) paced "
+                        "by a token bucket over the bytes sent; 'ipc' is that copy unpaced; 'tcp' is Mooncake's "
+                        "real TCP transport, unemulated",
+           "runs": []}
+    out_path = args.out
+    transports = ["ipc", "tcp"] if args.device != "cpu" else ["tcp"]
+    if args.only_tcp:
+        transports = ["tcp"]
+    if args.no_tcp:
+        transports = [t for t in transports if t != "tcp"]
+    for transport in transports:
+        env = engine_env(transport)
+        os.environ.clear()
+        os.environ.update(env)
+        peer = Peer(args, env)
+        tx = transfer.Sender(peer.address, engine="mooncake", group_bytes=args.group_mib << 20 if args.group_mib else None)
+        try:
+            for fam, values in fams.items():
+                for shape, n_layers in SHAPES.items():
+                    for tokens in args.tokens:
+                        if transport == "tcp" and tokens > args.tcp_max_tokens:
+                            continue
+                        if fam != "smollm2" and (tokens != min(args.tokens) or shape != "llama3-8b"):
+                            continue  # the second family on the smallest shape only
+                        if time.monotonic() - t_start > args.max_seconds:
+                            log(f"time budget of {args.max_seconds} s spent: skipping the rest")
+                            break
+                        layers = make_layers(values, n_layers, tokens, args.device)
+                        want = digest(layers)
+                        gib = sum(t.nbytes for l in layers for t in l) / 2**30
+                        tag = f"{fam}-{shape}-{tokens}"
+                        links = ([None] if transport == "tcp" else ["ipc"] + args.links)
+                        for link in links:
+                            gbps = link if isinstance(link, (int, float)) else None
+                            tx.set_link(gbps)
+                            label = transport if link in (None, "ipc") else f"{link}GBps"
+                            rows = run_link(tx, peer, layers, want, label, gbps, codecs, args.reps, tag, log)
+                            summ = summarize(rows, codecs)
+                            res["runs"].append({"family": fam, "shape": shape, "layers": n_layers, "tokens": tokens,
+                                                "GiB": gib, "link": label, "transport": transport,
+                                                "emulated": isinstance(link, (int, float)), "summary": summ,
+                                                "rows": rows})
+                            log(f"{tag:28s} {gib:6.2f} GiB {label:>8s}: " + "  ".join(
+                                f"{c} {v['median_s'] * 1e3:8.2f} ms x{v.get('speedup_vs_raw', 0):.3f}"
+                                f"{'' if v['exact'] else ' INEXACT'}" for c, v in summ.items()))
+                            _write(out_path, res)
+                        del layers
+                        if args.device != "cpu":
+                            torch.cuda.empty_cache()
+        finally:
+            tx.close()
+            peer.close()
+    res["seconds"] = time.monotonic() - t_start
+    _write(out_path, res)
+    print(f"wrote {out_path}")
+    bad = [r for run in res["runs"] for r in run["rows"] if not r.get("exact", False)]
+    return 1 if bad else 0
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import kvzip
+
+    v = {"kvzip": kvzip.__version__, "python": platform.python_version()}
+    for p in ("torch", "cupy-cuda13x", "numpy", "mooncake-transfer-engine-cuda13",
+              "mooncake-transfer-engine-non-cuda", "nvidia-nvcomp-cu13"):
+        try:
+            v[p] = version(p)
+        except PackageNotFoundError:
+            pass
+    return v
+
+
+def _write(path, res) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(res, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+class Mps:
+    """A CUDA MPS control daemon for this run (pipe and log directories of its own)."""
+
+    def __init__(self):
+        import shutil
+
+        self.ctl = shutil.which("nvidia-cuda-mps-control")
+        if self.ctl is None:
+            raise RuntimeError("--mps: nvidia-cuda-mps-control is not on PATH (use --no-mps)")
+        d = f"/tmp/kvzip-mps-{os.getpid()}"
+        os.environ["CUDA_MPS_PIPE_DIRECTORY"], os.environ["CUDA_MPS_LOG_DIRECTORY"] = d + "/pipe", d + "/log"
+        os.makedirs(d + "/pipe", exist_ok=True)
+        os.makedirs(d + "/log", exist_ok=True)
+        subprocess.run([self.ctl, "-d"], check=True, timeout=30)
+
+    def stop(self):
+        subprocess.run([self.ctl], input="quit\n", text=True, timeout=30)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--role", choices=["tx", "rx"], default="tx", help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="cuda", help="cuda or cpu")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768, 131072], help="context lengths")
+    ap.add_argument("--links", type=float, nargs="+", default=LINKS, help="emulated link rates, GB/s")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of each (link, codec), interleaved")
+    ap.add_argument("--slot-mib", type=int, default=512, help="receive ring slot size, MiB (a layer must fit)")
+    ap.add_argument("--slots", type=int, default=4, help="receive ring slots")
+    ap.add_argument("--group-mib", type=int, default=0, help="raw MiB per message (0: the sender's default)")
+    ap.add_argument("--tcp-max-tokens", type=int, default=4096, help="longest context sent over real TCP")
+    ap.add_argument("--only-tcp", action="store_true", help="only the real TCP transport")
+    ap.add_argument("--no-tcp", action="store_true", help="skip the real TCP transport")
+    ap.add_argument("--no-nvcomp", action="store_true", help="leave nvCOMP ANS out")
+    ap.add_argument("--minilm", default=None, help="MiniLM-L6 KV safetensors file: a second KV family")
+    ap.add_argument("--max-seconds", type=float, default=420, help="stop starting new shapes after this")
+    ap.add_argument("--quick", action="store_true", help="small CPU-sized run: 512 tokens, 10 and 25 GB/s")
+    ap.add_argument("--no-mps", dest="mps", action="store_false",
+                    help="let the GPU time-slice between the two processes instead of sharing it through MPS")
+    ap.add_argument("--out", default="benchmarks/results/transfer-h200.json")
+    args = ap.parse_args(argv)
+    if args.role == "rx":
+        receiver_main(args)
+        return 0
+    if args.quick:
+        args.tokens, args.links, args.reps, args.slot_mib = [512], [10, 25], 2, 16
+    mps = Mps() if args.mps and args.device != "cpu" else None  # before any CUDA context exists
+    try:
+        return sender_main(args)
+    finally:
+        if mps is not None:
+            mps.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
