@@ -34,7 +34,7 @@ def test_kv_bytes_per_token_of_smollm2_shapes():
     assert demo.kv_bytes_per_token(cfg) == 30 * 3 * 64 * 2 * 2
 
 
-@pytest.mark.parametrize("argv", [["--tokens", "8"], ["--new-tokens", "0"], ["--device", "tpu"],
+@pytest.mark.parametrize("argv", [["--tokens", "8"], ["--new-tokens", "0"], ["--device", "tpu"], ["--repeat", "0"],
                                   ["--link-gbps", "-1"], ["--link-gbps", "nan"]])
 def test_bad_options_are_refused(argv, capsys):
     assert demo.main(argv) == 2
@@ -51,11 +51,11 @@ def _run(tmp_path, argv):
 def test_two_processes_over_mooncake(tmp_path):
     pytest.importorskip("mooncake.engine", reason="Mooncake Transfer Engine not installed")
     rc, rep = _run(tmp_path, ["--tokens", "192", "--new-tokens", "6", "--engine", "mooncake",
-                              "--link-gbps", "0", "0.05"])
+                              "--link-gbps", "0", "0.05", "--repeat", "2"])
     assert rc == 0 and rep["ok"]
     assert rep["tokens"] == 192 and len(rep["reference_tokens"]) >= 1
-    assert [(r["link_gbps"], r["codec"]) for r in rep["runs"]] == [
-        (None, "raw"), (None, "kvzip"), (0.05, "raw"), (0.05, "kvzip")]
+    assert [(r["link_gbps"], r["repeat"], r["codec"]) for r in rep["runs"]] == [
+        (link, i, c) for link in (None, 0.05) for i in (0, 1) for c in ("raw", "kvzip")]
     for r in rep["runs"]:
         assert r["kv_ok"] and r["tokens_ok"]
         assert r["raw_bytes"] == 192 * rep["kv_bytes_per_token"]
@@ -80,6 +80,7 @@ def test_a_kv_bit_changed_on_the_decode_side_fails_the_demo(tmp_path, monkeypatc
         return real(layers)
 
     monkeypatch.setattr(hf, "layers_to_cache", corrupt)
-    rc, rep = _run(tmp_path, ["--tokens", "64", "--new-tokens", "2", "--engine", "loopback", "--codec", "kvzip"])
+    rc, rep = _run(tmp_path, ["--tokens", "64", "--new-tokens", "2", "--engine", "loopback", "--codec", "kvzip",
+                              "--repeat", "1"])
     assert rc == 1 and not rep["ok"] and [r["kv_ok"] for r in rep["runs"]] == [False]
     assert "MISMATCH" in capsys.readouterr().out

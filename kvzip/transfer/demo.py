@@ -36,6 +36,7 @@ import math
 import multiprocessing
 import os
 import random
+import statistics
 import sys
 import threading
 import time
@@ -77,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--link-gbps", type=float, nargs="+", default=[0.0], metavar="GBPS",
                    help="links to run on, each with every codec: 0 is the engine's real link (the default), "
                         "a rate emulates a link of that many GB/s (paced writes, labelled as emulated)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="runs of each codec on each link (default 3; the table gives medians, every run is checked)")
     p.add_argument("--json", metavar="PATH", help="also write the figures and checks as JSON")
     return p
 
@@ -88,6 +91,8 @@ def _check_args(args) -> None:
         raise ValueError(f"--new-tokens must be at least 1, got {args.new_tokens}")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise ValueError(f"--device must be cpu or cuda[:i], got {args.device!r}")
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
     if not all(g >= 0 and math.isfinite(g) for g in args.link_gbps):  # NaN fails too
         raise ValueError(f"--link-gbps rates must be positive, or 0 for the real link; got {args.link_gbps}")
 
@@ -376,18 +381,20 @@ def run(args) -> dict:
 
         runs = []
         for link in links:
-            for c in codecs:
-                r = _one_run(args, peer, address, model, ids, c, link, n_layers)
-                r["tokens_ok"] = r["tokens"] == want
-                runs.append(r)
-                _say(role, f"{c} on {_link_name(link)}: prefill {r['prefill_s']:.3f} s, transfer exposed "
-                           f"{r['transfer_s']:.3f} s, restore {r['restore_s']:.3f} s; KV "
-                           f"{'identical' if r['kv_ok'] else 'DIFFERENT'}, tokens {'identical' if r['tokens_ok'] else 'DIFFERENT'}")
+            for i in range(args.repeat):  # codecs alternate, so drift in the machine's load hits both
+                for c in codecs:
+                    r = _one_run(args, peer, address, model, ids, c, link, n_layers, i)
+                    r["tokens_ok"] = r["tokens"] == want
+                    runs.append(r)
+                    _say(role, f"{c} on {_link_name(link)}: prefill {r['prefill_s']:.3f} s, transfer exposed "
+                               f"{r['transfer_s']:.3f} s, restore {r['restore_s']:.3f} s; KV "
+                               f"{'identical' if r['kv_ok'] else 'DIFFERENT'}, tokens "
+                               f"{'identical' if r['tokens_ok'] else 'DIFFERENT'}")
     finally:
         peer.close()
 
     report = {"model": "SmolLM2-135M-Instruct", "device": args.device, "engine": args.engine,
-              "tokens": n, "new_tokens": args.new_tokens, "kv_bytes_per_token": per_token,
+              "tokens": n, "new_tokens": args.new_tokens, "repeat": args.repeat, "kv_bytes_per_token": per_token,
               "kv_bytes": per_token * n, "reference_tokens": want,
               "short_prefill": {"tokens": short.shape[1], "s": short_s}, "runs": runs}
     report["ok"] = all(r["kv_ok"] and r["tokens_ok"] for r in runs)
@@ -399,10 +406,10 @@ def _link_name(gbps) -> str:
     return f"emulated {gbps:g} GB/s link" if gbps else "real link"
 
 
-def _one_run(args, peer: _Peer, address: str, model, ids, codec: str, link, n_layers: int) -> dict:
+def _one_run(args, peer: _Peer, address: str, model, ids, codec: str, link, n_layers: int, repeat: int) -> dict:
     from kvzip import hf, transfer
 
-    role, tag = "prefill", f"{codec}-{link or 'real'}"
+    role, tag = "prefill", f"{codec}-{link or 'real'}-{repeat}"
     n_ids = ids[0].tolist()
     with transfer.Sender(address, engine=args.engine, codec=codec, link_gbps=link, timeout=WAIT_S) as tx:
         # Warm the link and the codec (engine registration, the codec's compiled kernels) with a
@@ -431,7 +438,7 @@ def _one_run(args, peer: _Peer, address: str, model, ids, codec: str, link, n_la
     # start, split into the parts each stage adds after the one before it.
     ready = max(got["restored"], end)
     transfer_s = max(0.0, got["received"] - end)
-    return {"codec": codec, "link_gbps": link, "prefill_s": end - start, "transfer_s": transfer_s,
+    return {"codec": codec, "link_gbps": link, "repeat": repeat, "prefill_s": end - start, "transfer_s": transfer_s,
             "restore_s": ready - max(got["received"], end), "restore_full_s": got["restored"] - got["received"],
             "ttft_s": ready - start, "write_s": stats["write_s"],
             "decode_s": got["decode_s"], "raw_bytes": stats["raw_bytes"], "sent_bytes": stats["sent_bytes"],
@@ -460,21 +467,23 @@ def _print_report(rep: dict, links: list, tokenizer) -> None:
     print(f"prompt {n} tokens -> KV {per_token} bytes/token x {n} = {rep['kv_bytes'] / 1e6:.2f} MB; "
           f"{rep['new_tokens']} tokens generated greedily")
     print(f"{'link':>14} {'codec':6} {'KV sent':>10} {'ratio':>6} {'prefill':>9} {'transfer':>9} {'restore':>9} "
-          f"{'TTFT':>9} {'(encode':>8} {'decode)':>8}  KV bits   tokens")
-    for r in runs:
-        link = f"{r['link_gbps']:g} GB/s" if r["link_gbps"] else "real"
-        print(f"{link:>14} {r['codec']:6} {r['sent_bytes'] / 1e6:8.2f}MB {r['raw_bytes'] / r['sent_bytes']:6.3f} "
-              f"{r['prefill_s']:8.3f}s {r['transfer_s']:8.3f}s {r['restore_s']:8.3f}s {r['ttft_s']:8.3f}s "
-              f"{r['encode_s']:7.3f}s {r['arrival_decode_s']:7.3f}s  {'identical' if r['kv_ok'] else 'DIFFERENT'} "
-              f"{'identical' if r['tokens_ok'] else 'DIFFERENT'}")
-    print("  TTFT = prefill + transfer + restore, each the part not hidden behind the one before: transfer from\n"
-          "  the end of prefill until the decode side holds all KV (decompression included), restore until its\n"
-          "  DynamicCache is built; encode/decode = codec time summed over groups, overlapped with the rest")
+          f"{'TTFT':>9} {'(encode':>8} {'decode)':>8}  KV bits   tokens  (medians of {rep['repeat']})")
+    for link in links:
+        for c, r in _medians(runs, link).items():
+            name = f"{link:g} GB/s" if link else "real"
+            print(f"{name:>14} {c:6} {r['sent_bytes'] / 1e6:8.2f}MB {r['raw_bytes'] / r['sent_bytes']:6.3f} "
+                  f"{r['prefill_s']:8.3f}s {r['transfer_s']:8.3f}s {r['restore_s']:8.3f}s {r['ttft_s']:8.3f}s "
+                  f"{r['encode_s']:7.3f}s {r['arrival_decode_s']:7.3f}s  {'identical' if r['kv_ok'] else 'DIFFERENT'} "
+                  f"{'identical' if r['tokens_ok'] else 'DIFFERENT'}")
+    print("  in each run TTFT = prefill + transfer + restore, each the part not hidden behind the one before:\n"
+          "  transfer from the end of prefill until the decode side holds all KV (decompression included),\n"
+          "  restore until its DynamicCache is built; encode/decode = codec time summed over groups, overlapped\n"
+          "  with the rest.  Each column is the median over the runs.")
     fit = _prefill_fit(rep)
     print(f"prefill on this {rep['device']}: {n / fit['full_s']:.0f} tokens/s at {n} tokens ({fit['how']}), "
           f"i.e. KV made at {per_token / fit['b'] / 1e9:.4g} GB/s")
     for link in links:
-        here = {r["codec"]: r for r in runs if r["link_gbps"] == link}
+        here = _medians(runs, link)
         if "raw" in here and "kvzip" in here:
             raw, kz = here["raw"], here["kvzip"]
             print(f"{_link_name(link)}: TTFT kvzip vs raw {raw['ttft_s'] / kz['ttft_s']:.3f}x "
@@ -485,10 +494,27 @@ def _print_report(rep: dict, links: list, tokenizer) -> None:
     print("OK: tokens and KV bits identical in every run" if rep["ok"] else "MISMATCH: see the table above")
 
 
+def _medians(runs: list, link) -> dict:
+    """Per codec, the median of each time over the runs on ``link``; the checks of all of them."""
+    out = {}
+    for c in dict.fromkeys(r["codec"] for r in runs):
+        mine = [r for r in runs if r["codec"] == c and r["link_gbps"] == link]
+        if not mine:
+            continue
+        med = dict(mine[0])
+        for key, value in mine[0].items():
+            if key.endswith("_s"):
+                med[key] = statistics.median(r[key] for r in mine)
+        med["kv_ok"] = all(r["kv_ok"] for r in mine)
+        med["tokens_ok"] = all(r["tokens_ok"] for r in mine)
+        out[c] = med
+    return out
+
+
 def _prefill_fit(rep: dict) -> dict:
-    """Prefill time as a + b*n from the short prefill and the fastest full-length one."""
+    """Prefill time as a + b*n from the short prefill and the median full-length one."""
     n, runs = rep["tokens"], rep["runs"]
-    full_s = min(r["prefill_s"] for r in runs)
+    full_s = statistics.median(r["prefill_s"] for r in runs)
     m, m_s = rep["short_prefill"]["tokens"], rep["short_prefill"]["s"]
     b = (full_s - m_s) / (n - m) if n > m else 0.0
     a = full_s - b * n
