@@ -84,3 +84,18 @@ def test_a_kv_bit_changed_on_the_decode_side_fails_the_demo(tmp_path, monkeypatc
                               "--repeat", "1"])
     assert rc == 1 and not rep["ok"] and [r["kv_ok"] for r in rep["runs"]] == [False]
     assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_a_decode_side_that_dies_or_fails_is_reported():
+    """The prefill side's view of its peer: an error it sent, or its end of the pipe closing,
+    is a DemoError (exit status 1), never a hang."""
+    import multiprocessing
+
+    peer = demo._Peer.__new__(demo._Peer)  # only the pipe: no process or model behind it
+    peer.conn, theirs = multiprocessing.Pipe()
+    theirs.send({"error": "TransferError: the sender went away"})
+    with pytest.raises(demo.DemoError, match="decode side: TransferError"):
+        peer.recv("a result")
+    theirs.close()
+    with pytest.raises(demo.DemoError, match="exited before sending a result"):
+        peer.recv("a result")
