@@ -53,10 +53,13 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"kvzip pd-demo: error: {e}", file=sys.stderr)
         return 2
+    from kvzip import FormatError
+    from kvzip.transfer import TransferError
+
     try:
         report = run(args)
-    except DemoError as e:
-        print(f"kvzip pd-demo: FAILED: {e}", file=sys.stderr)
+    except (DemoError, TransferError, FormatError, TimeoutError) as e:  # a run that could not finish
+        print(f"kvzip pd-demo: FAILED: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     if args.json:
         with open(args.json, "w") as f:
