@@ -26,8 +26,12 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+
+try:
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+except ImportError as e:  # no transformers, or one older than the layered caches of 5.x
+    raise ImportError(f"kvzip.hf needs transformers 5.x (pip install 'transformers>=5,<6'): {e}") from e
 
 from . import api
 from .pipeline import Pipeline
