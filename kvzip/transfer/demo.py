@@ -526,7 +526,7 @@ def _prefill_fit(rep: dict) -> dict:
     a = full_s - b * n
     if b <= 0 or a < 0:  # noise, or attention's n^2 outgrowing the fixed cost: no fixed cost then
         return {"a": 0.0, "b": full_s / n, "full_s": full_s,
-                "how": f"no fixed cost: prefills of {m} and {n} tokens ({m_s * 1e3:.0f} and {full_s * 1e3:.0f} ms) "
+                "how": f"prefills of {m} and {n} tokens ({m_s * 1e3:.0f} and {full_s * 1e3:.0f} ms) "
                        f"leave no fixed cost"}
     return {"a": a, "b": b, "full_s": full_s,
             "how": f"a fit of prefills of {m} and {n} tokens: {a * 1e3:.1f} ms + {b * 1e6:.1f} us/token"}
