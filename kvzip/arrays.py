@@ -521,9 +521,17 @@ def _borrow_foreign(x):
     else:
         raise TypeError(
             f"expected a NumPy, PyTorch, CuPy or JAX array, or an object exposing __dlpack__ or "
-            f"__array_interface__; got {type(x).__name__}"
+            f"__array_interface__; got {type(x).__name__}{_cache_hint(x)}"
         )
     return arr, arr.dtype.name, Origin("numpy")
+
+
+def _cache_hint(x) -> str:
+    """A pointer to kvzip.hf for a transformers Cache (or a subclass defined elsewhere), which
+    holds many tensors; found by module name so transformers is never imported to ask."""
+    if any(c.__module__.startswith("transformers.") and c.__name__.endswith("Cache") for c in type(x).__mro__):
+        return "; a transformers cache holds one K and V tensor per layer: use kvzip.hf.compress_cache(cache)"
+    return ""
 
 
 def _has_array_protocol(x) -> bool:
