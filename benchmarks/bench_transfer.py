@@ -91,16 +91,19 @@ def digest(layers) -> str:
     return f"{hash(tuple(parts)) & (2**64 - 1):016x}"
 
 
-def free_gpu_pools(device: str) -> None:
-    """Give cached GPU memory back between requests: torch's cache and CuPy's pool (nvCOMP and
-    the digests allocate from CuPy's) would otherwise each keep the largest request's worth."""
+def free_gpu_pools(device: str, torch_cache: bool) -> None:
+    """Give cached GPU memory back.  CuPy's pool (nvCOMP's outputs) after every request, or it
+    and torch's cache would each keep the largest request's worth; torch's cache only between
+    shapes, since emptying it per request makes every later allocation a cudaMalloc, which
+    costs raw (a tensor per allocation) more than kvzip (one buffer per call)."""
     if device == "cpu":
         return
     import cupy
     import torch
 
-    torch.cuda.empty_cache()
     cupy.get_default_memory_pool().free_all_blocks()
+    if torch_cache:
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------- nvCOMP
@@ -161,11 +164,14 @@ def receiver_main(args) -> None:
         cmd, _, name = line.strip().partition(" ")
         if cmd == "quit":
             break
+        if cmd == "free":  # the sender moves to another shape
+            free_gpu_pools(args.device, torch_cache=True)
+            continue
         try:
             kv = rx.receive(name, timeout=600)
             print(f"ok {name} {digest(kv)}", flush=True)
             del kv
-            free_gpu_pools(args.device)
+            free_gpu_pools(args.device, torch_cache=False)
         except Exception as e:  # noqa: BLE001  the sender reports it
             print(f"error {name} {type(e).__name__}: {str(e)[:200]}", flush=True)
     rx.close()
@@ -184,6 +190,10 @@ class Peer:
 
     def expect(self, name: str) -> None:
         self.proc.stdin.write(f"recv {name}\n")
+        self.proc.stdin.flush()
+
+    def free(self) -> None:
+        self.proc.stdin.write("free\n")
         self.proc.stdin.flush()
 
     def result(self) -> tuple[str, str]:
@@ -338,13 +348,15 @@ def sender_main(args) -> int:
                                 f"{'' if v['exact'] else ' INEXACT'}" for c, v in summ.items()))
                             _write(out_path, res)
                         del layers
-                        free_gpu_pools(args.device)
+                        free_gpu_pools(args.device, torch_cache=True)
+                        peer.free()
         finally:
             tx.close()
             peer.close()
     res["seconds"] = time.monotonic() - t_start
     _write(out_path, res)
-    print(f"wrote {out_path}")
+    plot(out_path, out_path.removesuffix(".json") + ".png")
+    print(f"wrote {out_path} and its plot")
     bad = [r for run in res["runs"] for r in run["rows"] if not r.get("exact", False)]
     return 1 if bad else 0
 
@@ -387,7 +399,41 @@ class Mps:
         subprocess.run([self.ctl, "-d"], check=True, timeout=30)
 
     def stop(self):
-        subprocess.run([self.ctl], input="quit\n", text=True, timeout=30)
+        """Ask the daemon to quit once its clients are gone: this process still is one, so the
+        request must not be waited for."""
+        p = subprocess.Popen([self.ctl], stdin=subprocess.PIPE, text=True)
+        p.stdin.write("quit\n")
+        p.stdin.close()
+
+
+def plot(json_path: str, png_path: str) -> None:
+    """Speedup over raw against link rate, one panel per KV size, one line per codec."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.load(open(json_path))
+    runs = [r for r in res["runs"] if r["emulated"] and r["family"] == "smollm2"]
+    sizes = sorted({(r["GiB"], r["shape"], r["tokens"]) for r in runs})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(3.2 * len(sizes), 3.4), sharey=True, squeeze=False)
+    for ax, (gib, shape, tokens) in zip(axes[0], sizes):
+        mine = sorted((float(r["link"].removesuffix("GBps")), r["summary"]) for r in runs
+                      if (r["GiB"], r["shape"], r["tokens"]) == (gib, shape, tokens))
+        for codec, style in (("kvzip", "o-"), ("auto", "s--"), ("nvcomp-ans", "^:")):
+            pts = [(link, s[codec]["speedup_vs_raw"]) for link, s in mine if codec in s]
+            if pts:
+                ax.plot(*zip(*pts), style, label=codec)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_title(f"{shape}, {tokens // 1024}K tokens\n{gib:.2f} GiB", fontsize=9)
+        ax.set_xlabel("emulated link, GB/s")
+    axes[0][0].set_ylabel("transfer speedup over raw")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"kvzip.transfer on {res['device']}, Mooncake CUDA IPC paced (emulated links), {res['date'][:10]}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
 
 
 def main(argv=None) -> int:
@@ -410,7 +456,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-mps", dest="mps", action="store_false",
                     help="let the GPU time-slice between the two processes instead of sharing it through MPS")
     ap.add_argument("--out", default="benchmarks/results/transfer-h200.json")
+    ap.add_argument("--replot", metavar="JSON", help="only draw JSON's plot (next to it, .png)")
     args = ap.parse_args(argv)
+    if args.replot:
+        plot(args.replot, args.replot.removesuffix(".json") + ".png")
+        return 0
     if args.role == "rx":
         receiver_main(args)
         return 0

@@ -31,7 +31,10 @@ EXIT_CODES = (f"exit status: {EXIT_OK} done, {EXIT_FAILED} failed, {EXIT_USAGE} 
               f"file, {EXIT_WRONG_KIND} wrong kind of file, {EXIT_CORRUPT} corrupt file")
 
 # name -> (one-line help, "module:function" called with the arguments after the name)
-DELEGATED: dict[str, tuple[str, str]] = {}
+DELEGATED: dict[str, tuple[str, str]] = {
+    "pd-demo": ("prefill/decode demo: SmolLM2 streams its KV to a decode process over Mooncake, raw vs kvzip",
+                "kvzip.transfer.demo:main"),
+}
 
 
 class CommandError(Exception):

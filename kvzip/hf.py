@@ -8,8 +8,12 @@
 
     stream = sender.begin("req-1", model.config.num_hidden_layers)
     cache = kvzip.hf.StreamingCache(stream)         # layer i leaves as soon as prefill writes it
-    model(input_ids, cache=cache, use_cache=True)
+    model(input_ids, **kvzip.hf.cache_kwargs(model, cache), use_cache=True)
     stream.wait()
+
+``cache_kwargs`` names the cache the way the installed transformers wants it: ``cache=`` from
+5.2x on, ``past_key_values=`` before (and a 5.x model silently ignores the other name, leaving
+the cache it was given empty).
 
 Only full-attention ``DynamicLayer`` layers are taken: their K/V tensors of shape
 [batch, kv_heads, seq, head_dim] are the whole state of the layer, so a cache rebuilt from them
@@ -22,7 +26,9 @@ cache with a TypeError that points here.
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -36,7 +42,30 @@ except ImportError as e:  # no transformers, or one older than the layered cache
 from . import api
 from .pipeline import Pipeline
 
-__all__ = ["cache_to_layers", "layers_to_cache", "compress_cache", "decompress_cache", "StreamingCache"]
+__all__ = ["cache_to_layers", "layers_to_cache", "compress_cache", "decompress_cache", "StreamingCache",
+           "cache_kwargs", "output_cache"]
+
+
+def cache_kwargs(model, cache) -> dict:
+    """``{name: cache}`` for this model's forward and generate: the keyword its transformers
+    version takes for the KV cache (``cache``, or ``past_key_values`` before the rename)."""
+    return {_cache_keyword(type(model)): cache}
+
+
+def output_cache(out):
+    """The cache a forward returned, under either name."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+@lru_cache(maxsize=None)
+def _cache_keyword(model_type) -> str:
+    params = inspect.signature(model_type.forward).parameters
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    raise TypeError(f"{model_type.__name__}.forward takes neither cache= nor past_key_values=")
 
 
 def cache_to_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:

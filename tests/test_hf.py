@@ -45,8 +45,8 @@ def _prompt(n=40, seed=1):
 
 def _prefill(model, ids):
     with torch.inference_mode():
-        out = model(input_ids=ids, cache=DynamicCache(), use_cache=True)
-    return out.cache, out.logits
+        out = model(input_ids=ids, **hf.cache_kwargs(model, DynamicCache()), use_cache=True)
+    return hf.output_cache(out), out.logits
 
 
 def _real_kv_layers():
@@ -105,7 +105,7 @@ def test_layers_to_cache_holds_the_tensors_and_generation_never_writes_them():
     assert all(a is k and b is v for (a, b), (k, v) in zip(hf.cache_to_layers(rebuilt), layers))
     with torch.inference_mode():
         first = logits[:, -1].argmax(-1, keepdim=True)
-        model.generate(torch.cat([ids, first], 1), cache=rebuilt, max_new_tokens=3, do_sample=False)
+        model.generate(torch.cat([ids, first], 1), **hf.cache_kwargs(model, rebuilt), max_new_tokens=3, do_sample=False)
     assert rebuilt.get_seq_length() == ids.shape[1] + 3
     _assert_same_layers(layers, before)
 
@@ -148,7 +148,7 @@ def test_generation_from_a_rebuilt_cache_matches():
         cache, logits = _prefill(model, ids)
         rebuilt = hf.decompress_cache(hf.compress_cache(cache))
         first = logits[:, -1].argmax(-1, keepdim=True)
-        got = model.generate(torch.cat([ids, first], 1), cache=rebuilt, max_new_tokens=5, do_sample=False)
+        got = model.generate(torch.cat([ids, first], 1), **hf.cache_kwargs(model, rebuilt), max_new_tokens=5, do_sample=False)
     assert torch.equal(got, want)
 
 
@@ -168,7 +168,7 @@ def test_streaming_cache_sends_each_layer_once_as_prefill_writes_it():
     rec = _Recorder()
     rec.cache = cache = hf.StreamingCache(rec)
     with torch.inference_mode():
-        got = model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
+        got = model.generate(ids, **hf.cache_kwargs(model, cache), max_new_tokens=4, do_sample=False)
         want = model.generate(ids, max_new_tokens=4, do_sample=False)
         reference, _ = _prefill(model, ids)
     assert torch.equal(got, want)  # the streaming cache is an ordinary cache to the model
@@ -185,9 +185,9 @@ def test_streaming_cache_waits_for_the_whole_prompt_in_chunked_prefill():
     rec = _Recorder()
     rec.cache = cache = hf.StreamingCache(rec, tokens=30)
     with torch.inference_mode():
-        model(input_ids=ids[:, :12], cache=cache, use_cache=True)
+        model(input_ids=ids[:, :12], **hf.cache_kwargs(model, cache), use_cache=True)
         assert rec.sent == []
-        model(input_ids=ids[:, 12:], cache=cache, use_cache=True)
+        model(input_ids=ids[:, 12:], **hf.cache_kwargs(model, cache), use_cache=True)
         reference, _ = _prefill(model, ids)
     assert [s[0] for s in rec.sent] == [0, 1, 2]
     sent = [(k, v) for _, k, v, _ in rec.sent]
@@ -197,7 +197,7 @@ def test_streaming_cache_waits_for_the_whole_prompt_in_chunked_prefill():
 
     over = hf.StreamingCache(_Recorder(), tokens=20)
     with torch.inference_mode(), pytest.raises(ValueError, match="chunk the prompt"):
-        model(input_ids=ids, cache=over, use_cache=True)
+        model(input_ids=ids, **hf.cache_kwargs(model, over), use_cache=True)
 
 
 def test_bad_caches_and_layers_are_refused():
@@ -251,12 +251,12 @@ def test_streaming_cache_through_a_transfer_rebuilds_the_prefill_cache(device):
         stream = tx.begin("r", 5)
         cache = hf.StreamingCache(stream)
         with torch.inference_mode():
-            logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+            logits = model(input_ids=ids, **hf.cache_kwargs(model, cache), use_cache=True).logits
         stats = stream.wait(timeout=60)
         assert cache.complete and stats["groups"] > 1  # several messages: layers left one group at a time
         rebuilt = hf.layers_to_cache(rx.receive("r", timeout=60))
     _assert_same_layers(hf.cache_to_layers(rebuilt), hf.cache_to_layers(cache))
     first = logits[:, -1].argmax(-1, keepdim=True)
     with torch.inference_mode():
-        got = model.generate(torch.cat([ids, first], 1), cache=rebuilt, max_new_tokens=4, do_sample=False)
+        got = model.generate(torch.cat([ids, first], 1), **hf.cache_kwargs(model, rebuilt), max_new_tokens=4, do_sample=False)
     assert torch.equal(got, want)

@@ -199,12 +199,14 @@ def prefill(model, ids, cache, device: str) -> tuple[int, float, float]:
     when the logits (and so every layer's KV) exist."""
     import torch
 
+    from kvzip import hf
+
     with torch.inference_mode():
         _sync(device)
         t0 = time.perf_counter()
         # logits of the last position only, as a serving engine computes them (all 1024 positions'
         # logits cost ~60 GFLOP in the lm_head, more than the layers' KV needs)
-        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, **hf.cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         first = int(out.logits[0, -1].argmax())
         _sync(device)
         return first, t0, time.perf_counter()
@@ -215,11 +217,14 @@ def generate_from(model, tokenizer, ids, first: int, cache, n_new: int) -> list[
     ``[first] + model.generate(prompt + [first], cache=cache, ...)``'s new tokens."""
     import torch
 
+    from kvzip import hf
+
     if n_new == 1 or first == tokenizer.eos_token_id:  # generate() would have stopped here too
         return [first]
     full = torch.cat([ids, torch.tensor([[first]], device=ids.device)], dim=1)
     with torch.inference_mode():
-        out = model.generate(full, attention_mask=torch.ones_like(full), cache=cache, max_new_tokens=n_new - 1,
+        out = model.generate(full, attention_mask=torch.ones_like(full), **hf.cache_kwargs(model, cache),
+                             max_new_tokens=n_new - 1,
                              do_sample=False, pad_token_id=tokenizer.eos_token_id)
     return [first] + out[0, full.shape[1]:].tolist()
 
