@@ -386,3 +386,29 @@ def test_sender_killed_mid_transfer_fails_the_receive_and_frees_its_slots():
         with transfer.Sender(rx.address, engine="mooncake") as tx:
             tx.send("again", real_layers(2)).wait(timeout=60)
         assert len(rx.receive("again")) == 2
+
+
+def test_auto_chooser_follows_the_pipeline_model():
+    """codec="auto"'s choices where the H200 runs measured (docs/transfer.md): raw for half a GiB
+    on a 200 GB/s link, kvzip for 16 GiB there and for anything on a 10 GB/s link; compressing
+    while the link is unmeasured; and the estimates move with what a connection observes."""
+    from kvzip.transfer.codec import AutoChooser
+
+    small, large = [64 << 20] * 8, [512 << 20] * 32
+    fast = AutoChooser("cuda", 200.0)
+    assert fast.choose(small)[0] == "raw"
+    assert fast.choose(large)[0] == "kvzip"
+    assert AutoChooser("cuda", 10.0).choose(small)[0] == "kvzip"
+    assert AutoChooser("cuda", None).choose(large)[0] == "kvzip"
+    ipc = AutoChooser("cuda", None)
+    ipc.observe_link(64 << 20, (64 << 20) / 1.8e12)  # an unpaced CUDA IPC write
+    assert ipc.choose(large)[0] == "raw"
+    seen = AutoChooser("cuda", 100.0)
+    seen.observe("kvzip", 16 << 30, (16 << 30) // 2, 32, encode_s=32 * 1e-3, decode_s=32 * 1e-3)
+    assert seen.ratio > 1.3  # a better ratio than the starting estimate
+    slow = AutoChooser("cuda", 100.0)
+    before = slow.predict("kvzip", large)
+    for _ in range(6):  # a codec far slower than the starting estimate: encode-bound now
+        slow.observe("kvzip", 16 << 30, int((16 << 30) / 1.3), 32, encode_s=32 * 0.5, decode_s=32 * 0.5)
+    assert slow.predict("kvzip", large) > 4 * before
+    assert slow.choose(large)[0] == "raw"

@@ -257,7 +257,9 @@ class Sender:
             raise ValueError(f"layer {index} needs {need} bytes, more than one slot of the receiver's ring "
                              f"({self.slot_bytes} bytes): give the Receiver a larger slot_bytes")
         if self._staging is None:
-            self._start_staging(buffers.device_of(tensors[0]))
+            with self._lock:  # the first layer of the first request; other threads may race it
+                if self._staging is None:
+                    self._start_staging(buffers.device_of(tensors[0]))
         for t in tensors:
             if buffers.device_of(t) != self._device:
                 raise ValueError(f"this sender stages {self._device} memory; layer {index} has a tensor on {buffers.device_of(t)}")
@@ -290,16 +292,19 @@ class Sender:
             self._to_encode.put(("end", h, None))
 
     def _start_staging(self, device: str) -> None:
+        """Registered staging memory on the first tensor's device; ``_staging`` is set last, so a
+        thread that sees it sees everything else too."""
         self._device = device
-        self._staging = Buffer(self._staging_slots * self.slot_bytes, device)
-        self._engine.register(self._staging.ptr, self._staging.nbytes, device)
+        staging = Buffer(self._staging_slots * self.slot_bytes, device)
+        self._engine.register(staging.ptr, staging.nbytes, device)
         for s in range(self._staging_slots):
             self._free_staging.put(s)
         self._auto = AutoChooser(device, self._link_gbps)
-        if self._device != "cpu":
+        if device != "cpu":
             import torch
 
             self._stream = torch.cuda.Stream(device=device)
+        self._staging = staging
 
     # ------------------------------------------------------------------ pipeline threads
     def _guard(self, stage, downstream: queue.Queue | None) -> None:
