@@ -412,3 +412,15 @@ def test_auto_chooser_follows_the_pipeline_model():
         slow.observe("kvzip", 16 << 30, int((16 << 30) / 1.3), 32, encode_s=32 * 0.5, decode_s=32 * 0.5)
     assert slow.predict("kvzip", large) > 4 * before
     assert slow.choose(large)[0] == "raw"
+
+
+def test_groups_start_small_and_a_large_last_layer_travels_alone():
+    """12 layers of 4 MiB in groups of 32 MiB: [L0] (the first group closes at 4 MiB so the wire
+    starts early), [L1..L8], [L9, L10], then [L11] alone (the decode after the wire is short)."""
+    layers = [(torch.full((1024, 1024), float(i), dtype=torch.bfloat16), torch.zeros(1024, 1024, dtype=torch.bfloat16))
+              for i in range(12)]
+    with transfer.Receiver(engine="loopback", slot_bytes=32 << 20) as rx, \
+            transfer.Sender(rx.address, engine="loopback", codec="raw", group_bytes=32 << 20) as tx:
+        stats = tx.send("g", layers).wait(timeout=60)
+        assert all(same(a, b) for a, b in zip(layers, rx.receive("g")))
+    assert stats["groups"] == 4

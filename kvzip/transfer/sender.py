@@ -38,7 +38,8 @@ log = logging.getLogger("kvzip.transfer")
 
 MIN_GROUP = 8 << 20     # a compress call should carry a few MiB, or its fixed cost shows
 TARGET_GROUPS = 8       # enough groups that the pipeline's fill is a small part of the time
-FIRST_GROUP = 4 << 20   # the first group closes early, so the wire starts after a short encode
+FIRST_GROUP = 4 << 20   # the first group closes early, so the wire starts after a short encode;
+                        # a large last layer travels alone, so the decode after the wire is short
 
 
 class SendHandle:
@@ -273,7 +274,9 @@ class Sender:
                 h.stats["auto"] = h.reason
                 log.info("request %s: codec=auto sends %s: %s", h.request, h.codec, h.reason)
         limit = min(FIRST_GROUP, h._group_bytes) if h._groups_flushed == 0 else h._group_bytes
-        if h._pending and h._pending_bytes + need > limit:
+        last = len(h._queued) == h.n_layers
+        if h._pending and (h._pending_bytes + need > limit
+                           or last and need >= FIRST_GROUP and h._pending_bytes >= 2 * need):
             self._flush(h, last=False)
         h._pending.append((index, tensors, _fence(tensors)))
         h._pending_bytes += need
