@@ -424,3 +424,18 @@ def test_groups_start_small_and_a_large_last_layer_travels_alone():
         stats = tx.send("g", layers).wait(timeout=60)
         assert all(same(a, b) for a, b in zip(layers, rx.receive("g")))
     assert stats["groups"] == 4
+
+
+def test_wait_without_timeout_fails_a_stalled_request_only():
+    """wait() with no timeout returns however long a transfer takes while it progresses, and
+    raises TimeoutError once a whole Sender timeout passes without progress."""
+    with transfer.Receiver(engine="loopback", slot_bytes=1 << 20) as rx, \
+            transfer.Sender(rx.address, engine="loopback", timeout=3) as tx:
+        tx.send("fine", real_layers(40)).wait()  # several groups, the codec compiled on the way
+        assert len(rx.receive("fine")) == 40
+        s = tx.begin("stalled", 3)
+        s.send_layer(0, *real_layers(1)[0])  # layers 1 and 2 never come
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="no progress"):
+            s.wait()
+        assert time.monotonic() - t0 < 10

@@ -3,9 +3,9 @@
 The ring is ``slots`` slots of ``slot_bytes`` in registered memory (the CPU, or one plain
 cudaMalloc on a GPU).  Each connected sender owns ``slots // max_senders`` of them and may write
 into a slot only while it holds that slot's credit; the receiver returns the credit once it has
-decoded the slot's message into new memory.  So memory is bounded by the ring plus the tensors
-handed out, however many requests are in flight, and a slow decoder slows the sender
-(backpressure) instead of being overrun.
+decoded the slot's message into new memory.  So memory is bounded by the ring plus the decoded
+tensors (held until ``receive`` takes them), however many messages are in flight, and a slow
+decoder slows the sender (backpressure) instead of being overrun.
 
 Threads: one accepting connections; per connection a reader (control messages) and a decoder
 (slot -> tensors, on its own CUDA stream on a GPU), so message i+1 arrives while i decodes.

@@ -56,6 +56,7 @@ class SendHandle:
         self._pending_bytes = 0
         self._group_bytes = None
         self._groups_flushed = 0
+        self._progress = 0                # accepted, groups encoded and written: what wait() watches
         self._accepted = threading.Event()
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -83,9 +84,18 @@ class SendHandle:
     def wait(self, timeout: float | None = None) -> dict:
         """Block until the receiver has every layer decoded; returns the request's stats.
         Raises TransferError (or kvzip.FormatError from the receiver) if it failed, and
-        TimeoutError after ``timeout`` seconds (None: the Sender's timeout per stalled step)."""
-        if not self._done.wait(self._sender.timeout * 4 if timeout is None else timeout):
-            raise TimeoutError(f"request {self.request!r} not done after {timeout or self._sender.timeout * 4} s")
+        TimeoutError after ``timeout`` seconds, or, with None, once a whole Sender timeout passes
+        without this request being accepted or a group of it encoded or written (a stalled
+        transfer; a long one on a slow link is not cut off)."""
+        if timeout is not None:
+            if not self._done.wait(timeout):
+                raise TimeoutError(f"request {self.request!r} not done after {timeout} s")
+        else:
+            seen = -1
+            while not self._done.wait(self._sender.timeout):
+                if self._progress == seen:
+                    raise TimeoutError(f"request {self.request!r} made no progress in {self._sender.timeout} s")
+                seen = self._progress
         if self._error is not None:
             raise self._error
         return dict(self.stats)
@@ -355,6 +365,7 @@ class Sender:
                     total = self._staging.digest_start(base, nbytes, self._stream)
                     events[1].record(self._stream)
             host_s = now() - t0
+            h._progress += 1
             msg_layers, k = [], 0
             for index, ts, _ in layers:
                 msg_layers.append({"index": index, "tuple": len(ts) > 1, "tensors": entries[k:k + len(ts)]})
@@ -392,6 +403,7 @@ class Sender:
             arrival = self._pacer.arrival(nbytes, start, written) if self._pacer else written
             if self._pacer is None:  # what the engine really moves, whatever the bytes are
                 self._auto.observe_link(nbytes, written - start)
+            h._progress += 1
             s = h.stats
             s["groups"] += 1
             s["raw_bytes"] += raw
@@ -433,6 +445,7 @@ class Sender:
             if h is None:
                 continue  # a verdict on a request this sender already gave up
             if kind == "accept":
+                h._progress += 1
                 h._accepted.set()
             elif kind == "reject":
                 self._end(h, TransferError(f"receiver rejected request {h.request!r}: {msg.get('why')}"))
