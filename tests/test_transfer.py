@@ -439,3 +439,45 @@ def test_wait_without_timeout_fails_a_stalled_request_only():
         with pytest.raises(TimeoutError, match="no progress"):
             s.wait()
         assert time.monotonic() - t0 < 10
+
+
+TORCH_RX = textwrap.dedent("""
+    import sys, torch
+    from kvzip import transfer
+    rx = transfer.Receiver(engine="torch", slot_bytes=1 << 20)
+    print(rx.address, flush=True)
+    for name in sys.argv[1:]:
+        kv = rx.receive(name, timeout=60)
+        print(" ".join(str(int(t.view(torch.int16).to(torch.int64).sum())) for l in kv for t in l), flush=True)
+""")
+
+
+def test_two_processes_over_torch_distributed_gloo():
+    """The torch engine (gloo between CPU buffers) behind the same Sender / Receiver."""
+    p = subprocess.Popen([sys.executable, "-c", TORCH_RX, "kvzip", "raw"], stdout=subprocess.PIPE, text=True)
+    try:
+        addr = p.stdout.readline().strip()
+        layers = real_layers(12)
+        want = " ".join(str(int(t.view(torch.int16).to(torch.int64).sum())) for l in layers for t in l)
+        with transfer.Sender(addr, engine="torch") as tx:
+            for codec in ("kvzip", "raw"):
+                stats = tx.send(codec, layers, codec=codec).wait(timeout=60)
+                assert p.stdout.readline().strip() == want
+                assert stats["groups"] >= 2 and (codec == "raw") == (stats["sent_bytes"] == stats["raw_bytes"])
+        assert tx._engine.registered == {}
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_torch_engine_refuses_a_peer_that_is_not_there():
+    from kvzip.transfer.torch_engine import TorchDistEngine
+
+    e = TorchDistEngine()
+    buf = np.zeros(64, np.uint8)
+    e.register(buf.ctypes.data, buf.nbytes, "cpu")
+    with pytest.raises(transfer.EngineError):
+        e.write("127.0.0.1:1", buf.ctypes.data, 0, 64)
+    with pytest.raises(transfer.EngineError, match="not inside"):
+        e.write(e.session, buf.ctypes.data + 32, 0, 64)
+    e.close()

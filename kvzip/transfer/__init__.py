@@ -12,8 +12,9 @@ Streaming, while later layers are still computed: ``s = tx.begin("req-1", n_laye
 ``s.send_layer(i, k, v)`` per layer (or ``tx.send_layer(i, k, v)`` for the request this thread
 began last), then ``s.wait()``.
 
-Engines (kvzip/transfer/engines.py): "mooncake" (Mooncake Transfer Engine, peer to peer), and
-"loopback" (one process; fault injection for tests).  The wire format and the pipelining are
+Engines (kvzip/transfer/engines.py): "mooncake" (Mooncake Transfer Engine, peer to peer),
+"torch" (torch.distributed: gloo for CPU memory, NCCL for GPU memory) and "loopback" (one
+process; fault injection for tests).  The wire format and the pipelining are
 in docs/transfer.md.
 """
 from .codec import WireCodec, register as register_codec  # noqa: F401

@@ -14,7 +14,8 @@ own notifications are not used for that: they differ between its published build
 liveness signal.
 
 ``LoopbackEngine`` connects engines of one process (tests and the CPU demo's in-process mode) and
-can inject faults; ``MooncakeEngine`` wraps Mooncake Transfer Engine's Python binding.
+can inject faults; ``MooncakeEngine`` wraps Mooncake Transfer Engine's Python binding;
+kvzip/transfer/torch_engine.py serves writes over torch.distributed (gloo, NCCL).
 """
 from __future__ import annotations
 
@@ -190,7 +191,13 @@ def _cuda_index(device: str) -> int:
     return int(device.partition(":")[2] or 0)
 
 
-ENGINES = {"loopback": LoopbackEngine, "mooncake": MooncakeEngine}
+def _torch_engine() -> Engine:
+    from .torch_engine import TorchDistEngine  # imported on use: the module needs torch
+
+    return TorchDistEngine()
+
+
+ENGINES = {"loopback": LoopbackEngine, "mooncake": MooncakeEngine, "torch": _torch_engine}
 
 
 def make_engine(engine) -> Engine:

@@ -100,3 +100,29 @@ def test_mooncake_cuda_ipc_between_processes(codec):
         assert stats["groups"] >= 2
     finally:
         p.kill()
+
+
+NCCL_RX = textwrap.dedent("""
+    import torch
+    from kvzip import transfer
+    rx = transfer.Receiver(engine="torch", device="cuda:1", slot_bytes=32 << 20)
+    print(rx.address, flush=True)
+    kv = rx.receive("r", timeout=120)
+    print(" ".join(str(int(t.view(torch.int16).to(torch.int64).sum())) for l in kv for t in l), flush=True)
+""")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU a process: two GPUs")
+def test_torch_engine_nccl_between_two_gpus():
+    """engine='torch' between GPU 0 (sender) and GPU 1 (receiver) over NCCL, bit for bit."""
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    p = subprocess.Popen([sys.executable, "-c", NCCL_RX], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        addr = p.stdout.readline().strip()
+        layers = real_layers(6, 4096, device="cuda:0")
+        with transfer.Sender(addr, engine="torch", codec="kvzip") as tx:
+            tx.send("r", layers).wait(timeout=120)
+        assert p.stdout.readline().split() == [str(int(t.view(torch.int16).to(torch.int64).sum()))
+                                               for l in layers for t in l]
+    finally:
+        p.kill()
