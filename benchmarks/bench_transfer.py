@@ -20,6 +20,7 @@ per-group times this run measured, is written beside each measurement.
 
     python benchmarks/bench_transfer.py                       # the full sweep on a GPU
     python benchmarks/bench_transfer.py --device cpu --quick  # a small CPU run (Mooncake TCP)
+    python benchmarks/bench_transfer.py --gpus 2 --engine torch   # GPU 0 -> GPU 1 over NCCL
 """
 from __future__ import annotations
 
@@ -157,7 +158,7 @@ def receiver_main(args) -> None:
     wire = nvcomp_codec()
     if wire is not None:
         transfer.register_codec(wire)
-    rx = transfer.Receiver(engine="mooncake", device=args.device, slot_bytes=args.slot_mib << 20,
+    rx = transfer.Receiver(engine=args.engine, device=args.device, slot_bytes=args.slot_mib << 20,
                            ring_bytes=args.slots * (args.slot_mib << 20))
     print(rx.address, flush=True)
     for line in sys.stdin:
@@ -181,7 +182,8 @@ class Peer:
     """The receiver child process, spoken to over its stdin/stdout."""
 
     def __init__(self, args, env):
-        cmd = [sys.executable, os.path.abspath(__file__), "--role", "rx", "--device", args.device,
+        cmd = [sys.executable, os.path.abspath(__file__), "--role", "rx", "--device", rx_device(args),
+               "--engine", args.engine,
                "--slot-mib", str(args.slot_mib), "--slots", str(args.slots)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.address = self.proc.stdout.readline().strip()
@@ -210,6 +212,23 @@ class Peer:
 
 
 # ---------------------------------------------------------------------------------- sender
+def rx_device(args) -> str:
+    """The receiver's device: the sender's GPU, or the second GPU with --gpus 2."""
+    return "cuda:1" if args.gpus == 2 else args.device
+
+
+def transports_of(args) -> list[str]:
+    """The real links this run measures (emulated rates are paced on the first)."""
+    if args.engine == "torch":
+        return ["gloo" if args.device == "cpu" else "nccl"]
+    got = ["ipc", "tcp"] if args.device != "cpu" else ["tcp"]
+    if args.only_tcp:
+        got = ["tcp"]
+    if args.no_tcp:
+        got = [t for t in got if t != "tcp"]
+    return got
+
+
 def engine_env(transport: str) -> dict:
     env = dict(os.environ)
     env.pop("MC_FORCE_TCP", None)
@@ -301,22 +320,19 @@ def sender_main(args) -> int:
            "device": torch.cuda.get_device_name() if args.device != "cpu" else platform.processor() or "cpu",
            "versions": _versions(), "args": vars(args), "codecs": codecs,
            "mps": bool(args.mps and args.device != "cpu"),
-           "emulation": "links given in GB/s are emulated: real Mooncake writes (CUDA IPC on one GPU) paced "
-                        "by a token bucket over the bytes sent; 'ipc' is that copy unpaced; 'tcp' is Mooncake's "
-                        "real TCP transport, unemulated",
+           "engine": args.engine, "gpus": args.gpus,
+           "emulation": f"links given in GB/s are emulated: real {args.engine} writes ({transports_of(args)[0]}, "
+                        f"{'GPU 0 to GPU 1' if args.gpus == 2 else 'one device'}) paced by a token bucket over the "
+                        "bytes sent; 'ipc', 'nccl' and 'gloo' are those writes unpaced; 'tcp' is Mooncake's real "
+                        "TCP transport, unemulated",
            "runs": []}
     out_path = args.out
-    transports = ["ipc", "tcp"] if args.device != "cpu" else ["tcp"]
-    if args.only_tcp:
-        transports = ["tcp"]
-    if args.no_tcp:
-        transports = [t for t in transports if t != "tcp"]
-    for transport in transports:
+    for transport in transports_of(args):
         env = engine_env(transport)
         os.environ.clear()
         os.environ.update(env)
         peer = Peer(args, env)
-        tx = transfer.Sender(peer.address, engine="mooncake", group_bytes=args.group_mib << 20 if args.group_mib else None)
+        tx = transfer.Sender(peer.address, engine=args.engine, group_bytes=args.group_mib << 20 if args.group_mib else None)
         try:
             for fam, values in fams.items():
                 for shape, n_layers in SHAPES.items():
@@ -332,11 +348,11 @@ def sender_main(args) -> int:
                         want = digest(layers)
                         gib = sum(t.nbytes for l in layers for t in l) / 2**30
                         tag = f"{fam}-{shape}-{tokens}"
-                        links = ([None] if transport == "tcp" else ["ipc"] + args.links)
+                        links = [None] if transport == "tcp" else [transport] + args.links
                         for link in links:
                             gbps = link if isinstance(link, (int, float)) else None
                             tx.set_link(gbps)
-                            label = transport if link in (None, "ipc") else f"{link}GBps"
+                            label = f"{link}GBps" if isinstance(link, (int, float)) else transport
                             rows = run_link(tx, peer, layers, want, label, gbps, codecs, args.reps, tag, log)
                             summ = summarize(rows, codecs)
                             res["runs"].append({"family": fam, "shape": shape, "layers": n_layers, "tokens": tokens,
@@ -430,7 +446,8 @@ def plot(json_path: str, png_path: str) -> None:
         ax.set_xlabel("emulated link, GB/s")
     axes[0][0].set_ylabel("transfer speedup over raw")
     axes[0][-1].legend(fontsize=8)
-    fig.suptitle(f"kvzip.transfer on {res['device']}, Mooncake CUDA IPC paced (emulated links), {res['date'][:10]}",
+    fig.suptitle(f"kvzip.transfer on {res['device']}: {res['emulation'].split(':')[1].split(';')[0].strip()}, "
+                 f"{res['date'][:10]}",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
@@ -439,7 +456,11 @@ def plot(json_path: str, png_path: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--role", choices=["tx", "rx"], default="tx", help=argparse.SUPPRESS)
-    ap.add_argument("--device", default="cuda", help="cuda or cpu")
+    ap.add_argument("--device", default="cuda", help="cuda or cpu (the sender's; see --gpus)")
+    ap.add_argument("--engine", choices=["mooncake", "torch"], default="mooncake",
+                    help="transfer engine: Mooncake (CUDA IPC and TCP) or torch.distributed (NCCL, gloo)")
+    ap.add_argument("--gpus", type=int, choices=[1, 2], default=1,
+                    help="2: the sender on GPU 0, the receiver on GPU 1 (no MPS needed)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768, 131072], help="context lengths")
     ap.add_argument("--links", type=float, nargs="+", default=LINKS, help="emulated link rates, GB/s")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each (link, codec), interleaved")
@@ -455,7 +476,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small CPU-sized run: 512 tokens, 10 and 25 GB/s")
     ap.add_argument("--no-mps", dest="mps", action="store_false",
                     help="let the GPU time-slice between the two processes instead of sharing it through MPS")
-    ap.add_argument("--out", default="benchmarks/results/transfer-h200.json")
+    ap.add_argument("--out", default=None, help="JSON to write (default benchmarks/results/transfer-h200.json, "
+                                                 "transfer-h200x2.json with --gpus 2)")
     ap.add_argument("--replot", metavar="JSON", help="only draw JSON's plot (next to it, .png)")
     args = ap.parse_args(argv)
     if args.replot:
@@ -464,6 +486,11 @@ def main(argv=None) -> int:
     if args.role == "rx":
         receiver_main(args)
         return 0
+    if args.gpus == 2:
+        if args.device == "cpu":
+            ap.error("--gpus 2 needs --device cuda")
+        args.device, args.mps = "cuda:0", False
+    args.out = args.out or f"benchmarks/results/transfer-h200{'x2' if args.gpus == 2 else ''}.json"
     if args.quick:
         args.tokens, args.links, args.reps, args.slot_mib = [512], [10, 25], 2, 16
     mps = Mps() if args.mps and args.device != "cpu" else None  # before any CUDA context exists

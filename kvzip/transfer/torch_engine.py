@@ -26,7 +26,8 @@ import threading
 from .engines import Engine, EngineError
 
 _TIMEOUT = datetime.timedelta(seconds=60)   # a pair's operations
-_CONNECT = datetime.timedelta(seconds=5)    # reaching a peer's store: the control connection has
+_CONNECT = datetime.timedelta(seconds=5)
+_IDLE = datetime.timedelta(hours=1)         # the acceptor's wait for the next peer    # reaching a peer's store: the control connection has
                                             # just reached its process, so it is there or gone
 
 
@@ -130,9 +131,9 @@ class TorchDistEngine(Engine):
     def _accept(self) -> None:
         n = 0
         while not self._closed:
-            try:
-                self._store.wait([f"pair/{n}"], datetime.timedelta(seconds=1))
-            except RuntimeError:  # nobody paired yet: look again (or stop, once closed)
+            try:  # blocks until a peer pairs (a daemon thread: a closed engine's stays blocked)
+                self._store.wait([f"pair/{n}"], _IDLE)
+            except RuntimeError:  # an hour without a new peer: look again (torch logs each timeout)
                 continue
             device = self._store.get(f"pair/{n}").decode()
             group = self._group(self._store, n, 0, device)
