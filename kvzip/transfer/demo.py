@@ -72,11 +72,14 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=1024, help="prompt length in tokens (default 1024)")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens to generate greedily (default 16)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (both processes use it)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]: the prefill process's device")
+    p.add_argument("--decode-device", default=None,
+                   help="the decode process's device (default: --device; cuda:1 for prefill and decode on two GPUs)")
     p.add_argument("--codec", choices=("raw", "kvzip", "both"), default="both",
                    help="what the KV crosses as (default both: raw, then kvzip)")
-    p.add_argument("--engine", choices=("mooncake", "loopback"), default="mooncake",
-                   help="mooncake: two processes over Mooncake Transfer Engine (default); "
+    p.add_argument("--engine", choices=("mooncake", "torch", "loopback"), default="mooncake",
+                   help="mooncake: two processes over Mooncake Transfer Engine (default); torch: two "
+                        "processes over torch.distributed (gloo on the CPU, NCCL between two GPUs); "
                         "loopback: decode side in a thread of this process")
     p.add_argument("--link-gbps", type=float, nargs="+", default=[0.0], metavar="GBPS",
                    help="links to run on, each with every codec: 0 is the engine's real link (the default), "
@@ -92,8 +95,10 @@ def _check_args(args) -> None:
         raise ValueError(f"--tokens must be at least 16, got {args.tokens}")
     if args.new_tokens < 1:
         raise ValueError(f"--new-tokens must be at least 1, got {args.new_tokens}")
-    if args.device != "cpu" and not args.device.startswith("cuda"):
-        raise ValueError(f"--device must be cpu or cuda[:i], got {args.device!r}")
+    args.decode_device = args.decode_device or args.device
+    for d in (args.device, args.decode_device):
+        if d != "cpu" and not d.startswith("cuda"):
+            raise ValueError(f"--device and --decode-device must be cpu or cuda[:i], got {d!r}")
     if args.repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
     if not all(g >= 0 and math.isfinite(g) for g in args.link_gbps):  # NaN fails too
@@ -317,13 +322,13 @@ class _Peer:
             self.conn, theirs = multiprocessing.Pipe()
             self.proc = None
             self.thread = threading.Thread(target=decode_side, name="kvzip-demo-decode", daemon=True,
-                                           args=(theirs, "loopback", args.device, args.tokens, model, tokenizer))
+                                           args=(theirs, "loopback", args.decode_device, args.tokens, model, tokenizer))
             self.thread.start()
         else:
             ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads or CUDA
             self.conn, theirs = ctx.Pipe()
             self.proc = ctx.Process(target=_decode_process, name="kvzip-demo-decode",
-                                    args=(theirs, args.engine, args.device, args.tokens))
+                                    args=(theirs, args.engine, args.decode_device, args.tokens))
             self.proc.start()
             theirs.close()
 
@@ -401,7 +406,8 @@ def run(args) -> dict:
     finally:
         peer.close()
 
-    report = {"model": "SmolLM2-135M-Instruct", "device": args.device, "engine": args.engine,
+    report = {"model": "SmolLM2-135M-Instruct", "device": args.device, "decode_device": args.decode_device,
+              "engine": args.engine,
               "tokens": n, "new_tokens": args.new_tokens, "repeat": args.repeat, "kv_bytes_per_token": per_token,
               "kv_bytes": per_token * n, "reference_tokens": want,
               "short_prefill": {"tokens": short.shape[1], "s": short_s}, "runs": runs}
