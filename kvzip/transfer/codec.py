@@ -18,7 +18,7 @@ import numpy as np
 from ..formats import BY_DTYPE_NAME
 from ..pipeline import Pipeline
 from . import buffers
-from .protocol import ALIGN, ProtocolError, align
+from .protocol import ProtocolError, align
 
 KVZIP_DTYPES = frozenset(BY_DTYPE_NAME)
 
