@@ -448,13 +448,7 @@ def _borrow_torch(t):
             raise _unsupported(name, "torch")
         index = t.get_device()
         return _cupy_over_torch(t, tuple(t.shape), width, index), name, _cuda_origin("torch", index)
-    t = t.detach()  # DLPack refuses tensors that require grad; the bits are the same
-    # A tensor with torch's lazy negative or conjugate bit set has memory holding the values
-    # before negation / conjugation: resolve (a copy) so the bits read are the values' own.
-    if t.is_neg():
-        t = _resolve_neg(t)
-    if t.is_conj():
-        t = t.resolve_conj()
+    t = resolve_lazy_bits(t.detach())  # DLPack refuses tensors that require grad; same bits
     if t.layout != torch.strided or t.device.type not in ("cpu", "cuda"):
         raise TypeError(f"kvzip takes dense CPU or CUDA torch tensors, got {t.layout} on {t.device}")
     if name not in _DLPACK_NATIVE:
@@ -469,6 +463,17 @@ def _borrow_torch(t):
     origin = Origin("torch", "cuda", t.device.index)
     with origin.stream_context():  # consumer stream = producer stream: DLPack needs no event
         return _cupy().from_dlpack(t), name, origin
+
+
+def resolve_lazy_bits(t):
+    """A torch tensor whose memory holds its own values: one with torch's lazy negative or
+    conjugate bit set has memory holding the values before negation / conjugation, so those are
+    resolved (a copy); any other tensor is returned as it is."""
+    if t.is_neg():
+        t = _resolve_neg(t)
+    if t.is_conj():
+        t = t.resolve_conj()
+    return t
 
 
 def _resolve_neg(t):

@@ -481,3 +481,19 @@ def test_torch_engine_refuses_a_peer_that_is_not_there():
     with pytest.raises(transfer.EngineError, match="not inside"):
         e.write(e.session, buf.ctypes.data + 32, 0, 64)
     e.close()
+
+
+@pytest.mark.parametrize("codec", ["kvzip", "raw"])
+def test_tensors_with_torch_lazy_bits_arrive_as_their_values(link, codec):
+    """torch's lazy negative / conjugate bits (float8 too, which torch cannot negate) are
+    resolved: what arrives is the tensor's values, not the memory under the lazy bit."""
+    rx, sender = link
+    x8 = torch.tensor([1.0, -2.0, 0.5, 448.0]).to(torch.float8_e5m2)
+    neg8 = torch._neg_view(x8)
+    im = torch.tensor([1 + 2j, 3 - 4j]).conj().imag  # float32 with the negative bit set
+    conj = torch.tensor([1 + 2j, -3 + 0.5j]).conj()
+    assert neg8.is_neg() and im.is_neg() and conj.is_conj()
+    sender(codec=codec).send("lazy", [neg8, (im, conj)]).wait()
+    got = rx.receive("lazy")
+    assert got[0].view(torch.uint8).tolist() == (x8.view(torch.uint8) ^ 0x80).tolist()
+    assert got[1][0].tolist() == [-2.0, 4.0] and got[1][1].tolist() == [1 - 2j, -3 - 0.5j]

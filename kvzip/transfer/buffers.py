@@ -12,6 +12,8 @@ import math
 import ml_dtypes
 import numpy as np
 
+from ..arrays import resolve_lazy_bits
+
 
 def framework(t) -> str:
     mod = type(t).__module__
@@ -31,11 +33,7 @@ def raw_bytes(t):
     if framework(t) == "torch":
         import torch
 
-        if t.is_complex() and t.is_conj():
-            t = t.resolve_conj()
-        if t.is_neg():
-            t = t.resolve_neg()
-        return t.contiguous().reshape(-1).view(torch.uint8)
+        return resolve_lazy_bits(t).contiguous().reshape(-1).view(torch.uint8)
     return np.ascontiguousarray(t).reshape(-1).view(np.uint8)
 
 
