@@ -36,6 +36,8 @@ import time
 
 import numpy as np
 
+from kvzip.testing import real_kv_layers
+
 SHAPES = {"llama3-8b": 32, "llama3-70b": 80}
 KV_HEADS, HEAD_DIM = 8, 128
 LINKS = [10, 25, 50, 100, 200]
@@ -53,25 +55,6 @@ def real_values(minilm: str | None):
         d = load_file(minilm)
         fams["minilm"] = np.concatenate([d[k].view(np.uint16).reshape(-1) for k in sorted(d)])
     return fams
-
-
-def make_layers(values, n_layers: int, tokens: int, device: str):
-    """(k, v) per layer, [8, tokens, 128] bf16, tiled from the real values at a per-layer offset."""
-    import torch
-
-    n = KV_HEADS * tokens * HEAD_DIM
-    src = torch.from_numpy(values.astype(np.int16)).to(device)
-    reps = -(-(n + src.numel()) // src.numel())
-    tiled = src.repeat(reps)
-    layers = []
-    for i in range(n_layers):
-        pair = []
-        for j in range(2):
-            off = (i * 2 + j) * 7919 % src.numel()
-            pair.append(tiled[off:off + n].view(torch.bfloat16).reshape(KV_HEADS, tokens, HEAD_DIM).clone())
-        layers.append(tuple(pair))
-    del tiled
-    return layers
 
 
 def digest(layers) -> str:
@@ -344,7 +327,7 @@ def sender_main(args) -> int:
                         if time.monotonic() - t_start > args.max_seconds:
                             log(f"time budget of {args.max_seconds} s spent: skipping the rest")
                             break
-                        layers = make_layers(values, n_layers, tokens, args.device)
+                        layers = real_kv_layers(n_layers, tokens, args.device, values, KV_HEADS, HEAD_DIM)
                         want = digest(layers)
                         gib = sum(t.nbytes for l in layers for t in l) / 2**30
                         tag = f"{fam}-{shape}-{tokens}"

@@ -9,7 +9,6 @@
 Median of 10 after warm-up, wall time per call (the call's own synchronisation included).
 """
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -21,8 +20,7 @@ import torch
 import kvzip
 from kvzip import checksum
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_transfer import make_layers, real_values  # noqa: E402
+from kvzip.testing import real_kv_layers
 
 
 def timed(f, n=10):
@@ -47,7 +45,7 @@ def old_sum64(xp, payload):
 def calls(tag, out):
     import cupy
 
-    (k, v), = make_layers(real_values(None)["smollm2"], 1, 32768, "cuda")
+    (k, v), = real_kv_layers(1, 32768, "cuda")
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         for cs in (False, True):
@@ -63,12 +61,11 @@ def calls(tag, out):
 
 BUSY = """
 import torch, kvzip, sys, time
-sys.path.insert(0, sys.argv[1])
-from bench_transfer import make_layers, real_values
-(k, v), = make_layers(real_values(None)["smollm2"], 1, 32768, "cuda")
+from kvzip.testing import real_kv_layers
+(k, v), = real_kv_layers(1, 32768, "cuda")
 blobs = kvzip.compress_many([k, v], checksum=True)
 print("busy", flush=True)
-t_end = time.time() + float(sys.argv[2])
+t_end = time.time() + float(sys.argv[1])
 while time.time() < t_end:
     kvzip.decompress_many(blobs)
 """
@@ -77,7 +74,7 @@ while time.time() < t_end:
 def main():
     out = {"gpu": torch.cuda.get_device_name()}
     calls("alone", out)
-    p = subprocess.Popen([sys.executable, "-c", BUSY, os.path.dirname(os.path.abspath(__file__)), "25"],
+    p = subprocess.Popen([sys.executable, "-c", BUSY, "25"],
                          stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "busy"
     calls("beside a busy process", out)

@@ -36,7 +36,7 @@ __all__ = [
     "escape_heavy_arrays", "kv_like_bits", "shapes", "codebooks", "chunk_sizes", "pipelines", "pipeline_configs",
     "views", "quantize_fp8_available", "as_float", "as_torch", "bits_of", "assert_bits_equal",
     "assert_roundtrip", "CHUNK_SIZES", "blob_parts", "build_blob", "reseal", "with_metadata_text", "nested_json",
-    "hostile_blobs",
+    "hostile_blobs", "real_kv_layers",
 ]
 
 CHUNK_SIZES = tuple(1 << k for k in range(3, 17))  # 8 .. 65536, every chunk EscapeStream accepts
@@ -371,6 +371,28 @@ def as_torch(bits, fmt):
     signed = {1: np.uint8, 2: np.int16, 4: np.int32}[fmt.itemsize]
     a = np.ascontiguousarray(bits).view(fmt.uint_dtype).view(signed)
     return torch.from_numpy(a).view(getattr(torch, fmt.dtype_name))
+
+
+def real_kv_layers(n_layers: int, tokens: int, device: str = "cpu", values=None, kv_heads: int = 8,
+                   head_dim: int = 128) -> list:
+    """(k, v) torch bfloat16 tensors per layer, each [kv_heads, tokens, head_dim] (Llama-3's KV
+    shape by default), tiled from real BF16 KV bits: ``values`` (1-D uint16), by default the
+    shipped SmolLM2 prose sample.  Each tensor starts at its own offset of the values."""
+    import torch
+
+    if values is None:
+        from .data import load_sample
+
+        values = np.concatenate([v.view(np.uint16).reshape(-1) for v in load_sample("prose").values()])
+    n = kv_heads * tokens * head_dim
+    src = torch.from_numpy(values.astype(np.int16)).to(device)
+    tiled = src.repeat(-(-(n + src.numel()) // src.numel()))
+    layers = []
+    for i in range(n_layers):
+        offsets = [(i * 2 + j) * 7919 % src.numel() for j in range(2)]
+        layers.append(tuple(tiled[o:o + n].view(torch.bfloat16).reshape(kv_heads, tokens, head_dim).clone()
+                            for o in offsets))
+    return layers
 
 
 def bits_of(x) -> tuple[np.ndarray, str, tuple[int, ...]]:

@@ -6,7 +6,6 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 import torch
 
@@ -14,7 +13,7 @@ import cupy  # noqa: F401  tests/conftest.py collects tests/gpu only where CuPy 
 
 import kvzip
 from kvzip import transfer
-from kvzip.data import load_sample
+from kvzip.testing import real_kv_layers
 
 if not torch.cuda.is_available():
     pytest.skip("torch has no CUDA", allow_module_level=True)
@@ -22,12 +21,7 @@ if not torch.cuda.is_available():
 
 def real_layers(n=8, tokens=2048, device="cuda"):
     """(k, v) pairs, [8, tokens, 128] bf16, tiled from the shipped real KV."""
-    bits = np.concatenate([v.view(np.uint16).ravel() for v in load_sample("prose").values()])
-    src = torch.from_numpy(bits.astype(np.int16)).to(device)
-    size = 8 * tokens * 128
-    tiled = src.repeat(-(-(size + src.numel()) // src.numel()))
-    return [tuple(tiled[(2 * i + j) * 977:(2 * i + j) * 977 + size].view(torch.bfloat16).reshape(8, tokens, 128).clone()
-                  for j in range(2)) for i in range(n)]
+    return real_kv_layers(n, tokens, device)
 
 
 def same(a, b):
