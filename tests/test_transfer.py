@@ -497,3 +497,13 @@ def test_tensors_with_torch_lazy_bits_arrive_as_their_values(link, codec):
     got = rx.receive("lazy")
     assert got[0].view(torch.uint8).tolist() == (x8.view(torch.uint8) ^ 0x80).tolist()
     assert got[1][0].tolist() == [-2.0, 4.0] and got[1][1].tolist() == [1 - 2j, -3 - 0.5j]
+
+
+def test_a_closed_sender_frees_its_window_before_close_returns():
+    """With max_senders=1, Senders one after the other never find the receiver still busy
+    with the one before: close() waits until the receiver has let its window go."""
+    with transfer.Receiver(engine="loopback", slot_bytes=1 << 20) as rx:
+        for i in range(20):
+            with transfer.Sender(rx.address, engine="loopback", codec="raw") as tx:
+                tx.send(f"r{i}", real_layers(1)).wait(timeout=30)
+            assert len(rx.receive(f"r{i}")) == 1

@@ -277,9 +277,8 @@ def decode_side(conn, engine: str, device: str, tokens: int, model=None, tokeniz
         tensor_bytes = kv_bytes_per_token(model.config) // model.config.num_hidden_layers // 2 * tokens
         default = transfer.receiver.DEFAULT_SLOT["cpu" if device == "cpu" else "cuda"]
         slot = -(-max(default, 2 * align(tensor_bytes)) // 256) * 256
-        # One Sender per run, one after the other: two windows of the ring, so that a run never
-        # waits for the receiver to notice that the previous run's Sender has closed.
-        with transfer.Receiver(engine=engine, device=device, slot_bytes=slot, max_senders=2) as rx:
+        # One Sender per run, one after the other (a Sender's close returns once its window is free).
+        with transfer.Receiver(engine=engine, device=device, slot_bytes=slot) as rx:
             conn.send({"address": rx.address})
             while True:
                 msg = conn.recv()

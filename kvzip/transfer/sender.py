@@ -241,10 +241,20 @@ class Sender:
             self._cancel(h)
 
     def close(self) -> None:
-        """Fail what is still in flight, stop the threads, unregister memory.  Idempotent."""
+        """Fail what is still in flight, stop the threads, unregister memory.  Idempotent.
+        Returns once the receiver has let this sender's ring window go, so the next Sender can
+        connect at once, even to a receiver of max_senders=1."""
         if self._closed:
             return
         self._closed = True
+        if self._error is None:
+            # Half-close: the receiver reads the end of the control stream, frees the window and
+            # closes its side, which ends this sender's reader.
+            try:
+                self._chan.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            self._threads[0].join(timeout=self.timeout)  # the reader (stages' first)
         self._fail(TransferError("the sender was closed"))
         self._to_encode.put(None)
         for t in self._threads:
