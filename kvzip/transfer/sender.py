@@ -38,6 +38,7 @@ log = logging.getLogger("kvzip.transfer")
 
 MIN_GROUP = 8 << 20     # a compress call should carry a few MiB, or its fixed cost shows
 TARGET_GROUPS = 8       # enough groups that the pipeline's fill is a small part of the time
+STAGING_SLOTS = 3       # a group being encoded, one being written, one between: the stages overlap
 FIRST_GROUP = 4 << 20   # the first group closes early, so the wire starts after a short encode;
                         # a large last layer travels alone, so the decode after the wire is short
 
@@ -128,12 +129,10 @@ class Sender:
     """
 
     def __init__(self, address: str, *, engine="mooncake", codec="kvzip", link_gbps: float | None = None,
-                 group_bytes: int | None = None, staging_slots: int = 3, timeout: float = 30.0):
+                 group_bytes: int | None = None, timeout: float = 30.0):
         self.codec, self._wire = _wire_of(codec)
         if group_bytes is not None and (type(group_bytes) is not int or group_bytes <= 0):
             raise ValueError(f"group_bytes must be a positive int, got {group_bytes!r}")
-        if type(staging_slots) is not int or staging_slots < 1:
-            raise ValueError(f"staging_slots must be a positive int, got {staging_slots!r}")
         self.timeout = float(timeout)
         self._group_bytes = group_bytes
         self._pacer = Pacer(link_gbps) if link_gbps is not None else None
@@ -168,7 +167,6 @@ class Sender:
         self._free_remote: queue.Queue = queue.Queue()
         for s in range(self._slots):
             self._free_remote.put(s)
-        self._staging_slots = staging_slots
         self._staging: Buffer | None = None
         self._free_staging: queue.Queue = queue.Queue()
         self._device = None
@@ -318,9 +316,9 @@ class Sender:
         """Registered staging memory on the first tensor's device; ``_staging`` is set last, so a
         thread that sees it sees everything else too."""
         self._device = device
-        staging = Buffer(self._staging_slots * self.slot_bytes, device)
+        staging = Buffer(STAGING_SLOTS * self.slot_bytes, device)
         self._engine.register(staging.ptr, staging.nbytes, device)
-        for s in range(self._staging_slots):
+        for s in range(STAGING_SLOTS):
             self._free_staging.put(s)
         self._auto = AutoChooser(device, self._link_gbps)
         if device != "cpu":
