@@ -15,7 +15,7 @@ from macro_ab import call_and_graph, spans
 
 import kvzip
 from kvzip.bench import _sample_bits, _timer, format_bits
-from kvzip.stages import call_graphs
+from kvzip.gpu import graphs
 
 
 def main(formats: str = "e5m2,bf16", chunks: str = "4096,8192,16384,32768", rounds: str = "2",
@@ -29,7 +29,7 @@ def main(formats: str = "e5m2,bf16", chunks: str = "4096,8192,16384,32768", roun
         for r in range(int(rounds)):
             for chunk in (int(c) for c in chunks.split(",")):
                 pipe = kvzip.splitzip_pipeline(chunk=chunk)
-                call_graphs.release()
+                graphs.release()
                 row = []
                 blob = pipe.encode(x, dtype=fmt)
                 for call in (lambda: pipe.encode(x, dtype=fmt), lambda: pipe.decode(blob)):

@@ -1,4 +1,4 @@
-"""What programmatic dependent launches (stages/dependent_launch.py) buy a call: a development aid
+"""What programmatic dependent launches (kvzip/gpu/dependent_launch.py) buy a call: a development aid
 behind benchmarks/NOTES.md (v20).  For BF16 and E5M2 at 2^28 values (the bench's data) and BF16
 at 1 MiB: the wall time of compress and decompress (CUDA events, median of 30 after warm-up, as
 bench_codec.py measures) and of replaying the call's graph alone, with the graphs recorded with
@@ -11,7 +11,7 @@ import cupy
 
 import kvzip
 from kvzip.bench import _sample_bits, _timer, e5m2_bits
-from kvzip.stages import call_graphs, dependent_launch
+from kvzip.gpu import graphs, dependent_launch
 
 VARIANTS = {"plain": False, "dependent": True}
 
@@ -33,7 +33,7 @@ def measure(x, fmt, timeit):
             blob = kvzip.compress(x, dtype=fmt)
             call = lambda: kvzip.decompress(blob)  # noqa: E731
         t_call, last = timeit(call)  # last: what the staged tables point at, alive for the replay
-        prog = [e for e in call_graphs.entries() if type(e).__name__ != "_HeadsProgram"][-1]
+        prog = [e for e in graphs.entries() if type(e).__name__ != "_HeadsProgram"][-1]
         t_graph, _ = timeit(lambda: prog.shape.run(stream))
         assert prog.shape.graph
         out += [t_call, t_graph]
@@ -48,13 +48,13 @@ def main(rounds=3):
         for name, x, fmt in cases():
             for variant, enabled in VARIANTS.items():
                 dependent_launch.ENABLED = enabled
-                call_graphs.release()
+                graphs.release()
                 t = measure(x, fmt, timeit)
                 rows.setdefault((name, variant), []).append(t)
                 print(f"round {r} {name:<11} {variant:<9} compress {t[0] * 1e6:7.1f} us (graph {t[1] * 1e6:6.1f})"
                       f"  decompress {t[2] * 1e6:7.1f} us (graph {t[3] * 1e6:6.1f})", flush=True)
     dependent_launch.ENABLED = True
-    call_graphs.release()
+    graphs.release()
     print(f"{'case':<11} {'variant':<9} {'compress us':>15} {'graph':>15} {'decompress us':>15} {'graph':>15}")
     for (name, variant), ts in rows.items():
         cols = [f"{min(t[i] for t in ts) * 1e6:6.1f}-{max(t[i] for t in ts) * 1e6:6.1f}" for i in range(4)]

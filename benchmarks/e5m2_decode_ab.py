@@ -10,10 +10,10 @@ import cupy
 
 import kvzip
 from kvzip.bench import _sample_bits, _timer, e5m2_bits
-from kvzip.stages import call_graphs, fused_fast, quantize_fast
+from kvzip.gpu import graphs, programs, quantize_kernels
 
 QUAD_SWITCH = "if constexpr (E5M2 && !DQ) {"  # the decoder's dispatch to decode_e5m2_quads
-_source = quantize_fast.cuda_source
+_source = quantize_kernels.cuda_source
 
 
 def build(variant: str) -> None:
@@ -25,11 +25,11 @@ def build(variant: str) -> None:
             text = text.replace(QUAD_SWITCH, "if constexpr (false) {")
         return text
 
-    quantize_fast.cuda_source = source
-    fused_fast._module.cache_clear()
-    fused_fast._kernels.clear()
-    fused_fast._grid_cap.cache_clear()
-    call_graphs.release()
+    quantize_kernels.cuda_source = source
+    programs._module.cache_clear()
+    programs._kernels.clear()
+    programs._grid_cap.cache_clear()
+    graphs.release()
 
 
 def main(n=1 << 28, rounds=3):

@@ -2,7 +2,7 @@
 
     python benchmarks/graph_nodes.py
 
-A fast-path call is one small graph (stages/call_graphs.py): table upload, two to four kernels,
+A fast-path call is one small graph (kvzip/gpu/graphs.py): table upload, two to four kernels,
 a download of a few bytes.  This replays graphs made of those pieces alone, with kernels that do
 nothing, and prints the median time of each (CUDA events around the launch, 400 replays), so the
 difference between two lines is what a node costs.  The last lines are the copy nodes' stand-in:

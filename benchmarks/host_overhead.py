@@ -13,7 +13,7 @@ import cupy
 
 import kvzip
 from kvzip.bench import _sample_bits, _timer
-from kvzip.stages import call_graphs
+from kvzip.gpu import graphs
 
 timeit = _timer(cupy, 50)
 print(f"{'values':>8} {'op':<10} {'api us':>9} {'graph us':>9} {'host us':>8}")
@@ -23,9 +23,9 @@ for log2 in [int(a) for a in sys.argv[1:]] or [19, 23, 28]:
         if call is None:
             blob = kvzip.compress(x, dtype="bf16")
             call = lambda: kvzip.decompress(blob)  # noqa: E731
-        call_graphs.release()
+        graphs.release()
         t_api, last = timeit(call)  # last: the output the staged tables point at, kept alive for the replay
-        prog = [e for e in call_graphs.entries() if type(e).__name__ != "_HeadsProgram"][-1]  # the last used
+        prog = [e for e in graphs.entries() if type(e).__name__ != "_HeadsProgram"][-1]  # the last used
         stream = cupy.cuda.get_current_stream()
         t_graph, _ = timeit(lambda: prog.shape.run(stream))
         del last

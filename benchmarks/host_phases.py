@@ -2,7 +2,7 @@
 
     python benchmarks/host_phases.py [log2_values ...]     # default: 28 23 19
 
-Stamps the host clock around the cached CUDA graph's launch and wait (stages/call_graphs.py) in
+Stamps the host clock around the cached CUDA graph's launch and wait (kvzip/gpu/graphs.py) in
 kvzip.compress / decompress of BF16 (and of E5M2 at the first size), and compress_many /
 decompress_many of 64 x 8 MiB, and prints the median of each phase:
 
@@ -11,7 +11,7 @@ decompress_many of 64 x 8 MiB, and prints the median of each phase:
     between  from the launch to the wait: host work the GPU's run hides (result arrays, and for
              batches of encodes, the wait for the published sizes)
     wait     the synchronisation (for an encode that returns before its scan ends,
-             fused_fast.EARLY_RETURN, the detach in its place: ~0)
+             programs.EARLY_RETURN, the detach in its place: ~0)
     post     from the wait to the return: on the wall time again
 """
 import sys
@@ -22,10 +22,10 @@ import numpy as np
 
 import kvzip
 from kvzip.bench import _sample_bits, batch_parts, e5m2_bits
-from kvzip.stages import call_graphs
+from kvzip.gpu import graphs
 
 _stamps = []
-_launch, _wait, _detach = call_graphs.CallShape.launch, call_graphs.CallShape.wait, call_graphs.CallShape.detach
+_launch, _wait, _detach = graphs.CallShape.launch, graphs.CallShape.wait, graphs.CallShape.detach
 
 
 def _stamped_launch(self, stream):
@@ -50,7 +50,7 @@ def _stamped_detach(self, stream):
 def phase_medians(call, repeat=40) -> np.ndarray:
     """Median (us) over repeat calls of pre, launch, between, wait, post and total (the module's
     docstring), CallShape's launch, wait and detach stamped meanwhile."""
-    shape = call_graphs.CallShape
+    shape = graphs.CallShape
     shape.launch, shape.wait, shape.detach = _stamped_launch, _stamped_wait, _stamped_detach
     try:
         for _ in range(5):

@@ -20,7 +20,7 @@ import kvzip
 from kvzip import api, arrays
 from kvzip.backends import get_backend
 from kvzip.bench import _sample_bits
-from kvzip.stages import call_graphs, fused_fast, known_headers
+from kvzip.gpu import graphs, programs, layout_cache
 
 
 def cost_us(step, n=2000) -> float:
@@ -48,10 +48,10 @@ def report(title, steps) -> None:
 def decode_steps(blob) -> list:
     u8, origin = arrays.import_bytes(blob)
     be = get_backend("cuda")
-    layout = known_headers.guess(u8.shape[0])
-    pair = known_headers._fused_dequantize((layout,), (u8,))
-    views = known_headers._views((layout,), pair, origin)
-    prog, stream = fused_fast.decode_program(layout.fmt, layout.chunk, (layout.n,), None, (layout.key,))
+    layout = layout_cache.guess(u8.shape[0])
+    pair = layout_cache._fused_dequantize((layout,), (u8,))
+    views = layout_cache._views((layout,), pair, origin)
+    prog, stream = programs.decode_program(layout.fmt, layout.chunk, (layout.n,), None, (layout.key,))
     out = arrays.ResultBuffer(prog.out_bytes, origin)
     staged, ptr = prog.shape.staged, u8.data.ptr
 
@@ -72,19 +72,19 @@ def decode_steps(blob) -> list:
         ("backends.get_backend", lambda: get_backend("cuda")),
         ("origin.stream_context (enter, exit)", context),
         ("the alignment check", lambda: type(u8) is arrays.cupy_ndarray() and not arrays.aligned(u8)),
-        ("fused_fast.applicable", lambda: fused_fast.applicable(be, 0, u8)),
-        ("known_headers.guess", lambda: known_headers.guess(u8.shape[0])),
-        ("known_headers._fused_dequantize", lambda: known_headers._fused_dequantize((layout,), (u8,))),
-        ("known_headers._views", lambda: known_headers._views((layout,), pair, origin)),
-        ("fused_fast.decode_program (device, stream, key)",
-         lambda: fused_fast.decode_program(layout.fmt, layout.chunk, (layout.n,), None, (layout.key,))),
+        ("programs.applicable", lambda: programs.applicable(be, 0, u8)),
+        ("layout_cache.guess", lambda: layout_cache.guess(u8.shape[0])),
+        ("layout_cache._fused_dequantize", lambda: layout_cache._fused_dequantize((layout,), (u8,))),
+        ("layout_cache._views", lambda: layout_cache._views((layout,), pair, origin)),
+        ("programs.decode_program (device, stream, key)",
+         lambda: programs.decode_program(layout.fmt, layout.chunk, (layout.n,), None, (layout.key,))),
         ("arrays.ResultBuffer", lambda: arrays.ResultBuffer(prog.out_bytes, origin)),
         ("run_one: staged addresses", stage_row),
         ("-- between launch and wait: views", lambda: views(out, prog.offsets)),
         ("-- after the wait: the error word", lambda: int(prog.shape.down64[1])),
-        ("-- after the wait: known_headers._note", lambda: known_headers._note(layout)),
-        ("-- after the wait: known_headers._handed_out",
-         lambda: known_headers._handed_out([got[0]], [u8], (layout,), pair, views, origin)),
+        ("-- after the wait: layout_cache._note", lambda: layout_cache._note(layout)),
+        ("-- after the wait: layout_cache._handed_out",
+         lambda: layout_cache._handed_out([got[0]], [u8], (layout,), pair, views, origin)),
     ]
 
 
@@ -93,8 +93,8 @@ def encode_steps(x) -> list:
     be = get_backend("cuda")
     pipe = api._default(None, False, api.DEFAULT_CHUNK)
     lane = pipe._lane(fmt, shape, be, bits)
-    device, stream = fused_fast._current()
-    prog = fused_fast._encode_program((lane.plan,), lane, device)
+    device, stream = programs._current()
+    prog = programs._encode_program((lane.plan,), lane, device)
     buffer = arrays.ResultBuffer(prog.total, origin)
     staged, ptr = prog.shape.staged, bits.data.ptr
 
@@ -119,8 +119,8 @@ def encode_steps(x) -> list:
         ("origin.stream_context (enter, exit)", context),
         ("api._default", lambda: api._default(None, False, api.DEFAULT_CHUNK)),
         ("Pipeline._lane", lambda: pipe._lane(fmt, shape, be, bits)),
-        ("fused_fast._current", fused_fast._current),
-        ("fused_fast._encode_program", lambda: fused_fast._encode_program((lane.plan,), lane, device)),
+        ("programs._current", programs._current),
+        ("programs._encode_program", lambda: programs._encode_program((lane.plan,), lane, device)),
         ("arrays.ResultBuffer", lambda: arrays.ResultBuffer(prog.total, origin)),
         ("launch: staged addresses", stage_addresses),
         ("-- between launch and wait: buffer.places", lambda: buffer.places(prog.starts)),
@@ -131,13 +131,13 @@ def encode_steps(x) -> list:
 def stubbed_call_us(call) -> float:
     """A whole call's host cost with the graph's launch and wait stubbed out (the wait hands back
     the last call's download: no error), in a loop: the steps above as one path."""
-    launch, wait = call_graphs.CallShape.launch, call_graphs.CallShape.wait
-    call_graphs.CallShape.launch = lambda self, stream: None
-    call_graphs.CallShape.wait = lambda self, stream: self.host_down
+    launch, wait = graphs.CallShape.launch, graphs.CallShape.wait
+    graphs.CallShape.launch = lambda self, stream: None
+    graphs.CallShape.wait = lambda self, stream: self.host_down
     try:
         return cost_us(call) - cost_us(lambda: None)
     finally:
-        call_graphs.CallShape.launch, call_graphs.CallShape.wait = launch, wait
+        graphs.CallShape.launch, graphs.CallShape.wait = launch, wait
 
 
 def main(argv) -> None:
@@ -152,7 +152,7 @@ def main(argv) -> None:
     for label, forget in (("repeated (the shortcuts)", False), ("the full path (kept calls dropped)", True)):
         def again(call, name):
             if forget:
-                return lambda: (call_graphs.remember(name, None), call())
+                return lambda: (graphs.remember(name, None), call())
             return call
         d = stubbed_call_us(again(lambda: kvzip.decompress(blob), "decode"))
         e = stubbed_call_us(again(lambda: kvzip.compress(x, dtype="bf16"), "encode"))

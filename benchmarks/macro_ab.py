@@ -1,4 +1,4 @@
-"""Kernel variants chosen by macros of stages/fused_fast.cu, alternated in one process: each
+"""Kernel variants chosen by macros of kvzip/gpu/kernels/fused_fast.cu, alternated in one process: each
 setting rebuilds the kernels with its macros defined in front of the source (benchmarks/NOTES.md,
 v23: claim units of FP8 chunks, since removed; v24: KVZ_QUEUES, and the E5M2 encoder's position
 tables, since the only way).
@@ -8,7 +8,7 @@ tables, since the only way).
 
 SETTINGS: settings separated by ";", each NAME=VALUE macros separated by "," ("-" for none: the
 shipped defaults); a NAME of shape.encode.FMT or shape.decode.FMT with a value GxB sets that
-kernel's shape (fused_fast.ENCODE_SHAPE / DECODE_SHAPE) instead, and py.NAME=V sets fused_fast's
+kernel's shape (programs.ENCODE_SHAPE / DECODE_SHAPE) instead, and py.NAME=V sets programs's
 integer NAME (its shipped value restored by the next setting).
 FORMATS: e5m2 (default), bf16, fp16, fp32, quantize (QuantizeFP8 + E5M2 of the BF16 data), batch
 (the BF16 data as 64 tensors through compress_many / decompress_many, as the bench's batch).
@@ -22,36 +22,36 @@ import cupy
 
 import kvzip
 from kvzip.bench import _sample_bits, _timer, batch_parts, format_bits, quantize_pipelines
-from kvzip.stages import call_graphs, fused_fast, quantize_fast
+from kvzip.gpu import graphs, programs, quantize_kernels
 
-_SOURCE = quantize_fast.cuda_source  # the shipped text, before build() wraps it
-_SHAPES = {"encode": dict(fused_fast.ENCODE_SHAPE), "decode": dict(fused_fast.DECODE_SHAPE)}  # shipped
-_SET = {}  # fused_fast attributes a setting changed: their shipped values
+_SOURCE = quantize_kernels.cuda_source  # the shipped text, before build() wraps it
+_SHAPES = {"encode": dict(programs.ENCODE_SHAPE), "decode": dict(programs.DECODE_SHAPE)}  # shipped
+_SET = {}  # programs attributes a setting changed: their shipped values
 
 
 def build(setting: str) -> None:
     """The fused kernels with setting's macros defined and shapes set, from the next call on."""
     tokens = [m for m in setting.split(",") if m and m != "-"]
-    fused_fast.ENCODE_SHAPE.update(_SHAPES["encode"])
-    fused_fast.DECODE_SHAPE.update(_SHAPES["decode"])
+    programs.ENCODE_SHAPE.update(_SHAPES["encode"])
+    programs.DECODE_SHAPE.update(_SHAPES["decode"])
     for name, value in _SET.items():
-        setattr(fused_fast, name, value)
+        setattr(programs, name, value)
     for m in tokens:
         if m.startswith("py."):
             name, value = m[3:].split("=")
-            _SET.setdefault(name, getattr(fused_fast, name))
-            setattr(fused_fast, name, int(value))
+            _SET.setdefault(name, getattr(programs, name))
+            setattr(programs, name, int(value))
         elif m.startswith("shape."):
             name, value = m.split("=")
             _, kind, fmt = name.split(".")
-            table = fused_fast.ENCODE_SHAPE if kind == "encode" else fused_fast.DECODE_SHAPE
+            table = programs.ENCODE_SHAPE if kind == "encode" else programs.DECODE_SHAPE
             table[fmt] = tuple(int(v) for v in value.split("x"))
     defines = "".join(f"#define {m.replace('=', ' ')}\n" for m in tokens if not m.startswith(("shape.", "py.")))
-    quantize_fast.cuda_source = lambda name: defines + _SOURCE(name) if name == "fused_fast.cu" else _SOURCE(name)
-    fused_fast._module.cache_clear()
-    fused_fast._kernels.clear()
-    fused_fast._grid_cap.cache_clear()
-    call_graphs.release()  # cached programs hold the previous kernels
+    quantize_kernels.cuda_source = lambda name: defines + _SOURCE(name) if name == "fused_fast.cu" else _SOURCE(name)
+    programs._module.cache_clear()
+    programs._kernels.clear()
+    programs._grid_cap.cache_clear()
+    graphs.release()  # cached programs hold the previous kernels
 
 
 def inputs(names: list, n: int) -> dict:
@@ -81,9 +81,9 @@ def _same(a, b, flat=False) -> bool:
 
 def call_and_graph(timeit, call, stream) -> tuple:
     """(call us, its graph's replay alone us, the call's result): call timed by timeit, then the
-    program it just ran replayed (call_graphs' last entry)."""
+    program it just ran replayed (graphs' last entry)."""
     t, out = timeit(call)
-    prog = call_graphs.entries()[-1]  # the program of the call just timed
+    prog = graphs.entries()[-1]  # the program of the call just timed
     g, _ = timeit(lambda: prog.shape.run(stream))
     return t * 1e6, g * 1e6, out
 

@@ -1,6 +1,6 @@
 """What the shortcuts for a call like the last one save (kvzip/api.py: _EncodeRepeat;
-stages/known_headers.py: decode_again; benchmarks/NOTES.md, v22).  A development aid:
-kvzip.compress / decompress of real values with the shortcuts on and off (call_graphs.KEEP; off: the
+kvzip/gpu/layout_cache.py: decode_again; benchmarks/NOTES.md, v22).  A development aid:
+kvzip.compress / decompress of real values with the shortcuts on and off (graphs.KEEP; off: the
 full path, as before v22), alternated in one process; CUDA events around each call as the bench measures
 one (median of 40 after warm-up).  Each decompress round cycles through blobs of one shape with
 different escape counts (so different lengths), as a serving loop's are.
@@ -14,11 +14,11 @@ import numpy as np
 
 import kvzip
 from kvzip.bench import _sample_bits, _timer, format_bits
-from kvzip.stages import call_graphs
+from kvzip.gpu import graphs
 
 
 def shortcuts(on: bool) -> None:
-    call_graphs.KEEP = on
+    graphs.KEEP = on
 
 
 def with_escapes(bits: np.ndarray, k: int) -> np.ndarray:

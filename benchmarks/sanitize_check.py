@@ -9,7 +9,7 @@ import numpy as np
 
 import kvzip
 from kvzip.formats import FORMATS
-from kvzip.stages import fused_fast
+from kvzip.gpu import programs
 
 rng = np.random.default_rng(7)
 
@@ -25,7 +25,7 @@ def case(fmt, n, heavy):
 
 
 for enabled in (True, False):
-    fused_fast.ENABLED = enabled
+    programs.ENABLED = enabled
     for fmt in FORMATS.values():
         for n, heavy in ((5000, False), (20000, True), (1, False), (0, False)):
             bits = case(fmt, n, heavy)
@@ -50,7 +50,7 @@ for enabled in (True, False):
         pass
 # Repeated shapes: CUDA graph replay, the encode lanes and remembered decode layouts, with escape
 # counts that differ from call to call.
-fused_fast.ENABLED = True
+programs.ENABLED = True
 for rate in (0.0, 0.01, 0.05, 0.002):
     bits = case(FORMATS["bf16"], 70_000, False)
     hit = rng.random(bits.shape[0]) < rate
@@ -82,7 +82,7 @@ try:
     kvzip.decompress_many(forged)
 except kvzip.FormatError:
     pass
-# QuantizeFP8 per tensor (stages/quantize_fast.cu) in front, ragged lengths; repeated, so later
+# QuantizeFP8 per tensor (kvzip/gpu/kernels/quantize_fast.cu) in front, ragged lengths; repeated, so later
 # decodes take the remembered layout with the dequantize fused into kvz_decode.
 from kvzip import stages as S  # noqa: E402
 
@@ -96,12 +96,12 @@ for n in (70_001, 70_001, 70_001, 13):
 # Guessed layouts (no header read-back; the scan's guess_head): a blob of another shape, one cut at
 # the guessed layout's fixed bytes, one with a broken header: each must miss on the GPU without
 # reading past its blob, and go the checked way.
-from kvzip.stages import known_headers  # noqa: E402
+from kvzip.gpu import layout_cache  # noqa: E402
 
 x = cupy.asarray(case(FORMATS["bf16"], 50_000, False))
 blob = kvzip.compress(x, dtype="bf16")
 kvzip.decompress(blob)
-layout = known_headers.guess(blob.shape[0])
+layout = layout_cache.guess(blob.shape[0])
 assert layout is not None
 broken = blob.copy()
 broken[44] ^= 1

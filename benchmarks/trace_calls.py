@@ -23,7 +23,8 @@ import numpy as np
 import kvzip
 from kvzip import api, container
 from kvzip.data import load_sample
-from kvzip.stages import call_graphs, fused_fast, known_headers, serialize
+from kvzip.gpu import graphs, programs, layout_cache
+from kvzip.stages import serialize
 
 args = sys.argv[1:]
 mode = args.pop(0) if args and args[0] in ("ncu", "profile", "host") else "trace"
@@ -96,14 +97,14 @@ def wrap(mod, name):
 from kvzip import pipeline  # noqa: E402
 from kvzip.stages import fused  # noqa: E402
 
-extra = [(pipeline.Pipeline, "encode_frame"), (pipeline.Pipeline, "decode_frame"), (fused_fast, "_plan"),
-         (fused_fast, "_device_lut"), (call_graphs.CallShape, "put"),
-         (call_graphs, "cached"), (known_headers, "match"), (known_headers, "decode"),
+extra = [(pipeline.Pipeline, "encode_frame"), (pipeline.Pipeline, "decode_frame"), (programs, "_plan"),
+         (programs, "_device_lut"), (graphs.CallShape, "put"),
+         (graphs, "cached"), (layout_cache, "match"), (layout_cache, "decode"),
          (fused.FusedSplitPackEscape, "check"), (api, "_export_decoded"), (api, "splitzip_pipeline"),
          (pipeline, "recorded_pipeline"), (container, "stream_views")] if mode == "host" else []
 for mod, name in extra + [(api.arrays, "import_tensor"), (api.arrays, "export_bytes"), (api.arrays, "import_bytes"),
-                  (api.arrays, "export_tensor"), (fused_fast, "encode_batch"), (fused_fast, "decode_batch"),
-                  (call_graphs.CallShape, "launch"), (call_graphs.CallShape, "wait"),  # run calls both
+                  (api.arrays, "export_tensor"), (programs, "encode_batch"), (programs, "decode_batch"),
+                  (graphs.CallShape, "launch"), (graphs.CallShape, "wait"),  # run calls both
                   (container, "read_head"), (container, "parse_header"), (serialize, "open_blob")]:
     wrap(mod, name)
 N = 20

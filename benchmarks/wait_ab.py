@@ -14,7 +14,7 @@ import numpy as np
 
 import kvzip
 from kvzip.bench import _sample_bits, _timer
-from kvzip.stages import call_graphs
+from kvzip.gpu import graphs
 
 
 def host_clock(f, reps=60):
@@ -38,7 +38,7 @@ def main(sizes=(28, 19), rounds=2):
         x = cupy.asarray(_sample_bits(1 << log2))
         blob = kvzip.compress(x, dtype="bf16")
         keep = [kvzip.compress(x, dtype="bf16") for _ in range(3)] + [kvzip.decompress(blob) for _ in range(3)]
-        programs = {type(e).__name__: e for e in call_graphs.entries()}
+        programs = {type(e).__name__: e for e in graphs.entries()}
         for op, name in (("encode", "_EncodeProgram"), ("decode", "_DecodeProgram")):
             shape = programs[name].shape
 

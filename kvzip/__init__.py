@@ -3,13 +3,35 @@
     blob = kvzip.compress(kv)          # torch / CuPy / NumPy / JAX, CPU or GPU
     back = kvzip.decompress(blob)      # same framework, device, dtype, shape and bits
 """
-from .errors import FormatError  # noqa: F401
-from .formats import FORMATS, FloatFormat, get_format  # noqa: F401
-from .codebook import Codebook  # noqa: F401
-from .calibrate import calibrate  # noqa: F401
-from .pipeline import Pipeline  # noqa: F401
-from .api import compress, compress_many, decompress, decompress_many, info, splitzip_pipeline  # noqa: F401
-from . import stages  # noqa: F401  (kvzip.stages: the stage classes)
+import importlib.util as _util
+import os as _os
+import sys as _sys
+
+
+def _source_tree_subpackages() -> None:
+    """In a source checkout that is not installed (python run from the clone root), take the
+    top-level stages/ and codebooks/ as kvzip.stages and kvzip.codebooks, as pyproject.toml's
+    package-dir maps them for an install.  Installed (or editable) copies are found as usual."""
+    root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    for name in ("stages", "codebooks"):
+        full, init = f"{__name__}.{name}", _os.path.join(root, name, "__init__.py")
+        if full in _sys.modules or _util.find_spec(full) is not None or not _os.path.isfile(init):
+            continue
+        spec = _util.spec_from_file_location(full, init, submodule_search_locations=[_os.path.dirname(init)])
+        module = _util.module_from_spec(spec)
+        _sys.modules[full] = module
+        spec.loader.exec_module(module)
+
+
+_source_tree_subpackages()  # before the imports below, which reach kvzip.stages
+
+from .errors import FormatError  # noqa: F401,E402
+from .formats import FORMATS, FloatFormat, get_format  # noqa: F401,E402
+from .codebook import Codebook  # noqa: F401,E402
+from .calibrate import calibrate  # noqa: F401,E402
+from .pipeline import Pipeline  # noqa: F401,E402
+from .api import compress, compress_many, decompress, decompress_many, info, splitzip_pipeline  # noqa: F401,E402
+from . import stages  # noqa: F401,E402  (kvzip.stages: the stage classes)
 
 __version__ = "0.1.0"
 __all__ = ["compress", "decompress", "compress_many", "decompress_many", "info", "calibrate", "Codebook", "Pipeline", "FormatError", "stages",

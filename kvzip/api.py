@@ -13,7 +13,8 @@ from .backends import get_backend
 from .errors import FormatError
 from .frame import Frame
 from .pipeline import Pipeline, recorded_pipeline
-from .stages import call_graphs, fused_fast, known_headers, serialize
+from .gpu import graphs, layout_cache, programs
+from .stages import serialize
 
 DEFAULT_CHUNK = 4096
 
@@ -106,9 +107,9 @@ def encode_with(pipe: Pipeline, x, *, dtype=None, backend=None):
             blob = lane.encode(bits, origin)
             if blob is not None:
                 pipe.last_path = "fast"
-                if call_graphs.KEEP and origin.framework in ("cupy", "torch") and origin.device == "cuda" \
+                if graphs.KEEP and origin.framework in ("cupy", "torch") and origin.device == "cuda" \
                         and (dtype is None or type(dtype) is str) and math.prod(shape):
-                    call_graphs.remember("encode", _EncodeRepeat(pipe, x, dtype, origin, lane))
+                    graphs.remember("encode", _EncodeRepeat(pipe, x, dtype, origin, lane))
                 return blob
         frame = _tensor_frame(bits, fmt, shape, be)
         blob = pipe.encode_frame(frame).streams["blob"]
@@ -117,7 +118,7 @@ def encode_with(pipe: Pipeline, x, *, dtype=None, backend=None):
 
 class _EncodeRepeat:
     """What encode_with worked out for a CuPy or torch tensor that took the fast path, kept per
-    thread (call_graphs.remember) so the next tensor like it goes straight to the same program:
+    thread (graphs.remember) so the next tensor like it goes straight to the same program:
     the import, the lane and the program lookups would all come out the same.  On the H200's
     host that halved the Python ahead of the launch (11.4 -> 5.7 us; benchmarks/NOTES.md, v22).
     Like it: the same pipeline and dtype argument (None or a name), array type, dtype and shape,
@@ -147,7 +148,7 @@ class _EncodeRepeat:
 def _encode_again(pipe: Pipeline, x, dtype):
     """encode_with's blob for a tensor like the last one this thread encoded on the fast path
     (_EncodeRepeat), or None: take the full path."""
-    last = call_graphs.recall("encode")
+    last = graphs.recall("encode")
     if last is None or (dtype is not None and type(dtype) is not str):
         return None
     return last.encode(pipe, x, dtype)
@@ -155,7 +156,7 @@ def _encode_again(pipe: Pipeline, x, dtype):
 
 def decode_with(pipe: Pipeline, blob, *, backend=None):
     if backend is None and pipe.fuse:
-        got = known_headers.decode_again(blob)
+        got = layout_cache.decode_again(blob)
         if got is not None:
             pipe.last_path = "fast"
             return got
@@ -166,30 +167,30 @@ def decode_with(pipe: Pipeline, blob, *, backend=None):
             # A blob at an unaligned address (a view at an odd offset): its 2- and 4-byte streams
             # cannot be read in place by any GPU kernel, ours or CuPy's; decode an aligned copy.
             u8 = u8.copy()
-        if not (pipe.fuse and fused_fast.applicable(be, 0, u8)):
+        if not (pipe.fuse and programs.applicable(be, 0, u8)):
             u8 = _to_backend(u8, be)
             head = container.read_head(be, u8)
             hdr = container.parse_header(head, u8.shape[0])
             out = _export_decoded(pipe.decode_opened(serialize.frame_from_header(be, u8, hdr)), origin)
             container.remember_header(head, u8.shape[0], hdr)
             return out
-        layout = known_headers.guess(u8.shape[0])
+        layout = layout_cache.guess(u8.shape[0])
         if layout is not None:  # most blobs are of the layout decoded last: no header read-back
-            got = known_headers.decode_one_guessed(layout, u8, origin)
+            got = layout_cache.decode_one_guessed(layout, u8, origin)
             if got is not None:
                 pipe.last_path = "fast"
                 return got
         head = container.read_head(be, u8)
-        hit = known_headers.match(head, u8.shape[0])
+        hit = layout_cache.match(head, u8.shape[0])
         if hit is not None:  # a layout that passed every check before: straight to the kernels
             pipe.last_path = "fast"
-            return known_headers.decode([hit], [u8], origin)[0]
+            return layout_cache.decode([hit], [u8], origin)[0]
         hdr = container.parse_header(head, u8.shape[0])
         opened = serialize.frame_from_header(be, u8, hdr)
         out = _export_decoded(pipe.decode_opened(opened), origin)
         container.remember_header(head, u8.shape[0], hdr)
         if pipe.last_path == "fast":
-            known_headers.remember(head, u8.shape[0], opened, recorded_pipeline(opened.meta).stages)
+            layout_cache.remember(head, u8.shape[0], opened, recorded_pipeline(opened.meta).stages)
         return out
 
 
@@ -294,7 +295,7 @@ def _encode_many_by_lanes(pipe: Pipeline, xs, dtype, backend, out) -> list[int]:
         run = (type(x), x.dtype, x.shape, origin, lane, group) if like else None
     for indices, inputs, lanes, ptrs, origin in groups.values():
         with origin.stream_context():
-            blobs = fused_fast.encode_lanes(lanes, inputs, origin, ptrs)
+            blobs = programs.encode_lanes(lanes, inputs, origin, ptrs)
         for i, blob in zip(indices, blobs):
             if blob is None:
                 rest.append(i)
@@ -317,19 +318,19 @@ def _encode_many_general(pipe: Pipeline, xs, dtype, backend) -> list:
         bits, fmt, shape, origin = arrays.import_tensor(x, dtype)
         be = get_backend(backend or origin.backend_name)
         frame = _tensor_frame(bits, fmt, shape, be)
-        if fused is not None and st.fused_fast.applicable(be, frame.n):
+        if fused is not None and programs.applicable(be, frame.n):
             frame.meta["pipeline"] = config
             with origin.stream_context():
                 for step in steps[:-1]:  # stages ahead of the split (QuantizeFP8) run per tensor
                     frame = step.encode(frame)
-            if st.fused_fast.applicable(be, frame.n, frame.streams["data"]):
+            if programs.applicable(be, frame.n, frame.streams["data"]):
                 groups.setdefault(frame.format.name, []).append((i, frame, origin))
                 continue
         out[i] = encode_with(pipe, x, dtype=dtype, backend=backend)
     for members in groups.values():
         frames = [m[1] for m in members]
         with members[0][2].stream_context():
-            batch = st.fused_fast.encode_batch(frames, fused.top16, fused.chunk, serialize.checksum)
+            batch = programs.encode_batch(frames, fused.top16, fused.chunk, serialize.checksum)
             for j, (i, frame, origin) in enumerate(members):
                 if batch.fits[j]:
                     blob = batch.blob(j)
@@ -357,7 +358,7 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
     for i, (u8, origin) in zip(todo, arrays.import_blobs(undecoded)):
         if origin is not seen:
             seen, be = origin, get_backend(backend or origin.backend_name)
-            fast = st.fused_fast.applicable(be)
+            fast = programs.applicable(be)
             move = be.name != origin.backend_name  # NumPy bytes for the GPU backend
         if fast:
             if move:
@@ -378,10 +379,10 @@ def decode_many_with(pipe: Pipeline, blobs, *, backend=None) -> list:
             pipe.last_path = "fast"
             return out
         sizes = [g[1].shape[0] for g in gpu]
-        block, checks = st.fused_fast.head_block([g[1].data.ptr for g in gpu], sizes)  # one read-back for all
-        matched, unmatched = st.known_headers.match_many(block, sizes, checks) if pipe.fuse else \
+        block, checks = programs.head_block([g[1].data.ptr for g in gpu], sizes)  # one read-back for all
+        matched, unmatched = layout_cache.match_many(block, sizes, checks) if pipe.fuse else \
             ([], list(range(len(gpu))))
-        heads = st.fused_fast.heads_from_block(block[unmatched], [gpu[j][1] for j in unmatched])
+        heads = programs.heads_from_block(block[unmatched], [gpu[j][1] for j in unmatched])
         launched = _decode_known(matched, gpu, out) or launched
         fused = _decode_general(pipe, [(gpu[j], head) for j, head in zip(unmatched, heads)], out)
     pipe.last_path = "fast" if launched or fused else pipe.last_path
@@ -395,17 +396,17 @@ def _decode_like_batch(blobs: list, out: list) -> list[int] | None:
     general loops: NOTES v18).  Fills out; returns the positions left to decode the checked way (a
     wrong guess), or None where the batch is not of that kind."""
     found = arrays.blob_addresses(blobs)
-    if found is None or not fused_fast.applicable(get_backend("cuda")):
+    if found is None or not programs.applicable(get_backend("cuda")):
         return None
     origin, ptrs, lengths = found
-    guesses = known_headers.guess_many(lengths)
+    guesses = layout_cache.guess_many(lengths)
     layout = guesses[0]
     if layout is None or any(g is not layout for g in guesses):
         return None
     if layout.dequantize is not None and origin.framework != "cupy":  # its scale is read through CuPy arrays
         return None
     with origin.stream_context():
-        got, misses = known_headers.decode_guessed(guesses, blobs, range(len(blobs)), origin, (ptrs, lengths))
+        got, misses = layout_cache.decode_guessed(guesses, blobs, range(len(blobs)), origin, (ptrs, lengths))
     out[:] = got
     return misses
 
@@ -423,7 +424,7 @@ def _decode_general(pipe: Pipeline, rest: list, out: list) -> bool:
         recorded = recorded_pipeline(frame.meta)
         recorded.check_streams(frame)
         steps = recorded._steps(recorded.stages[:-1])
-        if steps and isinstance(steps[-1], st.FusedSplitPackEscape) and st.fused_fast.decode_applicable(frame):
+        if steps and isinstance(steps[-1], st.FusedSplitPackEscape) and programs.decode_applicable(frame):
             fused = steps[-1]
             cb = fused.check(frame)
             groups.setdefault((frame.format.name, fused.chunk), []).append((i, frame, origin, steps, cb, head, u8, hdr))
@@ -431,7 +432,7 @@ def _decode_general(pipe: Pipeline, rest: list, out: list) -> bool:
             out[i] = _export_decoded(recorded.decode_frame_steps(frame), origin)
             container.remember_header(head, u8.shape[0], hdr)
     for (_, chunk), members in groups.items():
-        dsts = st.fused_fast.decode_batch([m[1] for m in members], chunk, [m[4] for m in members],
+        dsts = programs.decode_batch([m[1] for m in members], chunk, [m[4] for m in members],
                                           [m[0] for m in members])
         for (i, opened, origin, steps, _, head, u8, hdr), dst in zip(members, dsts):
             frame = steps[-1].finish_decode(opened, dst)
@@ -440,16 +441,16 @@ def _decode_general(pipe: Pipeline, rest: list, out: list) -> bool:
             out[i] = _export_decoded(frame, origin)
             container.remember_header(head, u8.shape[0], hdr)
             if pipe.fuse:
-                st.known_headers.remember(head, u8.shape[0], opened, recorded_pipeline(opened.meta).stages)
+                layout_cache.remember(head, u8.shape[0], opened, recorded_pipeline(opened.meta).stages)
     return bool(groups)
 
 
 def _decode_guessed(gpu: list, out: list) -> list[int]:
     """Decode the blobs of gpu (entries (index, bytes, origin, backend)) whose layout
-    known_headers.guess_many can guess: one program run per format, chunk size and caller
+    layout_cache.guess_many can guess: one program run per format, chunk size and caller
     framework, each header checked against its guess on the GPU.  Returns the positions in gpu
     left to decode the checked way (no guess, or a wrong one)."""
-    guesses = known_headers.guess_many([g[1].shape[0] for g in gpu])
+    guesses = layout_cache.guess_many([g[1].shape[0] for g in gpu])
     origin = gpu[0][2]
     if guesses[0] is not None and all(g is guesses[0] for g in guesses) and all(g[2] is origin for g in gpu):
         runs = {None: (list(range(len(gpu))), guesses)}  # the usual batch: one layout and caller
@@ -462,7 +463,7 @@ def _decode_guessed(gpu: list, out: list) -> list[int]:
                 layouts.append(layout)
     left = [j for j, layout in enumerate(guesses) if layout is None]
     for pos, layouts in runs.values():
-        got, misses = known_headers.decode_guessed(layouts, [gpu[j][1] for j in pos], [gpu[j][0] for j in pos],
+        got, misses = layout_cache.decode_guessed(layouts, [gpu[j][1] for j in pos], [gpu[j][0] for j in pos],
                                                    gpu[pos[0]][2])
         for j, value in zip(pos, got):
             if value is not None:
@@ -472,7 +473,7 @@ def _decode_guessed(gpu: list, out: list) -> list[int]:
 
 
 def _decode_known(matched: list, gpu: list, out: list) -> bool:
-    """Decode the blobs known_headers.match_many matched (groups of one layout, batch positions,
+    """Decode the blobs layout_cache.match_many matched (groups of one layout, batch positions,
     job rows): one program run per format, chunk size and caller framework.  Returns whether
     there were any."""
     runs: dict = {}  # (format, chunk, origin) -> [(layout, positions, jobs)]
@@ -487,7 +488,7 @@ def _decode_known(matched: list, gpu: list, out: list) -> bool:
     for members in runs.values():
         pos = np.concatenate([m[1] for m in members]).tolist()
         layouts = [m[0] for m in members for _ in m[1]]
-        got = known_headers.decode_rows(layouts, np.concatenate([m[2] for m in members]), [gpu[j][1] for j in pos],
+        got = layout_cache.decode_rows(layouts, np.concatenate([m[2] for m in members]), [gpu[j][1] for j in pos],
                                         [gpu[j][0] for j in pos], gpu[pos[0]][2])
         for j, value in zip(pos, got):
             out[gpu[j][0]] = value

@@ -168,7 +168,7 @@ def run(values_log2=28, repeat=20, out_dir="benchmarks/results", quick=False):
     import cupy
 
     import kvzip
-    from kvzip.stages import fused_fast
+    from kvzip.gpu import programs
 
     dev = cupy.cuda.Device()
     gpu = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
@@ -199,12 +199,12 @@ def run(values_log2=28, repeat=20, out_dir="benchmarks/results", quick=False):
     k["quantize_e5m2"]["note"] = "lossless = decode equals QuantizeFP8 alone; GB/s of BF16 input"
     print("quantize_e5m2", k["quantize_e5m2"], flush=True)
 
-    fused_fast.ENABLED = False  # the Numba-CUDA kernels, for the record (benchmarks/NOTES.md)
+    programs.ENABLED = False  # the Numba-CUDA kernels, for the record (benchmarks/NOTES.md)
     try:
         small = cupy.asarray(host[: 1 << 24])
         k["bf16_numba_cuda_2^24"] = bench_kvzip(cupy, _timer(cupy, 5, 1), small, "bf16")
     finally:
-        fused_fast.ENABLED = True
+        programs.ENABLED = True
     print("numba", k["bf16_numba_cuda_2^24"], flush=True)
 
     lat = res["latency_us"] = {}

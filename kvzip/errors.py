@@ -6,3 +6,19 @@ class FormatError(ValueError):
 
     It is a ValueError so callers that already guard decoding with ``except ValueError`` keep working.
     """
+
+
+# The decode error codes of the fused split/pack/escape path: the CPU twin returns one, the CUDA
+# kernels store one in a flag word (the first problem of each blob).  0 means no error.
+DECODE_ERRORS = {
+    1: "a chunk claims more escapes than an escape list may hold",
+    2: "escape counts disagree with the length of the escape streams",
+    3: "an escape position lies outside its chunk or breaks increasing order",
+    4: "an escaped exponent is out of range for the format",
+    5: "plane-coded chunks disagree with the length of the exp_high stream",
+}
+
+
+def decode_error_text(code: int) -> str:
+    """What a decode error code means."""
+    return DECODE_ERRORS.get(code, f"decode error {code}")

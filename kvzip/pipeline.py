@@ -13,6 +13,7 @@ from typing import Any, Iterable
 from .container import FLAG_STORED
 from .errors import FormatError
 from .frame import Frame
+from .gpu import programs, quantize_kernels
 
 
 _stages = None
@@ -34,7 +35,7 @@ class Pipeline:
         self.stages = list(stages)
         self.fuse = fuse
         self.last_path: str | None = None
-        self._encode_lanes: dict = {}  # (format, shape) -> fused_fast.EncodeLane
+        self._encode_lanes: dict = {}  # (format, shape) -> programs.EncodeLane
         if not self.stages:
             raise ValueError("a pipeline needs at least one stage (Serialize)")
         for s in self.stages:
@@ -123,9 +124,9 @@ class Pipeline:
                 before_split = frame
             if isinstance(step, st.FusedSplitPackEscape):
                 self.last_path = "fused"
-                if i == len(steps) - 1 and st.fused_fast.applicable(frame.backend, frame.n, frame.streams.get("data")):
+                if i == len(steps) - 1 and programs.applicable(frame.backend, frame.n, frame.streams.get("data")):
                     # On a GPU the last fused step writes the container itself: no stream copies.
-                    batch = st.fused_fast.encode_batch([frame], step.top16, step.chunk, serialize.checksum)
+                    batch = programs.encode_batch([frame], step.top16, step.chunk, serialize.checksum)
                     if batch.fits[0]:
                         self.last_path = "fast"
                         self._remember_lane(frame, batch.plans[0], steps, serialize.checksum)
@@ -145,7 +146,7 @@ class Pipeline:
         """The lane for tensors of this format and shape, if there is one and bits (the input,
         on backend) can take it; else None."""
         lane = self._encode_lanes.get((fmt.name, shape)) if self.fuse else None
-        if lane is None or not _stages_module().fused_fast.applicable(backend, 0, bits):
+        if lane is None or not programs.applicable(backend, 0, bits):
             return None
         return lane
 
@@ -164,12 +165,12 @@ class Pipeline:
             if not (isinstance(front, st.QuantizeFP8) and front.granularity == "tensor"):
                 return
             quantize = frame.meta["quantize_fp8"]["source_format"]
-            if quantize not in st.quantize_fast.SOURCES:
+            if quantize not in quantize_kernels.SOURCES:
                 return
         if len(self._encode_lanes) > 256:
             self._encode_lanes.clear()
         fmt, step = frame.format, steps[-1]
-        self._encode_lanes[(quantize or fmt.name, tuple(frame.meta["shape"]))] = st.fused_fast.EncodeLane(
+        self._encode_lanes[(quantize or fmt.name, tuple(frame.meta["shape"]))] = programs.EncodeLane(
             plan, fmt, step.top16.codebook_for(fmt), step.chunk, quantize)
 
     def _stored(self, before_split: Frame) -> Frame:

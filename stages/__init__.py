@@ -6,5 +6,3 @@ from .top16_pack import Top16Pack  # noqa: F401,E402
 from .escape_stream import EscapeStream  # noqa: F401,E402
 from .serialize import Serialize  # noqa: F401,E402
 from .fused import FusedSplitPackEscape  # noqa: F401,E402
-from . import fused_fast  # noqa: F401,E402
-from . import call_graphs, known_headers  # noqa: F401,E402

@@ -15,22 +15,14 @@ from kvzip.bitlogic import PLANE, cuda_helpers
 from kvzip import container
 from kvzip.bitpack import groups
 from kvzip.checksum import sum64
-from kvzip.errors import FormatError
+from kvzip.errors import DECODE_ERRORS, FormatError
 from kvzip.frame import Frame
 from kvzip.jit import numba_cuda
 
 from . import fused_cpu
 from .escape_stream import chunk_layout
-from .top16_pack import codebook_meta, frame_codebook
+from kvzip.codebook import codebook_meta, frame_codebook
 
-# Decode error codes (CPU returns one; CUDA kernels store one in a flag word).
-_ERRORS = {
-    1: "a chunk claims more escapes than an escape list may hold",
-    2: "escape counts disagree with the length of the escape streams",
-    3: "an escape position lies outside its chunk or breaks increasing order",
-    4: "an escaped exponent is out of range for the format",
-    5: "plane-coded chunks disagree with the length of the exp_high stream",
-}
 # numba.cuda, imported by _cuda_kernels on first CUDA use (a CPU install has no numba-cuda).  A
 # module global, not a local: the CUDA simulator swaps the kernel module's global ``cuda``.
 cuda = None
@@ -43,7 +35,7 @@ def _encode_cpu(src, n, E, M, lut, C, codes, rest, esc_count, esc_pos, esc_exp, 
 
 
 def _decode_cpu(codes, rest, esc_count, esc_pos, esc_exp, exp_high, n, E, M, dlut, C, dst):
-    """The CPU decode into dst; returns 0 or a key of _ERRORS."""
+    """The CPU decode into dst; returns 0 or a key of kvzip.errors.DECODE_ERRORS."""
     return fused_cpu.decode(codes, rest, esc_count, esc_pos, esc_exp, exp_high, n, E, M, dlut, C, dst)
 
 
@@ -178,7 +170,7 @@ class FusedSplitPackEscape:
     def __init__(self, top16, escape):
         self.top16 = top16
         self.chunk = escape.chunk
-        self.ran: str | None = None  # "cpu", "numba-cuda" or "fast" (stages/fused_fast.py): tests check it
+        self.ran: str | None = None  # "cpu", "numba-cuda" or "fast" (kvzip/gpu/programs.py): tests check it
 
     def encode(self, frame: Frame) -> Frame:
         fmt, backend, n, C = frame.format, frame.backend, frame.n, self.chunk
@@ -291,11 +283,11 @@ class FusedSplitPackEscape:
     def decode(self, frame: Frame) -> Frame:
         fmt, backend, n, C = frame.format, frame.backend, frame.n, self.chunk
         cb = self.check(frame)
-        from . import fused_fast
+        from kvzip.gpu import programs
 
-        if fused_fast.decode_applicable(frame):  # first: it needs none of the host-side set-up below
+        if programs.decode_applicable(frame):  # first: it needs none of the host-side set-up below
             self.ran = "fast"
-            return self.finish_decode(frame, fused_fast.decode_batch([frame], C, [cb])[0])
+            return self.finish_decode(frame, programs.decode_batch([frame], C, [cb])[0])
         xp = backend.xp
         G = groups(n)
         nchunks, chunk_groups, _ = chunk_layout(n, C)
@@ -319,5 +311,5 @@ class FusedSplitPackEscape:
                            streams["esc_exp"], streams["exp_high"].shape[0], n, E, M, C, dst, err)
             code = int(backend.to_numpy(err)[0])
         if code:
-            raise FormatError(_ERRORS[code])
+            raise FormatError(DECODE_ERRORS[code])
         return self.finish_decode(frame, dst)

@@ -8,7 +8,7 @@ decode: y = RNE_src(float32(q) * scale).
 
 The per-element bit logic lives in kvzip.fp8_bits and is compiled for both backends, so the CPU
 and CUDA paths produce identical bytes.  On a real GPU, per-tensor scales of bf16/fp16 input take
-stages/quantize_fast.py instead: the same logic run once per table entry, then table lookups.
+kvzip/gpu/quantize_kernels.py instead: the same logic run once per table entry, then table lookups.
 docs/quantize.md derives the error bound and records the measured speed.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kvzip.errors import FormatError
 from kvzip.formats import FORMATS, get_format
 from kvzip.jit import numba_cuda, twin_compile
 
-from . import quantize_fast
+from kvzip.gpu import quantize_kernels
 from .base import TENSOR, Stage, register
 
 FP8_FORMATS = ("e5m2", "e4m3")
@@ -222,8 +222,8 @@ class QuantizeFP8(Stage):
         backend, formats = frame.backend, (src.name, self.format)
         n_channels = _channels(shape, self.granularity)
 
-        if quantize_fast.usable(backend, src.name, self.format, self.granularity, data):
-            codes, scales = quantize_fast.quantize(data, src.name, self.format)
+        if quantize_kernels.usable(backend, src.name, self.format, self.granularity, data):
+            codes, scales = quantize_kernels.quantize(data, src.name, self.format)
         else:
             amax = backend.zeros(n_channels, np.uint32)  # magnitude bits; stays 0 without values
             _run(backend, formats, "amax", n, n_channels, data, n_channels, amax)
@@ -263,8 +263,8 @@ class QuantizeFP8(Stage):
                 f"got {scales.dtype}{list(scales.shape)}"
             )
 
-        if quantize_fast.usable(frame.backend, source, self.format, self.granularity, data, scales):
-            out_bits = quantize_fast.dequantize(data, scales, self.format, source)
+        if quantize_kernels.usable(frame.backend, source, self.format, self.granularity, data, scales):
+            out_bits = quantize_kernels.dequantize(data, scales, self.format, source)
         else:
             out_bits = frame.backend.empty(n, FORMATS[source].uint_dtype)
             _run(frame.backend, (source, self.format), "decode", n, n_channels, data, scales, n_channels, out_bits)

@@ -15,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 
 from kvzip.bitpack import groups, pack_bits, unpack_bits
-from kvzip.codebook import Codebook, resolve_codebook
+from kvzip.codebook import Codebook, codebook_meta, frame_codebook, resolve_codebook  # noqa: F401 (frame_codebook: for the other stages)
 from kvzip.errors import FormatError
 from kvzip.frame import Frame
 
@@ -23,44 +23,6 @@ from .base import PACKED, SPLIT, Stage, register
 from .exponent_split import rest_dtype
 
 ESCAPE = 255  # Codebook.encode_lut()'s mark for "not in the codebook"
-
-
-def codebook_meta(cb: Codebook) -> dict:
-    """The compact form a blob carries: what decoding needs, not the calibration record."""
-    return {"name": cb.name, "format": cb.format.name, "exponents": list(cb.exponents)}
-
-
-@lru_cache(maxsize=256)
-def _codebook_from_key(fmt: str, exponents: tuple, name) -> Codebook:
-    return Codebook.from_dict({"format": fmt, "exponents": list(exponents), "name": name})
-
-
-def _cacheable(d) -> bool:
-    """Whether a header's codebook may be looked up in _codebook_from_key's cache: of the compact
-    form, with exactly typed fields.  The cache matches keys by equality, and 14.0 == 14 and
-    False == 0, which Codebook refuses; a short name keeps the cache small in bytes."""
-    if not (type(d) is dict and set(d) <= {"name", "format", "exponents"} and type(d.get("format")) is str
-            and type(d.get("exponents")) is list and len(d["exponents"]) == 16):
-        return False
-    name = d.get("name")
-    return (name is None or (type(name) is str and len(name) <= 256)) and len(d["format"]) <= 32 \
-        and all(type(e) is int for e in d["exponents"])
-
-
-def frame_codebook(frame: Frame) -> Codebook:
-    """The codebook a frame was packed with (validated: it comes from an untrusted header;
-    cached, since a serving loop decodes blobs of the same few codebooks over and over)."""
-    d = frame.meta.get("codebook")
-    try:
-        if _cacheable(d):
-            cb = _codebook_from_key(d["format"], tuple(d["exponents"]), d.get("name"))
-        else:
-            cb = Codebook.from_dict(d)
-    except (KeyError, TypeError, ValueError) as e:
-        raise FormatError(f"bad or missing codebook in metadata: {e}") from None
-    if cb.format != frame.format:
-        raise FormatError(f"codebook is for {cb.format.name}, data is {frame.format.name}")
-    return cb
 
 
 @register

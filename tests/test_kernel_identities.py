@@ -1,4 +1,4 @@
-"""The bit tricks of stages/fused_fast.cu, read from the source and evaluated on the CPU.
+"""The bit tricks of kvzip/gpu/kernels/fused_fast.cu, read from the source and evaluated on the CPU.
 
 CI has no GPU, so the CUDA C kernels never run there.  Their SIMD-within-a-register helpers are
 plain integer expressions on 32-bit words, so this test reads each one out of the .cu file,
@@ -174,14 +174,14 @@ def test_bf16_exponents4(seed):
 
 def test_host_payload_arithmetic_matches_the_container_layout():
     """A batch's blobs are sized on the host from the totals kvz_encode publishes
-    (fused_fast.payload_bytes, finish_blob's arithmetic): that must be container.layout's payload
+    (programs.payload_bytes, finish_blob's arithmetic): that must be container.layout's payload
     length for the streams _stream_table lists with those escape counts, and its mask the .cu's."""
     from kvzip import container
     from kvzip.formats import FORMATS
-    from kvzip.stages import fused_fast
+    from kvzip.gpu import programs
 
     mask = re.search(r"#define GROUPS_MASK (0x[0-9A-Fa-f]+)ull", SOURCE)
-    assert mask and int(mask.group(1), 16) == fused_fast.GROUPS_MASK
+    assert mask and int(mask.group(1), 16) == programs.GROUPS_MASK
     rng = random.Random(5)
     for fmt in FORMATS.values():
         for _ in range(300):
@@ -189,20 +189,20 @@ def test_host_payload_arithmetic_matches_the_container_layout():
             groups = -(-n // 8)
             plane = rng.randrange(0, groups + 1) if rng.random() < 0.3 else 0
             escapes = rng.randrange(0, n // 3 + 1)
-            table = fused_fast._stream_table(n, fmt, -(-n // 4096), {}, escapes, fmt.high_exp_bits * plane)
+            table = programs._stream_table(n, fmt, -(-n // 4096), {}, escapes, fmt.high_exp_bits * plane)
             offsets, payload = container.layout([nb for _, _, nb in table])
             var_base = offsets[[name for name, _, _ in table].index("esc_pos")]
             totals = escapes << 31 | plane | 1 << 63  # as published: flagged
-            assert fused_fast.payload_bytes(var_base, totals, fmt.high_exp_bits) == payload, (fmt.name, n)
+            assert programs.payload_bytes(var_base, totals, fmt.high_exp_bits) == payload, (fmt.name, n)
 
 
 def test_queue_region_matches_the_host_layout():
     """The dense kernels' chunk queues take QUEUE_WORDS words of the work region, which
-    fused_fast.py sizes; both files must agree."""
-    from kvzip.stages import fused_fast
+    programs.py sizes; both files must agree."""
+    from kvzip.gpu import programs
 
     words = re.search(r"#define QUEUE_WORDS (\d+)", SOURCE)
-    assert words and int(words.group(1)) == fused_fast.QUEUE_WORDS
+    assert words and int(words.group(1)) == programs.QUEUE_WORDS
 
 
 def test_e5m2_position_tables_give_codes_and_escape_mask():

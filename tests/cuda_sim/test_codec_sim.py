@@ -56,9 +56,9 @@ def launches(monkeypatch):
 def test_simulator_backend_is_active():
     be = get_backend("cuda")
     assert be.name == "cuda" and be.simulated
-    from kvzip.stages import fused_fast
+    from kvzip.gpu import programs
 
-    assert not fused_fast.applicable(be)  # the CUDA C++ fast path needs a real GPU: Numba kernels here
+    assert not programs.applicable(be)  # the CUDA C++ fast path needs a real GPU: Numba kernels here
 
 
 def data_for(fmt, kind, n, chunk):

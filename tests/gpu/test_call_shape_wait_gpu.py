@@ -1,4 +1,4 @@
-"""How a call shape's host learns that a call is done (stages/call_graphs.py, CallShape.wait):
+"""How a call shape's host learns that a call is done (kvzip/gpu/graphs.py, CallShape.wait):
 the download, the call's last node, sets a flag in pinned memory after its bytes, and the host
 polls the flag instead of synchronising the stream.  On a real GPU: every downloaded byte is
 there when wait returns, in the eager run, the captured one and graph replays; a stream that
@@ -11,9 +11,9 @@ import pytest
 
 import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
 
-from kvzip.stages import call_graphs
+from kvzip.gpu import graphs
 
-R = call_graphs.Region
+R = graphs.Region
 WORDS = 1 << 14  # 128 KiB downloaded: 32 rounds of the download block's 256 threads
 
 _slow_fill = cupy.RawKernel(r"""
@@ -27,9 +27,9 @@ extern "C" __global__ void slow_fill(const unsigned long long* table, unsigned l
 }""", "slow_fill")
 
 
-def _shape(download: bool = True) -> call_graphs.CallShape:
+def _shape(download: bool = True) -> graphs.CallShape:
     ops = (("upload", 1), ("launch", _slow_fill, (64,), (256,), (R(0), R(1), np.int64(WORDS), np.int64(100_000))))
-    return call_graphs.CallShape((8 * 2, 8 * WORDS), ops + ((("download", 1, 8 * WORDS),) if download else ()))
+    return graphs.CallShape((8 * 2, 8 * WORDS), ops + ((("download", 1, 8 * WORDS),) if download else ()))
 
 
 def test_every_downloaded_byte_is_in_when_wait_returns():
@@ -111,16 +111,16 @@ def test_settle_and_release_wait_for_a_detached_call():
     assert shape.done[0] == 1 and shape.detached is None
     np.testing.assert_array_equal(shape.host_down.view(np.uint64)[:WORDS], _expected(7))
 
-    class Entry:  # what call_graphs.cached holds: an object with its CallShape in .shape
+    class Entry:  # what graphs.cached holds: an object with its CallShape in .shape
         pass
 
     entry = Entry()
     entry.shape = _shape()
     entry.shape.put(0, np.array([9, 0], np.uint64))
-    call_graphs.cached(("detached test",), lambda: entry)
+    graphs.cached(("detached test",), lambda: entry)
     entry.shape.launch(stream)
     entry.shape.detach(stream)
-    call_graphs.release()
+    graphs.release()
     assert entry.shape.done[0] == 1 and entry.shape.detached is None
 
 
@@ -144,12 +144,12 @@ def test_an_early_download_arrives_while_the_call_goes_on():
     small = 64
     ops = (("upload", 1),
            ("launch", _slow_fill, (1,), (64,), (R(0), R(1), np.int64(small), np.int64(0))),
-           ("launch", _report, (1,), (64,), (R(1), call_graphs.EARLY_DOWN, np.int32(small), call_graphs.EARLY_FLAG,
-                                             call_graphs.EARLY_RUNS)),
+           ("launch", _report, (1,), (64,), (R(1), graphs.EARLY_DOWN, np.int32(small), graphs.EARLY_FLAG,
+                                             graphs.EARLY_RUNS)),
            ("early", 1, 8 * small),
            ("launch", _slow_fill, (64,), (256,), (R(0), R(2), np.int64(WORDS), np.int64(20_000_000))),
            ("download", 2, 8 * WORDS))
-    shape, stream = call_graphs.CallShape((8 * 2, 8 * small, 8 * WORDS), ops), cupy.cuda.Stream(non_blocking=True)
+    shape, stream = graphs.CallShape((8 * 2, 8 * small, 8 * WORDS), ops), cupy.cuda.Stream(non_blocking=True)
     for run in range(3):  # eager, captured, replayed
         shape.put(0, np.array([run + 2, 0], np.uint64))
         shape.launch(stream)

@@ -1,4 +1,4 @@
-"""Programmatic dependent launches in call graphs (stages/dependent_launch.py), on a real GPU: a
+"""Programmatic dependent launches in call graphs (kvzip/gpu/dependent_launch.py), on a real GPU: a
 "dependent" kernel really starts before its predecessor ends (a kernel that does not wait sees
 the predecessor's memory unwritten), one that awaits its predecessor always sees it written, in
 the eager first run, the captured run and graph replays, and the codec writes the same bytes with
@@ -9,7 +9,7 @@ import pytest
 import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
 
 import kvzip
-from kvzip.stages import call_graphs, dependent_launch
+from kvzip.gpu import graphs, dependent_launch
 
 _SOURCE = r"""
 __device__ void await_predecessor() {
@@ -37,11 +37,11 @@ pytestmark = pytest.mark.skipif(not dependent_launch.supported(cupy.cuda.Device(
                                 reason="programmatic dependent launch needs compute capability 9.0 and CUDA 12.3")
 
 
-def _shape(reader: str) -> call_graphs.CallShape:
+def _shape(reader: str) -> graphs.CallShape:
     module = cupy.RawModule(code=_SOURCE)
-    R = call_graphs.Region
+    R = graphs.Region
     # Regions: table (uploaded) | written by slow_writer (zeroed by the upload) | read back.
-    return call_graphs.CallShape((8 * 32, 8 * 32, 8 * 32), (
+    return graphs.CallShape((8 * 32, 8 * 32, 8 * 32), (
         ("upload", 1), ("zero", 1),
         ("dependent", module.get_function("slow_writer"), (1,), (32,), (R(0), R(1), np.int64(200_000))),
         ("dependent", module.get_function(reader), (1,), (32,), (R(1), R(2))),
@@ -81,10 +81,10 @@ def test_codec_bytes_are_the_same_with_dependent_launches_on_and_off(monkeypatch
     blobs = {}
     for enabled in (False, True):
         monkeypatch.setattr(dependent_launch, "ENABLED", enabled)
-        call_graphs.release()
+        graphs.release()
         blobs[enabled] = [kvzip.compress(x, dtype=fmt).get() for _ in range(3)]  # eager, captured, replayed
         for b in blobs[enabled]:
             np.testing.assert_array_equal(kvzip.decompress(cupy.asarray(b)).get().reshape(-1).view(dtype), bits)
     for a, b in zip(blobs[False], blobs[True]):
         np.testing.assert_array_equal(a, b)
-    call_graphs.release()
+    graphs.release()

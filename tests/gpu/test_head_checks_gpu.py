@@ -1,5 +1,5 @@
 """kvz_check_heads (the batched decode's header checks on the GPU) against its host twin,
-known_headers.head_checks, on valid headers and on every way a header can fail to hang
+layout_cache.head_checks, on valid headers and on every way a header can fail to hang
 together; and decompress_many still refusing forged blobs that pass through it."""
 import struct
 import zlib
@@ -12,7 +12,7 @@ import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
 import kvzip
 from kvzip import container
 from kvzip.data import load_sample
-from kvzip.stages import fused_fast, known_headers
+from kvzip.gpu import programs, layout_cache
 
 rng = np.random.default_rng(77)
 
@@ -72,8 +72,8 @@ def cases() -> list[bytes]:
 def test_gpu_checks_equal_the_host_twin():
     blobs = [cupy.asarray(np.frombuffer(c, np.uint8)) for c in cases()]
     sizes = [b.shape[0] for b in blobs]
-    block, checks = fused_fast.head_block([b.data.ptr for b in blobs], sizes)
-    want = known_headers.head_checks(block, sizes)
+    block, checks = programs.head_block([b.data.ptr for b in blobs], sizes)
+    want = layout_cache.head_checks(block, sizes)
     np.testing.assert_array_equal(checks, want)
     assert checks[:4, 0].tolist() == [1, 1, 1, 1] and checks[4:-2, 0].tolist() == [0] * (len(blobs) - 6)
     assert checks[-2, 0] == 1  # a checksummed blob's header hangs together too (match_many then rejects its layout)
@@ -127,29 +127,29 @@ def test_long_batch_with_forged_and_unknown_blobs():
 
 def test_guessed_layout_decodes_exactly_where_the_host_match_would():
     """guess_head (decode without a header read-back) takes a blob's guessed layout exactly
-    when known_headers.match, the host's checks, would give that layout for its header; on every
+    when layout_cache.match, the host's checks, would give that layout for its header; on every
     other case (forgeries, other layouts, checksums, junk) it reports a miss, decodes nothing of
     that blob and raises nothing, and the blobs it takes decode to their values.  Blobs shorter
     than the layout's fixed bytes are never guessed."""
-    known_headers.forget()
+    layout_cache.forget()
     blobs = [cupy.asarray(np.frombuffer(c, np.uint8)) for c in cases()]
     kvzip.decompress(blobs[3])  # remembers the layout of the escape-heavy blob
-    layout = known_headers.guess(blobs[3].shape[0])
-    assert layout is not None and layout.key == known_headers._read(cases()[3])[0]
+    layout = layout_cache.guess(blobs[3].shape[0])
+    assert layout is not None and layout.key == layout_cache._read(cases()[3])[0]
     eligible = [b for b in blobs if b.shape[0] >= layout.fixed_bytes]
-    assert all(known_headers.guess(b.shape[0]) is None for b in blobs if b.shape[0] < layout.fixed_bytes)
+    assert all(layout_cache.guess(b.shape[0]) is None for b in blobs if b.shape[0] < layout.fixed_bytes)
     want_hits = []
     for b in eligible:
         host = b.get().tobytes()
-        hit = known_headers.match(host[:min(len(host), fused_fast.HEAD_SPAN)], len(host))
+        hit = layout_cache.match(host[:min(len(host), programs.HEAD_SPAN)], len(host))
         want_hits.append(hit is not None and hit[0] is layout)
     assert sum(want_hits) == 1 and len(eligible) > 10
     for batch in ([[b] for b in eligible], [eligible]):  # one blob a call, then all in one program
         misses, start = [], 0
         for part in batch:
-            got, missed = known_headers.decode_guessed([layout] * len(part), part)
+            got, missed = layout_cache.decode_guessed([layout] * len(part), part)
             if len(part) == 1:  # decompress's single-blob path must take and refuse the same blobs
-                one = known_headers.decode_one_guessed(layout, part[0])
+                one = layout_cache.decode_one_guessed(layout, part[0])
                 assert (one is None) == bool(missed)
                 if one is not None:
                     np.testing.assert_array_equal(one.get(), got[0].get())
@@ -167,12 +167,12 @@ def test_wrong_guesses_fall_back_to_the_checked_decode():
     """Blobs of two layouts of one length alternate, so each single decode's guess is the other
     layout's; a header broken after its layout was remembered; a batch mixing both layouts and
     an unknown one: every result is exact, and a broken header is still refused."""
-    known_headers.forget()
+    layout_cache.forget()
     x = cupy.asarray(real_bf16(3 * 4096 * 4, 5))
     a, b = kvzip.compress(x, dtype="bf16"), kvzip.compress(x.reshape(3, -1), dtype="bf16")
     odd = kvzip.compress(cupy.asarray(real_bf16(7000, 2)), dtype="bf16")
     misses = []
-    real_guessed, real_one = known_headers.decode_guessed, known_headers.decode_one_guessed
+    real_guessed, real_one = layout_cache.decode_guessed, layout_cache.decode_one_guessed
 
     def spy(*args, **kwargs):
         got, missed = real_guessed(*args, **kwargs)
@@ -184,7 +184,7 @@ def test_wrong_guesses_fall_back_to_the_checked_decode():
         misses.append(int(got is None))
         return got
 
-    known_headers.decode_guessed, known_headers.decode_one_guessed = spy, spy_one
+    layout_cache.decode_guessed, layout_cache.decode_one_guessed = spy, spy_one
     try:
         for blob in (a, b, a, b, a):
             back = kvzip.decompress(blob)
@@ -201,5 +201,5 @@ def test_wrong_guesses_fall_back_to_the_checked_decode():
         with pytest.raises(kvzip.FormatError):
             kvzip.decompress_many([a, broken])
     finally:
-        known_headers.decode_guessed, known_headers.decode_one_guessed = real_guessed, real_one
+        layout_cache.decode_guessed, layout_cache.decode_one_guessed = real_guessed, real_one
     assert len(misses) >= 4 and sum(misses) >= 1  # guesses were made, and some were wrong

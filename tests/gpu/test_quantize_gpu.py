@@ -1,4 +1,4 @@
-"""QuantizeFP8's fast GPU path (stages/quantize_fast.py: tables built from fp8_bits' logic, then
+"""QuantizeFP8's fast GPU path (kvzip/gpu/quantize_kernels.py: tables built from fp8_bits' logic, then
 lookups) against the CPU twin, byte for byte, on the device machine (skipped without a GPU):
 every 16-bit pattern, scales spanning the whole exponent range, ragged lengths, misaligned
 input (which takes the Numba kernels), hostile scales on decode."""
@@ -13,7 +13,7 @@ from kvzip.backends import get_backend
 from kvzip.data import load_sample
 from kvzip.formats import FORMATS
 from kvzip.frame import Frame
-from kvzip.stages import known_headers, quantize_fast
+from kvzip.gpu import layout_cache, quantize_kernels
 from kvzip.stages.quantize_fp8 import QuantizeFP8
 
 CPU, GPU = get_backend("cpu"), get_backend("cuda")
@@ -30,7 +30,7 @@ def assert_same_both_ways(src, fp8, bits, expect_fast=True):
     """Encode and decode on the CPU and the GPU; every stream byte-identical."""
     stage = QuantizeFP8(fp8)
     gpu_in = frame(GPU, bits, src)
-    assert quantize_fast.usable(GPU, src, fp8, "tensor", gpu_in.streams["data"]) == expect_fast
+    assert quantize_kernels.usable(GPU, src, fp8, "tensor", gpu_in.streams["data"]) == expect_fast
     cpu, gpu = stage.encode(frame(CPU, bits, src)), stage.encode(gpu_in)
     for name in ("data", "scales"):
         assert cpu.streams[name].tobytes() == GPU.to_numpy(gpu.streams[name]).tobytes(), name
@@ -67,7 +67,7 @@ def test_misaligned_input_takes_the_numba_kernels_and_matches_cpu():
     stage = QuantizeFP8("e5m2")
     gpu_in = frame(GPU, bits, "bf16")
     gpu_in.streams["data"] = cupy.asarray(np.concatenate([np.zeros(1, np.uint16), bits]))[1:]  # 2 bytes off alignment
-    assert not quantize_fast.usable(GPU, "bf16", "e5m2", "tensor", gpu_in.streams["data"])
+    assert not quantize_kernels.usable(GPU, "bf16", "e5m2", "tensor", gpu_in.streams["data"])
     cpu, gpu = stage.encode(frame(CPU, bits, "bf16")), stage.encode(gpu_in)
     assert cpu.streams["data"].tobytes() == GPU.to_numpy(gpu.streams["data"]).tobytes()
 
@@ -89,7 +89,7 @@ def test_decode_of_every_code_under_hostile_scales_matches_cpu(src, fp8, scale):
 def test_fast_path_off_uses_numba_and_agrees(monkeypatch):
     bits = rng.integers(0, 1 << 16, 10_000, dtype=np.uint64).astype(np.uint16)
     fast = QuantizeFP8("e4m3").encode(frame(GPU, bits, "bf16"))
-    monkeypatch.setattr(quantize_fast, "ENABLED", False)
+    monkeypatch.setattr(quantize_kernels, "ENABLED", False)
     slow = QuantizeFP8("e4m3").encode(frame(GPU, bits, "bf16"))
     for name in ("data", "scales"):
         assert GPU.to_numpy(fast.streams[name]).tobytes() == GPU.to_numpy(slow.streams[name]).tobytes()
@@ -105,12 +105,12 @@ def real_kv_bf16(n, part):
 @pytest.mark.parametrize("fast", [True, False])
 def test_quantized_blobs_decode_through_remembered_layouts(fast, monkeypatch):
     """After one decode of a QuantizeFP8 (per tensor) pipeline's blob, blobs of its layout skip the
-    header checks (stages/known_headers.py) and still decode to what the CPU gives, singly and
+    header checks (kvzip/gpu/layout_cache.py) and still decode to what the CPU gives, singly and
     in a batch: dequantized by kvz_decode as it stores, or (fast path off) by the Numba kernel."""
-    monkeypatch.setattr(quantize_fast, "ENABLED", fast)
+    monkeypatch.setattr(quantize_kernels, "ENABLED", fast)
     calls = []  # per blob decoded through a remembered layout: "fused" into kvz_decode, or "stage"
-    stage_decode, decode_jobs = known_headers._dequantized, known_headers.fused_fast.decode_jobs
-    run_one = known_headers.GuessedDecode.run
+    stage_decode, decode_jobs = layout_cache._dequantized, layout_cache.programs.decode_jobs
+    run_one = layout_cache.GuessedDecode.run
 
     def spy_jobs(*a, dequantize=False, **k):
         calls.extend(["fused"] * a[3].shape[0] if dequantize else [])
@@ -120,11 +120,11 @@ def test_quantized_blobs_decode_through_remembered_layouts(fast, monkeypatch):
         calls.extend(["fused"] if self.scale_at is not None else [])
         return run_one(self, *a)
 
-    monkeypatch.setattr(known_headers, "_dequantized", lambda *a: calls.append("stage") or stage_decode(*a))
-    monkeypatch.setattr(known_headers.fused_fast, "decode_jobs", spy_jobs)
-    monkeypatch.setattr(known_headers.GuessedDecode, "run", spy_one)
+    monkeypatch.setattr(layout_cache, "_dequantized", lambda *a: calls.append("stage") or stage_decode(*a))
+    monkeypatch.setattr(layout_cache.programs, "decode_jobs", spy_jobs)
+    monkeypatch.setattr(layout_cache.GuessedDecode, "run", spy_one)
     via = "fused" if fast else "stage"
-    known_headers.forget()
+    layout_cache.forget()
     pipe = kvzip.Pipeline([QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack(), S.EscapeStream(), S.Serialize()])
     inputs = [real_kv_bf16(3 * 4101, part) for part in range(3)]  # one shape, other values and scales
     expect = [pipe.decode(pipe.encode(b.reshape(3, -1), dtype="bf16")).reshape(-1).view(np.uint16) for b in inputs]
@@ -133,13 +133,13 @@ def test_quantized_blobs_decode_through_remembered_layouts(fast, monkeypatch):
     # remembered layouts and the spies above alone
     assert not any(kvzip.info(b.get())["stored_raw"] for b in blobs)
     got = [pipe.decode(blob) for blob in blobs]
-    assert len(known_headers._layouts) == 1 and calls == [via] * 2  # the first blob took the general path
+    assert len(layout_cache._layouts) == 1 and calls == [via] * 2  # the first blob took the general path
     got += kvzip.decompress_many(blobs)
     assert calls == [via] * 5
     for g, e in zip(got, expect + expect):
         assert g.shape == (3, 4101)
         np.testing.assert_array_equal(g.reshape(-1).view(np.uint16).get(), e)
-    known_headers.forget()
+    layout_cache.forget()
 
 
 def with_outliers(bits, rate):

@@ -8,7 +8,7 @@ import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
 
 import kvzip
 from kvzip import stages as S
-from kvzip.stages import fused_fast
+from kvzip.gpu import programs
 from kvzip.stages.escape_stream import escape_capacity
 from kvzip.data import load_sample
 from kvzip.formats import FORMATS
@@ -35,7 +35,7 @@ def real_bf16(n):
 @pytest.fixture(params=["fast", "numba"])
 def gpu_path(request, monkeypatch):
     """Run a test on the CUDA C++ fast path and on the Numba-CUDA kernels."""
-    monkeypatch.setattr(fused_fast, "ENABLED", request.param == "fast")
+    monkeypatch.setattr(programs, "ENABLED", request.param == "fast")
     return request.param
 
 
@@ -323,7 +323,7 @@ def test_blobs_sized_from_the_published_totals_match_cpu():
         blobs = pipe.encode_many([cupy.asarray(x) for x in xs], dtype="bf16")
         for x, b in zip(xs, blobs):
             np.testing.assert_array_equal(b.get(), kvzip.compress(x, dtype="bf16"))
-    prog = [e for e in S.call_graphs.entries() if isinstance(e, fused_fast._EncodeProgram) and len(e.plans) == len(xs)][-1]
+    prog = [e for e in S.graphs.entries() if isinstance(e, programs._EncodeProgram) and len(e.plans) == len(xs)][-1]
     assert int(prog.ready[0]) == 0 and all(int(w) >> 63 for w in prog.ready[1:len(xs)])  # the empty one has no chunk
     empty = [cupy.asarray(real_bf16(0))] * 2
     for _ in range(2):
@@ -371,9 +371,9 @@ def test_long_mixed_batches_through_lanes_match_single_calls():
     """A long batch through its lanes (the second call): every blob must still be the CPU's, with
     formats mixed, an incompressible tensor stored raw mid-batch, and a quantizing pipeline's
     lanes (a program run each)."""
-    from kvzip.stages import call_graphs
+    from kvzip.gpu import graphs
 
-    call_graphs.release()
+    graphs.release()
     e5m2 = FORMATS["e5m2"]
     shapes = [(1 << 14,), (3, 4096), (1 << 14,), (77, 129)]
     xs, dtypes = [], []
@@ -391,7 +391,7 @@ def test_long_mixed_batches_through_lanes_match_single_calls():
         for _ in range(2):  # the second call goes through the lanes the first one left
             for i, blob in zip(idx, kvzip.compress_many([xs[i] for i in idx], dtype=d)):
                 np.testing.assert_array_equal(blob.get(), kvzip.compress(xs[i].get(), dtype=d))
-    assert any(e.shape.graph for e in call_graphs.entries())  # the lanes' programs replayed
+    assert any(e.shape.graph for e in graphs.entries())  # the lanes' programs replayed
     qpipe = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack("e5m2-kv"), S.EscapeStream(),
                             S.Serialize()])
     qs = [cupy.asarray(real_bf16(4096 * 3 + i)) for i in range(12)]
@@ -406,9 +406,9 @@ def test_batches_mixing_frameworks_shapes_and_formats_match_single_calls():
     result comes back in its blob's framework, dtype and shape, the first time (full checks)
     and the second (remembered layouts, one decode run per framework)."""
     torch = pytest.importorskip("torch")
-    from kvzip.stages import known_headers
+    from kvzip.gpu import layout_cache
 
-    known_headers.forget()
+    layout_cache.forget()
     bits = real_bf16(3 * 4096 * 8 + 11)
     cu = cupy.asarray(bits)
     half = cupy.asarray(random_bits(FORMATS["fp16"], 4096)).view(cupy.float16).reshape(64, 64)
@@ -444,13 +444,13 @@ def test_call_shape_zeroes_the_region_after_its_upload_every_run():
     """A ("zero", i) right after ("upload", i) rides on the upload (region i's staging stays zero)
     instead of a memset node: a kernel that counts into region i sees it zeroed on every run,
     eager and replayed, and staging region i is refused."""
-    from kvzip.stages import call_graphs
+    from kvzip.gpu import graphs
 
     bump = cupy.RawKernel(r"""extern "C" __global__ void bump(const unsigned long long* table, unsigned long long* counts) {
         atomicAdd(&counts[threadIdx.x], table[threadIdx.x]);
     }""", "bump")
-    R = call_graphs.Region
-    shape = call_graphs.CallShape((8 * 32, 8 * 32), (("upload", 1), ("zero", 1),
+    R = graphs.Region
+    shape = graphs.CallShape((8 * 32, 8 * 32), (("upload", 1), ("zero", 1),
                                                      ("launch", bump, (1,), (32,), (R(0), R(1))), ("download", 1, 8 * 32)))
     assert ("zero", 1) not in shape.ops and shape.zeroed == 1
     stream = cupy.cuda.get_current_stream()
@@ -464,17 +464,17 @@ def test_call_shape_zeroes_the_region_after_its_upload_every_run():
 
 
 def test_replayed_call_shapes_match_cpu_and_still_catch_forgeries(monkeypatch):
-    """From its second use a call shape runs as one CUDA graph (stages/call_graphs.py), encode
+    """From its second use a call shape runs as one CUDA graph (kvzip/gpu/graphs.py), encode
     goes through the pipeline's lane for the shape and decode through the remembered layout
-    (stages/known_headers.py): later calls with other values, escape counts and output buffers
+    (kvzip/gpu/layout_cache.py): later calls with other values, escape counts and output buffers
     must give the CPU's bytes, and a forged blob of the same layout must still be caught, on a
     torch stream too."""
-    from kvzip.stages import call_graphs, known_headers
+    from kvzip.gpu import graphs, layout_cache
 
-    call_graphs.release()
-    known_headers.forget()
+    graphs.release()
+    layout_cache.forget()
     lane_decodes = []  # decodes on a guessed layout: (blobs, wrong guesses)
-    real_guessed, real_one = known_headers.decode_guessed, known_headers.GuessedDecode.run
+    real_guessed, real_one = layout_cache.decode_guessed, layout_cache.GuessedDecode.run
 
     def spy(layouts, blobs, labels=None, origin=None):
         got, misses = real_guessed(layouts, blobs, labels, origin)
@@ -486,8 +486,8 @@ def test_replayed_call_shapes_match_cpu_and_still_catch_forgeries(monkeypatch):
         lane_decodes.append((1, int(got is None)))
         return got
 
-    monkeypatch.setattr(known_headers, "decode_guessed", spy)
-    monkeypatch.setattr(known_headers.GuessedDecode, "run", spy_one)
+    monkeypatch.setattr(layout_cache, "decode_guessed", spy)
+    monkeypatch.setattr(layout_cache.GuessedDecode, "run", spy_one)
     base = real_bf16((1 << 18) + 3)
     pipe = pipeline()
     for rate in (0.0, 0.001, 0.02, 0.06):
@@ -498,7 +498,7 @@ def test_replayed_call_shapes_match_cpu_and_still_catch_forgeries(monkeypatch):
         assert pipe.last_path == "fast"
         np.testing.assert_array_equal(gpu.get(), kvzip.compress(bits, dtype="bf16"))
         np.testing.assert_array_equal(bits_of(pipe.decode(gpu)), bits)
-    shapes = [e.shape for e in call_graphs.entries()]
+    shapes = [e.shape for e in graphs.entries()]
     # The encode lane's program (4 uses), the first decode's (the checked way) and the guessed
     # layout's (the 3 after it).
     assert sorted(s.uses for s in shapes) == [1, 3, 4] and all(s.graph for s in shapes if s.uses > 1)
@@ -534,7 +534,7 @@ def test_replayed_call_shapes_match_cpu_and_still_catch_forgeries(monkeypatch):
 def test_batch_decode_names_the_bad_blob_by_its_place():
     from kvzip import container
     from kvzip.backends import get_backend
-    from kvzip.stages import known_headers
+    from kvzip.gpu import layout_cache
 
     xs = [cupy.asarray(real_bf16((1 << 16) + 5)) for _ in range(3)]
     blobs = kvzip.compress_many(xs, dtype="bf16")
@@ -547,18 +547,18 @@ def test_batch_decode_names_the_bad_blob_by_its_place():
     bad[1][at:at + 2] = cupy.asarray([0xA0, 0x0F], np.uint8)  # chunk 0 claims 4000 escapes
     with pytest.raises(kvzip.FormatError, match="blob 1"):
         kvzip.decompress_many(bad)  # through the remembered layout
-    known_headers.forget()
+    layout_cache.forget()
     with pytest.raises(kvzip.FormatError, match="blob 1"):
         kvzip.decompress_many(bad)  # through the full checks
 
 
 def test_encodes_returning_before_their_scan_give_cpu_bytes_on_any_stream():
     """A CuPy caller's encode returns once its blobs are sized, while the scan still writes their
-    escapes (fused_fast.EARLY_RETURN): the next call of the program on the same stream follows it
+    escapes (programs.EARLY_RETURN): the next call of the program on the same stream follows it
     there, one on another stream waits for it first, and every blob is the CPU's."""
-    from kvzip.stages import call_graphs
+    from kvzip.gpu import graphs
 
-    call_graphs.release()
+    graphs.release()
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
     xs = [real_bf16(1 << 22), rng.permutation(real_bf16(1 << 22))]
     xs[1][::97] = 250 << 7  # escapes enough to keep the scan busy
@@ -567,8 +567,8 @@ def test_encodes_returning_before_their_scan_give_cpu_bytes_on_any_stream():
     for on, which in [(0, 0), (0, 1), (1, 1), (1, 0), (0, 0), (1, 1)]:  # same stream, then a switch
         with streams[on]:
             got.append((kvzip.compress(cupy.asarray(xs[which]), dtype="bf16"), which))
-    detached = [e.shape.detached for e in call_graphs.entries() if hasattr(e, "publishes")]
-    assert any(d is not None for d in detached) == bool(fused_fast.EARLY_RETURN)
+    detached = [e.shape.detached for e in graphs.entries() if hasattr(e, "publishes")]
+    assert any(d is not None for d in detached) == bool(programs.EARLY_RETURN)
     for s in streams:
         s.synchronize()
     for blob, which in got:
@@ -618,16 +618,16 @@ def test_broken_escapes_raise_in_first_and_queued_chunks(heavy):
     after bad ones decode."""
     from kvzip import container
     from kvzip.backends import get_backend
-    from kvzip.stages import call_graphs
+    from kvzip.gpu import graphs
 
     bits = real_bf16(1 << 24)  # 4096 chunks: more than the decoder's warps (3168 on an H200)
     if heavy:
         bits[::10] = 200 << 7  # an exponent far outside the codebook: ~410 escapes a chunk
     blob = kvzip.compress(cupy.asarray(bits), dtype="bf16")
-    call_graphs.release()
+    graphs.release()
     np.testing.assert_array_equal(bits_of(kvzip.decompress(blob)), bits)
-    (program,) = [e for e in call_graphs.entries() if isinstance(e, fused_fast._DecodeProgram)]
-    if fused_fast.EARLY_VERDICT:
+    (program,) = [e for e in graphs.entries() if isinstance(e, programs._DecodeProgram)]
+    if programs.EARLY_VERDICT:
         assert program.shape.early64[program.errors_nb // 8 - 1] == heavy  # the scan deferred its checks
     host = blob.get()
     hdr = container.parse_header(container.read_head(get_backend("cpu"), host), host.shape[0])
@@ -655,15 +655,15 @@ def _decoder_split(program):
 @pytest.mark.parametrize("shift", [1, 2, 3])
 @pytest.mark.parametrize("chunk", [4096, 8192])
 def test_decoder_tail_parts_match_input(shift, chunk, monkeypatch):
-    """kvz_decode deals its last chunks as 2^shift parts each (fused_fast.SPLIT_SHIFT): each part
+    """kvz_decode deals its last chunks as 2^shift parts each (programs.SPLIT_SHIFT): each part
     decodes its share of the chunk's steps and skips the escapes before them.  Real values, a
     tail of escape-heavy chunks (more than 32 escapes a part: several loads of them to skip) and
     plane-coded ones, in one tensor and in a batch whose parts span its tensors, decode to the
     input; broken escapes in a part still raise."""
-    from kvzip.stages import call_graphs
+    from kvzip.gpu import graphs
 
-    monkeypatch.setattr(fused_fast, "SPLIT_SHIFT", shift)
-    call_graphs.release()
+    monkeypatch.setattr(programs, "SPLIT_SHIFT", shift)
+    graphs.release()
     n = 4096 * chunk  # 4096 chunks: more than the decoder's warps (3168 on an H200)
     bits = real_bf16(n)
     bits[-1024 * chunk::10] = 200 << 7  # an exponent far outside the codebook, in the last quarter
@@ -673,7 +673,7 @@ def test_decoder_tail_parts_match_input(shift, chunk, monkeypatch):
     np.testing.assert_array_equal(bits_of(pipe.decode(blob)), bits)
     # the program that decoded it (another may be one on a layout guessed from an earlier test's)
     chunks = n // chunk
-    splits = [_decoder_split(e) for e in call_graphs.entries() if isinstance(e, fused_fast._DecodeProgram)]
+    splits = [_decoder_split(e) for e in graphs.entries() if isinstance(e, programs._DecodeProgram)]
     (split_at,) = {at for units, at, got in splits if got == shift and 0 < at < chunks
                    and units == at + ((chunks - at) << shift)}
     parts = [cupy.asarray(bits[i * (n // 4):(i + 1) * (n // 4)]) for i in range(4)]
@@ -700,4 +700,4 @@ def test_decoder_tail_parts_match_input(shift, chunk, monkeypatch):
         with pytest.raises(kvzip.FormatError, match="position"):
             pipe.decode(bad)
         np.testing.assert_array_equal(bits_of(pipe.decode(blob)), values)
-    call_graphs.release()
+    graphs.release()

@@ -1,5 +1,5 @@
 """The shortcuts for a call like the thread's last one (kvzip/api.py: _EncodeRepeat;
-stages/known_headers.py: decode_again): taken only where the full path would decide the same,
+kvzip/gpu/layout_cache.py: decode_again): taken only where the full path would decide the same,
 refused for anything else, and giving the full path's bytes and values either way."""
 import numpy as np
 import pytest
@@ -9,7 +9,7 @@ import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
 import kvzip
 from kvzip import api
 from kvzip.data import load_sample
-from kvzip.stages import call_graphs, fused_fast, known_headers
+from kvzip.gpu import graphs, programs, layout_cache
 
 rng = np.random.default_rng(99)
 SHAPE = (3, 4096 * 5)
@@ -28,24 +28,24 @@ def real_bf16(n, rate=0.0):
 def taken(monkeypatch):
     """Per call, whether its shortcut gave the result (None: it was not asked: nothing kept)."""
     got = []
-    real_encode, real_decode = api._encode_again, known_headers.decode_again
+    real_encode, real_decode = api._encode_again, layout_cache.decode_again
 
     def encode_again(pipe, x, dtype):
         blob = real_encode(pipe, x, dtype)
-        got.append(blob is not None if call_graphs.recall("encode") is not None else None)
+        got.append(blob is not None if graphs.recall("encode") is not None else None)
         return blob
 
     def decode_again(blob):
         out = real_decode(blob)
-        got.append(out is not None if call_graphs.recall("decode") is not None else None)
+        got.append(out is not None if graphs.recall("decode") is not None else None)
         return out
 
     monkeypatch.setattr(api, "_encode_again", encode_again)
-    monkeypatch.setattr(known_headers, "decode_again", decode_again)
-    call_graphs.release()
-    known_headers.forget()
+    monkeypatch.setattr(layout_cache, "decode_again", decode_again)
+    graphs.release()
+    layout_cache.forget()
     yield got
-    call_graphs.release()
+    graphs.release()
 
 
 def test_compress_repeats_only_a_call_like_the_last(taken, monkeypatch):
@@ -71,10 +71,10 @@ def test_compress_repeats_only_a_call_like_the_last(taken, monkeypatch):
         np.testing.assert_array_equal(blob.get(), want_blob, err_msg=str(i))
     kvzip.compress(x[2], dtype="bf16", checksum=True)  # another pipeline
     assert taken[-1] is False
-    call_graphs.release()  # the kept call goes with the programs
+    graphs.release()  # the kept call goes with the programs
     kvzip.compress(x[2], dtype="bf16")
     assert taken[-1] is None
-    monkeypatch.setattr(fused_fast, "ENABLED", False)  # the kernels switched off: the Numba path
+    monkeypatch.setattr(programs, "ENABLED", False)  # the kernels switched off: the Numba path
     np.testing.assert_array_equal(kvzip.compress(x[0], dtype="bf16").get(),
                                   kvzip.compress(bits[0].reshape(SHAPE), dtype="bf16"))
     assert taken[-1] is False
@@ -111,18 +111,18 @@ def test_decompress_repeats_only_a_call_like_the_last(taken):
         kvzip.decompress(forged)
     assert taken[-1] is False
     check(blobs[1], True, bits[1])   # still kept
-    known_headers.forget()           # nothing remembered: the general path
+    layout_cache.forget()           # nothing remembered: the general path
     check(blobs[0], False, bits[0])
-    call_graphs.release()
+    graphs.release()
     check(blobs[0], None, bits[0])
 
 
 def test_a_dequantizing_decode_repeats_until_its_kernels_are_switched_off(taken, monkeypatch):
     """Blobs of a QuantizeFP8 (per tensor) pipeline decode straight to the caller's dtype; the
-    repeat keeps doing so with each blob's own scale, and stops once quantize_fast is off (the
+    repeat keeps doing so with each blob's own scale, and stops once quantize_kernels is off (the
     full path then dequantizes through the stage, to the same values)."""
     from kvzip import stages as S
-    from kvzip.stages import quantize_fast
+    from kvzip.gpu import quantize_kernels
 
     pipe = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack(), S.EscapeStream(), S.Serialize()])
     n = int(np.prod(SHAPE))
@@ -142,7 +142,7 @@ def test_a_dequantizing_decode_repeats_until_its_kernels_are_switched_off(taken,
     assert taken[1:] == [None, True, True]  # the first: the general path; the second kept
     for g, w in zip(got, want + want[:1]):
         np.testing.assert_array_equal(g.reshape(-1).view(cupy.uint16).get(), w.reshape(-1).view(np.uint16))
-    monkeypatch.setattr(quantize_fast, "ENABLED", False)
+    monkeypatch.setattr(quantize_kernels, "ENABLED", False)
     again = pipe.decode(blobs[1])
     assert taken[-1] is False
     np.testing.assert_array_equal(again.reshape(-1).view(cupy.uint16).get(), want[1].reshape(-1).view(np.uint16))

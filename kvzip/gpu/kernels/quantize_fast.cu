@@ -140,7 +140,7 @@ KVZ_HD float scale_from_amax(i64 amax_bits, int SE, int SM, int E, int M, bool f
 
 // ---------------------------------------------------------------- kernels
 #ifdef __CUDACC__
-// Inputs and outputs of the per-value kernels are 16-byte aligned (quantize_fast.usable checks);
+// Inputs and outputs of the per-value kernels are 16-byte aligned (quantize_kernels.usable checks);
 // the values past the last whole 16-byte unit are done one at a time.
 
 constexpr int THREADS = 256;
@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(THREADS) kvz_amax(const u16* src, const unsign
 // magnitude into table[0 .. 2^15): quantizing is symmetric, so a value's code is its magnitude's
 // with the sign bit copied.
 // addrs (when not null): the scale's address is word scale_word of it instead (the blob's scales
-// stream, from the job table of fused_fast's quantizing encode), and the scale_span - 4 bytes
+// stream, from the job table of programs's quantizing encode), and the scale_span - 4 bytes
 // after the scale are zeroed (the stream's padding).
 template <int SE, int SM, int E, int M, bool FN>
 __global__ void __launch_bounds__(THREADS) kvz_quant_table(const unsigned* amax, float* scale,
@@ -218,7 +218,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) kvz_quantize(const u16* sr
 }
 
 // Block b: table b (256 entries: FP8 code -> 16-bit value) for the scale whose address is word
-// word + b * stride of addrs (a job table of fused_fast's decode program), or at single when
+// word + b * stride of addrs (a job table of programs's decode program), or at single when
 // addrs is null.  For kvz_decode's dequantizing instance (fused_fast.cu).
 template <int E, int M, bool FN, int DE, int DM>
 __global__ void __launch_bounds__(THREADS) kvz_dequant_tables(const unsigned long long* addrs, int word, int stride,

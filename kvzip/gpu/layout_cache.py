@@ -9,7 +9,7 @@ CRC), which follow each tensor's escape count.  After a blob decodes on the fast
 with those fields blanked is remembered as a *layout*.  A later blob whose header blanks to the
 same bytes only needs the varying fields checked: the CRC, the payload length, and escape
 streams laid out exactly as container.layout places them (for a decompress_many batch,
-fused_fast's kvz_check_heads checks them on the GPU as the headers are read back; head_checks
+programs's kvz_check_heads checks them on the GPU as the headers are read back; head_checks
 here is its host twin).  Pipelines with QuantizeFP8 (one scale per tensor) in front are
 remembered too: their codes decode the same way, then the stage turns them back into the
 caller's values with the blob's scale.  Anything else (a checksum, stored raw,
@@ -18,7 +18,7 @@ check every value-dependent fact (escape counts, positions, totals) on each call
 
 Reading a header back costs a host synchronisation before the decode can launch.  So a blob is
 first decoded on a *guessed* layout (guess: of the recently decoded layouts, the one whose fixed
-bytes best fit the blob's length), with no read-back: fused_fast's guess_head, the first blocks of
+bytes best fit the blob's length), with no read-back: programs's guess_head, the first blocks of
 the decode program's scan, makes match()'s checks on the GPU against the guessed layout's blanked
 header and fills in the escape fields of the job row from the header.  A wrong guess (or a
 header that does not hang together) flags the blob, the decode kernels skip it, and the host
@@ -45,7 +45,7 @@ from kvzip import arrays, container
 from kvzip.backends import get_backend
 from kvzip.frame import Frame
 
-from . import call_graphs, fused_fast, quantize_fast
+from . import graphs, programs, quantize_kernels
 
 MAX_LAYOUTS = 4096
 MAX_RECENT = 16  # layouts guess() tries, most recently decoded first
@@ -87,7 +87,7 @@ class Layout:
         GUESS_PENDING until it has)."""
         row = self.row.copy()
         row[:, 3] = self.fixed_bytes
-        row[:, 8] = fused_fast.GUESS_PENDING
+        row[:, 8] = programs.GUESS_PENDING
         return row
 
 
@@ -129,7 +129,7 @@ def remember(head: bytes, nbytes: int, opened: Frame, stages: list) -> None:
         return
     if [s[0] for s in hdr.streams[-3:]] != ["esc_pos", "esc_exp", "exp_high"]:
         return
-    from .top16_pack import frame_codebook
+    from kvzip.codebook import frame_codebook
 
     at = {name: hdr.header_len + off for name, _, off, _ in hdr.streams}  # 16-byte multiples, like the header
     dequantize = None
@@ -139,7 +139,7 @@ def remember(head: bytes, nbytes: int, opened: Frame, stages: list) -> None:
         meta = {k: opened.meta[k] for k in ("dtype", "shape", "n", "format", "quantize_fp8")}
         dequantize = (stages[0], meta, at["scales"])
     row = np.array([[at["codes"], at["rest"], at["esc_count"], 0, 0, 0, opened.n, 0, 0, 0,
-                     *fused_fast.dlut_words(frame_codebook(opened)), 0, 0, 0, 0]], np.uint64)
+                     *programs.dlut_words(frame_codebook(opened)), 0, 0, 0, 0]], np.uint64)
     if len(_layouts) >= MAX_LAYOUTS:
         forget()
     layout = _layouts[read[0]] = Layout(opened.format, opened.dtype_format, tuple(opened.meta["shape"]), opened.n,
@@ -194,7 +194,7 @@ def _guess_table() -> tuple:
         return table
     with _lock:
         starts, bands = [], []
-        for layout in sorted((x for x in _recent.values() if x.header_len <= fused_fast.HEAD_SPAN),
+        for layout in sorted((x for x in _recent.values() if x.header_len <= programs.HEAD_SPAN),
                              key=lambda x: x.fixed_bytes):
             if bands and layout.fixed_bytes <= bands[-1][-1].fixed_bytes * (NEAR + 1) // NEAR:
                 bands[-1].append(layout)
@@ -273,7 +273,7 @@ def _laid_out(payload: int, escapes: tuple) -> bool:
 
 
 def head_checks(block: np.ndarray, nbytes) -> np.ndarray:
-    """What fused_fast's kvz_check_heads finds of a batch's headers, computed on the host (the
+    """What programs's kvz_check_heads finds of a batch's headers, computed on the host (the
     kernel's reference): block holds the blobs' first bytes, a row each, nbytes their lengths.
     A row of 8 words per blob: 1 if its header hangs together, then esc_pos's, esc_exp's and
     exp_high's payload offsets, the escapes, the high-exponent bytes (all 0 unless it does);
@@ -302,7 +302,7 @@ def head_checks(block: np.ndarray, nbytes) -> np.ndarray:
 
 def match_many(block: np.ndarray, nbytes, checks: np.ndarray | None = None) -> tuple[list, list]:
     """match() for a batch at once: block holds the blobs' first bytes, a row each
-    (fused_fast.head_block), nbytes their lengths, checks what head_checks gives for them (from
+    (programs.head_block), nbytes their lengths, checks what head_checks gives for them (from
     the GPU; computed here if None).  Returns (groups, rest): groups is a list of (layout,
     positions, jobs) with the batch positions of the blobs of one remembered layout and their
     job rows (relative to each blob), rest the positions left for the general path.  A row
@@ -366,7 +366,7 @@ def decode(matches: list, blobs: list, origin=None) -> list:
 
 def decode_guessed(layouts: list, blobs: list, labels=None, origin=None, addresses=None) -> tuple[list, list]:
     """Decode blobs (16-byte aligned, of one format and chunk size) on layouts guess() gave, with
-    no header read-back: the GPU checks each header against its guess (fused_fast's
+    no header read-back: the GPU checks each header against its guess (programs's
     guess_head) and fills in the escape fields as it goes.  Returns (results as
     decode_rows', misses): the positions of the blobs whose guess was wrong, whose results are
     None (decode them the checked way).  addresses: (device addresses, lengths) of the blobs, if
@@ -384,7 +384,7 @@ def decode_guessed(layouts: list, blobs: list, labels=None, origin=None, address
 class GuessedDecode:
     """A single blob's decode on a guessed layout, set up for one caller: the program, the views
     that hand results out as the caller's tensors, where the blob's scale lies.  The last one that
-    succeeded on a thread is kept (call_graphs.remember) and run again by decode_again for a blob
+    succeeded on a thread is kept (graphs.remember) and run again by decode_again for a blob
     like that one, so decompress's usual call repeats none of the set-up."""
 
     __slots__ = ("layout", "origin", "views", "scale_at", "program", "span")
@@ -396,7 +396,7 @@ class GuessedDecode:
         self.span = None  # (guess table, lo, hi): the lengths guess() gives this layout for, while that table stands
 
     def run(self, ptr: int, nbytes: int, stream):
-        """Decode the blob of nbytes at ptr on stream (fused_fast._DecodeProgram.run_one):
+        """Decode the blob of nbytes at ptr on stream (programs._DecodeProgram.run_one):
         the result (origin's tensor where views gives one, else raw bits), or None if the
         blob's header was not the layout's."""
         # The layout is noted as the GPU decodes: on a miss the full path then notes the right one.
@@ -413,15 +413,15 @@ def decode_one_guessed(layout: Layout, blob, origin=None):
     """decode_guessed for one blob, with the least host work (GuessedDecode: the program keeps
     the layout's row staged).  Returns the result, or None if the guess was wrong."""
     pair = _fused_dequantize((layout,), (blob,))
-    program, stream = fused_fast.decode_program(layout.fmt, layout.chunk, (layout.n,), pair, (layout.key,))
+    program, stream = programs.decode_program(layout.fmt, layout.chunk, (layout.n,), pair, (layout.key,))
     call = GuessedDecode(layout, origin, pair, program)
     got = call.run(blob.data.ptr, blob.shape[0], stream)
     if got is None:
         return None
-    if call.views is not None and call_graphs.KEEP:  # results come out as the caller's: decode_again can repeat it
+    if call.views is not None and graphs.KEEP:  # results come out as the caller's: decode_again can repeat it
         call.span = _guess_span(layout, blob.shape[0])
         if call.span is not None:
-            call_graphs.remember("decode", call)
+            graphs.remember("decode", call)
     return _handed_out([got], [blob], (layout,), pair, call.views, origin)[0]
 
 
@@ -431,8 +431,8 @@ def decode_again(blob):
     and of a length guess() gives the same layout for, nothing remembered or forgotten since.
     Returns the result, or None where the blob is not like it or the guess missed (the caller
     then takes the full path, which guesses again)."""
-    call = call_graphs.recall("decode")
-    if call is None or not fused_fast.ENABLED:
+    call = graphs.recall("decode")
+    if call is None or not programs.ENABLED:
         return None
     found = arrays.blob_addresses((blob,))
     if found is None or found[0] is not call.origin:
@@ -441,7 +441,7 @@ def decode_again(blob):
     table, lo, hi = call.span
     if _table is not table or not lo <= nbytes < hi:
         return None
-    if call.scale_at is not None and ((ptr + call.scale_at) % 16 or not quantize_fast.ENABLED):
+    if call.scale_at is not None and ((ptr + call.scale_at) % 16 or not quantize_kernels.ENABLED):
         return None  # the dequantizing kernels need the scale aligned (and may be switched off)
     stream = call.origin.working_stream()
     return call.run(ptr, nbytes, stream) if stream is not None else None
@@ -462,7 +462,7 @@ def _guess_span(layout: Layout, nbytes: int) -> tuple | None:
 
 
 def _views(layouts, pair, origin, distinct=None):
-    """What a decode program hands out as it runs (see fused_fast._DecodeProgram.run): origin's
+    """What a decode program hands out as it runs (see programs._DecodeProgram.run): origin's
     tensors straight from the kernels' output where the values come out final, else None (raw
     bits, for _handed_out to finish).  distinct: the different layouts among layouts, if known."""
     if origin is None or (pair is None and any(layout.dequantize for layout in distinct or layouts)):
@@ -500,11 +500,11 @@ def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None, origi
     distinct = layouts[:1] if same else layouts
     views = _views(layouts, pair, origin, distinct)
     if pair is not None:  # QuantizeFP8's decode applied by kvz_decode as it stores
-        jobs[:, fused_fast.DQ_SCALE] = [b.data.ptr + layout.dequantize[2] for b, layout in zip(blobs, layouts)]
+        jobs[:, programs.DQ_SCALE] = [b.data.ptr + layout.dequantize[2] for b, layout in zip(blobs, layouts)]
     guessed = None
     if heads is not None:
         guessed = ((first.key,) * k if same else tuple(layout.key for layout in layouts), heads)
-    got = fused_fast.decode_jobs(fmt, chunk, ns, jobs, labels, dequantize=pair, views=views,
+    got = programs.decode_jobs(fmt, chunk, ns, jobs, labels, dequantize=pair, views=views,
                                  origin=origin if views is not None else None, guessed=guessed)
     got, misses = got if guessed is not None else (got, [])
     if misses:
@@ -521,7 +521,7 @@ def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None, origi
 
 def _fused_dequantize(layouts: list, blobs: list) -> tuple | None:
     """(fp8, source format) when every blob is of a quantized layout of one format pair that
-    quantize_fast handles (and its scale 16-byte aligned), else None."""
+    quantize_kernels handles (and its scale 16-byte aligned), else None."""
     if layouts[0].dequantize is None:
         return None
     pairs = {(layout.fmt.name, layout.dequantize[1]["quantize_fp8"]["source_format"]) if layout.dequantize else None
@@ -531,7 +531,7 @@ def _fused_dequantize(layouts: list, blobs: list) -> tuple | None:
     (pair,) = pairs
     stage = layouts[0].dequantize[0]
     aligned = all((b.data.ptr + layout.dequantize[2]) % 16 == 0 for b, layout in zip(blobs, layouts))
-    return pair if aligned and quantize_fast.usable(get_backend("cuda"), pair[1], pair[0], stage.granularity) else None
+    return pair if aligned and quantize_kernels.usable(get_backend("cuda"), pair[1], pair[0], stage.granularity) else None
 
 
 def _dequantized(codes, blob, layout: Layout):

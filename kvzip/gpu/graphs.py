@@ -1,4 +1,4 @@
-"""Replayable GPU calls for the fast path (stages/fused_fast.py).
+"""Replayable GPU calls for the fast path (kvzip/gpu/programs.py).
 
 A fast-path call is a short fixed sequence: upload the job tables from pinned memory (and zero the
 counters the kernels need zeroed), launch two to four kernels, download a few bytes of results.
@@ -10,7 +10,7 @@ use a CUDA graph of the whole sequence: a repeated call is then one graph launch
 synchronisation (benchmarks/NOTES.md, v6).
 
 Kernel arguments that point into the workspace are written as ``Region(i)`` in the op list, so an
-op list never depends on where its workspace lies.  The objects that own a CallShape (fused_fast's
+op list never depends on where its workspace lies.  The objects that own a CallShape (programs's
 programs) are cached per thread by ``cached`` under a key that fixes their op list: the plans of an
 encode batch, or the format, chunk size and value counts of a decode.
 """
@@ -67,7 +67,7 @@ def _stream_status(stream) -> int:
 # nodes they cost far more: in a replayed graph on the H200 a 2 KiB host-to-device copy added
 # 10.7 us and a 64-byte download 2.0 us, a kernel reading and writing pinned memory 0.9 us
 # (benchmarks/graph_nodes.py; NOTES.md, v16).
-# It starts as every fast-path kernel does (stages/dependent_launch.py): a download is launched as
+# It starts as every fast-path kernel does (kvzip/gpu/dependent_launch.py): a download is launched as
 # a programmatic dependent of the kernel before it.  A download, the call's last node, runs as one
 # block and then sets a flag in the pinned staging, which the host polls instead of synchronising
 # the stream: the call's results are complete once the flag is up, and the host learns it ~3 us
@@ -143,7 +143,7 @@ class CallShape:
       ("dependent", kernel, grid, block, args)
                                        the same for a kernel that begins with griddepcontrol.wait:
                                        right after another kernel it is launched as that one's
-                                       programmatic dependent (stages/dependent_launch.py),
+                                       programmatic dependent (kvzip/gpu/dependent_launch.py),
       ("download", i, nbytes)          the first nbytes of region i -> host (a dependent too; the
                                        last op, if any),
       ("early", i, nbytes)             the same, early in the call (wait_early, early64), made

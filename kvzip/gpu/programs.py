@@ -14,13 +14,13 @@ first blocks check each header against the guessed layout and fill in its escape
 dense pass; one read-back returns the validation result.  Blobs of unknown layouts (or a wrong
 guess) have their headers read back once first (with what kvz_check_heads found of each: CRC,
 escape-table arithmetic, lengths).  Each such sequence is
-a program cached per call shape and replayed as one CUDA graph (stages/call_graphs.py); the job
+a program cached per call shape and replayed as one CUDA graph (kvzip/gpu/graphs.py); the job
 tables keep every address that does not move between calls.  In the graph each kernel is the
-programmatic dependent of the one before (stages/dependent_launch.py): resident before that one
+programmatic dependent of the one before (kvzip/gpu/dependent_launch.py): resident before that one
 ends, and, for kvz_decode, decoding each warp's first chunk while the scan still runs.
 
 QuantizeFP8 with one scale per tensor can ride inside: a quantizing encode program (one tensor)
-takes the 16-bit input, runs quantize_fast's amax and table kernels, and kvz_encode<..., QT>
+takes the 16-bit input, runs quantize_kernels's amax and table kernels, and kvz_encode<..., QT>
 turns each value into its FP8 code as it loads; a dequantizing decode program builds each blob's
 256-entry table from its scale and kvz_decode<..., DQ> stores 16-bit values.
 """
@@ -35,14 +35,13 @@ import numpy as np
 
 from kvzip import arrays, container
 from kvzip.bitpack import groups
-from kvzip.errors import FormatError
+from kvzip.codebook import codebook_meta
+from kvzip.errors import FormatError, decode_error_text
 from kvzip.formats import FORMATS
 from kvzip.frame import Frame
 
-from . import call_graphs, quantize_fast
-from .call_graphs import Region as R
-from .fused import _ERRORS
-from .top16_pack import codebook_meta
+from . import graphs, quantize_kernels
+from .graphs import Region as R
 
 ENABLED = True          # tests switch this off to exercise the Numba-CUDA kernels on a real GPU
 WARPS = 8
@@ -61,7 +60,7 @@ QUEUE_WORDS = 128       # work words of the dense kernels' chunk queues (fused_f
 EARLY_SIZING_MIN = 1
 # Such a call returns once its blobs are built, without waiting for the scan and the download:
 # the blobs are complete in stream order, as any CUDA library's results are, and the next call
-# of the shape on the stream follows the scan there (call_graphs.CallShape.detach).  0: wait.
+# of the shape on the stream follows the scan there (graphs.CallShape.detach).  0: wait.
 EARLY_RETURN = 1
 
 # Shape of the dense kernels per format: (groups a lane handles per step, blocks per
@@ -136,7 +135,7 @@ def slot_size(chunk: int) -> int:
 def _module(device_id: int, names: tuple):
     import cupy
 
-    return cupy.RawModule(code=quantize_fast.cuda_source("fused_fast.cu"), options=("-std=c++17", "-lineinfo"),
+    return cupy.RawModule(code=quantize_kernels.cuda_source("fused_fast.cu"), options=("-std=c++17", "-lineinfo"),
                           name_expressions=list(names))
 
 
@@ -207,7 +206,7 @@ def _pinned_words(k: int) -> np.ndarray:
 
 
 def _launch(name: str, device: int, grid, args) -> tuple:
-    """A launch op for call_graphs (kernels get raw addresses: CuPy views and array arguments
+    """A launch op for graphs (kernels get raw addresses: CuPy views and array arguments
     cost ~4 and ~10 us each, which made the host the bottleneck below 64 MiB; NOTES.md, v3).
     Every kernel of fused_fast.cu begins with await_predecessor(), so each is a "dependent" op."""
     return ("dependent", _kernel(name, device), grid if isinstance(grid, tuple) else (grid,), (THREADS,), args)
@@ -225,7 +224,7 @@ def _current():
 
 def release_workspace() -> None:
     """Free this thread's cached device workspaces and CUDA graphs (rebuilt by the next call)."""
-    call_graphs.release()
+    graphs.release()
 
 
 def applicable(backend, n: int = 0, src=None) -> bool:
@@ -352,7 +351,7 @@ class _EncodeProgram:
 
     quantize (one tensor): the name of its 16-bit source format; the input is then those values,
     and the program runs QuantizeFP8 (per tensor) first: amax and table kernels of
-    quantize_fast, the table kernel writing the blob's scales stream, then the quantizing
+    quantize_kernels, the table kernel writing the blob's scales stream, then the quantizing
     instances of kvz_encode and kvz_scan."""
 
     def __init__(self, plans: tuple, fmt, cb, chunk: int, device: int, quantize: str | None = None):
@@ -374,12 +373,12 @@ class _EncodeProgram:
         ops = [("upload", 3), ("zero", 3)]
         if quantize:
             enc, scan = _quantizing_encode(fmt)
-            amax, table = quantize_fast.kernels(quantize, fmt.name, device)
+            amax, table = quantize_kernels.kernels(quantize, fmt.name, device)
             p = plans[0]
             ops += [("zero", 7),
-                    ("launch", amax, (quantize_fast.grid(p.n // 8, device),), (quantize_fast.THREADS,),
+                    ("launch", amax, (quantize_kernels.grid(p.n // 8, device),), (quantize_kernels.THREADS,),
                      (P(0), R(0), np.int64(p.n), R(7))),  # src: word 0 of the job table
-                    ("launch", table, (quantize_fast.TABLE_BYTES // quantize_fast.THREADS,), (quantize_fast.THREADS,),
+                    ("launch", table, (quantize_kernels.TABLE_BYTES // quantize_kernels.THREADS,), (quantize_kernels.THREADS,),
                      (R(7), P(0), R(0), np.int32(Q_SCALE), np.int32(p.nxt["scales"] - p.off["scales"]), R(8)))]
         lut = P(_device_lut(fmt.name, cb.exponents, device))
         # kvz_encode writes each tensor's totals here (pinned, mapped) as soon as it has them.
@@ -394,9 +393,9 @@ class _EncodeProgram:
                 ("download", 4, self.sizes_nb)]
         # Regions: encode jobs | finish jobs | templates | zeroed work | sizes | escape slots |
         # (quantize) amax, table.
-        ws = self.shape = call_graphs.CallShape((8 * ENCODE_COLUMNS * k, 8 * FINISH_COLUMNS * k, tmpl_host.nbytes, work_nb,
+        ws = self.shape = graphs.CallShape((8 * ENCODE_COLUMNS * k, 8 * FINISH_COLUMNS * k, tmpl_host.nbytes, work_nb,
                                                  self.sizes_nb, 2 * total_chunks * slot, total_chunks * slot)
-                                                + ((16, quantize_fast.TABLE_BYTES) if quantize else ()),
+                                                + ((16, quantize_kernels.TABLE_BYTES) if quantize else ()),
                                                 tuple(ops))
         slot_pos, slot_exp = ws.ptr(5), ws.ptr(6)
         enc_rows, fin_rows = [], []
@@ -496,12 +495,12 @@ class _EncodeProgram:
         (zeroed before the launch; totals | 1 << 63 once published), yielded tensor by tensor as
         they come (finish_blob's layout arithmetic); raises _Unpublished if the stream finished
         without publishing one (not expected: the caller then reads the sizes the scan wrote).
-        The wait is call_graphs.await_word's, which gives the GIL up between looks by
+        The wait is graphs.await_word's, which gives the GIL up between looks by
         sched_yield: time.sleep(0) in its place slept ~50 us (the timer slack) and made a
         64-tensor batch slower than a plain synchronisation (NOTES v18)."""
         ready = self.ready
         for t, pending in enumerate(self.pending):
-            if pending and not call_graphs.await_word(ready, t, stream):
+            if pending and not graphs.await_word(ready, t, stream):
                 raise _Unpublished
             totals = int(ready[t]) if pending else 1 << 63
             yield self._blob_length(t, payload_bytes(self.var_bases[t], totals, self.hb))
@@ -524,7 +523,7 @@ def encode_batch(frames: list[Frame], top16, chunk: int, checksum: bool) -> Enco
         srcs.append(frame.expect("data", fmt.uint_dtype, frame.n).data.ptr)
     device, stream = _current()
     plans = tuple(plans)
-    prog = call_graphs.cached(("encode", device, *map(id, plans), None),  # ids are safe: the program holds the plans
+    prog = graphs.cached(("encode", device, *map(id, plans), None),  # ids are safe: the program holds the plans
                               lambda: _EncodeProgram(plans, fmt, cb, chunk, device))
     buffer = cupy.empty(max(prog.total, 1), np.uint8)
     starts = prog.starts
@@ -570,7 +569,7 @@ class EncodeLane:
     def encode(self, bits, origin=None):
         """The blob of bits (a 16-byte aligned CuPy array of plan.n values), or None when the
         payload comes out larger than the values (the general path then stores them raw) or
-        the lane quantizes and quantize_fast is off.  origin (kvzip.arrays.Origin): hand the
+        the lane quantizes and quantize_kernels is off.  origin (kvzip.arrays.Origin): hand the
         blob out as that caller's array (else CuPy's)."""
         if not self.usable():
             return None
@@ -579,7 +578,7 @@ class EncodeLane:
 
     def usable(self) -> bool:
         """Whether the fast path may run this lane now (tests switch the kernels off)."""
-        return ENABLED and (not self.quantize or quantize_fast.ENABLED)
+        return ENABLED and (not self.quantize or quantize_kernels.ENABLED)
 
     def program(self, device: int) -> _EncodeProgram:
         """This thread's program for this lane's tensors on device."""
@@ -597,7 +596,7 @@ def encode_lanes(lanes: list[EncodeLane], bits: list, origin=None, ptrs: list[in
     # launch on the H200's host; 9.0-9.1 without: NOTES v25).
     uniform = lanes.count(first) == len(lanes)
     if first.quantize if uniform else any(lane.quantize for lane in lanes):
-        if not quantize_fast.ENABLED:
+        if not quantize_kernels.ENABLED:
             return [None] * len(lanes)
         if len(lanes) > 1:
             return [lane.encode(b, origin) for lane, b in zip(lanes, bits)]
@@ -610,7 +609,7 @@ def encode_lanes(lanes: list[EncodeLane], bits: list, origin=None, ptrs: list[in
 def _encode_program(plans: tuple, first: EncodeLane, device: int) -> _EncodeProgram:
     """This thread's program for lanes of these plans (first: one of them, for the format,
     codebook, chunk size and quantizing source)."""
-    return call_graphs.cached(("encode", device, *map(id, plans), first.quantize),  # encode_batch's key too
+    return graphs.cached(("encode", device, *map(id, plans), first.quantize),  # encode_batch's key too
                               lambda: _EncodeProgram(plans, first.fmt, first.codebook, first.chunk, device,
                                                      first.quantize))
 
@@ -620,7 +619,7 @@ class _HeadsProgram:
     """head_block for k blobs: the gather and check kernels and one download."""
 
     def __init__(self, k: int, device: int):
-        self.shape = call_graphs.CallShape(
+        self.shape = graphs.CallShape(
             (16 * k, k * HEAD_SPAN, 64 * k),
             (("upload", 1), _launch("kvz_gather_heads", device, (4, k), (R(0), np.int32(HEAD_SPAN), R(1))),
              _launch("kvz_check_heads", device, k, (R(0), np.int32(HEAD_SPAN), R(2))),
@@ -636,12 +635,12 @@ class _HeadsProgram:
 def head_block(ptrs: list[int], sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """The first HEAD_SPAN bytes of each blob (at device address ptrs[i], sizes[i] bytes long;
     fewer where a blob is shorter, the rest of its row undefined) as one (len(ptrs), HEAD_SPAN)
-    array, and what kvz_check_heads found of each header (known_headers.head_checks' rows),
+    array, and what kvz_check_heads found of each header (layout_cache.head_checks' rows),
     with one device-to-host copy.  Both are this thread's staging memory: valid until the next
     head_block call for as many blobs."""
     k = len(ptrs)
     device, stream = _current()
-    ws = call_graphs.cached(("heads", device, k), lambda: _HeadsProgram(k, device)).shape
+    ws = graphs.cached(("heads", device, k), lambda: _HeadsProgram(k, device)).shape
     ws.staged[0:2 * k:2] = ptrs
     ws.staged[1:2 * k:2] = sizes
     got = ws.run(stream)
@@ -693,7 +692,7 @@ class _DecodeProgram:
     come out in the 16-bit format: the program first builds each blob's table from the scale
     column DQ_SCALE points at, and kvz_decode applies it as it stores.  expect: for a decode on
     guessed layouts, each blob's expected header with the escape-dependent fields blanked
-    (at most HEAD_SPAN bytes; known_headers.Layout.key): the program first checks each blob's
+    (at most HEAD_SPAN bytes; layout_cache.Layout.key): the program first checks each blob's
     header against it on the GPU (the scan's first k blocks: guess_head) and fills in the escape
     fields of its row."""
 
@@ -729,12 +728,12 @@ class _DecodeProgram:
             expected = len(sizes)  # region of the expected headers, written once below
             sizes.append(k * HEAD_SPAN)
         if dequantize:
-            ops.append(("launch", quantize_fast.dequant_tables_kernel(*dequantize, device), (k,), (256,),
+            ops.append(("launch", quantize_kernels.dequant_tables_kernel(*dequantize, device), (k,), (256,),
                         (jobs, np.int32(DQ_SCALE), np.int32(DECODE_COLUMNS), P(0), R(len(sizes)))))
             sizes.append(512 * k)
         # The scan's verdict (every check but those it deferred), sent by its last block.
         self.early = bool(chunk_base and EARLY_VERDICT)
-        verdict = (call_graphs.EARLY_DOWN, call_graphs.EARLY_FLAG, call_graphs.EARLY_RUNS) if self.early else (
+        verdict = (graphs.EARLY_DOWN, graphs.EARLY_FLAG, graphs.EARLY_RUNS) if self.early else (
             P(0), P(0), P(0))
         scan_blocks = sb_base + (k if guess else 0)  # on guessed layouts the first k check the headers
         if scan_blocks:
@@ -751,7 +750,7 @@ class _DecodeProgram:
             ops.append(_launch(dec, device, grid,
                                (jobs, np.int32(k), np.int64(units), np.int32(chunk), offs, work,
                                 np.int64(queue_at), np.int64(scan_blocks), np.int64(split_at), np.int32(shift))))
-        self.shape = call_graphs.CallShape(tuple(sizes), tuple(ops) + (("download", work, self.errors_nb),))
+        self.shape = graphs.CallShape(tuple(sizes), tuple(ops) + (("download", work, self.errors_nb),))
         self.heads_at = self.shape.offsets[1] // 8 if guess else None  # heads' first word in the staging
         self.staged_row = None  # the layout row run_one last staged whole (None after a run)
         self.row_streams = None  # and its stream columns (0-5, blob-relative) as ints
@@ -793,7 +792,7 @@ class _DecodeProgram:
             if len(misses) < bad.size:
                 i = int(bad[errors[bad] != GUESS_MISSED][0]) if heads is not None else int(bad[0])
                 where = f"blob {labels[i]}: " if labels is not None else f"blob {i}: " if errors.shape[0] > 1 else ""
-                raise FormatError(where + _error_text(int(errors[i])))
+                raise FormatError(where + decode_error_text(int(errors[i])))
         return (got, misses) if heads is not None else got
 
     def run_one(self, row: np.ndarray, blob_ptr: int, blob_len: int, stream, views=None, origin=None,
@@ -827,7 +826,7 @@ class _DecodeProgram:
             while_running()
         error = int(self._verdict(stream, origin)[1])  # the tensor's error, after the work counter
         if error and error != GUESS_MISSED:
-            raise FormatError(_error_text(error))
+            raise FormatError(decode_error_text(error))
         return got[0], error == GUESS_MISSED
 
     def _verdict(self, stream, origin) -> np.ndarray:
@@ -865,17 +864,12 @@ def decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray, labels=None, dequa
 
 def decode_program(fmt, chunk: int, ns: tuple, dequantize, expect) -> tuple:
     """(this thread's _DecodeProgram for the call shape on the current device, the current
-    stream): one key for decode_jobs and known_headers' single blobs, so a layout's single and
+    stream): one key for decode_jobs and layout_cache' single blobs, so a layout's single and
     batched decodes share a program."""
     device, stream = _current()
-    prog = call_graphs.cached(("decode", device, fmt.name, chunk, ns, dequantize, expect),
+    prog = graphs.cached(("decode", device, fmt.name, chunk, ns, dequantize, expect),
                               lambda: _DecodeProgram(fmt, chunk, ns, device, dequantize, expect))
     return prog, stream
-
-
-def _error_text(code: int) -> str:
-    """What a decode error code from the kernels means (stages/fused.py's table)."""
-    return _ERRORS.get(code, f"decode error {code}")
 
 
 def decode_batch(frames: list[Frame], chunk: int, codebooks: list, labels=None) -> list:

@@ -36,7 +36,7 @@ typedef unsigned long long u64;
 
 // ------------------------------------------------------------------ programmatic dependent launch
 // In a call's graph every kernel here is the programmatic dependent of the kernel before it
-// (stages/dependent_launch.py), so its blocks may be resident, and running, before that one
+// (kvzip/gpu/dependent_launch.py), so its blocks may be resident, and running, before that one
 // ends.  await_predecessor returns once the predecessor has completed and its memory is visible;
 // release_dependents lets the successor's blocks be scheduled (they wait likewise).  Each kernel
 // does both first, except kvz_decode, which decodes a chunk before it waits, and then waits for
@@ -654,7 +654,7 @@ __device__ __forceinline__ int find_job(const Job* jobs, int njobs, long long ke
 // escapes finishing last (ncu, E5M2 decode: 82 % of the warps active on average against 91 %
 // without escapes; NOTES v15).  The bytes never depend on which warp takes which chunk.
 // KVZ_QUEUES counters, QUEUE_STRIDE words apart (QUEUE_WORDS words of work from queue_at, zeroed;
-// fused_fast.py sizes the region): warp w takes queue q = w % KVZ_QUEUES, whose k-th claim is
+// programs.py sizes the region): warp w takes queue q = w % KVZ_QUEUES, whose k-th claim is
 // chunk W + q + KVZ_QUEUES * k, so each chunk is claimed exactly once.  One counter for 2112 to
 // 3168 warps held the encoders back: with the E5M2 arithmetic stubbed out, 185-189 us a 2^28
 // graph with the queue against 155 with the chunks dealt statically (NOTES v23).  Four: 2^28
@@ -1116,7 +1116,7 @@ __device__ void head_facts(const u8* b, long long len, int span, const u8* head,
 // fits the span and the blob, its CRC matches, the three escape streams follow one another as
 // container.layout places them, the payload ends after the last, at the blob's end.  Word 0 and
 // words 1-5 are 0 otherwise; words 6-7 are 0 for a blob shorter than the prefix.
-// known_headers.head_checks is the host twin, and the reference this is tested against.
+// layout_cache.head_checks is the host twin, and the reference this is tested against.
 __global__ void __launch_bounds__(256) kvz_check_heads(const u64* __restrict__ heads /* (ntensors, 2): ptr, len */,
                                                        int span /* at most HEADER_SMEM */, u64* __restrict__ checks) {
     await_predecessor();
@@ -1134,7 +1134,7 @@ __global__ void __launch_bounds__(256) kvz_check_heads(const u64* __restrict__ h
 }
 
 // ------------------------------------------------------------------ guessed layouts (decode)
-// A decode launched on guessed layouts (known_headers.guess) starts its scan with one block a blob
+// A decode launched on guessed layouts (layout_cache.guess) starts its scan with one block a blob
 // doing this: blob t's header must hang together (as kvz_check_heads says), equal expect's row t
 // once the fields that follow the escape count are blanked (payload length, CRC, escape entries),
 // and put esc_pos where J already points.  Then J's escape fields are filled in from the header;
@@ -1244,7 +1244,7 @@ __device__ __forceinline__ u32 load_slot_escapes(u32 k0, u32 listed, const u32* 
 // The decode scan's check of its block's escapes, the checks kvz_decode makes as it applies them
 // (load_escapes: positions inside their chunk and increasing, exponents in range), so that the
 // call's errors are known once the scan is done: its last block sends them to the host
-// (verdict_block_done), which returns while the decoder still runs (fused_fast.py,
+// (verdict_block_done), which returns while the decoder still runs (programs.py,
 // EARLY_VERDICT).  A thread per escape, SB_CHUNKS apart, its chunk found in s_eoff (escapes before
 // each chunk of the block; the chunk holding escape k is the last with s_eoff <= k).  A block of
 // more than CHECK_MAX escapes (data far from the codebook: the shared real KV has 3-4 a chunk,
@@ -1306,7 +1306,7 @@ __device__ __forceinline__ void check_block_escapes(const DecodeJob& J, long lon
 // counts itself (work[2 + njobs], zeroed by the upload), and the last of them copies work[0, 2 +
 // njobs) (the ticket, each tensor's error, the deferred checks) to down (pinned, mapped) and
 // raises the host's flag to the shape's next run count (runs: a workspace word), as a download
-// kernel would a node later (call_graphs' "early" op): kvz_decode then waits for this kernel
+// kernel would a node later (graphs' "early" op): kvz_decode then waits for this kernel
 // alone.  The fence before a block's count puts its writes ahead of it; the last block's, after
 // its count, ahead of its reads.
 __device__ void verdict_block_done(u64* work, int njobs, u64* down, unsigned int* flag, unsigned int* runs) {

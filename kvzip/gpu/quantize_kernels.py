@@ -6,9 +6,9 @@ Per-channel scales and fp32 input stay on the Numba kernels of stages/quantize_f
 with the CPU twin are the reference these kernels are tested against byte for byte (tests/gpu).
 A quantize call is a memset and three launches (amax, scale + table, lookup); a dequantize call
 one launch (each block builds its 256-entry table from the scale).  Shapes a pipeline has
-encoded before skip the quantize pass: fused_fast's quantizing encode program runs amax and the
-table, then kvz_encode quantizes as it loads.  Blobs whose layout stages/known_headers.py
-remembers skip the dequantize pass: fused_fast's decode program builds their tables
+encoded before skip the quantize pass: programs's quantizing encode program runs amax and the
+table, then kvz_encode quantizes as it loads.  Blobs whose layout kvzip/gpu/layout_cache.py
+remembers skip the dequantize pass: programs's decode program builds their tables
 (kvz_dequant_tables) and kvz_decode applies them as it stores.
 """
 from __future__ import annotations
@@ -45,10 +45,10 @@ def _names() -> tuple:
 
 
 def cuda_source(name: str) -> str:
-    """The CUDA source of stages/name with quantize_lookup.cuh (the per-tensor quantize lookup it
+    """The CUDA source of kvzip/gpu/kernels/name with quantize_lookup.cuh (the per-tensor quantize lookup it
     shares with the other module) in front: one text, so CuPy's compile cache sees any change."""
-    stages = files("kvzip.stages")
-    return stages.joinpath("quantize_lookup.cuh").read_text() + stages.joinpath(name).read_text()
+    kernels = files("kvzip.gpu").joinpath("kernels")
+    return kernels.joinpath("quantize_lookup.cuh").read_text() + kernels.joinpath(name).read_text()
 
 
 @lru_cache(maxsize=None)
@@ -84,14 +84,14 @@ def usable(backend, source: str, fp8: str, granularity: str, *arrays) -> bool:
 
 
 def kernels(source: str, fp8: str, device_id: int) -> tuple:
-    """(kvz_amax, kvz_quant_table) of a format pair: quantize() runs them, and fused_fast's
+    """(kvz_amax, kvz_quant_table) of a format pair: quantize() runs them, and programs's
     quantizing encode puts them in its CUDA graph ahead of kvz_encode."""
     return (_kernel(f"kvz_amax<{_fields(source)}>", device_id),
             _kernel(f"kvz_quant_table<{_fields(source)},{_fields(fp8)},{TARGETS[fp8]}>", device_id))
 
 
 def dequant_tables_kernel(fp8: str, source: str, device_id: int):
-    """kvz_dequant_tables of a format pair: fused_fast's dequantizing decode program runs it."""
+    """kvz_dequant_tables of a format pair: programs's dequantizing decode program runs it."""
     return _kernel(f"kvz_dequant_tables<{_fields(fp8)},{TARGETS[fp8]},{_fields(source)}>", device_id)
 
 

@@ -2,12 +2,12 @@
 before it in the stream is still running, so they sit resident at their first instruction when it
 ends instead of being launched after it.
 
-Our kernels (fused_fast.cu and call_graphs' staging kernel) all begin with `await_predecessor()`
+Our kernels (fused_fast.cu and graphs' staging kernel) all begin with `await_predecessor()`
 (PTX `griddepcontrol.wait`, which returns once the previous grid has completed and its memory is
 visible), then release their own successor (`griddepcontrol.launch_dependents`).  Launched the
 ordinary way, both instructions do nothing, so the same kernels run correctly either way; only the
 launch differs.  CuPy has no launch with attributes, so this calls the driver's cuLaunchKernelEx
-through ctypes.  It is used when call_graphs records a call's CUDA graph (and in the call's eager
+through ctypes.  It is used when graphs records a call's CUDA graph (and in the call's eager
 first run), where stream capture turns the attribute into a programmatic edge of the graph: the
 Python cost of a launch here is paid once per call shape, not per call.
 """

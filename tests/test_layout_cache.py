@@ -1,4 +1,4 @@
-"""stages/known_headers.py: a remembered blob layout matches later blobs that differ only in their
+"""kvzip/gpu/layout_cache.py: a remembered blob layout matches later blobs that differ only in their
 escape counts, gives the job row the general path would, and rejects every header it cannot vouch
 for (those then take the general path).  Pure header logic, so it runs on the CPU; the GPU tests
 cover the decode itself."""
@@ -16,7 +16,7 @@ from kvzip import stages as S
 from kvzip.backends import get_backend
 from kvzip.data import load_sample
 from kvzip.pipeline import recorded_pipeline
-from kvzip.stages import known_headers
+from kvzip.gpu import layout_cache
 from kvzip.stages.serialize import open_blob
 
 rng = np.random.default_rng(7)
@@ -41,13 +41,13 @@ def head_of(blob):
 
 @pytest.fixture
 def remembered():
-    known_headers.forget()
+    layout_cache.forget()
     blob = with_escapes(0.001)
     head = head_of(blob)
     opened = open_blob(get_backend("cpu"), blob, head)
-    known_headers.remember(head, blob.shape[0], opened, recorded_pipeline(opened.meta).stages)
+    layout_cache.remember(head, blob.shape[0], opened, recorded_pipeline(opened.meta).stages)
     yield blob
-    known_headers.forget()
+    layout_cache.forget()
 
 
 def expected_row(blob):
@@ -60,7 +60,7 @@ def expected_row(blob):
 @pytest.mark.parametrize("rate", [0.0, 0.001, 0.01, 0.05])
 def test_blobs_that_differ_in_escapes_match_with_their_own_offsets(remembered, rate):
     blob = with_escapes(rate)
-    hit = known_headers.match(head_of(blob), blob.shape[0])
+    hit = layout_cache.match(head_of(blob), blob.shape[0])
     assert hit is not None
     layout, row = hit
     at, nb = expected_row(blob)
@@ -83,25 +83,25 @@ def test_headers_it_cannot_vouch_for_are_refused(remembered):
     head, n = head_of(blob), blob.shape[0]
     hdr = container.parse_header(head, n)
     at = container.PREFIX.size + 16 * (len(hdr.streams) - 3)  # esc_pos's table entry
-    assert known_headers.match(head, n) is not None
-    assert known_headers.match(head, n + 16) is None  # payload length disagrees with the blob
+    assert layout_cache.match(head, n) is not None
+    assert layout_cache.match(head, n + 16) is None  # payload length disagrees with the blob
     crc_broken = bytearray(head)
     crc_broken[at + 8] ^= 2
-    assert known_headers.match(bytes(crc_broken), n) is None
+    assert layout_cache.match(bytes(crc_broken), n) is None
     odd = resealed(head, lambda b: struct.pack_into("<Q", b, at + 8, struct.unpack_from("<Q", b, at + 8)[0] + 1))
-    assert known_headers.match(odd, n) is None  # esc_pos no longer twice esc_exp
+    assert layout_cache.match(odd, n) is None  # esc_pos no longer twice esc_exp
     shifted = resealed(head, lambda b: struct.pack_into("<Q", b, at + 16, struct.unpack_from("<Q", b, at + 16)[0] + 16))
-    assert known_headers.match(shifted, n) is None  # esc_exp not where container.layout puts it
+    assert layout_cache.match(shifted, n) is None  # esc_exp not where container.layout puts it
     other_shape = kvzip.compress(real_bits().reshape(200, 200), dtype="bf16")
-    assert known_headers.match(head_of(other_shape), other_shape.shape[0]) is None
+    assert layout_cache.match(head_of(other_shape), other_shape.shape[0]) is None
     checked = kvzip.compress(real_bits(), dtype="bf16", checksum=True)
-    assert known_headers.match(head_of(checked), checked.shape[0]) is None
+    assert layout_cache.match(head_of(checked), checked.shape[0]) is None
 
 
 def remember_blob(blob):
     head = head_of(blob)
     opened = open_blob(get_backend("cpu"), blob, head)
-    known_headers.remember(head, blob.shape[0], opened, recorded_pipeline(opened.meta).stages)
+    layout_cache.remember(head, blob.shape[0], opened, recorded_pipeline(opened.meta).stages)
 
 
 def quantized_pipeline(granularity):
@@ -110,24 +110,24 @@ def quantized_pipeline(granularity):
 
 
 def test_per_tensor_quantized_layouts_are_remembered_with_their_scale():
-    known_headers.forget()
+    layout_cache.forget()
     blob = quantized_pipeline("tensor").encode(real_bits(), dtype="bf16")
     remember_blob(blob)
-    (layout,) = known_headers._layouts.values()
+    (layout,) = layout_cache._layouts.values()
     stage, meta, scales_at = layout.dequantize
     hdr = container.parse_header(head_of(blob), blob.shape[0])
     at = {name: hdr.header_len + off for name, _, off, _ in hdr.streams}
     assert stage.id == "quantize_fp8" and stage.granularity == "tensor" and scales_at == at["scales"]
     assert (layout.fmt.name, layout.dtype_format.name, meta["quantize_fp8"]) == ("e5m2", "bf16", {"source_format": "bf16"})
-    assert known_headers.match(head_of(blob), blob.shape[0])[0] is layout
-    known_headers.forget()
+    assert layout_cache.match(head_of(blob), blob.shape[0])[0] is layout
+    layout_cache.forget()
 
 
 def test_per_channel_quantized_and_checksummed_layouts_are_not_remembered():
-    known_headers.forget()
+    layout_cache.forget()
     remember_blob(quantized_pipeline("channel").encode(real_bits().reshape(-1, 64), dtype="bf16"))
     remember_blob(kvzip.compress(real_bits(), dtype="bf16", checksum=True))
-    assert known_headers._layouts == {}
+    assert layout_cache._layouts == {}
 
 
 def test_batch_matching_agrees_with_one_at_a_time(remembered):
@@ -149,11 +149,11 @@ def test_batch_matching_agrees_with_one_at_a_time(remembered):
     block = rng.integers(0, 256, (len(cases), 4096), dtype=np.uint8)  # stale bytes past each head
     for row, (h, _) in zip(block, cases):
         row[:len(h)] = np.frombuffer(h, np.uint8)
-    groups, rest = known_headers.match_many(block, [nb for _, nb in cases])
+    groups, rest = layout_cache.match_many(block, [nb for _, nb in cases])
     batch = {int(p): (layout, jobs[j]) for layout, pos, jobs in groups for j, p in enumerate(pos)}
     assert sorted(batch) + rest == sorted(batch) + sorted(rest) and len(batch) + len(rest) == len(cases)
     for i, (h, nb) in enumerate(cases):
-        one = known_headers.match(h[:min(len(h), nb)], nb)
+        one = layout_cache.match(h[:min(len(h), nb)], nb)
         if one is None:
             assert i in rest, i
         else:
@@ -166,61 +166,61 @@ def test_guess_picks_the_recent_layout_with_the_most_fixed_bytes_a_blob_can_have
     (header and streams before the escapes) at most nbytes, if nbytes is not longer than a blob
     of it can be, and of layouts with about as many fixed bytes the one decoded last;
     guess_many gives the same for a batch; forget() drops them all."""
-    known_headers.forget()
+    layout_cache.forget()
     small = kvzip.compress(real_bits()[:10_000], dtype="bf16")
     large = with_escapes(0.01)
-    assert known_headers.guess(large.shape[0]) is None
+    assert layout_cache.guess(large.shape[0]) is None
     remember_blob(small)
     remember_blob(large)
-    by_len = {layout.n: layout for layout in known_headers._recent.values()}
+    by_len = {layout.n: layout for layout in layout_cache._recent.values()}
     lo, hi = by_len[10_000], by_len[N]
     assert lo.fixed_bytes < hi.fixed_bytes <= large.shape[0]
     sizes = [lo.fixed_bytes - 1, lo.fixed_bytes, small.shape[0], hi.fixed_bytes - 1, large.shape[0],
              hi.fixed_bytes + 4 * N + 48, hi.fixed_bytes + 4 * N + 49]
     below_hi = lo if hi.fixed_bytes - 1 <= lo.fixed_bytes + 4 * lo.n + 48 else None  # past lo's longest blob
     want = [None, lo, lo, below_hi, hi, hi, None]
-    assert [known_headers.guess(s) for s in sizes] == want
-    assert known_headers.guess_many(sizes) == want
+    assert [layout_cache.guess(s) for s in sizes] == want
+    assert layout_cache.guess_many(sizes) == want
     # Another header of about lo's fixed bytes (a band: lengths cannot tell them apart): the
     # layout decoded last is the guess, for either's blobs.
     again = kvzip.compress(real_bits()[:10_000].reshape(100, 100), dtype="bf16")
     remember_blob(again)
-    other = known_headers._layouts[known_headers._read(head_of(again))[0]]
-    assert other is not lo and abs(other.fixed_bytes - lo.fixed_bytes) * known_headers.NEAR <= lo.fixed_bytes
-    assert known_headers.guess(again.shape[0]) is other and known_headers.guess(small.shape[0]) is other
-    assert known_headers.guess_many([small.shape[0], large.shape[0]]) == [other, hi]
+    other = layout_cache._layouts[layout_cache._read(head_of(again))[0]]
+    assert other is not lo and abs(other.fixed_bytes - lo.fixed_bytes) * layout_cache.NEAR <= lo.fixed_bytes
+    assert layout_cache.guess(again.shape[0]) is other and layout_cache.guess(small.shape[0]) is other
+    assert layout_cache.guess_many([small.shape[0], large.shape[0]]) == [other, hi]
     remember_blob(small)  # lo's layout decoded (and remembered) again
-    lo = known_headers._layouts[lo.key]
-    assert known_headers.guess(again.shape[0]) is lo and known_headers.guess_many([small.shape[0]] * 3) == [lo] * 3
-    for _ in range(known_headers.MAX_RECENT):  # only the last MAX_RECENT layouts are kept
-        remember_blob(kvzip.compress(real_bits()[:5000 + len(known_headers._layouts)], dtype="bf16"))
-    assert known_headers.guess(large.shape[0]) is None
-    known_headers.forget()
-    assert known_headers.guess(small.shape[0]) is None and known_headers.guess_many([small.shape[0]]) == [None]
+    lo = layout_cache._layouts[lo.key]
+    assert layout_cache.guess(again.shape[0]) is lo and layout_cache.guess_many([small.shape[0]] * 3) == [lo] * 3
+    for _ in range(layout_cache.MAX_RECENT):  # only the last MAX_RECENT layouts are kept
+        remember_blob(kvzip.compress(real_bits()[:5000 + len(layout_cache._layouts)], dtype="bf16"))
+    assert layout_cache.guess(large.shape[0]) is None
+    layout_cache.forget()
+    assert layout_cache.guess(small.shape[0]) is None and layout_cache.guess_many([small.shape[0]]) == [None]
 
 
 def test_a_guess_span_holds_exactly_the_lengths_guess_gives_its_layout():
     """_guess_span (what decode_again checks a blob's length against): while the guess table
     stands, guess(n) is the layout for every n in [lo, hi) and not for the lengths just outside;
     none for a layout that shares its band; a new layout's note replaces the table."""
-    known_headers.forget()
+    layout_cache.forget()
     small = kvzip.compress(real_bits()[:10_000], dtype="bf16")
     large = with_escapes(0.01)
     remember_blob(small)
     remember_blob(large)
     for blob in (small, large):
-        layout = known_headers.guess(blob.shape[0])
-        table, lo, hi = known_headers._guess_span(layout, blob.shape[0])
-        assert table is known_headers._table and lo <= blob.shape[0] < hi
+        layout = layout_cache.guess(blob.shape[0])
+        table, lo, hi = layout_cache._guess_span(layout, blob.shape[0])
+        assert table is layout_cache._table and lo <= blob.shape[0] < hi
         inside = [lo, hi - 1] + rng.integers(lo, hi, 50).tolist()
-        assert all(known_headers.guess(n) is layout for n in inside)
-        assert known_headers.guess(lo - 1) is not layout and known_headers.guess(hi) is not layout
-    lo_layout = known_headers.guess(small.shape[0])
+        assert all(layout_cache.guess(n) is layout for n in inside)
+        assert layout_cache.guess(lo - 1) is not layout and layout_cache.guess(hi) is not layout
+    lo_layout = layout_cache.guess(small.shape[0])
     remember_blob(kvzip.compress(real_bits()[:10_000].reshape(100, 100), dtype="bf16"))  # same band
-    assert known_headers._table is not table  # the new layout's note dropped the table
-    assert known_headers._guess_span(lo_layout, small.shape[0]) is None
-    assert known_headers._guess_span(known_headers.guess(large.shape[0]), large.shape[0]) is not None
-    known_headers.forget()
+    assert layout_cache._table is not table  # the new layout's note dropped the table
+    assert layout_cache._guess_span(lo_layout, small.shape[0]) is None
+    assert layout_cache._guess_span(layout_cache.guess(large.shape[0]), large.shape[0]) is not None
+    layout_cache.forget()
 
 
 def test_layouts_are_noted_and_guessed_from_several_threads():
@@ -228,7 +228,7 @@ def test_layouts_are_noted_and_guessed_from_several_threads():
     sees a layout table mid-change, and every guess is a layout that fits."""
     import threading
 
-    known_headers.forget()
+    layout_cache.forget()
     blobs = [kvzip.compress(real_bits()[:4000 + 512 * i], dtype="bf16") for i in range(24)]  # > MAX_RECENT layouts
     errors = []
 
@@ -238,10 +238,10 @@ def test_layouts_are_noted_and_guessed_from_several_threads():
                 blob = blobs[(offset + r) % len(blobs)]
                 remember_blob(blob)
                 sizes = [blob.shape[0]] + [b.shape[0] for b in blobs]
-                guesses = [known_headers.guess(sizes[0])] + known_headers.guess_many(sizes[1:])
-                assert all(g is None or known_headers._fits(g, n) for g, n in zip(guesses, sizes))
+                guesses = [layout_cache.guess(sizes[0])] + layout_cache.guess_many(sizes[1:])
+                assert all(g is None or layout_cache._fits(g, n) for g, n in zip(guesses, sizes))
                 if r % 13 == 0:
-                    known_headers.forget()
+                    layout_cache.forget()
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -257,5 +257,5 @@ def test_layouts_are_noted_and_guessed_from_several_threads():
             t.join()
     finally:
         sys.setswitchinterval(interval)
-    known_headers.forget()
+    layout_cache.forget()
     assert errors == []
