@@ -4,7 +4,7 @@
 
 host_phases.py says how much of a call's wall time is Python ahead of the graph launch and after
 its wait; this splits that time into the steps kvzip.decompress and kvzip.compress take on the
-full fast path (kvzip/api.py: decode_with, encode_with; a call not like the thread's last, which
+full fast path (kvzip/execution.py: decode, encode; a call not like the thread's last, which
 the shortcuts of v22 skip), each run 2000 times in a loop (median of five such loops, less the
 cost of an empty call), on a CuPy caller's BF16 tensor and its blob.  Then whole calls with the
 graph's launch and wait stubbed out, repeated (the shortcuts) and on the full path: the steps
@@ -17,7 +17,7 @@ import cupy
 import numpy as np
 
 import kvzip
-from kvzip import api, arrays
+from kvzip import api, arrays, execution
 from kvzip.backends import get_backend
 from kvzip.bench import _sample_bits
 from kvzip.gpu import graphs, programs, layout_cache
@@ -92,7 +92,7 @@ def encode_steps(x) -> list:
     bits, fmt, shape, origin = arrays.import_tensor(x, "bf16")
     be = get_backend("cuda")
     pipe = api._default(None, False, api.DEFAULT_CHUNK)
-    lane = pipe._lane(fmt, shape, be, bits)
+    lane = execution.encoder(pipe, fmt, shape, be, origin).lane_for(bits)
     device, stream = programs._current()
     prog = programs._encode_program((lane.plan,), lane, device)
     buffer = arrays.ResultBuffer(prog.total, origin)
@@ -118,7 +118,7 @@ def encode_steps(x) -> list:
         ("backends.get_backend", lambda: get_backend("cuda")),
         ("origin.stream_context (enter, exit)", context),
         ("api._default", lambda: api._default(None, False, api.DEFAULT_CHUNK)),
-        ("Pipeline._lane", lambda: pipe._lane(fmt, shape, be, bits)),
+        ("execution.encoder + lane_for", lambda: execution.encoder(pipe, fmt, shape, be, origin).lane_for(bits)),
         ("programs._current", programs._current),
         ("programs._encode_program", lambda: programs._encode_program((lane.plan,), lane, device)),
         ("arrays.ResultBuffer", lambda: arrays.ResultBuffer(prog.total, origin)),

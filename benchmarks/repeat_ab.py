@@ -1,4 +1,4 @@
-"""What the shortcuts for a call like the last one save (kvzip/api.py: _EncodeRepeat;
+"""What the shortcuts for a call like the last one save (kvzip/gpu/executor.py: _EncodeRepeat;
 kvzip/gpu/layout_cache.py: decode_again; benchmarks/NOTES.md, v22).  A development aid:
 kvzip.compress / decompress of real values with the shortcuts on and off (graphs.KEEP; off: the
 full path, as before v22), alternated in one process; CUDA events around each call as the bench measures

@@ -94,13 +94,15 @@ def wrap(mod, name):
     setattr(mod, name, timed)
 
 
-from kvzip import pipeline  # noqa: E402
+from kvzip import pipeline, staged  # noqa: E402
+from kvzip.gpu import executor as gpu_executor  # noqa: E402
 from kvzip.stages import fused  # noqa: E402
 
-extra = [(pipeline.Pipeline, "encode_frame"), (pipeline.Pipeline, "decode_frame"), (programs, "_plan"),
+extra = [(staged, "encode_frame"), (staged, "decode_opened"), (gpu_executor.ShapeEncoder, "encode_frame"),
+         (gpu_executor, "decode_general"), (programs, "_plan"),
          (programs, "_device_lut"), (graphs.CallShape, "put"),
          (graphs, "cached"), (layout_cache, "match"), (layout_cache, "decode"),
-         (fused.FusedSplitPackEscape, "check"), (api, "_export_decoded"), (api, "splitzip_pipeline"),
+         (fused.FusedSplitPackEscape, "check"), (staged, "export_decoded"), (api, "splitzip_pipeline"),
          (pipeline, "recorded_pipeline"), (container, "stream_views")] if mode == "host" else []
 for mod, name in extra + [(api.arrays, "import_tensor"), (api.arrays, "export_bytes"), (api.arrays, "import_bytes"),
                   (api.arrays, "export_tensor"), (programs, "encode_batch"), (programs, "decode_batch"),

@@ -33,6 +33,6 @@ from .pipeline import Pipeline  # noqa: F401,E402
 from .api import compress, compress_many, decompress, decompress_many, info, splitzip_pipeline  # noqa: F401,E402
 from . import stages  # noqa: F401,E402  (kvzip.stages: the stage classes)
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402
 __all__ = ["compress", "decompress", "compress_many", "decompress_many", "info", "calibrate", "Codebook", "Pipeline", "FormatError", "stages",
            "splitzip_pipeline", "FloatFormat", "get_format", "FORMATS"]

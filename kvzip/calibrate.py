@@ -127,7 +127,7 @@ def calibrate(samples, format=None, name=None, *, always_include=(0,), provenanc
 
     exps = choose_exponents(hist, always_include)
     total = int(hist.sum())
-    from . import __version__
+    from .version import __version__
 
     record = {
         "sources": sources,

@@ -46,7 +46,7 @@ class CommandError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .version import __version__
 
     parser = argparse.ArgumentParser(prog="kvzip", description="Lossless compression of LLM tensors (KV caches, "
                                      "checkpoints): BF16 to ~1.33x, every bit kept, on the GPU or the CPU.",

@@ -1,5 +1,5 @@
 """Pipeline stages, one module each: the stage class, its kernels and its CPU twin."""
-from .base import REGISTRY, Stage, register, stage_from_config  # noqa: F401
+from .base import BYTES, REGISTRY, TENSOR, Stage, register, stage_from_config  # noqa: F401
 from .quantize_fp8 import QuantizeFP8  # noqa: F401,E402
 from .exponent_split import ExponentSplit  # noqa: F401,E402
 from .top16_pack import Top16Pack  # noqa: F401,E402

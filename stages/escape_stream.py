@@ -18,11 +18,12 @@ from __future__ import annotations
 import numpy as np
 
 from kvzip.bitpack import groups, pack_bits, unpack_bits
+from kvzip.codebook import frame_codebook
 from kvzip.errors import FormatError
 from kvzip.frame import Frame
 
 from .base import ESCAPED, PACKED, Stage, register
-from .top16_pack import ESCAPE, frame_codebook
+from .top16_pack import ESCAPE
 
 PLANE = 0xFFFF            # esc_count value marking a plane-coded chunk
 ESCAPE_BYTES = 3          # uint16 position + uint8 exponent

@@ -170,7 +170,6 @@ class FusedSplitPackEscape:
     def __init__(self, top16, escape):
         self.top16 = top16
         self.chunk = escape.chunk
-        self.ran: str | None = None  # "cpu", "numba-cuda" or "fast" (kvzip/gpu/programs.py): tests check it
 
     def encode(self, frame: Frame) -> Frame:
         fmt, backend, n, C = frame.format, frame.backend, frame.n, self.chunk
@@ -184,7 +183,6 @@ class FusedSplitPackEscape:
         rest = backend.empty(fmt.rest_bits * G, np.uint8)
         esc_count = backend.empty(nchunks, np.uint16)
         lut = backend.from_numpy(cb.encode_lut())
-        self.ran = "cpu" if backend.name == "cpu" else "numba-cuda"
         if backend.name == "cpu":
             cap = HB * G // 3
             esc_pos, esc_exp, exp_high = np.empty(cap, np.uint16), np.empty(cap, np.uint8), np.empty(HB * G, np.uint8)
@@ -236,7 +234,6 @@ class FusedSplitPackEscape:
         codes, rest = buf[header_len + at[0]:][:4 * G], buf[header_len + at[1]:][:R * G]
         esc_count = buf[header_len + at[2]:][:2 * nchunks].view(np.uint16)
         esc_pos, esc_exp, exp_high = np.empty(cap, np.uint16), np.empty(cap, np.uint8), np.empty(HB * G, np.uint8)
-        self.ran = "cpu"
         ne, nh = _encode_cpu(src, n, fmt.exp_bits, fmt.mant_bits, cb.encode_lut(), C, codes, rest, esc_count,
                              esc_pos, esc_exp, exp_high)
         streams = (codes, rest, esc_count, esc_pos[:ne], esc_exp[:ne], exp_high[:nh])
@@ -283,11 +280,6 @@ class FusedSplitPackEscape:
     def decode(self, frame: Frame) -> Frame:
         fmt, backend, n, C = frame.format, frame.backend, frame.n, self.chunk
         cb = self.check(frame)
-        from kvzip.gpu import programs
-
-        if programs.decode_applicable(frame):  # first: it needs none of the host-side set-up below
-            self.ran = "fast"
-            return self.finish_decode(frame, programs.decode_batch([frame], C, [cb])[0])
         xp = backend.xp
         G = groups(n)
         nchunks, chunk_groups, _ = chunk_layout(n, C)
@@ -297,11 +289,9 @@ class FusedSplitPackEscape:
         dlut = backend.from_numpy(cb.decode_lut())
         dst = backend.empty(n, fmt.uint_dtype)
         if backend.name == "cpu":
-            self.ran = "cpu"
-            code = _decode_cpu(codes, rest, esc_count, streams["esc_pos"], streams["esc_exp"], streams["exp_high"],
+                code = _decode_cpu(codes, rest, esc_count, streams["esc_pos"], streams["esc_exp"], streams["exp_high"],
                                n, E, M, dlut, C, dst)
         else:
-            self.ran = "numba-cuda"
             _, _, _, k_dec, k_patch = _cuda_kernels()
             esc_off, plane_off, _, _ = _chunk_offsets(xp, esc_count, backend.from_numpy(chunk_groups), fmt.high_exp_bits)
             err = backend.zeros(1, np.int32)

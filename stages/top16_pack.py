@@ -10,13 +10,11 @@ The codebook travels in the container (``meta["codebook"]``), so a decoder needs
 """
 from __future__ import annotations
 
-from functools import lru_cache
 
 import numpy as np
 
 from kvzip.bitpack import groups, pack_bits, unpack_bits
-from kvzip.codebook import Codebook, codebook_meta, frame_codebook, resolve_codebook  # noqa: F401 (frame_codebook: for the other stages)
-from kvzip.errors import FormatError
+from kvzip.codebook import Codebook, codebook_meta, resolve_codebook
 from kvzip.frame import Frame
 
 from .base import PACKED, SPLIT, Stage, register

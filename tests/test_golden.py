@@ -54,8 +54,7 @@ def test_golden_blob_decodes_to_stored_values(name):
     assert out.shape == tuple(case["shape"])
     np.testing.assert_array_equal(np.asarray(out).view(want.dtype), want)
     for fuse in (True, False):  # the staged decoder reads it too
-        pipe = kvzip.Pipeline.from_config(case["pipeline"])
-        pipe.fuse = fuse
+        pipe = kvzip.Pipeline.from_config(case["pipeline"], fuse=fuse)
         np.testing.assert_array_equal(np.asarray(pipe.decode(blob)).view(want.dtype), want)
     inf = kvzip.info(blob)
     for key, value in case["info"].items():
@@ -69,8 +68,7 @@ def test_golden_input_encodes_to_the_same_bytes(name, fuse):
     if any(s["id"] == "quantize_fp8" for s in case["pipeline"]["stages"]) and \
             getattr(kvzip.stages, "QuantizeFP8", None) is None:
         pytest.skip("QuantizeFP8 is not in this kvzip")
-    pipe = kvzip.Pipeline.from_config(case["pipeline"])
-    pipe.fuse = fuse
+    pipe = kvzip.Pipeline.from_config(case["pipeline"], fuse=fuse)
     got = np.asarray(pipe.encode(x, dtype=fmt.name)).tobytes()
     if got != blob:
         diff = next(i for i, (a, b) in enumerate(zip(got, blob)) if a != b) if len(got) == len(blob) else None

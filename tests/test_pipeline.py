@@ -15,6 +15,7 @@ from kvzip import stages as S
 from kvzip import testing as kt
 from kvzip.data import load_sample
 from kvzip.formats import FORMATS
+from kvzip.trace import last_path
 from kvzip.stages.base import REGISTRY, stage_from_config
 
 Q = kt.quantize_fp8_available()
@@ -239,7 +240,7 @@ def test_split_only_and_stored_pipelines_roundtrip():
         for stages in ([SER()], [SPLIT(), SER()], [SPLIT(), SER(True)]):
             pipe = kvzip.Pipeline(stages)
             blob = pipe.encode(bits, dtype=fmt.name)
-            assert pipe.last_path in ("staged", "stored")
+            assert last_path() in ("staged", "stored")
             np.testing.assert_array_equal(kvzip.decompress(blob).view(fmt.uint_dtype), bits)
 
 
@@ -261,10 +262,9 @@ def test_incompressible_data_is_stored_raw(case):
     _, bits, fmt = case
     raw = bits.nbytes
     for fuse in (True, False):
-        pipe = kvzip.splitzip_pipeline()
-        pipe.fuse = fuse
+        pipe = kvzip.Pipeline(kvzip.splitzip_pipeline().stages, fuse=fuse)
         blob = pipe.encode(bits, dtype=fmt)
-        assert pipe.last_path == "stored"
+        assert last_path() == "stored"
         inf = kvzip.info(blob)
         assert inf["stored_raw"] is True
         assert inf["streams"] == {"data": raw}
@@ -278,7 +278,7 @@ def test_compressible_data_is_not_stored():
     bits = np.concatenate([v.view(np.uint16).ravel() for v in load_sample("html").values()])
     pipe = kvzip.splitzip_pipeline()
     blob = pipe.encode(bits, dtype="bf16")
-    assert pipe.last_path == "fused"
+    assert last_path() == "fused"
     inf = kvzip.info(blob)
     assert not inf["stored_raw"] and inf["ratio"] > 1.3
 
@@ -291,7 +291,7 @@ def test_stored_fallback_keeps_the_quantize_stage():
     x = rng.standard_normal(4000).astype(np.float32)
     pipe = kvzip.Pipeline([Q("e4m3"), SPLIT(), PACK(), ESC(), SER()])  # e4m3 never compresses
     blob = pipe.encode(x)
-    assert pipe.last_path == "stored"
+    assert last_path() == "stored"
     inf = kvzip.info(blob)
     assert inf["stored_raw"] and [s["id"] for s in inf["pipeline"]] == ["quantize_fp8", "serialize"]
     ref = kvzip.decompress(kvzip.Pipeline([Q("e4m3"), SER()]).encode(x))
@@ -336,10 +336,9 @@ def _frame_after(pipe, bits, fmt="bf16"):
 
     frame = Frame(get_backend("cpu"), {"data": bits},
                   {"dtype": FORMATS[fmt].dtype_name, "shape": [bits.size], "n": bits.size, "format": fmt})
-    steps = pipe._steps(pipe.stages[:-1])
-    for step in steps[:-1]:
+    for step in pipe.body_steps[:-1]:
         frame = step.encode(frame)
-    return frame, steps
+    return frame
 
 
 @pytest.mark.parametrize("front,fmt,lane_key", [
@@ -350,15 +349,21 @@ def _frame_after(pipe, bits, fmt="bf16"):
     ([S.QuantizeFP8("e5m2")], "fp32", None),      # 2^31 magnitudes: no table, no lane
 ])
 def test_lanes_are_kept_only_for_bodies_one_program_can_run(front, fmt, lane_key):
-    pipe = kvzip.Pipeline(front + [S.ExponentSplit(), S.Top16Pack(), S.EscapeStream(), S.Serialize()])
+    """What the fused GPU executor's ShapeEncoder (made per caller format and shape) learns
+    after its first fast encode."""
+    from kvzip.gpu.executor import ShapeEncoder
+
     bits = np.arange(4096, dtype=np.uint64).astype(FORMATS[fmt].uint_dtype)
-    frame, steps = _frame_after(pipe, bits, fmt)
-    pipe._remember_lane(frame, plan=None, steps=steps, checksum=True)
-    assert pipe._encode_lanes == {}  # a checksum is hashed on the host: never a lane
-    pipe._remember_lane(frame, plan=None, steps=steps, checksum=False)
+    with_sum = kvzip.Pipeline(front + [S.ExponentSplit(), S.Top16Pack(), S.EscapeStream(), S.Serialize(True)])
+    encoder = ShapeEncoder(with_sum, FORMATS[fmt], (4096,))
+    encoder.learn(_frame_after(with_sum, bits, fmt), plan=None)
+    assert encoder.lane is None  # a checksum is hashed on the host: never a lane
+    pipe = kvzip.Pipeline(front + [S.ExponentSplit(), S.Top16Pack(), S.EscapeStream(), S.Serialize()])
+    encoder = ShapeEncoder(pipe, FORMATS[fmt], (4096,))
+    encoder.learn(_frame_after(pipe, bits, fmt), plan=None)
     if lane_key is None:
-        assert pipe._encode_lanes == {}
+        assert encoder.lane is None
     else:
-        (key, lane), = pipe._encode_lanes.items()
-        assert key == (lane_key, (4096,)) and lane.quantize == (fmt if front else None)
+        lane = encoder.lane
+        assert encoder.fmt.name == lane_key and lane.quantize == (fmt if front else None)
         assert lane.fmt.name == ("bf16" if not front else front[0].format)

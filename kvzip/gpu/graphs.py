@@ -364,7 +364,7 @@ KEEP = True  # remember() keeps anything (benchmarks/repeat_ab.py switches the s
 
 def remember(name: str, value) -> None:
     """Keep value for this thread under name until release(): a shortcut that holds cached
-    programs (kvzip/api.py's repeat of the last call) goes with them.  Nothing is kept while
+    programs (kvzip/gpu/executor.py's repeat of the last call) goes with them.  Nothing is kept while
     KEEP is off, and recall then finds nothing."""
     if not KEEP:
         return

@@ -25,41 +25,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-
-class EngineError(RuntimeError):
-    """A write or registration failed in the engine (peer gone, memory not registered, ...)."""
-
-
-class Engine:
-    """The interface the transfer layer needs; subclasses implement the four methods."""
-
-    name = "engine"
-    session: str
-
-    def register(self, ptr: int, nbytes: int, device: str) -> None:
-        raise NotImplementedError
-
-    def unregister(self, ptr: int) -> None:
-        raise NotImplementedError
-
-    def write(self, peer: str, local_ptr: int, remote_ptr: int, nbytes: int) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Unregister whatever is still registered; the engine is unusable afterwards."""
-        for ptr in list(self.registered):
-            self.unregister(ptr)
-
-    @property
-    def registered(self) -> dict[int, tuple[int, str]]:
-        """Registered buffers: ptr -> (nbytes, device).  Tests check it returns to empty."""
-        return self._registered
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+from .engine import Engine, EngineError
 
 
 def _copy(dst: int, src: int, nbytes: int, device: str) -> None:

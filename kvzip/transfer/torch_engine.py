@@ -23,7 +23,7 @@ import datetime
 import os
 import threading
 
-from .engines import Engine, EngineError
+from .engine import Engine, EngineError
 
 _TIMEOUT = datetime.timedelta(seconds=60)   # a pair's operations
 _CONNECT = datetime.timedelta(seconds=5)

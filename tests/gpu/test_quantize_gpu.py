@@ -8,7 +8,9 @@ import pytest
 import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
 
 import kvzip
+from kvzip import execution
 from kvzip import stages as S
+from kvzip.gpu.executor import ShapeEncoder
 from kvzip.backends import get_backend
 from kvzip.data import load_sample
 from kvzip.formats import FORMATS
@@ -168,14 +170,14 @@ def test_quantizing_lane_writes_the_general_paths_bytes(src, fp8, rate, n, monke
     first = pipe.encode(cupy.asarray(bits), dtype=src)  # general path: registers the lane
     np.testing.assert_array_equal(first.get(), cpu)
     stored = kvzip.info(cpu)["stored_raw"]
-    lane = pipe._encode_lanes.get((src, (n,)))
-    assert stored or (lane is not None and lane.quantize == src)
+    encoder, = [e for e in execution._encoders.values() if e is not None and e.pipe is pipe and e.shape == (n,)]
+    assert encoder.fmt.name == src and (stored or (encoder.lane is not None and encoder.lane.quantize == src))
 
-    def no_general_path(frame):
+    def no_general_path(self, frame):
         raise AssertionError("took the general path")
 
     if not stored:
-        monkeypatch.setattr(pipe, "encode_frame", no_general_path)
+        monkeypatch.setattr(ShapeEncoder, "encode_frame", no_general_path)
     for _ in range(2):  # the second run replays the CUDA graph
         again = pipe.encode(cupy.asarray(bits), dtype=src)
         np.testing.assert_array_equal(again.get(), cpu)

@@ -1,4 +1,4 @@
-"""The shortcuts for a call like the thread's last one (kvzip/api.py: _EncodeRepeat;
+"""The shortcuts for a call like the thread's last one (kvzip/gpu/executor.py: _EncodeRepeat;
 kvzip/gpu/layout_cache.py: decode_again): taken only where the full path would decide the same,
 refused for anything else, and giving the full path's bytes and values either way."""
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
 
 import kvzip
-from kvzip import api
+from kvzip.gpu import executor as gpu_executor
 from kvzip.data import load_sample
 from kvzip.gpu import graphs, programs, layout_cache
 
@@ -28,7 +28,7 @@ def real_bf16(n, rate=0.0):
 def taken(monkeypatch):
     """Per call, whether its shortcut gave the result (None: it was not asked: nothing kept)."""
     got = []
-    real_encode, real_decode = api._encode_again, layout_cache.decode_again
+    real_encode, real_decode = gpu_executor.encode_again, layout_cache.decode_again
 
     def encode_again(pipe, x, dtype):
         blob = real_encode(pipe, x, dtype)
@@ -40,7 +40,7 @@ def taken(monkeypatch):
         got.append(out is not None if graphs.recall("decode") is not None else None)
         return out
 
-    monkeypatch.setattr(api, "_encode_again", encode_again)
+    monkeypatch.setattr(gpu_executor, "encode_again", encode_again)
     monkeypatch.setattr(layout_cache, "decode_again", decode_again)
     graphs.release()
     layout_cache.forget()

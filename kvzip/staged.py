@@ -1,0 +1,135 @@
+"""The staged executor: a pipeline's stages run one after another on any backend, the
+reference every fast path is tested against.
+
+Where ExponentSplit, Top16Pack and EscapeStream follow each other in a pipeline that fuses
+(``Pipeline.fuse``), they run as one step, FusedSplitPackEscape (stages/fused.py: a CPU twin and
+Numba-CUDA kernels), which writes the same bytes.  On the CPU a pipeline whose fused step comes
+last writes the container directly (FusedSplitPackEscape.encode_blob).  Encoding falls back to
+storing the values raw (flagged) when the split streams would be larger than the values.
+kvzip/execution.py decides when this executor runs; kvzip/trace.py records which path did.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import arrays, container, trace
+from .errors import FormatError
+from .frame import Frame
+from .stages import ExponentSplit, FusedSplitPackEscape, Serialize
+from .stages.serialize import frame_from_header
+
+
+def to_backend(a, backend):
+    """a (a NumPy or CuPy array) on backend: a no-op when it is there already."""
+    if backend.name == "cpu":
+        return a if isinstance(a, np.ndarray) else np.asarray(a.get() if hasattr(a, "get") else a)
+    return backend.from_numpy(a) if isinstance(a, np.ndarray) else a
+
+
+def to_origin(a, origin):
+    """a on the caller's device (origin: kvzip.arrays.Origin), as NumPy or CuPy."""
+    if origin.device == "cpu":
+        return a if isinstance(a, np.ndarray) else a.get()
+    if isinstance(a, np.ndarray):
+        import cupy
+
+        return cupy.asarray(a)
+    return a
+
+
+def tensor_frame(bits, fmt, shape, backend) -> Frame:
+    return Frame(backend, {"data": to_backend(bits, backend)},
+                 {"dtype": fmt.dtype_name, "shape": list(shape), "n": math.prod(shape), "format": fmt.name})
+
+
+# ----------------------------------------------------------------------------- encode
+def encode(pipe, bits, fmt, shape, backend, origin):
+    """The blob of one imported tensor, as the caller's 1-D uint8 array."""
+    blob = encode_frame(pipe, tensor_frame(bits, fmt, shape, backend)).streams["blob"]
+    return arrays.export_bytes(to_origin(blob, origin), origin)
+
+
+def encode_frame(pipe, frame: Frame, start: int = 0) -> Frame:
+    """Tensor frame -> blob frame.  start: the index in pipe.body_steps to run from (frame is
+    the output of the steps before it; the fused GPU executor hands over its fallbacks so)."""
+    frame.meta["pipeline"] = pipe.stage_configs
+    steps, serialize = pipe.body_steps, pipe.stages[-1]
+    trace.note("staged")
+    before_split = None
+    for i in range(start, len(steps)):
+        step = steps[i]
+        if isinstance(step, (ExponentSplit, FusedSplitPackEscape)):
+            before_split = frame
+        if isinstance(step, FusedSplitPackEscape):
+            trace.note("fused")
+            if i == len(steps) - 1 and frame.backend.name == "cpu" and set(frame.streams) == {"data"}:
+                # The CPU writes the container itself; a frame with more streams (a quantizer's
+                # scales) takes the general way below.
+                out = step.encode_blob(frame, serialize.checksum)
+                return stored(pipe, before_split) if out is None else out
+        frame = step.encode(frame)
+    if before_split is not None and serialize.payload_size(frame) > serialize.payload_size(before_split):
+        return stored(pipe, before_split)
+    return serialize.encode(frame)
+
+
+def stored(pipe, before_split: Frame) -> Frame:
+    """The values raw (after any stages ahead of the split), flagged as the size fallback."""
+    split_at = next(i for i, s in enumerate(pipe.stages) if isinstance(s, ExponentSplit))
+    serialize = pipe.stages[-1]
+    before_split.meta["pipeline"] = [s.get_config() for s in (*pipe.stages[:split_at], serialize)]
+    trace.note("stored")
+    return serialize.encode(before_split, flags=container.FLAG_STORED)
+
+
+# ----------------------------------------------------------------------------- decode
+def open_blob(u8, backend):
+    """(head bytes, parsed header, opened frame) of a blob on backend."""
+    head = container.read_head(backend, u8)
+    hdr = container.parse_header(head, u8.shape[0])
+    return head, hdr, frame_from_header(backend, u8, hdr)
+
+
+def decode(pipe, u8, backend, origin):
+    """The tensor of one imported blob (u8 on backend), in the caller's framework."""
+    head, hdr, opened = open_blob(u8, backend)
+    out = export_decoded(decode_opened(pipe, opened), origin)
+    container.remember_header(head, u8.shape[0], hdr)
+    return out
+
+
+def decode_frame(pipe, frame: Frame) -> Frame:
+    """Blob frame -> tensor frame, following the pipeline the blob records."""
+    return decode_opened(pipe, Serialize().decode(frame))
+
+
+def decode_opened(pipe, frame: Frame) -> Frame:
+    """Undo the stages of the pipeline an opened blob records (fused as pipe fuses)."""
+    recorded = pipe.recorded(frame.meta, fuse=pipe.fuse)
+    recorded.check_streams(frame)
+    frame = decode_steps(recorded.body_steps, frame)
+    if set(frame.streams) != {"data"}:
+        raise FormatError(f"decoding left streams {sorted(frame.streams)}; the blob holds unknown streams")
+    return frame
+
+
+def decode_steps(steps, frame: Frame) -> Frame:
+    trace.note("staged")
+    for step in reversed(steps):
+        frame = step.decode(frame)
+        if isinstance(step, FusedSplitPackEscape):
+            trace.note("fused")
+    return frame
+
+
+def export_decoded(frame: Frame, origin):
+    """A decoded frame's values as the caller's tensor (its dtype and shape from the blob)."""
+    if set(frame.streams) != {"data"}:
+        raise FormatError(f"decoding left streams {sorted(frame.streams)}; the blob holds unknown streams")
+    fmt = frame.dtype_format
+    if frame.format != fmt:
+        raise FormatError(f"decoded values are {frame.format.name} but the blob says dtype {fmt.dtype_name}")
+    data = frame.expect("data", fmt.uint_dtype, frame.n)
+    return arrays.export_tensor(to_origin(data, origin), fmt, tuple(frame.meta["shape"]), origin)
