@@ -15,6 +15,8 @@
 // 573 us, quantize 1.52 ms and dequantize 1.51 ms, all at 91-95 % SM and 11-20 % DRAM
 // throughput.  benchmarks/NOTES.md (v8) has the figures of these kernels.
 
+#include "quantize_lookup.cuh"
+
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef long long i64;
