@@ -3,6 +3,8 @@
 // look-back, the job search and the dense passes' chunk queues.
 #pragma once
 
+#include "tuning.cuh"
+
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -147,9 +149,6 @@ __device__ __forceinline__ int find_job(const Job* jobs, int njobs, long long ke
 // samples (ncu source view, NOTES v17).  The queue is picked inside the asm too (W is a multiple
 // of WARPS, so it is the warp's place in its block modulo KVZ_QUEUES): held in a register across
 // the loop it cost the BF16 decoder 24 bytes of spills.
-#ifndef KVZ_QUEUES
-#define KVZ_QUEUES 4
-#endif
 #define QUEUE_STRIDE 16  // 128 bytes: each counter a line of its own
 #define QUEUE_WORDS 128  // the queues' region of work (KVZ_QUEUES * QUEUE_STRIDE at most)
 static_assert(KVZ_QUEUES >= 1 && KVZ_QUEUES * QUEUE_STRIDE <= QUEUE_WORDS && WARPS % KVZ_QUEUES == 0,
@@ -184,9 +183,3 @@ __device__ __forceinline__ long long next_chunk(u32 claim) {
 // err codes match stages/fused.py: 1 over capacity, 2 escape totals, 3 position, 4 exponent, 5 plane totals.
 __device__ __forceinline__ void set_error(u64* err, u64 code) { atomicCAS(err, 0ull, code); }
 
-#ifndef KVZ_OFFSETS_WAIT
-#define KVZ_OFFSETS_WAIT 1
-#endif
-#ifndef KVZ_POLL_NS
-#define KVZ_POLL_NS 256
-#endif

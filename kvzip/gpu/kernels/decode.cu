@@ -73,8 +73,7 @@ __device__ __forceinline__ void decode_e5m2_quads(const DecodeJob& J, const u8* 
     }
 }
 
-// kvz_decode's wait for the scan's offsets (offsets_block_done; with KVZ_OFFSETS_WAIT=0 for the
-// scan's end).  The first warp of a block to arrive polls the scan's count; the block's other
+// kvz_decode's wait for the scan's offsets (offsets_block_done).  The first warp of a block to arrive polls the scan's count; the block's other
 // warps watch its word in shared memory (a poller a warp put 2000 and more loads on one L2 line).
 // Acquire loads, by lane 0 before the warp's barrier, put the warp's later reads after the scan
 // blocks' writes.  s_offsets: 0 nobody polls, 1 a warp polls, 2 ready (zeroed as kvz_decode starts);
@@ -86,7 +85,6 @@ struct OffsetsWait {
 };
 __shared__ u32 s_offsets;
 __device__ __forceinline__ void await_offsets(OffsetsWait w) {
-#if KVZ_OFFSETS_WAIT
     if ((threadIdx.x & 31) == 0) {
         const u32 at = (u32)__cvta_generic_to_shared(&s_offsets);
         for (;;) {
@@ -108,9 +106,6 @@ __device__ __forceinline__ void await_offsets(OffsetsWait w) {
         }
     }
     __syncwarp();
-#else
-    await_predecessor();
-#endif
 }
 
 // kvz_decode's early chunk gc of tensor job (below), its dense decode stored: wait for kvz_scan's
@@ -199,9 +194,6 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
     // decoder 276.4-277.3 -> 267.7-268.8, float16 418.1-418.4 -> 400.4-400.7; but BF16's
     // 257.9-258.3 -> 268.2-268.6 and float32's 544.4-547.6 -> 673.8-676.8, so not theirs
     // (benchmarks/macro_ab.py, NOTES v24).  KVZ_DECODE_PREFETCH=0: off.
-#ifndef KVZ_DECODE_PREFETCH
-#define KVZ_DECODE_PREFETCH 1
-#endif
     if constexpr (KVZ_DECODE_PREFETCH && (sizeof(T) == 1 || (sizeof(T) == 2 && !BF16))) {
         prefetch_l2(codes, 4ll * ng, lane);
         prefetch_l2(rest, (long long)R * ng, lane);
@@ -327,10 +319,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
                                                                 long long queue_at, long long scan_blocks,
                                                                 long long split_at, int part_shift) {
     release_dependents();
-    if (KVZ_OFFSETS_WAIT) {
-        if (threadIdx.x == 0) s_offsets = 0;
-        __syncthreads();
-    }
+    if (threadIdx.x == 0) s_offsets = 0;
+    __syncthreads();
     const OffsetsWait ow{work + offsets_ready_at(njobs), scan_blocks};
     const int lane = threadIdx.x & 31;
     u32 next = 0;

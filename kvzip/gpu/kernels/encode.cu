@@ -21,9 +21,6 @@
 // call wants the shortest list that takes the fences off the graph.  H200, macro_ab.py batch,
 // KVZ_PENDING 1 / 2 / 4 / 8 / 16: graph 324.3-327.7 / 312.5-313.5 / 310.8-312.0 / 312.2-314.1 /
 // 327.7-327.9 us, call (on one host) - / 369.0-391.8 / 390.8-398.8 / 412.4-413.7 / 430.8-449.1.
-#ifndef KVZ_PENDING
-#define KVZ_PENDING 2
-#endif
 struct PendingCounts {
     int n;                      // tensors noted
     u32 job[KVZ_PENDING], chunks[KVZ_PENDING];

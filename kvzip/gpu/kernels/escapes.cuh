@@ -87,12 +87,6 @@ __device__ __forceinline__ u32 load_slot_escapes(u32 k0, u32 listed, const u32* 
 // decoder's verdict.  Escapes past the tensor's n_esc are not read (their count is error 2, which
 // the tensor's last block sets).  c0: the block's first chunk; excl: escapes before this thread's
 // chunk in the block; listed: the block's escapes; esc_base: escapes before the block.
-#ifndef KVZ_CHECK_MAX
-#define KVZ_CHECK_MAX (8 * SB_CHUNKS)
-#endif
-#ifndef CHECK_BATCH
-#define CHECK_BATCH 4
-#endif
 template <int E>
 __device__ __forceinline__ void check_block_escapes(const DecodeJob& J, long long n, int chunk, long long c0, u32 excl,
                                                     u32 listed, long long esc_base, bool guessed, u64* err,
@@ -109,14 +103,14 @@ __device__ __forceinline__ void check_block_escapes(const DecodeJob& J, long lon
     const long long n_esc = *reinterpret_cast<const volatile long long*>(&J.n_esc);
     const u8* esc_exp = *reinterpret_cast<const u8* const volatile*>(&J.esc_exp);
     const u16* esc_pos = J.esc_pos;
-    // CHECK_BATCH escapes a round, their searches and loads independent of one another.
+    // KVZ_CHECK_BATCH escapes a round, their searches and loads independent of one another.
     u32 bad = 0;
     const long long end = min((long long)listed, n_esc - esc_base);  // block-relative escapes to read
-    for (long long k0 = threadIdx.x; k0 < end && !bad; k0 += CHECK_BATCH * SB_CHUNKS) {
-        int len[CHECK_BATCH], pos[CHECK_BATCH], prev[CHECK_BATCH];
-        u32 e[CHECK_BATCH];
+    for (long long k0 = threadIdx.x; k0 < end && !bad; k0 += KVZ_CHECK_BATCH * SB_CHUNKS) {
+        int len[KVZ_CHECK_BATCH], pos[KVZ_CHECK_BATCH], prev[KVZ_CHECK_BATCH];
+        u32 e[KVZ_CHECK_BATCH];
 #pragma unroll
-        for (int u = 0; u < CHECK_BATCH; u++) {
+        for (int u = 0; u < KVZ_CHECK_BATCH; u++) {
             const long long k = k0 + u * SB_CHUNKS;
             len[u] = 0;  // no escape: never bad
             if (k >= end) continue;
@@ -128,7 +122,7 @@ __device__ __forceinline__ void check_block_escapes(const DecodeJob& J, long lon
             e[u] = esc_exp[at];
         }
 #pragma unroll
-        for (int u = 0; u < CHECK_BATCH; u++) {
+        for (int u = 0; u < KVZ_CHECK_BATCH; u++) {
             if (bad || len[u] == 0) continue;
             if (pos[u] >= len[u] || pos[u] <= prev[u]) bad = 3;
             else if (e[u] >= (1u << E)) bad = 4;

@@ -58,12 +58,11 @@ __device__ void verdict_block_done(u64* work, int njobs, u64* down, unsigned int
 // 2-3 us of a 2^28 graph, NOTES v26) overlap the decoder's start rather than delay it.  Those
 // checks' errors (3, 4) reach the host through the scan's verdict; the decoder makes the same
 // checks as it applies the escapes, so its reads and writes stay inside the blob and the output
-// either way.  KVZ_OFFSETS_WAIT=0: the decoder waits for the scan's end (griddepcontrol.wait).
+// either way.
 
 // A scan block's count (every thread calls it; the fence after the barrier orders the block's
 // writes, seen by thread 0 there, before the count, as in verdict_block_done).
 __device__ __forceinline__ void offsets_block_done(u64* work, int njobs) {
-    if (!KVZ_OFFSETS_WAIT) return;
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
