@@ -47,6 +47,9 @@ class Tuning:
     check_max: int = field(default=8 * 256, metadata=_to("macro", "KVZ_CHECK_MAX"))
     # Escapes a thread of the decode scan checks a round (escapes.cuh).
     check_batch: int = field(default=4, metadata=_to("macro", "KVZ_CHECK_BATCH"))
+    # kvz_decode's whole E5M2 chunks a lane per quad of groups (decode_e5m2_quads); 0: a lane per
+    # group, as every other format (benchmarks/e5m2_decode_ab.py; decode.cu).
+    e5m2_quads: int = field(default=1, metadata=_to("macro", "KVZ_E5M2_QUADS"))
     # kvz_decode's tail: the last round of chunks dealt as 2^split_shift parts each (0: whole).
     split_shift: int = field(default=0, metadata=_to("host"))
     # Encode calls return once their blobs are built, the scan finishing them in stream order.

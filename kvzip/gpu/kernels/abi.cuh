@@ -39,7 +39,7 @@ struct DecodeJob {  // all 8-byte fields: the host fills a uint64 array (ntensor
     long long chunk_base;
     long long sb_base;
     const u16* dq_table;    // kvz_decode<..., DQ = true>: FP8 code -> 16-bit value (QuantizeFP8's decode)
-    const float* dq_scale;  // and the blob's scale it is built from (quantize_fast.cu's kvz_dequant_tables)
+    const float* dq_scale;  // and the blob's scale it is built from (quantize.cu's kvz_dequant_tables)
 };
 
 struct FinishJob {  // all 8-byte fields: uint64 array (ntensors, 12)

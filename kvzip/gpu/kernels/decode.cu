@@ -200,7 +200,7 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
     }
     const u16* __restrict__ table = J.dq_table;
     const u64 dlo = J.dlo, dhi = J.dhi;
-    if constexpr (E5M2 && !DQ) {  // whole chunks a lane per quad, GPL / 2 quads a step (as many registers)
+    if constexpr (E5M2 && !DQ && KVZ_E5M2_QUADS) {  // whole chunks a lane per quad, GPL / 2 quads a step (as many registers)
         if (!plane && n >= chunk && (chunk & 31) == 0 && part == 0) {
             decode_e5m2_quads<GPL >= 2 ? GPL / 2 : 1>(J, codes, rest, dst, gpc / 4, esc_off, cnt, len, (u32)(dlo << 2),
                                                       (u32)(dlo >> 30), (u32)(dhi << 2), (u32)(dhi >> 30), lane, err);
