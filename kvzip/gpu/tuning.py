@@ -27,7 +27,8 @@ def _to(where: str, name: str | None = None):
 @dataclass(frozen=True)
 class Tuning:
     # Dense kernels' shapes: (groups a lane handles per step, blocks per multiprocessor the register
-    # budget must allow), swept with benchmarks/sweep_shapes.py and macro_ab.py.
+    # budget must allow), swept with benchmarks/sweep_shapes.py and macro_ab.py (the record:
+    # benchmarks/NOTES.md, kernel source split: kernel shapes).
     encode_shape: tuple = field(metadata=_to("template"))
     decode_shape: tuple = field(metadata=_to("template"))
     # FP8 formats only: kvz_encode<..., QT> (quantizing as it loads; no step loaded ahead) and

@@ -133,13 +133,9 @@ __device__ __forceinline__ int find_job(const Job* jobs, int njobs, long long ke
 // without escapes; NOTES v15).  The bytes never depend on which warp takes which chunk.
 // KVZ_QUEUES counters, QUEUE_STRIDE words apart (QUEUE_WORDS words of work from queue_at, zeroed;
 // programs.py sizes the region): warp w takes queue q = w % KVZ_QUEUES, whose k-th claim is
-// chunk W + q + KVZ_QUEUES * k, so each chunk is claimed exactly once.  One counter for 2112 to
-// 3168 warps held the encoders back: with the E5M2 arithmetic stubbed out, 185-189 us a 2^28
-// graph with the queue against 155 with the chunks dealt statically (NOTES v23).  Four: 2^28
-// graphs, BF16 encode 279.7-283.4 -> 271.3-274.9 us, decode 262.9-266.8 -> 258.3-261.4; with the
-// E5M2 encoder's position tables (below) and single chunks a claim where it took two, E5M2 encode
-// 182.3-184.2 -> 174.5-176.8; E5M2 decode unchanged (~180); two queues gained little, eight no
-// more than four (benchmarks/macro_ab.py, NOTES v24).  KVZ_QUEUES: for A/B runs.
+// chunk W + q + KVZ_QUEUES * k, so each chunk is claimed exactly once.  Several counters because
+// one for 2112 to 3168 warps held the encoders back
+// (benchmarks/NOTES.md, kernel source split: chunk queues).
 // Both halves are inline PTX, volatile with a memory clobber, so the compiler keeps the atomic at
 // the chunk's start and its use (next_chunk, a shuffle from lane 0) after the chunk's work.
 // Written as atomicAdd and __shfl_sync, the compiler aggregated the atomic across the warp (a

@@ -12,10 +12,9 @@
 // and two 16-byte stores, where a lane per group took four loads, its address arithmetic and a
 // store a group.  The step's values are decoded into registers first; its escapes (the chunk's,
 // 32 at a time in lanes: pos, exp) then patch them there, the owning lane changing one word; then
-// the stores.  ncu, 2^28 real E5M2: kvz_decode 180 -> 169 us (NOTES v19).  Not for DQ: four
-// 16-byte stores a lane 64 bytes apart took the dequantizing decoder from 249 to 427 us; nor in
+// the stores.  Not for DQ (four 16-byte stores a lane 64 bytes apart were much slower); nor in
 // the encoder, where the mirror (two 16-byte loads, the rest words through shared memory) was
-// slower than store_rest24_warp's groups (170-176 -> 179-180 us; 186 storing the words direct).
+// slower than store_rest24_warp's groups (benchmarks/NOTES.md, kernel source split: E5M2 quads).
 template <int QPL>
 __device__ __forceinline__ void decode_e5m2_quads(const DecodeJob& J, const u8* __restrict__ codes,
                                                   const u8* __restrict__ rest, void* __restrict__ dst, int nq,
@@ -188,12 +187,9 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
         assume_global(codes); assume_global(rest); assume_global(dst);
     }
     // FP8 and float16: the chunk's codes and rest into L2 as it starts, so the steps' loads find
-    // their lines there or on their way.  ncu put the E5M2 decoder at 59 % of DRAM bandwidth with
-    // 64 % of its stall samples waiting on loads (24 warps a multiprocessor, a quarter of a chunk
-    // in flight each).  2^28 graphs: E5M2 decode 178.8-179.9 -> 168.2-170.9 us, the dequantizing
-    // decoder 276.4-277.3 -> 267.7-268.8, float16 418.1-418.4 -> 400.4-400.7; but BF16's
-    // 257.9-258.3 -> 268.2-268.6 and float32's 544.4-547.6 -> 673.8-676.8, so not theirs
-    // (benchmarks/macro_ab.py, NOTES v24).  KVZ_DECODE_PREFETCH=0: off.
+    // their lines there or on their way (those decoders wait on loads).  BF16 and float32 were
+    // slower with it, so not theirs (benchmarks/NOTES.md, kernel source split: decode prefetch).
+    // KVZ_DECODE_PREFETCH=0: off.
     if constexpr (KVZ_DECODE_PREFETCH && (sizeof(T) == 1 || (sizeof(T) == 2 && !BF16))) {
         prefetch_l2(codes, 4ll * ng, lane);
         prefetch_l2(rest, (long long)R * ng, lane);

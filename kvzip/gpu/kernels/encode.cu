@@ -14,13 +14,10 @@
 // (release_counts), and the lane that completes a count puts that tensor's totals in ready[job],
 // flagged.  One fence orders a whole list's sums before its counts, and the completing lane's
 // orders its count before its read, so the totals it reads hold every warp's.  A fence waits for
-// the lane's stores of the chunk in flight too (~1 us): in a batch, where a warp's consecutive
-// chunks lie in different tensors, a fence a chunk cost the 64 x 8 MiB encode graph 33 us
-// (322.6-322.9 against 289.8 with none, and wrong totals).  A longer list publishes later, and the
-// host builds the blobs still unpublished when the encoder ends after it (~1.3 us each), so the
-// call wants the shortest list that takes the fences off the graph.  H200, macro_ab.py batch,
-// KVZ_PENDING 1 / 2 / 4 / 8 / 16: graph 324.3-327.7 / 312.5-313.5 / 310.8-312.0 / 312.2-314.1 /
-// 327.7-327.9 us, call (on one host) - / 369.0-391.8 / 390.8-398.8 / 412.4-413.7 / 430.8-449.1.
+// the lane's stores of the chunk in flight too, so a fence a chunk (a batch's warps cross tensors
+// often) costs the graph; a longer list publishes later, and the host builds the blobs still
+// unpublished when the encoder ends after it, so the call wants the shortest list that takes the
+// fences off the graph (KVZ_PENDING; benchmarks/NOTES.md, kernel source split: pending counts).
 struct PendingCounts {
     int n;                      // tensors noted
     u32 job[KVZ_PENDING], chunks[KVZ_PENDING];
@@ -113,10 +110,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
         int count = 0;
         // Whole steps (every group 8 values) load with no checks.  Unquantizing, the next whole
         // step's loads are issued before this step's work, into a second set of registers, so a
-        // warp keeps reads in flight while it encodes: the E5M2 encoder, latency-bound once its
-        // instructions were cut (ncu: 61 % of stall samples waiting on loads), went 183-187 ->
-        // 172-180 us, BF16 260-265 -> 253-259 (at the shapes ENCODE_SHAPE names; NOTES v17).  The
-        // quantizing encoder, which would hold 16-bit values, was slower with it (242 -> 255).
+        // warp keeps reads in flight while it encodes (the encoders were latency-bound).  Not the
+        // quantizing encoder, which would hold 16-bit values: slower with it
+        // (benchmarks/NOTES.md, kernel source split: encoder's step ahead).
         constexpr bool PREFETCH = !QT;
         Raw<T> cur[PREFETCH ? GPL : 1], ahead[PREFETCH ? GPL : 1];
         bool whole = STEP <= ng && (long long)STEP * 8 <= n;

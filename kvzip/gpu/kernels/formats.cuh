@@ -68,9 +68,8 @@ __device__ __forceinline__ u32 e5m2_rest12(u32 w) {
 // mask are then the OR of its eight lookups, where packing LUT bytes into nibbles (pack4) and
 // gathering the flags (escape_mask) took ~14 more integer instructions a group.  Lanes looking
 // up one table with different exponents hit different banks (entry e is word e of its table),
-// with equal ones the same word: no conflicts.  2^28 graphs: E5M2 encode 182.3-184.2 ->
-// 178.8-179.8 us, the quantizing encoder 378.4-380.4 -> 371.5-372.3, its spills 24 bytes -> none
-// (benchmarks/macro_ab.py, NOTES v24).  Partial groups (a tensor's tail) take encode_raw's
+// with equal ones the same word: no conflicts (benchmarks/NOTES.md, kernel source split: position tables).
+// Partial groups (a tensor's tail) take encode_raw's
 // generic loop and the byte LUT.
 #define POSITION_TABLE_WORDS (8 * 32)
 __device__ __forceinline__ void build_position_tables(u32* tabs, const u8* __restrict__ lut) {
