@@ -1,35 +1,29 @@
 """Does the E5M2 decoder's lane-per-quad path (decode_e5m2_quads) pay off in wall time?  A
 development aid behind benchmarks/NOTES.md (v19): decompress of 2^28 real E5M2 values (the bench's
-data), CUDA events, median of 30 after warm-up, with the kernels built from the source as it is
-("quad") and with the quad path compiled out ("group"), the two alternated three times in one
-process so both see the same GPU and host.
+data), CUDA events, median of 30 after warm-up, with the shipped kernels ("quad") and with the quad
+path compiled out ("group": Tuning.e5m2_quads = 0), the two alternated three times in one process
+so both see the same GPU and host.
 
     python benchmarks/e5m2_decode_ab.py
 """
+import contextlib
+
 import cupy
 
 import kvzip
 from kvzip.bench import _sample_bits, _timer, e5m2_bits
-from kvzip.gpu import graphs, programs, quantize_kernels
+from kvzip.gpu import tuning
 
-QUAD_SWITCH = "if constexpr (E5M2 && !DQ) {"  # the decoder's dispatch to decode_e5m2_quads
-_source = quantize_kernels.cuda_source
+_active = contextlib.ExitStack()
 
 
 def build(variant: str) -> None:
-    """Recompile the fast path's kernels as the variant and drop every cached program."""
-    def source(name):
-        text = _source(name)
-        if variant == "group" and name == "fused_fast.cu":
-            assert QUAD_SWITCH in text, "the decoder's quad dispatch moved: update QUAD_SWITCH"
-            text = text.replace(QUAD_SWITCH, "if constexpr (false) {")
-        return text
-
-    quantize_kernels.cuda_source = source
-    programs._module.cache_clear()
-    programs._kernels.clear()
-    programs._grid_cap.cache_clear()
-    graphs.release()
+    """The fast path's kernels as the variant, every cached program dropped (tuning.override)."""
+    global _active
+    _active.close()
+    _active = contextlib.ExitStack()
+    if variant == "group":
+        _active.enter_context(tuning.override(formats=("e5m2",), e5m2_quads=0))
 
 
 def main(n=1 << 28, rounds=3):

@@ -11,7 +11,7 @@ decompress_many of 64 x 8 MiB, and prints the median of each phase:
     between  from the launch to the wait: host work the GPU's run hides (result arrays, and for
              batches of encodes, the wait for the published sizes)
     wait     the synchronisation (for an encode that returns before its scan ends,
-             programs.EARLY_RETURN, the detach in its place: ~0)
+             Tuning.early_return, the detach in its place: ~0)
     post     from the wait to the return: on the wall time again
 """
 import sys

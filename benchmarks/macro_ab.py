@@ -1,57 +1,54 @@
-"""Kernel variants chosen by macros of kvzip/gpu/kernels/fused_fast.cu, alternated in one process: each
-setting rebuilds the kernels with its macros defined in front of the source (benchmarks/NOTES.md,
-v23: claim units of FP8 chunks, since removed; v24: KVZ_QUEUES, and the E5M2 encoder's position
-tables, since the only way).
+"""Kernel tunings (kvzip/gpu/tuning.py) alternated in one process: each setting rebuilds the
+kernels and programs with its changes through tuning.override() (benchmarks/NOTES.md, v23: claim
+units of FP8 chunks, since removed; v24: KVZ_QUEUES, and the E5M2 encoder's position tables,
+since the only way).
 
     python benchmarks/macro_ab.py SETTINGS [FORMATS] [rounds]
-    python benchmarks/macro_ab.py "KVZ_QUEUES=1;KVZ_QUEUES=4" e5m2,bf16 3
+    python benchmarks/macro_ab.py "queues=1;queues=4" e5m2,bf16 3
+    python benchmarks/macro_ab.py "-;e5m2.decode_shape=2x3;KVZ_PENDING=4" e5m2
 
-SETTINGS: settings separated by ";", each NAME=VALUE macros separated by "," ("-" for none: the
-shipped defaults); a NAME of shape.encode.FMT or shape.decode.FMT with a value GxB sets that
-kernel's shape (programs.ENCODE_SHAPE / DECODE_SHAPE) instead, and py.NAME=V sets programs's
-integer NAME (its shipped value restored by the next setting).
+SETTINGS: settings separated by ";", each of changes separated by "," ("-" for none: the shipped
+tunings).  A change is FIELD=VALUE for every format or FMT.FIELD=VALUE for one; FIELD is a Tuning
+field or the macro it renders (KVZ_QUEUES for queues), VALUE an integer or, for a shape, GxB.
 FORMATS: e5m2 (default), bf16, fp16, fp32, quantize (QuantizeFP8 + E5M2 of the BF16 data), batch
 (the BF16 data as 64 tensors through compress_many / decompress_many, as the bench's batch).
 Each round, per setting and format: compress and decompress of 2^28 real values (the bench's
 data), the call and its graph replay alone (CUDA events, median of 30 after warm-up), the blob
 checked against the first setting's and the round trip against the input.
 """
+import contextlib
+import dataclasses
 import sys
 
 import cupy
 
 import kvzip
 from kvzip.bench import _sample_bits, _timer, batch_parts, format_bits, quantize_pipelines
-from kvzip.gpu import graphs, programs, quantize_kernels
+from kvzip.gpu import graphs, tuning
 
-_SOURCE = quantize_kernels.cuda_source  # the shipped text, before build() wraps it
-_SHAPES = {"encode": dict(programs.ENCODE_SHAPE), "decode": dict(programs.DECODE_SHAPE)}  # shipped
-_SET = {}  # programs attributes a setting changed: their shipped values
+_MACROS = {f.metadata["name"]: f.name for f in dataclasses.fields(tuning.Tuning) if f.metadata["to"] == "macro"}
+_active = contextlib.ExitStack()  # the setting in force
+
+
+def changes(setting: str) -> dict:
+    """{format or None (all): {field: value}} of a setting."""
+    out: dict = {}
+    for token in (m for m in setting.split(",") if m and m != "-"):
+        name, value = token.split("=")
+        fmt, _, field = name.rpartition(".")
+        field = _MACROS.get(field, field)
+        out.setdefault(fmt or None, {})[field] = tuple(int(v) for v in value.split("x")) if "x" in value else int(value)
+    return out
 
 
 def build(setting: str) -> None:
-    """The fused kernels with setting's macros defined and shapes set, from the next call on."""
-    tokens = [m for m in setting.split(",") if m and m != "-"]
-    programs.ENCODE_SHAPE.update(_SHAPES["encode"])
-    programs.DECODE_SHAPE.update(_SHAPES["decode"])
-    for name, value in _SET.items():
-        setattr(programs, name, value)
-    for m in tokens:
-        if m.startswith("py."):
-            name, value = m[3:].split("=")
-            _SET.setdefault(name, getattr(programs, name))
-            setattr(programs, name, int(value))
-        elif m.startswith("shape."):
-            name, value = m.split("=")
-            _, kind, fmt = name.split(".")
-            table = programs.ENCODE_SHAPE if kind == "encode" else programs.DECODE_SHAPE
-            table[fmt] = tuple(int(v) for v in value.split("x"))
-    defines = "".join(f"#define {m.replace('=', ' ')}\n" for m in tokens if not m.startswith(("shape.", "py.")))
-    quantize_kernels.cuda_source = lambda name: defines + _SOURCE(name) if name == "fused_fast.cu" else _SOURCE(name)
-    programs._module.cache_clear()
-    programs._kernels.clear()
-    programs._grid_cap.cache_clear()
-    graphs.release()  # cached programs hold the previous kernels
+    """The kernels and programs of setting's tunings, from the next call on."""
+    global _active
+    _active.close()
+    _active = contextlib.ExitStack()
+    for fmt, fields in changes(setting).items():
+        _active.enter_context(tuning.override(formats=None if fmt is None else (fmt,), **fields))
+    graphs.release()
 
 
 def inputs(names: list, n: int) -> dict:

@@ -82,7 +82,7 @@ try:
     kvzip.decompress_many(forged)
 except kvzip.FormatError:
     pass
-# QuantizeFP8 per tensor (kvzip/gpu/kernels/quantize_fast.cu) in front, ragged lengths; repeated, so later
+# QuantizeFP8 per tensor (kvzip/gpu/kernels/quantize.cu) in front, ragged lengths; repeated, so later
 # decodes take the remembered layout with the dequantize fused into kvz_decode.
 from kvzip import stages as S  # noqa: E402
 

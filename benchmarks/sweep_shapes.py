@@ -1,5 +1,5 @@
 """Time the dense kernels' shapes (groups per lane per step, blocks per multiprocessor) on a GPU:
-the measurement behind programs.ENCODE_SHAPE / DECODE_SHAPE (benchmarks/NOTES.md).
+the measurement behind kvzip/gpu/tuning.py's encode_shape / decode_shape (benchmarks/NOTES.md).
 
     python benchmarks/sweep_shapes.py [log2_values] [bf16|e5m2|fp16|fp32 ...] [encode|decode]
                                                   # default 28, BF16 and E5M2, both kernels, real KV
@@ -13,7 +13,7 @@ import sys
 import cupy
 import kvzip
 from kvzip.bench import _sample_bits, _timer, format_bits
-from kvzip.gpu import graphs, programs
+from kvzip.gpu import tuning
 
 log2 = int(sys.argv[1]) if len(sys.argv) > 1 else 28
 n = 1 << log2
@@ -29,17 +29,12 @@ only = [a for a in sys.argv[2:] if a in ("bf16", "e5m2", "fp16", "fp32")] or ["b
 for name in only:
     x = cupy.asarray(format_bits(name, host, n))
     width = x.dtype.itemsize
-    default = programs.ENCODE_SHAPE[name], programs.DECODE_SHAPE[name]
     kernels = [k for k in ("encode", "decode") if k in sys.argv[2:]] or ["encode", "decode"]
     for which, shapes in [(k, (encode_shapes if k == "encode" else decode_shapes)[width]) for k in kernels]:
         for shape in shapes:
-            programs.ENCODE_SHAPE[name], programs.DECODE_SHAPE[name] = default
-            (programs.ENCODE_SHAPE if which == "encode" else programs.DECODE_SHAPE)[name] = shape
-            programs._kernels.clear()
-            graphs.release()  # cached programs hold the previous kernels
-            t_enc, blob = timeit(lambda: kvzip.compress(x, dtype=name))
-            t_dec, back = timeit(lambda: kvzip.decompress(blob))
+            with tuning.override(formats=(name,), **{f"{which}_shape": shape}):  # kernels and programs rebuilt
+                t_enc, blob = timeit(lambda: kvzip.compress(x, dtype=name))
+                t_dec, back = timeit(lambda: kvzip.decompress(blob))
             ok = bool(cupy.array_equal(back.reshape(-1).view(x.dtype), x))
             print(f"{name} {which} shape {shape}: encode {x.nbytes / t_enc / 1e9:7.1f} GB/s"
                   f"  decode {x.nbytes / t_dec / 1e9:7.1f} GB/s  ratio {x.nbytes / blob.nbytes:.4f}  exact {ok}", flush=True)
-    programs.ENCODE_SHAPE[name], programs.DECODE_SHAPE[name] = default

@@ -1,7 +1,7 @@
-"""The bit tricks of kvzip/gpu/kernels/fused_fast.cu, read from the source and evaluated on the CPU.
+"""The bit tricks of the fused kernels (kvzip/gpu/kernels/), read from the source and evaluated on the CPU.
 
 CI has no GPU, so the CUDA C kernels never run there.  Their SIMD-within-a-register helpers are
-plain integer expressions on 32-bit words, so this test reads each one out of the .cu file,
+plain integer expressions on 32-bit words, so this test reads each one out of the kernel files,
 evaluates it with C's unsigned 32-bit semantics (every operation wrapped) and compares it with a
 value-by-value reference over every input that matters.  A constant edited wrongly in the .cu
 fails here, before a GPU run.  (tests/gpu checks the kernels' bytes against the CPU twin.)
@@ -9,13 +9,12 @@ fails here, before a GPU run.  (tests/gpu checks the kernels' bytes against the 
 import ast
 import random
 import re
-from pathlib import Path
 
 import pytest
 
-from kvzip import stages
+from kvzip.gpu import loader
 
-SOURCE = (Path(stages.__file__).parent / "fused_fast.cu").read_text()
+SOURCE = "\n".join(loader.sources().values())  # every kernel file: the patterns below are unique
 U32 = 0xFFFFFFFF
 
 
@@ -68,12 +67,12 @@ def _split_top(text: str, sep: str) -> list[str]:
 
 
 def device_function(name: str):
-    """fused_fast.cu's __device__ function name as a Python function of its u32 arguments.  It
+    """The kernels' __device__ function name as a Python function of its u32 arguments.  It
     must be straight-line code: `const u32 a = ..., b = ...;` declarations, `*out = ...;` stores
     through pointer parameters and one `return ...;`.  Returns the return value, or (value,
     {pointer parameter: stored value}) when it stores through one."""
     m = re.search(r"__device__ __forceinline__ u32 " + name + r"\(([^)]*)\) \{([^{}]*)\}", SOURCE, re.S)
-    assert m, f"{name} not found in fused_fast.cu"
+    assert m, f"{name} not found in kvzip/gpu/kernels"
     params = [p.split()[-1].lstrip("*") for p in m.group(1).split(",")]
     body = re.sub(r"//[^\n]*", "", m.group(2))
     body = re.sub(r"\b(0x[0-9a-fA-F]+|\d+)u\b", r"\1", body).replace("__byte_perm", "byte_perm")

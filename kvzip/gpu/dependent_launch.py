@@ -2,7 +2,7 @@
 before it in the stream is still running, so they sit resident at their first instruction when it
 ends instead of being launched after it.
 
-Our kernels (fused_fast.cu and graphs' staging kernel) all begin with `await_predecessor()`
+Our kernels (kvzip/gpu/kernels/ and graphs' staging kernel) all begin with `await_predecessor()`
 (PTX `griddepcontrol.wait`, which returns once the previous grid has completed and its memory is
 visible), then release their own successor (`griddepcontrol.launch_dependents`).  Launched the
 ordinary way, both instructions do nothing, so the same kernels run correctly either way; only the

@@ -40,8 +40,9 @@ from kvzip.errors import FormatError, decode_error_text
 from kvzip.formats import FORMATS
 from kvzip.frame import Frame
 
-from . import graphs, quantize_kernels
+from . import graphs, loader, quantize_kernels, tuning
 from .graphs import Region as R
+from .tuning import tuning_for
 
 ENABLED = True          # tests switch this off to exercise the Numba-CUDA kernels on a real GPU
 WARPS = 8
@@ -51,92 +52,36 @@ BLOB_ALIGN = 256        # blobs of a batch start on 256-byte boundaries of one b
 HEAD_SPAN = 2048        # bytes read back per blob to parse its header (more only if it is longer;
                         # the default pipelines' headers are 624 to 848 bytes;
                         # kvz_check_heads stages at most 4096 in shared memory)
-_TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
 _ESCAPE_STREAMS = ["esc_pos", "esc_exp", "exp_high"]
 SB_CHUNKS = 256         # chunks per block of kvz_scan (one thread each)
-QUEUE_WORDS = 128       # work words of the dense kernels' chunk queues (fused_fast.cu's QUEUE_WORDS)
-# Encode calls of at least this many tensors build their blobs as kvz_encode publishes each
-# tensor's totals, while the scan (~10 us) still runs, instead of after the call's wait.
-EARLY_SIZING_MIN = 1
-# Such a call returns once its blobs are built, without waiting for the scan and the download:
-# the blobs are complete in stream order, as any CUDA library's results are, and the next call
-# of the shape on the stream follows the scan there (graphs.CallShape.detach).  0: wait.
-EARLY_RETURN = 1
-
-# Shape of the dense kernels per format: (groups a lane handles per step, blocks per
-# multiprocessor the register budget must allow).  Picked on the H200 with
-# benchmarks/sweep_shapes.py and ncu (benchmarks/NOTES.md, v5; the encoders' again in v17, when
-# they began loading a step ahead and needed the registers for it).  FP8 in v21, checked with
-# shape_ab.py (since v24 benchmarks/macro_ab.py's shape settings): since the early chunk (v20)
-# the E5M2 decoder spilled 28 bytes at (4, 3) and none at (2, 3), 194-195 -> 179-180 us a decode
-# graph at 2^28; the encoder (8, 2), no spills either, 202-203 -> 199 us.  E4M3 runs the same
-# code as E5M2 and takes its encoder's shape.  The float16 decoder (its per-value path) at (2, 4): graph
-# 461-462 -> 422-425 us ((2, 3) 436-440); the float32 encoder at (2, 2), where (1, 4) spilled 16
-# bytes: graph 918-923 -> 561-562 us.  Checked again at v24 (benchmarks/macro_ab.py, four
-# queues, position tables, L2 prefetch): E5M2 encode (4, 3) 180.9-181.6 us against (8, 2)'s
-# 174.5-175.0, decode (4, 2) 174.8-175.8 against (2, 3)'s 167.3-169.7.  At v26 (the scan's early
-# verdict) the E5M2 decoder went to (1, 4): 64 registers, no spills, 32 warps a multiprocessor
-# where (2, 3) ran 24; its whole chunks take the same path (a lane per quad a step either way),
-# and 2^28 decode calls went 177.0-179.0 -> 174.0-175.3 us (graphs 173.8-174.8 -> 172.0-173.2).
-# E4M3's decoder keeps (2, 3), not measured at (1, 4).
-ENCODE_SHAPE = {"e4m3": (8, 2), "e5m2": (8, 2), "bf16": (4, 2), "fp16": (4, 2), "fp32": (2, 2)}
-DECODE_SHAPE = {"e4m3": (2, 3), "e5m2": (1, 4), "bf16": (4, 3), "fp16": (2, 4), "fp32": (1, 4)}
-# A decode's verdict comes from kvz_scan, which checks every blob's escapes as kvz_decode would
-# (check_block_escapes) and whose last block sends the errors to the host (verdict_block_done);
-# where no block deferred its checks a CuPy or torch caller's call returns then, its results
-# complete in stream order, as an early-returning encode's blobs are.  0: every call waits for
-# the decoder's end.
-EARLY_VERDICT = 1
-QUANTIZING_ENCODE_SHAPE = (4, 4)  # kvz_encode<..., QT = true>: loads no step ahead
-# kvz_decode<..., DQ = true>, which stores 16-bit values: the bench's quantize pipeline decoded at
-# 1810-1839 GB/s at (4, 3) and 1657-1666 at (2, 3) (v21), so it keeps (4, 3).
-DEQUANTIZING_DECODE_SHAPE = (4, 3)
-# kvz_decode's tail: the last SPLIT_PERCENT % of a round of chunks (one a warp of its grid) are
-# dealt as 2^SPLIT_SHIFT parts each, so the warps that find the queue empty wait a part's time for
-# the last ones, not a chunk's (formats in SPLIT_FORMATS; 0 %: none).  The FP8 and float16
-# decoders prefetch their chunk from its start (KVZ_DECODE_PREFETCH), each part too: offset that
-# by the part's first group before adding one of them here.
-SPLIT_FORMATS = ("bf16",)
-SPLIT_PERCENT = 100
-SPLIT_SHIFT = 2
+QUEUE_WORDS = 128       # work words of the dense kernels' chunk queues (common.cuh's QUEUE_WORDS)
+# The tunables (kernel shapes, queue and check knobs, the decode tail's split, the early return of
+# encode calls and the early verdict of decode calls, the escape slots' size) are per format in
+# kvzip/gpu/tuning.py; benchmarks change them through tuning.override().
 
 
 def _instances(fmt):
     """The kernel names of one format: encode, encode-side scan, decode-side scan, decode."""
-    args = f"{fmt.exp_bits},{fmt.mant_bits},{_TYPES[fmt.itemsize]}"
-    eg, eb = ENCODE_SHAPE[fmt.name]
-    dg, db = DECODE_SHAPE[fmt.name]
-    return (f"kvz_encode<{args},{eg},{eb}>", f"kvz_scan<{args},EncodeJob>", f"kvz_scan<{args},DecodeJob>",
-            f"kvz_decode<{args},{dg},{db}>")
+    return loader.instances(fmt)
 
 
 def _quantizing_encode(fmt) -> tuple[str, str]:
     """kvz_encode and its scan for an FP8 format reading 16-bit values and quantizing them as
     they load (QuantizeFP8 per tensor fused in)."""
-    args = f"{fmt.exp_bits},{fmt.mant_bits},{_TYPES[fmt.itemsize]}"
-    g, b = QUANTIZING_ENCODE_SHAPE
-    return f"kvz_encode<{args},{g},{b},true>", f"kvz_scan<{args},EncodeJob,true>"
+    return loader.quantizing_encode(fmt)
 
 
 def _dequantizing_decode(fmt) -> str:
     """kvz_decode of an FP8 format writing 16-bit values through each job's dq_table."""
-    g, b = DEQUANTIZING_DECODE_SHAPE
-    return f"kvz_decode<{fmt.exp_bits},{fmt.mant_bits},{_TYPES[fmt.itemsize]},{g},{b},true>"
+    return loader.dequantizing_decode(fmt)
 
 
-def slot_size(chunk: int) -> int:
+def slot_size(chunk: int, fmt_name: str | None = None) -> int:
     """Escapes kvz_encode keeps per chunk for kvz_scan to place (3 % of the chunk, at least 128:
     on the shipped real KV 0.15 % of 4096-value chunks hold 65 to 68); a chunk with more is
     collected again from the input by one warp, which showed as a 20 us tail in the scan."""
-    return max(128, chunk // 32)
-
-
-@lru_cache(maxsize=None)
-def _module(device_id: int, names: tuple):
-    import cupy
-
-    return cupy.RawModule(code=quantize_kernels.cuda_source("fused_fast.cu"), options=("-std=c++17", "-lineinfo"),
-                          name_expressions=list(names))
+    t = tuning_for(fmt_name)
+    return max(t.slot_min, chunk // t.slot_share)
 
 
 _kernels: dict = {}
@@ -145,11 +90,7 @@ _kernels: dict = {}
 def _kernel(name: str, device_id: int):
     k = _kernels.get((name, device_id))
     if k is None:
-        names = tuple(x for fmt in FORMATS.values() for x in _instances(fmt)) + ("kvz_gather_heads",
-                                                                                 "kvz_check_heads")
-        names += tuple(x for fmt in FORMATS.values() if fmt.itemsize == 1
-                       for x in (_dequantizing_decode(fmt), *_quantizing_encode(fmt)))
-        k = _kernels[(name, device_id)] = _module(device_id, names).get_function(name)
+        k = _kernels[(name, device_id)] = loader.fused_kernel(name, device_id)
     return k
 
 
@@ -161,6 +102,9 @@ def _grid_cap(name: str, device_id: int) -> int:
     k = _kernel(name, device_id)
     per_sm = max(1, min(8, 65536 // max(1, k.num_regs * THREADS)))
     return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"] * per_sm
+
+
+tuning.on_change(lambda: (_kernels.clear(), _grid_cap.cache_clear()))
 
 
 @lru_cache(maxsize=64)
@@ -365,7 +309,7 @@ class _EncodeProgram:
         starts = list(accumulate((p.blob_bytes for p in plans), initial=0))
         chunk_base = list(accumulate((p.nchunks for p in plans), initial=0))
         sb_base = list(accumulate((-(-p.nchunks // SB_CHUNKS) for p in plans), initial=0))
-        total_chunks, total_sb, slot = chunk_base[-1], sb_base[-1], slot_size(chunk)
+        total_chunks, total_sb, slot = chunk_base[-1], sb_base[-1], slot_size(chunk, fmt.name)
         tmpl_host = np.frombuffer(b"".join(templates), np.uint8)
         # work: scan ticket, totals, look-back, kvz_encode's chunk queues, each tensor's chunks done
         self.sizes_nb, work_nb = 24 * k, 8 * (1 + k + total_sb + QUEUE_WORDS + k)
@@ -424,6 +368,7 @@ class _EncodeProgram:
         self.total = starts[-1]
         self.header_lens = np.array([len(p.header) for p in plans], np.int64)
         self.hb = fmt.high_exp_bits
+        self.early_return = tuning_for(fmt.name).early_return
         self.var_bases = [p.off["esc_pos"] for p in plans]  # where each payload's escape streams start
         self.pending = [p.nchunks > 0 for p in plans]  # tensors kvz_encode publishes (the others: no escapes)
         self.publishes = any(self.pending)
@@ -457,12 +402,12 @@ class _EncodeProgram:
         """The blobs of the tensors at src_ptrs as origin's arrays (CuPy's without one), None where
         a payload came out larger than the values.  The host's work happens before the launch or
         while the GPU runs: a CuPy or torch caller's blobs are built as kvz_encode publishes each
-        tensor's totals, while the others and the scan run, and (EARLY_RETURN) handed out while
+        tensor's totals, while the others and the scan run, and (Tuning.early_return) handed out while
         the scan finishes them on the stream; other callers' once the GPU is done."""
         buffer = arrays.ResultBuffer(self.total, origin)
         # A CuPy or torch caller's blobs (views, no copy: safe before the scan ends) are sized as
-        # published, from EARLY_SIZING_MIN tensors a call up.
-        early = len(self.starts) >= EARLY_SIZING_MIN and (origin is None or origin.framework in ("cupy", "torch"))
+        # published.
+        early = bool(self.starts) and (origin is None or origin.framework in ("cupy", "torch"))
         if early:
             self.ready.fill(0)
         self.launch(src_ptrs, buffer.ptr, stream)
@@ -476,7 +421,7 @@ class _EncodeProgram:
         if blobs is not None:
             # Once a tensor's totals are published the upload before kvz_encode is done (the staging
             # is free), and with all of them kvz_encode too (ready is free).
-            if EARLY_RETURN and self.publishes:
+            if self.early_return and self.publishes:
                 self.shape.detach(stream)
             else:
                 self.shape.wait(stream)
@@ -669,13 +614,15 @@ GUESS_PENDING = np.uint64(2**64 - 1)  # n_high (column 8) of a guessed row until
 
 
 def _decode_split(fmt, chunks: int, warps: int) -> tuple:
-    """kvz_decode's split_at and part_shift for chunks chunks on a grid of warps warps: the first
-    chunk dealt in parts (never one of the warps' first chunks, decoded whole before the scan is
-    done), and log2 of the parts (SPLIT_PERCENT, SPLIT_SHIFT; fmt None: the dequantizing decode)."""
-    if fmt is None or fmt.name not in SPLIT_FORMATS or not SPLIT_PERCENT or not SPLIT_SHIFT:
+    """kvz_decode's split_at and part_shift for chunks chunks on a grid of warps warps: the last
+    round of chunks (one a warp of the grid) dealt in parts, never one of the warps' first chunks
+    (decoded whole before the scan is done), and log2 of the parts (Tuning.split_shift, 0: no
+    split; fmt None: the dequantizing decode, which never splits)."""
+    shift = tuning_for(fmt.name).split_shift if fmt is not None else 0
+    if not shift:
         return chunks, 0
-    split = min(max(chunks - warps, 0), -(-warps * SPLIT_PERCENT // 100))
-    return chunks - split, (SPLIT_SHIFT if split else 0)
+    split = min(max(chunks - warps, 0), warps)
+    return chunks - split, (shift if split else 0)
 
 
 def _decode_status_at(k: int) -> int:
@@ -732,7 +679,7 @@ class _DecodeProgram:
                         (jobs, np.int32(DQ_SCALE), np.int32(DECODE_COLUMNS), P(0), R(len(sizes)))))
             sizes.append(512 * k)
         # The scan's verdict (every check but those it deferred), sent by its last block.
-        self.early = bool(chunk_base and EARLY_VERDICT)
+        self.early = bool(chunk_base and tuning_for(fmt.name).early_verdict)
         verdict = (graphs.EARLY_DOWN, graphs.EARLY_FLAG, graphs.EARLY_RUNS) if self.early else (
             P(0), P(0), P(0))
         scan_blocks = sb_base + (k if guess else 0)  # on guessed layouts the first k check the headers

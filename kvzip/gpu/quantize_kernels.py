@@ -1,5 +1,5 @@
 """The fast GPU path of QuantizeFP8 with one scale per tensor on bf16/fp16 input: CUDA C++
-kernels (quantize_fast.cu) that look values up in per-call tables built from kvzip/fp8_bits.py's
+kernels (kernels/quantize.cu) that look values up in per-call tables built from kvzip/fp8_bits.py's
 logic, run through CuPy on the caller's stream.
 
 Per-channel scales and fp32 input stay on the Numba kernels of stages/quantize_fp8.py, which
@@ -14,15 +14,16 @@ remembers skip the dequantize pass: programs's decode program builds their table
 from __future__ import annotations
 
 from functools import lru_cache
-from importlib.resources import files
 
 import numpy as np
 
 from kvzip.arrays import aligned
 from kvzip.formats import FORMATS
 
+from . import loader
+
 ENABLED = True          # tests switch this off to exercise the Numba kernels on a real GPU
-THREADS = 256           # quantize_fast.cu's THREADS; kvz_dequantize builds one table entry a thread
+THREADS = 256           # quantize.cu's THREADS; kvz_dequantize builds one table entry a thread
 SOURCES = ("bf16", "fp16")
 TARGETS = {"e5m2": "false", "e4m3": "true"}  # FP8 format -> finite-only ("fn") flag of the kernels
 TABLE_BYTES = 1 << 15   # one code per 15-bit source magnitude
@@ -44,24 +45,9 @@ def _names() -> tuple:
     return tuple(names)
 
 
-def cuda_source(name: str) -> str:
-    """The CUDA source of kvzip/gpu/kernels/name with quantize_lookup.cuh (the per-tensor quantize lookup it
-    shares with the other module) in front: one text, so CuPy's compile cache sees any change."""
-    kernels = files("kvzip.gpu").joinpath("kernels")
-    return kernels.joinpath("quantize_lookup.cuh").read_text() + kernels.joinpath(name).read_text()
-
-
-@lru_cache(maxsize=None)
-def _module(device_id: int):
-    import cupy
-
-    return cupy.RawModule(code=cuda_source("quantize_fast.cu"), options=("-std=c++17", "-lineinfo"),
-                          name_expressions=list(_names()))
-
-
 @lru_cache(maxsize=None)
 def _kernel(name: str, device_id: int):
-    return _module(device_id).get_function(name)
+    return loader.quantize_kernel(name, _names(), device_id)
 
 
 @lru_cache(maxsize=None)

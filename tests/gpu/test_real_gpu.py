@@ -8,7 +8,7 @@ import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
 
 import kvzip
 from kvzip import stages as S
-from kvzip.gpu import programs
+from kvzip.gpu import programs, tuning
 from kvzip.stages.escape_stream import escape_capacity
 from kvzip.data import load_sample
 from kvzip.formats import FORMATS
@@ -555,7 +555,7 @@ def test_batch_decode_names_the_bad_blob_by_its_place():
 
 def test_encodes_returning_before_their_scan_give_cpu_bytes_on_any_stream():
     """A CuPy caller's encode returns once its blobs are sized, while the scan still writes their
-    escapes (programs.EARLY_RETURN): the next call of the program on the same stream follows it
+    escapes (Tuning.early_return): the next call of the program on the same stream follows it
     there, one on another stream waits for it first, and every blob is the CPU's."""
     from kvzip.gpu import graphs
 
@@ -569,7 +569,7 @@ def test_encodes_returning_before_their_scan_give_cpu_bytes_on_any_stream():
         with streams[on]:
             got.append((kvzip.compress(cupy.asarray(xs[which]), dtype="bf16"), which))
     detached = [e.shape.detached for e in graphs.entries() if hasattr(e, "publishes")]
-    assert any(d is not None for d in detached) == bool(programs.EARLY_RETURN)
+    assert any(d is not None for d in detached) == tuning.tuning_for("bf16").early_return
     for s in streams:
         s.synchronize()
     for blob, which in got:
@@ -628,7 +628,7 @@ def test_broken_escapes_raise_in_first_and_queued_chunks(heavy):
     graphs.release()
     np.testing.assert_array_equal(bits_of(kvzip.decompress(blob)), bits)
     (program,) = [e for e in graphs.entries() if isinstance(e, programs._DecodeProgram)]
-    if programs.EARLY_VERDICT:
+    if tuning.tuning_for("bf16").early_verdict:
         assert program.shape.early64[program.errors_nb // 8 - 1] == heavy  # the scan deferred its checks
     host = blob.get()
     hdr = container.parse_header(container.read_head(get_backend("cpu"), host), host.shape[0])
@@ -655,16 +655,17 @@ def _decoder_split(program):
 
 @pytest.mark.parametrize("shift", [1, 2, 3])
 @pytest.mark.parametrize("chunk", [4096, 8192])
-def test_decoder_tail_parts_match_input(shift, chunk, monkeypatch):
-    """kvz_decode deals its last chunks as 2^shift parts each (programs.SPLIT_SHIFT): each part
+def test_decoder_tail_parts_match_input(shift, chunk, request):
+    """kvz_decode deals its last chunks as 2^shift parts each (Tuning.split_shift): each part
     decodes its share of the chunk's steps and skips the escapes before them.  Real values, a
     tail of escape-heavy chunks (more than 32 escapes a part: several loads of them to skip) and
     plane-coded ones, in one tensor and in a batch whose parts span its tensors, decode to the
     input; broken escapes in a part still raise."""
     from kvzip.gpu import graphs
 
-    monkeypatch.setattr(programs, "SPLIT_SHIFT", shift)
-    graphs.release()
+    tuned = tuning.override(formats=("bf16",), split_shift=shift)  # programs rebuilt, on exit too
+    tuned.__enter__()
+    request.addfinalizer(lambda: tuned.__exit__(None, None, None))
     n = 4096 * chunk  # 4096 chunks: more than the decoder's warps (3168 on an H200)
     bits = real_bf16(n)
     bits[-1024 * chunk::10] = 200 << 7  # an exponent far outside the codebook, in the last quarter

@@ -9,11 +9,13 @@
 //   kvz_quant_table    scale from the amax, then code = quantize(magnitude) for all 2^15
 //   kvz_quantize       8 values per 16-byte load through the table in shared memory
 //   kvz_dequantize     the 256-entry table built per block from the scale, 8 codes per load
-//   kvz_dequant_tables tables alone, for fused_fast.cu's kvz_decode to apply as it stores
+//   kvz_dequant_tables tables alone, for the fused module's kvz_decode to apply as it stores
 //
 // The Numba kernels computed the rounding per value: on an H200 (2^28 bf16 values, ncu) amax
 // 573 us, quantize 1.52 ms and dequantize 1.51 ms, all at 91-95 % SM and 11-20 % DRAM
 // throughput.  benchmarks/NOTES.md (v8) has the figures of these kernels.
+
+#include "quantize_lookup.cuh"
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -219,7 +221,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) kvz_quantize(const u16* sr
 
 // Block b: table b (256 entries: FP8 code -> 16-bit value) for the scale whose address is word
 // word + b * stride of addrs (a job table of programs's decode program), or at single when
-// addrs is null.  For kvz_decode's dequantizing instance (fused_fast.cu).
+// addrs is null.  For kvz_decode's dequantizing instance (decode.cu).
 template <int E, int M, bool FN, int DE, int DM>
 __global__ void __launch_bounds__(THREADS) kvz_dequant_tables(const unsigned long long* addrs, int word, int stride,
                                                               const float* single, u16* tables) {

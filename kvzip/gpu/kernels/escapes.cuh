@@ -1,0 +1,214 @@
+// The escape record in both directions: kvz_encode's per-chunk slots, kvz_scan's moves and
+// checks, and kvz_decode's loads and patches.
+#pragma once
+
+#include "common.cuh"
+#include "abi.cuh"
+#include "formats.cuh"
+#include "header.cuh"
+
+// kvz_encode: the escapes of one group a lane (bits of m; the group's first value at position p0 of
+// the chunk) to the chunk's slot after the count already there, in position order.  Returns the
+// new count (every lane).  Slots past `slot` are dropped: kvz_scan collects such chunks again.
+// Usually one lane of the warp holds one escape, so a lane's place is a ballot's population
+// count below it unless some lane holds several (then one ballot per bit of the counts).
+template <int E, int M, typename T>
+__device__ __forceinline__ int slot_escapes(const Raw<T>& v, u32 m, int p0, int count, int slot, u16* __restrict__ spos,
+                                            u8* __restrict__ sexp, int lane) {
+    const u32 k = __popc(m);
+    int idx, total;
+    const u32 some = __ballot_sync(FULL_MASK, k != 0), several = __ballot_sync(FULL_MASK, k > 1);
+    if (several) {
+        idx = warp_exclusive_count(k, lane, &total);
+    } else {
+        idx = __popc(some & ((1u << lane) - 1u));
+        total = __popc(some);
+    }
+    idx += count;
+    if (m) {
+        const u64 ex = exponent_bytes<E, M>(v);
+        do {
+            const int j = __ffs(m) - 1;
+            if (idx < slot) {
+                spos[idx] = (u16)(p0 + j);
+                sexp[idx] = (u8)(ex >> (8 * j));
+            }
+            idx++;
+            m &= m - 1u;
+        } while (m);
+    }
+    return count + total;
+}
+
+// The chunk of a scan block holding the block's escape k: the last with s_eoff <= k (s_eoff:
+// escapes before each of the block's chunks; a chunk holding escape k has escapes, so k < its
+// offset + count).  load_slot_escapes and check_block_escapes.
+__device__ __forceinline__ int chunk_of_escape(const u32* s_eoff, u32 k) {
+    int lo = 0, hi = SB_CHUNKS - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (s_eoff[mid] <= k) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+// kvz_scan's encode: escapes k, k + SB_CHUNKS, .. (MOVE_BATCH of them, those below listed) of a
+// block, read from their chunks' slots into pos / ex; returns a bit per escape read (none for a
+// chunk redone from the input).  s_eoff: escapes before each of the block's chunks; s_cnt: their
+// counts; c0: the block's first chunk.
+#define MOVE_BATCH 4
+__device__ __forceinline__ u32 load_slot_escapes(u32 k0, u32 listed, const u32* s_eoff, const u16* s_cnt, int slot,
+                                            long long c0, const u16* slot_pos, const u8* slot_exp,
+                                            u16 pos[MOVE_BATCH], u8 ex[MOVE_BATCH]) {
+    assume_global(slot_pos); assume_global(slot_exp);
+    u32 loaded = 0;
+#pragma unroll
+    for (int u = 0; u < MOVE_BATCH; u++) {
+        const u32 k = k0 + u * SB_CHUNKS;
+        if (k >= listed) break;
+        const int lo = chunk_of_escape(s_eoff, k);
+        if (s_cnt[lo] > (u32)slot) continue;  // redone from the input
+        const long long at = (c0 + lo) * slot + (k - s_eoff[lo]);
+        pos[u] = slot_pos[at];
+        ex[u] = slot_exp[at];
+        loaded |= 1u << u;
+    }
+    return loaded;
+}
+
+// The decode scan's check of its block's escapes, the checks kvz_decode makes as it applies them
+// (load_escapes: positions inside their chunk and increasing, exponents in range), so that the
+// call's errors are known once the scan is done: its last block sends them to the host
+// (verdict_block_done), which returns while the decoder still runs (programs.py,
+// EARLY_VERDICT).  A thread per escape, SB_CHUNKS apart, its chunk found in s_eoff (escapes before
+// each chunk of the block; the chunk holding escape k is the last with s_eoff <= k).  A block of
+// more than CHECK_MAX escapes (data far from the codebook: the shared real KV has 3-4 a chunk,
+// under 1200 a block) leaves them to kvz_decode and sets *deferred: the host then waits for the
+// decoder's verdict.  Escapes past the tensor's n_esc are not read (their count is error 2, which
+// the tensor's last block sets).  c0: the block's first chunk; excl: escapes before this thread's
+// chunk in the block; listed: the block's escapes; esc_base: escapes before the block.
+template <int E>
+__device__ __forceinline__ void check_block_escapes(const DecodeJob& J, long long n, int chunk, long long c0, u32 excl,
+                                                    u32 listed, long long esc_base, bool guessed, u64* err,
+                                                    u64* deferred, u32* s_eoff) {
+    if (listed == 0) return;
+    if (listed > KVZ_CHECK_MAX) {
+        if (threadIdx.x == 0) *deferred = 1;
+        return;
+    }
+    s_eoff[threadIdx.x] = excl;
+    if (guessed && threadIdx.x == 0) await_guess(J);  // esc_exp and n_esc come from the header guess
+    __syncthreads();
+    // read past L1: this block read J's row (one line) before the guess may have written them
+    const long long n_esc = *reinterpret_cast<const volatile long long*>(&J.n_esc);
+    const u8* esc_exp = *reinterpret_cast<const u8* const volatile*>(&J.esc_exp);
+    const u16* esc_pos = J.esc_pos;
+    // KVZ_CHECK_BATCH escapes a round, their searches and loads independent of one another.
+    u32 bad = 0;
+    const long long end = min((long long)listed, n_esc - esc_base);  // block-relative escapes to read
+    for (long long k0 = threadIdx.x; k0 < end && !bad; k0 += KVZ_CHECK_BATCH * SB_CHUNKS) {
+        int len[KVZ_CHECK_BATCH], pos[KVZ_CHECK_BATCH], prev[KVZ_CHECK_BATCH];
+        u32 e[KVZ_CHECK_BATCH];
+#pragma unroll
+        for (int u = 0; u < KVZ_CHECK_BATCH; u++) {
+            const long long k = k0 + u * SB_CHUNKS;
+            len[u] = 0;  // no escape: never bad
+            if (k >= end) continue;
+            const int lo = chunk_of_escape(s_eoff, (u32)k);
+            const long long at = esc_base + k;
+            len[u] = (int)min((long long)chunk, n - (c0 + lo) * chunk);
+            pos[u] = esc_pos[at];
+            prev[u] = k == s_eoff[lo] ? -1 : (int)esc_pos[at - 1];
+            e[u] = esc_exp[at];
+        }
+#pragma unroll
+        for (int u = 0; u < KVZ_CHECK_BATCH; u++) {
+            if (bad || len[u] == 0) continue;
+            if (pos[u] >= len[u] || pos[u] <= prev[u]) bad = 3;
+            else if (e[u] >= (1u << E)) bad = 4;
+        }
+    }
+    if (bad) set_error(err, bad);
+}
+
+// Replace the exponents of the escaped values (pmask bit j; exponent byte j of pexp) in a group
+// stored as packed words: VPW values a word, each value's exponent (EMASK) at bit ESHIFT of it.
+// BF16: 2 values a word, exponent at bit 7; E5M2: 4 a word, at bit 2.
+template <int VPW, int ESHIFT, u32 EMASK>
+__device__ __forceinline__ void patch_words(u32 w[8 / VPW], u32 pmask, u64 pexp) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        if ((pmask >> j) & 1u) {
+            const int sh = (32 / VPW) * (j % VPW) + ESHIFT;
+            w[j / VPW] = (w[j / VPW] & ~(EMASK << sh)) | ((u32)((pexp >> (8 * j)) & EMASK) << sh);
+        }
+    }
+}
+
+// Value v's bits with its exponent field replaced by e (an escape's exponent).
+template <int E, int M>
+__device__ __forceinline__ u32 with_exponent(u32 v, u32 e) { return (v & ~(((1u << E) - 1u) << M)) | (e << M); }
+
+// Apply this lane's escapes (pmask bit j set: value j's exponent is byte j of pexp), then store
+// (DQ: FP8 codes turned into 16-bit values through table first).
+template <int E, int M, typename T, bool DQ>
+__device__ __forceinline__ void patch_store(void* __restrict__ dst, long long n, long long g, u32 v[8], u32 pmask,
+                                            u64 pexp, const u16* __restrict__ table) {
+    if (pmask) {
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if ((pmask >> j) & 1u) v[j] = with_exponent<E, M>(v[j], (u32)((pexp >> (8 * j)) & 0xFF));
+    }
+    if constexpr (DQ) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = __ldg(table + (v[j] & 0xFFu));
+        store_group(static_cast<u16*>(dst), n, g, v);
+    } else {
+        store_group(static_cast<T*>(dst), n, g, v);
+    }
+}
+
+// A chunk's escapes, 32 at a time in registers: lane k holds escape base + k (position within the
+// chunk, or NONE past the end, and its exponent).  Checked as they are loaded: positions inside
+// the chunk and strictly increasing, exponents in range.
+#define NONE 0x7FFFFFFF
+template <int E>
+__device__ __forceinline__ bool load_escapes(const DecodeJob& J, long long off, int base, int cnt, int len, int before,
+                                             int lane, int& pos, u32& exp, u64* err) {
+    const int k = base + lane;
+    pos = NONE;
+    exp = 0;
+    if (k < cnt) { pos = J.esc_pos[off + k]; exp = J.esc_exp[off + k]; }
+    int prev = __shfl_up_sync(FULL_MASK, pos, 1);
+    if (lane == 0) prev = before;
+    const u32 bad_pos = __ballot_sync(FULL_MASK, k < cnt && (pos >= len || pos <= prev));
+    const u32 bad_exp = __ballot_sync(FULL_MASK, k < cnt && exp >= (1u << E));
+    if (bad_pos | bad_exp) {
+        const u32 first = __ffs(bad_pos | bad_exp) - 1;
+        if (lane == 0) set_error(err, (bad_pos >> first) & 1u ? 3 : 4);
+        pos = NONE;
+        return false;
+    }
+    return true;
+}
+
+// kvz_decode: apply(position, exponent), in every lane and in position order, for each of the
+// chunk's escapes at a position in [lo, hi).  The lanes hold 32 escapes (lane k: escape base + k
+// in pos and exp); while the last of them lies below hi the next 32 are loaded.  Broken escapes
+// (load_escapes sets *err) drop the chunk's rest: cnt = 0.
+template <int E, typename Apply>
+__device__ __forceinline__ void each_escape(const DecodeJob& J, long long esc_off, int lo, int hi, int len, int lane,
+                                            int& base, int& cnt, int& pos, u32& exp, u64* err, Apply apply) {
+    while (true) {
+        u32 hit = __ballot_sync(FULL_MASK, pos >= lo && pos < hi);
+        while (hit) {
+            const int l = __ffs(hit) - 1;
+            hit &= hit - 1;
+            apply(__shfl_sync(FULL_MASK, pos, l), __shfl_sync(FULL_MASK, exp, l));
+        }
+        const int last = __shfl_sync(FULL_MASK, pos, 31);
+        if (last >= hi || base + 32 >= cnt) return;
+        base += 32;
+        if (!load_escapes<E>(J, esc_off, base, cnt, len, last, lane, pos, exp, err)) { cnt = 0; return; }
+    }
+}

@@ -1,0 +1,28 @@
+// kvzip fast GPU path: fused ExponentSplit + Top16Pack + EscapeStream, encode and decode.
+//
+// Why CUDA C++ and not Numba: Numba-CUDA has no 128-bit loads or stores.  On this workplace's
+// H200 a Numba dense pack with 64-bit loads reached 1671 GB/s encode / 1526 GB/s decode, a CUDA C
+// one with 128-bit loads 2071 GB/s (shared/DESIGN.md), and our first Numba fused kernels
+// (stages/fused.py, one thread per group, a thread per chunk for escapes) 58 GB/s
+// (benchmarks/NOTES.md).  The Numba kernels remain the generic path and, with the @njit twin,
+// the reference this file is tested against byte for byte (tests/gpu).
+//
+// Work split.  Encode: kvz_encode's warps take chunks from queues (claim_chunk: four atomic
+// counters, claimed a chunk ahead); a warp walks its chunk in steps,
+// each lane loading a few 8-value groups with vector loads, writing 4 code bytes and R rest bytes a
+// group in place in the blob and noting escapes, which ballots put in position order into a
+// per-chunk slot.  kvz_scan (a block per 256 chunks, chained per tensor by a decoupled look-back)
+// turns the per-chunk counts into offsets, moves the escapes to their final place (the totals,
+// which fix where the escape exponents go, are kvz_encode's sums) and redoes plane-coded or
+// over-full chunks from the input; its first blocks, one a tensor, zero the blob's padding and
+// write its header meanwhile.  Decode: kvz_scan computes every chunk's offsets and checks the counts
+// (on guessed layouts its first blocks check the headers), kvz_decode walks the chunks like the
+// encoder and applies escapes from registers (whole E5M2 chunks a lane per four groups:
+// decode_e5m2_quads); launched as the scan's programmatic dependent, it decodes each warp's first
+// chunk while the scan still runs.
+// No dense pass ever waits on another warp.
+
+#include "encode.cu"
+#include "heads.cu"
+#include "scan.cu"
+#include "decode.cu"

@@ -1,0 +1,151 @@
+"""The kernel loader: reads the CUDA sources in kvzip/gpu/kernels/, builds the NVRTC options
+(the headers' folder, the tuning's -D macros, a digest of every kernel file) and the name
+expressions, and caches one CuPy RawModule per (device, options, names).
+
+Two top-level sources: fused.cu (kvz_encode, kvz_scan, kvz_decode and the header kernels, which
+include the .cuh headers) and quantize.cu (QuantizeFP8 per tensor).  CuPy's compile cache keys a
+module by its top-level text and options only, so the digest of all kernel files
+(-DKVZ_SOURCES=...) goes into the options: an edited header is a new key.
+
+The fused module's name expressions come from each format's Tuning (kvzip/gpu/tuning.py): shapes
+as template arguments, macros as options.  Formats whose macros agree share one module (the
+shipped tunings all do: one module, as before the kernels were split into files).
+"""
+from __future__ import annotations
+
+import hashlib
+from functools import lru_cache
+from importlib.resources import files
+
+from kvzip.formats import FORMATS
+
+from . import tuning
+
+BASE_OPTIONS = ("-std=c++17", "-lineinfo")
+FUSED, QUANTIZE = "fused.cu", "quantize.cu"
+HEAD_KERNELS = ("kvz_gather_heads", "kvz_check_heads")
+TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
+
+
+def kernels_dir():
+    return files("kvzip.gpu").joinpath("kernels")
+
+
+@lru_cache(maxsize=None)
+def sources() -> dict:
+    """{file name: text} of every kernel source (.cu, .cuh)."""
+    return {p.name: p.read_text() for p in sorted(kernels_dir().iterdir(), key=lambda p: p.name)
+            if p.name.endswith((".cu", ".cuh"))}
+
+
+@lru_cache(maxsize=None)
+def digest() -> str:
+    h = hashlib.sha256()
+    for name, text in sources().items():
+        h.update(name.encode() + b"\0" + text.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def options(macros: tuple = ()) -> tuple:
+    return BASE_OPTIONS + (f"-I{kernels_dir()}",) + tuple(macros) + (f"-DKVZ_SOURCES={digest()}",)
+
+
+# ----------------------------------------------------------------------------- name expressions
+def _args(fmt) -> str:
+    return f"{fmt.exp_bits},{fmt.mant_bits},{TYPES[fmt.itemsize]}"
+
+
+def instances(fmt) -> tuple:
+    """The kernel names of one format: encode, encode-side scan, decode-side scan, decode."""
+    t = tuning.tuning_for(fmt.name)
+    args = _args(fmt)
+    (eg, eb), (dg, db) = t.encode_shape, t.decode_shape
+    return (f"kvz_encode<{args},{eg},{eb}>", f"kvz_scan<{args},EncodeJob>", f"kvz_scan<{args},DecodeJob>",
+            f"kvz_decode<{args},{dg},{db}>")
+
+
+def quantizing_encode(fmt) -> tuple:
+    """kvz_encode and its scan for an FP8 format reading 16-bit values and quantizing them as
+    they load (QuantizeFP8 per tensor fused in)."""
+    g, b = tuning.tuning_for(fmt.name).quantizing_encode_shape
+    args = _args(fmt)
+    return f"kvz_encode<{args},{g},{b},true>", f"kvz_scan<{args},EncodeJob,true>"
+
+
+def dequantizing_decode(fmt) -> str:
+    """kvz_decode of an FP8 format writing 16-bit values through each job's dq_table."""
+    g, b = tuning.tuning_for(fmt.name).dequantizing_decode_shape
+    return f"kvz_decode<{_args(fmt)},{g},{b},true>"
+
+
+def _format_names(fmt) -> tuple:
+    names = instances(fmt)
+    if fmt.itemsize == 1:
+        names += (dequantizing_decode(fmt), *quantizing_encode(fmt))
+    return names
+
+
+@lru_cache(maxsize=None)
+def fused_units() -> tuple:
+    """((macros, names), ...): the fused modules the tunings in force need, the names in the
+    order the single module of the shipped tunings has always listed them."""
+    groups: dict = {}
+    for fmt in FORMATS.values():
+        groups.setdefault(tuning.tuning_for(fmt.name).macros(), []).append(fmt)
+    base = tuning.tuning_for(None).macros()
+    groups.setdefault(base, [])
+    out = []
+    for macros, fmts in groups.items():
+        names = tuple(x for fmt in fmts for x in instances(fmt))
+        names += HEAD_KERNELS if macros == base else ()
+        names += tuple(x for fmt in fmts if fmt.itemsize == 1
+                       for x in (dequantizing_decode(fmt), *quantizing_encode(fmt)))
+        out.append((macros, names))
+    return tuple(out)
+
+
+@lru_cache(maxsize=None)
+def _unit_of(name: str) -> tuple:
+    for macros, names in fused_units():
+        if name in names:
+            return macros, names
+    raise KeyError(f"{name} is no kernel of the fused module's tunings in force")
+
+
+# ----------------------------------------------------------------------------- modules
+@lru_cache(maxsize=None)
+def _module(device_id: int, top: str, opts: tuple, names: tuple):
+    import cupy
+
+    return cupy.RawModule(code=sources()[top], options=opts, name_expressions=list(names))
+
+
+def fused_kernel(name: str, device_id: int):
+    """A kernel of the fused module (a name from instances() and the like, or HEAD_KERNELS)."""
+    macros, names = _unit_of(name)
+    return _module(device_id, FUSED, options(macros), names).get_function(name)
+
+
+def quantize_kernel(name: str, names: tuple, device_id: int):
+    """A kernel of quantize.cu's module of name expressions names."""
+    return _module(device_id, QUANTIZE, options(), names).get_function(name)
+
+
+def units() -> list:
+    """Every module the tunings in force build, as benchmarks/ptx_identity.py compiles them:
+    [{unit, code, options, names}]."""
+    from . import quantize_kernels
+
+    out = [{"unit": "fused" if i == 0 else f"fused{i}", "code": sources()[FUSED], "options": list(options(macros)),
+            "names": list(names)} for i, (macros, names) in enumerate(fused_units())]
+    out.append({"unit": "quantize", "code": sources()[QUANTIZE], "options": list(options()),
+                "names": list(quantize_kernels._names())})
+    return out
+
+
+def _forget() -> None:
+    fused_units.cache_clear()
+    _unit_of.cache_clear()
+
+
+tuning.on_change(_forget)
