@@ -8,7 +8,7 @@ import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
 
 import kvzip
 from kvzip import stages as S
-from kvzip.gpu import programs, tuning
+from kvzip.gpu import graphs, programs, tuning
 from kvzip.stages.escape_stream import escape_capacity
 from kvzip.data import load_sample
 from kvzip.formats import FORMATS
@@ -324,7 +324,7 @@ def test_blobs_sized_from_the_published_totals_match_cpu():
         blobs = pipe.encode_many([cupy.asarray(x) for x in xs], dtype="bf16")
         for x, b in zip(xs, blobs):
             np.testing.assert_array_equal(b.get(), kvzip.compress(x, dtype="bf16"))
-    prog = [e for e in S.graphs.entries() if isinstance(e, programs._EncodeProgram) and len(e.plans) == len(xs)][-1]
+    prog = [e for e in graphs.entries() if isinstance(e, programs._EncodeProgram) and len(e.plans) == len(xs)][-1]
     assert int(prog.ready[0]) == 0 and all(int(w) >> 63 for w in prog.ready[1:len(xs)])  # the empty one has no chunk
     empty = [cupy.asarray(real_bf16(0))] * 2
     for _ in range(2):
