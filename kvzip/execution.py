@@ -22,13 +22,14 @@ from .backends import get_backend
 from .gpu import executor as gpu
 
 MAX_ENCODERS = 256  # choices kept (the oldest dropped first)
-_encoders: OrderedDict = OrderedDict()  # (pipeline key, format, shape, backend, device, framework) -> ShapeEncoder | None
+_encoders: OrderedDict = OrderedDict()  # see encoder(): key -> ShapeEncoder | None
 
 
 def encoder(pipe, fmt, shape: tuple, backend, origin):
     """The fused GPU executor's ShapeEncoder for tensors of this format and shape from origin's
     framework and device, or None where the staged executor does the work."""
-    key = (pipe.key, fmt.name, shape, backend.name, origin.device_index, origin.framework)
+    # programs.ENABLED: tests and benchmarks switch the kernels off to run the Numba ones.
+    key = (pipe.key, fmt.name, shape, backend.name, origin.device_index, origin.framework, gpu.programs.ENABLED)
     try:
         chosen = _encoders[key]
     except KeyError:
