@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvzip import stages
+import kvzip
 
-SOURCE = (Path(stages.__file__).parent / "fused_fast.cu").read_text()
+SOURCE = (Path(kvzip.__file__).parent / "gpu" / "kernels" / "fused_fast.cu").read_text()
 U32 = 0xFFFFFFFF
 
 
