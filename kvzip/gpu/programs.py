@@ -33,7 +33,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from kvzip import arrays, container
+from kvzip import arrays, container, layout
 from kvzip.bitpack import groups
 from kvzip.codebook import codebook_meta
 from kvzip.errors import FormatError, decode_error_text
@@ -52,7 +52,6 @@ HEAD_SPAN = 2048        # bytes read back per blob to parse its header (more onl
                         # the default pipelines' headers are 624 to 848 bytes;
                         # kvz_check_heads stages at most 4096 in shared memory)
 _TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
-_ESCAPE_STREAMS = ["esc_pos", "esc_exp", "exp_high"]
 SB_CHUNKS = 256         # chunks per block of kvz_scan (one thread each)
 QUEUE_WORDS = 128       # work words of the dense kernels' chunk queues (fused_fast.cu's QUEUE_WORDS)
 # Encode calls of at least this many tensors build their blobs as kvz_encode publishes each
@@ -186,16 +185,11 @@ GROUPS_MASK = (1 << 31) - 1  # kvz_encode's totals: escapes << 31 | plane-coded 
 VALUE_MASK = (1 << 62) - 1   # the totals below the ready flag (bit 63)
 
 
-def _align16(x: int) -> int:
-    return (x + 15) & ~15
-
-
 def payload_bytes(var_base: int, totals: int, hb: int) -> int:
     """A fused blob's payload length from kvz_encode's totals (escapes << 31 | plane-coded
     groups, any flag above bit 61 ignored): esc_pos starts at var_base, esc_exp and exp_high
-    follow on 16-byte boundaries (finish_blob's arithmetic; container.layout's)."""
-    escapes, high = totals >> 31 & VALUE_MASK >> 31, hb * (totals & GROUPS_MASK)
-    return _align16(_align16(_align16(var_base + 2 * escapes) + escapes) + high)
+    follow on 16-byte boundaries (layout.escape_layout; finish_blob's arithmetic)."""
+    return layout.escape_payload_len(var_base, totals >> 31 & VALUE_MASK >> 31, hb * (totals & GROUPS_MASK))
 
 
 def _pinned_words(k: int) -> np.ndarray:
@@ -263,11 +257,10 @@ def _stream_table(n, fmt, nchunks, others, ne, nh):
     G = groups(n)
     sizes = {"codes": 4 * G, "rest": fmt.rest_bits * G, "esc_count": 2 * nchunks, "esc_pos": 2 * ne, "esc_exp": ne,
              "exp_high": nh, **{k: v.nbytes for k, v in others.items()}}
-    dtypes = {"codes": "uint8", "rest": "uint8", "esc_count": "uint16", "esc_pos": "uint16", "esc_exp": "uint8",
-              "exp_high": "uint8", **{k: v.dtype.name for k, v in others.items()}}
-    table = [(k, dtypes[k], sizes[k]) for k in container.canonical_order(sizes)]
-    if [d[0] for d in table[-3:]] != _ESCAPE_STREAMS:
-        raise AssertionError("container.STREAM_ORDER must end with the escape streams")
+    dtypes = {**dict(layout.FUSED_STREAMS), **{k: v.dtype.name for k, v in others.items()}}
+    table = [(k, dtypes[k], sizes[k]) for k in layout.canonical_order(sizes)]
+    if tuple(d[0] for d in table[-3:]) != layout.ESCAPE_STREAMS:
+        raise AssertionError("layout.STREAM_ORDER must end with the escape streams")
     return table
 
 
@@ -310,15 +303,15 @@ def _plan(frame: Frame, fmt, cb, chunk: int, flags: int, pipeline_key: str) -> _
     full["codebook"] = codebook_meta(cb)
     table = _stream_table(n, fmt, nchunks, {k: frame.streams[k] for k, _, _ in others}, 0, 0)
     header = container.build_header(full, table, flags)
-    offsets, _ = container.layout([d[2] for d in table])
+    offsets, _ = layout.place([d[2] for d in table])
     off = {d[0]: o for d, o in zip(table, offsets)}
     nxt = {d[0]: offsets[j + 1] if j + 1 < len(offsets) else None for j, d in enumerate(table)}
     size = {d[0]: d[2] for d in table}
     pads = tuple(x for k in ("codes", "rest", "esc_count") for x in (off[k] + size[k], nxt[k]))
     plan = _Plan(n, G, nchunks, flags, header, tuple(table), off, nxt, pads,
-                 container.PREFIX.size + 16 * (len(table) - 3),  # esc_pos's entry; esc_exp, exp_high follow
-                 container.layout([a.nbytes for a in frame.streams.values()])[1],
-                 -(-(len(header) + off["esc_pos"] + HB * G + 48) // BLOB_ALIGN) * BLOB_ALIGN)
+                 layout.escapes_at(len(table)),  # esc_pos's entry; esc_exp, exp_high follow
+                 layout.place([a.nbytes for a in frame.streams.values()])[1],
+                 -(-(len(header) + off["esc_pos"] + HB * G + layout.ESCAPE_SLACK) // BLOB_ALIGN) * BLOB_ALIGN)
     if len(_plans) > 4096:
         _plans.clear()
     _plans[key] = plan
@@ -406,7 +399,7 @@ class _EncodeProgram:
                              slot_exp + slot * chunk_base[i], chunk_base[i], sb_base[i],
                              ws.ptr(8) if quantize else 0, pay + p.off["scales"] if quantize else 0))  # Q_TABLE, Q_SCALE
             fin_rows.append((starts[i], ws.ptr(2) + templates[p.header], len(p.header), p.table_at,
-                             p.off["esc_pos"], *p.pads, 0 if p.flags & container.FLAG_CHECKSUM else 1))
+                             p.off["esc_pos"], *p.pads, 0 if p.flags & layout.FLAG_CHECKSUM else 1))
         ws.put(0, np.array(enc_rows, np.uint64))
         ws.put(1, np.array(fin_rows, np.uint64))
         ws.put(2, tmpl_host)
@@ -516,7 +509,7 @@ def encode_batch(frames: list[Frame], top16, chunk: int, checksum: bool) -> Enco
 
     fmt = frames[0].format
     cb = top16.codebook_for(fmt)
-    flags = container.FLAG_CHECKSUM if checksum else 0
+    flags = layout.FLAG_CHECKSUM if checksum else 0
     plans, srcs = [], []
     for frame in frames:
         plans.append(_plan(frame, fmt, cb, chunk, flags, _config_key(frame.meta.get("pipeline"))))
@@ -654,9 +647,9 @@ def heads_from_block(block: np.ndarray, blobs) -> list[bytes]:
     heads = []
     for row, b in zip(block, blobs):
         head = row[:min(HEAD_SPAN, b.shape[0])].tobytes()
-        if len(head) >= container.PREFIX.size:
-            header_len = int.from_bytes(head[12:16], "little")
-            if HEAD_SPAN < header_len <= min(container.MAX_HEADER, b.shape[0]):
+        if len(head) >= layout.PREFIX_SIZE:
+            header_len = layout.HEADER_LEN.read(head)
+            if HEAD_SPAN < header_len <= min(layout.MAX_HEADER, b.shape[0]):
                 head = b[:header_len].get().tobytes()
         heads.append(head)
     return heads
