@@ -205,9 +205,15 @@ def table_fits(stream_count: int, meta_len: int, header_len: int) -> bool:
     return stream_count <= MAX_STREAMS and TABLE_AT + ENTRY_SIZE * stream_count + meta_len <= header_len
 
 
-def escape_entries_fit(stream_count: int, header_len: int) -> bool:
-    """The header holds the three escape entries at escapes_at(stream_count)."""
-    return stream_count >= len(ESCAPE_STREAMS) and escapes_at(stream_count) + ESCAPES.size <= header_len
+_NESC, _ESCAPES_SIZE = len(ESCAPE_STREAMS), ESCAPES.size
+_ESC_BASE = TABLE_AT - ENTRY_SIZE * _NESC  # escapes_at(s) == _ESC_BASE + ENTRY_SIZE * s
+
+
+def escape_entries_at(stream_count: int, header_len: int) -> int | None:
+    """escapes_at(stream_count) when a header of header_len bytes holds the escape streams'
+    entries there (so the table has them: stream_count >= 3), else None."""
+    at = _ESC_BASE + ENTRY_SIZE * stream_count
+    return at if stream_count >= _NESC and at + _ESCAPES_SIZE <= header_len else None
 
 
 # The header fields that follow the escape count, which a remembered layout's header has blanked
@@ -230,26 +236,26 @@ def cuh() -> str:
     ]
     for f in PREFIX_FIELDS:
         key = f.name.upper()
-        lines.append(f"constexpr long long KVZ_{key}_AT = {f.offset};")
-        lines.append(f"constexpr long long KVZ_{key}_SIZE = {f.size};")
+        lines.append(f"#define KVZ_{key}_AT {f.offset}")
+        lines.append(f"#define KVZ_{key}_SIZE {f.size}")
         if f.size in (2, 4, 8):  # the kernels read these as words of their size
             lines.append(f"static_assert(KVZ_{key}_AT % KVZ_{key}_SIZE == 0, \"{f.name} is aligned to its size\");")
     lines += [
-        f"constexpr long long KVZ_PREFIX_SIZE = {PREFIX_SIZE};",
+        f"#define KVZ_PREFIX_SIZE {PREFIX_SIZE}",
         "",
         "// Header length, payload length and stream offsets are multiples of KVZ_ALIGN.",
-        f"constexpr long long KVZ_ALIGN = {ALIGN};",
+        f"#define KVZ_ALIGN {ALIGN}",
         "// The stream table: an entry (offset from the payload's start, length; uint64 each) a stream.",
-        f"constexpr long long KVZ_TABLE_AT = {TABLE_AT};",
-        f"constexpr long long KVZ_ENTRY_SIZE = {ENTRY_SIZE};",
+        f"#define KVZ_TABLE_AT {TABLE_AT}",
+        f"#define KVZ_ENTRY_SIZE {ENTRY_SIZE}",
         "// The escape streams close the payload and the table, in this order.",
     ]
     for k, name in enumerate(ESCAPE_STREAMS):
-        lines.append(f"constexpr int KVZ_{name.upper()}_INDEX = {k};")
+        lines.append(f"#define KVZ_{name.upper()}_INDEX {k}")
     lines += [
-        f"constexpr long long KVZ_ESCAPE_STREAMS = {len(ESCAPE_STREAMS)};",
-        f"constexpr long long KVZ_ESCAPE_ENTRIES_SIZE = {ESCAPES.size};  // their table entries, back to back",
-        f"constexpr long long KVZ_ESC_POS_BYTES = {ESC_POS_BYTES};",
+        f"#define KVZ_ESCAPE_STREAMS {len(ESCAPE_STREAMS)}",
+        f"#define KVZ_ESCAPE_ENTRIES_SIZE {ESCAPES.size}  // their table entries, back to back",
+        f"#define KVZ_ESC_POS_BYTES {ESC_POS_BYTES}",
         "// esc_count of a plane-coded chunk.",
         f"#define PLANE 0x{PLANE:X}u",
         "",

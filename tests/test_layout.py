@@ -63,11 +63,31 @@ def test_layout_cuh_is_generated():
 
 
 def test_layout_cuh_values():
-    text = layout.cuh()
+    """layout.cuh's #defines are kvzip/layout.py's values, and fused_fast.cu takes PLANE from it."""
+    import re
+
+    defines = dict(re.findall(r"^#define (KVZ_\w+|PLANE) (\w+)", layout.cuh(), re.M))
     for f in layout.PREFIX_FIELDS:
-        assert f"KVZ_{f.name.upper()}_AT = {f.offset};" in text
-        assert f"KVZ_{f.name.upper()}_SIZE = {f.size};" in text
-    assert "KVZ_ALIGN = 16;" in text and "KVZ_TABLE_AT = 48;" in text and "KVZ_ENTRY_SIZE = 16;" in text
-    assert "#define PLANE 0xFFFFu" in text
+        assert int(defines[f"KVZ_{f.name.upper()}_AT"]) == f.offset
+        assert int(defines[f"KVZ_{f.name.upper()}_SIZE"]) == f.size
+    assert int(defines["KVZ_PREFIX_SIZE"]) == layout.PREFIX_SIZE
+    assert int(defines["KVZ_ALIGN"]) == layout.ALIGN and int(defines["KVZ_TABLE_AT"]) == layout.TABLE_AT
+    assert int(defines["KVZ_ENTRY_SIZE"]) == layout.ENTRY_SIZE
+    assert int(defines["KVZ_ESCAPE_ENTRIES_SIZE"]) == layout.ESCAPES.size
+    assert int(defines["KVZ_ESC_POS_BYTES"]) == layout.ESC_POS_BYTES
+    assert int(defines["PLANE"].rstrip("u"), 16) == layout.PLANE
     for k, name in enumerate(layout.ESCAPE_STREAMS):
-        assert f"KVZ_{name.upper()}_INDEX = {k};" in text
+        assert int(defines[f"KVZ_{name.upper()}_INDEX"]) == k
+    source = (layout.cuh_path().parent / "fused_fast.cu").read_text()
+    assert '#include "layout.cuh"' in source and "#define PLANE" not in source
+
+
+def test_cuda_source_expands_the_generated_headers():
+    """The kernels' source as the loader compiles it holds layout.cuh's and abi_check.cuh's text in
+    place of their #include lines (NVRTC gets no include path)."""
+    from kvzip.gpu import abi, quantize_kernels
+
+    text = quantize_kernels.cuda_source("fused_fast.cu")
+    assert '#include "' not in text
+    assert layout.cuh() in text and abi.cuh() in text
+    assert text.index(abi.cuh()) > text.index("struct FinishJob {")

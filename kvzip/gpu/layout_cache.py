@@ -55,6 +55,7 @@ _HEADER_LEN, _STREAM_COUNT = blob_layout.HEADER_LEN, blob_layout.STREAM_COUNT
 _PAYLOAD_LEN = blob_layout.PAYLOAD_LEN.span  # the varying prefix fields (blob_layout.VARYING)
 _CRC = blob_layout.HEADER_CRC.span
 _ESCAPES_BYTES = _ESCAPES.size
+_PAYLOAD_ZERO, _ESCAPES_ZERO = bytes(blob_layout.PAYLOAD_LEN.size), bytes(_ESCAPES_BYTES)
 
 
 @dataclass(frozen=True)
@@ -103,17 +104,17 @@ def _read(head: bytes):
     with the fields that follow the escape count zeroed: payload length, CRC, escape entries."""
     if len(head) < _PREFIX:
         return None
-    header_len = _HEADER_LEN.read(head)
-    nstreams = _STREAM_COUNT.read(head)
-    if header_len > len(head) or not blob_layout.escape_entries_fit(nstreams, header_len):
+    header_len = int.from_bytes(head[_HEADER_LEN.span], "little")
+    nstreams = int.from_bytes(head[_STREAM_COUNT.span], "little")
+    at = blob_layout.escape_entries_at(nstreams, header_len)
+    if header_len > len(head) or at is None:
         return None
-    at = blob_layout.escapes_at(nstreams)
     b = bytearray(head[:header_len])
     stored, crc = blob_layout.crc_blanked(b)  # the CRC covers the header with its own field zeroed
     escapes = _ESCAPES.unpack_from(b, at)
-    payload = blob_layout.PAYLOAD_LEN.read(b)
-    b[_PAYLOAD_LEN] = bytes(blob_layout.PAYLOAD_LEN.size)
-    b[at:at + _ESCAPES_BYTES] = bytes(_ESCAPES_BYTES)
+    payload = int.from_bytes(b[_PAYLOAD_LEN], "little")
+    b[_PAYLOAD_LEN] = _PAYLOAD_ZERO
+    b[at:at + _ESCAPES_BYTES] = _ESCAPES_ZERO
     return bytes(b), crc == stored, payload, escapes
 
 

@@ -13,6 +13,7 @@ remembers skip the dequantize pass: programs's decode program builds their table
 """
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from importlib.resources import files
 
@@ -46,9 +47,21 @@ def _names() -> tuple:
 
 def cuda_source(name: str) -> str:
     """The CUDA source of kvzip/gpu/kernels/name with quantize_lookup.cuh (the per-tensor quantize lookup it
-    shares with the other module) in front: one text, so CuPy's compile cache sees any change."""
+    shares with the other module) in front, and each of its `#include "x.cuh"` lines of a file in
+    kernels/ (layout.cuh, abi_check.cuh: generated from kvzip/layout.py and kvzip/gpu/abi.py) replaced
+    by that file's text: one text, so CuPy's compile cache sees any change, and NVRTC needs no
+    include path."""
     kernels = files("kvzip.gpu").joinpath("kernels")
-    return kernels.joinpath("quantize_lookup.cuh").read_text() + kernels.joinpath(name).read_text()
+
+    def expand(m):
+        local = kernels.joinpath(m.group(1))
+        return local.read_text() if local.is_file() else m.group(0)
+
+    return kernels.joinpath("quantize_lookup.cuh").read_text() + _LOCAL_INCLUDE.sub(
+        expand, kernels.joinpath(name).read_text())
+
+
+_LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.cuh)"[^\n]*$', re.M)
 
 
 @lru_cache(maxsize=None)
