@@ -44,6 +44,7 @@ from kvzip.backends import get_backend
 from kvzip.frame import Frame
 
 from . import graphs, programs, quantize_kernels
+from .abi import CHECKS, DECODE, HEADS
 
 MAX_LAYOUTS = 4096
 MAX_RECENT = 16  # layouts guess() tries, most recently decoded first
@@ -56,6 +57,17 @@ _PAYLOAD_LEN = blob_layout.PAYLOAD_LEN.span  # the varying prefix fields (blob_l
 _CRC = blob_layout.HEADER_CRC.span
 _ESCAPES_BYTES = _ESCAPES.size
 _PAYLOAD_ZERO, _ESCAPES_ZERO = bytes(blob_layout.PAYLOAD_LEN.size), bytes(_ESCAPES_BYTES)
+# Job row columns (kvzip/gpu/abi.py's DecodeJob): the six stream addresses, the escape streams',
+# their lengths; and the columns of what kvz_check_heads finds of a header (CHECKS).
+_STREAMS = DECODE.span("codes", "exp_high")
+_ESC_POS, _ESCAPE_STREAMS, _ESCAPE_LENGTHS = DECODE.col("esc_pos"), DECODE.span("esc_pos", "exp_high"), \
+    DECODE.span("n_esc", "n_high")
+_N_HIGH = DECODE.col("n_high")
+_OK, _AT_ESC_POS, _AT = CHECKS.col("ok"), CHECKS.col("esc_pos"), CHECKS.span("esc_pos", "exp_high")
+_COUNTS, _SIZE = CHECKS.span("n_esc", "n_high"), CHECKS.span("header_len", "stream_count")
+_H, _NS = CHECKS.col("header_len"), CHECKS.col("stream_count")
+_FACTS = CHECKS.span("ok", "n_high")
+_HEAD_PTR, _HEAD_LEN = HEADS.col("ptr"), HEADS.col("len")
 
 
 @dataclass(frozen=True)
@@ -89,8 +101,8 @@ class Layout:
         (the GPU's guess checks that and fills in the other escape fields; n_high stays
         GUESS_PENDING until it has)."""
         row = self.row.copy()
-        row[:, 3] = self.fixed_bytes
-        row[:, 8] = programs.GUESS_PENDING
+        row[:, _ESC_POS] = self.fixed_bytes
+        row[:, _N_HIGH] = programs.GUESS_PENDING
         return row
 
 
@@ -139,8 +151,8 @@ def remember(head: bytes, nbytes: int, opened: Frame, stages: list) -> None:
             return
         meta = {k: opened.meta[k] for k in ("dtype", "shape", "n", "format", "quantize_fp8")}
         dequantize = (stages[0], meta, at["scales"])
-    row = np.array([[at["codes"], at["rest"], at["esc_count"], 0, 0, 0, opened.n, 0, 0, 0,
-                     *programs.dlut_words(frame_codebook(opened)), 0, 0, 0, 0]], np.uint64)
+    dlo, dhi = programs.dlut_words(frame_codebook(opened))
+    row = DECODE.row(codes=at["codes"], rest=at["rest"], esc_count=at["esc_count"], n=opened.n, dlo=dlo, dhi=dhi)
     if len(_layouts) >= MAX_LAYOUTS:
         forget()
     layout = _layouts[read[0]] = Layout(opened.format, opened.dtype_format, tuple(opened.meta["shape"]), opened.n,
@@ -255,8 +267,8 @@ def match(head: bytes, nbytes: int) -> tuple[Layout, np.ndarray] | None:
     if pos_at != layout.esc_pos_offset or not blob_layout.escapes_laid_out(payload, read[3]):
         return None  # laid out otherwise than layout.escape_layout would: the general path decides
     row = layout.row.copy()
-    row[0, 3:6] = (h + pos_at, h + exp_at, h + high_at)
-    row[0, 7:9] = (exp_nb, high_nb)  # escapes; high-exponent bytes
+    row[0, _ESCAPE_STREAMS] = (h + pos_at, h + exp_at, h + high_at)
+    row[0, _ESCAPE_LENGTHS] = (exp_nb, high_nb)  # escapes; high-exponent bytes
     _note(layout)
     return layout, row
 
@@ -271,14 +283,14 @@ def head_checks(block: np.ndarray, nbytes) -> np.ndarray:
     follow one another as layout.escape_layout places them and close the payload, which ends at
     the blob's end.  What match() checks, less the comparison with a remembered layout."""
     k, span = block.shape
-    out = np.zeros((k, 8), np.uint64)
+    out = np.zeros((k, CHECKS.columns), np.uint64)
     for t in range(k):
         n = int(nbytes[t])
         if n < _PREFIX:
             continue
         row = block[t]
         h, ns = int(row[_HEADER_LEN.span].view("<u4")[0]), int(row[_STREAM_COUNT.span].view("<u4")[0])
-        out[t, 6:8] = (h, ns)
+        out[t, _SIZE] = (h, ns)
         read = _read(row[:min(h, span, n)].tobytes())  # None when the header does not fit (or its table)
         if read is None:
             continue
@@ -286,7 +298,7 @@ def head_checks(block: np.ndarray, nbytes) -> np.ndarray:
         # Below 2^48, as the kernel requires before summing fields in 64 bits.
         if crc_ok and max(*e, payload) < 1 << 48 and blob_layout.escapes_laid_out(payload, e) and \
                 blob_layout.payload_fits(h, payload, n):
-            out[t, :6] = (1, e[0], e[2], e[4], e[3], e[5])
+            out[t, _FACTS] = (1, e[0], e[2], e[4], e[3], e[5])  # ok, the three offsets, escapes, high bytes
     return out
 
 
@@ -303,9 +315,9 @@ def match_many(block: np.ndarray, nbytes, checks: np.ndarray | None = None) -> t
         checks = head_checks(block, nbytes)
     taken = np.zeros(k, bool)
     groups = []
-    sel = np.nonzero(checks[:, 0] == 1)[0]
+    sel = np.nonzero(checks[:, _OK] == 1)[0]
     if sel.size:
-        sizes = checks[sel, 6] << np.uint64(32) | checks[sel, 7]  # header length, stream count
+        sizes = checks[sel, _H] << np.uint64(32) | checks[sel, _NS]  # header length, stream count
         one = bool((sizes == sizes[0]).all())  # the usual batch: one layout
         for size in ([int(sizes[0])] if one else np.unique(sizes).tolist()):
             h, ns = size >> 32, size & 0xFFFFFFFF
@@ -333,14 +345,14 @@ def _match_rows(b: np.ndarray, pos, checks, h: int, at: int, taken) -> list:
             continue
         js = np.arange(b.shape[0])[js]
         c = checks[js]
-        ok = c[:, 1] == layout.esc_pos_offset
+        ok = c[:, _AT_ESC_POS] == layout.esc_pos_offset
         if not ok.all():
             js, c = js[ok], c[ok]
         if not js.size:
             continue
         jobs = np.repeat(layout.row, js.size, axis=0)
-        jobs[:, 3:6] = h + c[:, 1:4]   # esc_pos, esc_exp, exp_high
-        jobs[:, 7:9] = c[:, 4:6]       # escapes (esc_exp bytes); high-exponent bytes
+        jobs[:, _ESCAPE_STREAMS] = h + c[:, _AT]   # esc_pos, esc_exp, exp_high
+        jobs[:, _ESCAPE_LENGTHS] = c[:, _COUNTS]   # escapes (esc_exp bytes); high-exponent bytes
         taken[pos[js]] = True
         _note(layout)
         out.append((layout, pos[js], jobs))
@@ -364,10 +376,10 @@ def decode_guessed(layouts: list, blobs: list, labels=None, origin=None, address
     first, k = layouts[0], len(layouts)
     same = all(layout is first for layout in layouts)
     jobs = np.repeat(first.guess_row, k, axis=0) if same else np.concatenate([layout.guess_row for layout in layouts])
-    heads = np.empty((k, 2), np.uint64)
+    heads = np.empty((k, HEADS.columns), np.uint64)
     ptrs, lengths = addresses if addresses is not None else ([b.data.ptr for b in blobs], [b.shape[0] for b in blobs])
-    heads[:, 0] = ptrs
-    heads[:, 1] = lengths
+    heads[:, _HEAD_PTR] = ptrs
+    heads[:, _HEAD_LEN] = lengths
     return decode_rows(layouts, jobs, blobs, labels, origin, heads)
 
 
@@ -484,7 +496,8 @@ def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None, origi
     address and length) for rows on guessed layouts; then returns (results, misses)."""
     first, k = layouts[0], len(layouts)
     same = all(layout is first for layout in layouts)  # the usual batch: spare the per-blob loops
-    jobs[:, :6] += (heads[:, :1] if heads is not None else np.array([b.data.ptr for b in blobs], np.uint64)[:, None])
+    jobs[:, _STREAMS] += (heads[:, _HEAD_PTR:_HEAD_PTR + 1] if heads is not None
+                          else np.array([b.data.ptr for b in blobs], np.uint64)[:, None])
     fmt, chunk, ns = first.fmt, first.chunk, (first.n,) * k if same else tuple(layout.n for layout in layouts)
     pair = _fused_dequantize(layouts, blobs)
     distinct = layouts[:1] if same else layouts
