@@ -10,9 +10,9 @@ from __future__ import annotations
 from functools import lru_cache
 
 from .jit import twin_compile
+from .layout import PLANE  # noqa: F401 (esc_count of a plane-coded chunk: the CPU and Numba kernels take it from here)
 
 ESCAPE = 255
-PLANE = 0xFFFF
 
 
 def value_exponent(v, E, M):

@@ -17,47 +17,32 @@
     H       P     payload: streams in table order, each starting 16-byte aligned, zero padding between
 
 All integers little-endian.  Parsing validates every field before anything is sliced.
+The layout itself (field offsets, alignment, stream order, the escape streams' arithmetic) is
+kvzip/layout.py's; the names below are re-exported from there.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import re
-import struct
 import threading
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import layout as _layout
 from .checksum import sum64
 from .errors import FormatError
+from .layout import (ALIGN, FLAG_CHECKSUM, FLAG_STORED, KNOWN_FLAGS, MAGIC, MAX_HEADER,  # noqa: F401 (re-exported)
+                     MAX_STREAMS, PREFIX, STREAM_ORDER, VERSION, canonical_order)
 
-MAGIC = b"KVZIP\x00\r\n"
-VERSION = 1
-FLAG_CHECKSUM = 1
-FLAG_STORED = 2
-KNOWN_FLAGS = FLAG_CHECKSUM | FLAG_STORED
-PREFIX = struct.Struct("<8sHHIQQIII4x")  # 48 bytes
-ALIGN = 16
-MAX_HEADER = 1 << 20
-MAX_STREAMS = 64
-# Payload order: streams whose size is known before encoding come first, so a GPU encoder can
-# write them straight into the blob before it knows how many escapes there are.
-STREAM_ORDER = ("data", "scales", "codes", "rest", "esc_count", "esc_pos", "esc_exp", "exp_high")
 STREAM_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "float32": np.float32}
 # dtype -> its name in the stream table (numpy's dtype.name is a slow property: ~1 us a call)
 STREAM_DTYPE_NAMES = {np.dtype(t): name for name, t in STREAM_DTYPES.items()}
 
 
-def canonical_order(names) -> list[str]:
-    """Streams in payload order: STREAM_ORDER first, any others after them by name."""
-    rank = {name: i for i, name in enumerate(STREAM_ORDER)}
-    return sorted(names, key=lambda k: (rank.get(k, len(rank)), k))
-
-
-def _align(x: int) -> int:
-    return (x + ALIGN - 1) // ALIGN * ALIGN
+_align = _layout.align
+layout = _layout.place  # payload offsets for streams of the given byte lengths, and the payload length
 
 
 @dataclass
@@ -70,27 +55,18 @@ class Header:
     streams: list  # [(name, dtype, offset, length)]
 
 
-def layout(stream_nbytes: list[int]) -> tuple[list[int], int]:
-    """Payload offsets for streams of the given byte lengths, and the payload length."""
-    offsets, pos = [], 0
-    for nb in stream_nbytes:
-        offsets.append(pos)
-        pos = _align(pos + nb)
-    return offsets, pos
-
-
 def build_header(meta: dict, streams: list[tuple[str, str, int]], flags: int, checksum: int = 0) -> bytes:
     """Header bytes for streams [(name, dtype name, nbytes)] laid out by layout()."""
     offsets, payload_len = layout([nb for _, _, nb in streams])
     doc = {"meta": meta, "streams": [[name, dt] for name, dt, _ in streams]}
     text = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
-    table = b"".join(struct.pack("<QQ", off, nb) for off, (_, _, nb) in zip(offsets, streams))
-    header_len = _align(PREFIX.size + len(table) + len(text))
+    table = b"".join(_layout.ENTRY.pack(off, nb) for off, (_, _, nb) in zip(offsets, streams))
+    header_len = _align(_layout.TABLE_AT + len(table) + len(text))
     if header_len > MAX_HEADER:
         raise ValueError(f"header of {header_len} bytes exceeds the {MAX_HEADER}-byte limit")
     prefix = PREFIX.pack(MAGIC, VERSION, flags, header_len, payload_len, checksum, len(text), len(streams), 0)
     raw = bytearray(prefix + table + text + bytes(header_len - PREFIX.size - len(table) - len(text)))
-    struct.pack_into("<I", raw, 40, zlib.crc32(raw))
+    _layout.seal(raw)
     return bytes(raw)
 
 
@@ -162,12 +138,13 @@ _parsed_bytes = 0
 CACHE_BYTES = 4 << 20
 CACHE_HEADER_MAX = 16 << 10
 _parsed_lock = threading.Lock()
+_HEADER_LEN = _layout.HEADER_LEN
 
 
 def _cache_key(head: bytes, blob_len: int):
     if len(head) < PREFIX.size:
         return None
-    header_len = int.from_bytes(head[12:16], "little")
+    header_len = _HEADER_LEN.read(head)
     if header_len > CACHE_HEADER_MAX or len(head) < header_len:
         return None
     return bytes(head[:header_len]), blob_len
@@ -207,28 +184,28 @@ def remember_header(head: bytes, blob_len: int, hdr: Header) -> None:
 def _parse_header(head: bytes, blob_len: int) -> Header:
     if blob_len < PREFIX.size or len(head) < PREFIX.size:
         raise FormatError(f"blob of {blob_len} bytes is too short to be a kvzip container")
-    magic, version, flags, header_len, payload_len, checksum, meta_len, nstreams, crc = PREFIX.unpack_from(head)
+    magic, version, flags, header_len, payload_len, checksum, meta_len, nstreams, _ = PREFIX.unpack_from(head)
     if magic != MAGIC:
         raise FormatError("not a kvzip blob (bad magic)")
     if version != VERSION:
         raise FormatError(f"unsupported container version {version} (this kvzip reads version {VERSION})")
     if flags & ~KNOWN_FLAGS:
         raise FormatError(f"unknown flags 0x{flags:04x}")
-    if header_len % ALIGN or not PREFIX.size <= header_len <= MAX_HEADER or header_len > blob_len:
+    if not _layout.header_fits(header_len, blob_len):
         raise FormatError(f"bad header length {header_len} for a blob of {blob_len} bytes")
     if len(head) < header_len:
         raise FormatError("header truncated")
-    if payload_len % ALIGN or header_len + payload_len != blob_len:
+    if not _layout.payload_fits(header_len, payload_len, blob_len):
         raise FormatError(f"payload length {payload_len} does not match the blob ({blob_len} - {header_len} bytes)")
-    if nstreams > MAX_STREAMS or PREFIX.size + 16 * nstreams + meta_len > header_len:
+    if not _layout.table_fits(nstreams, meta_len, header_len):
         raise FormatError(f"stream count {nstreams} / metadata length {meta_len} do not fit the header")
     raw = bytearray(head[:header_len])
-    struct.pack_into("<I", raw, 40, 0)
-    if zlib.crc32(raw) != crc:
+    stored, crc_zeroed = _layout.crc_blanked(raw)
+    if crc_zeroed != stored:
         raise FormatError("header checksum mismatch (corrupted header)")
     if not flags & FLAG_CHECKSUM and checksum:
         raise FormatError("payload checksum set without its flag")
-    text_at = PREFIX.size + 16 * nstreams
+    text_at = _layout.entry_at(nstreams)
     doc = _parse_metadata(bytes(raw[text_at:text_at + meta_len]))
     if not (isinstance(doc, dict) and isinstance(doc.get("meta"), dict)
             and isinstance(doc.get("streams"), list) and len(doc["streams"]) == nstreams):
@@ -237,7 +214,7 @@ def _parse_header(head: bytes, blob_len: int) -> Header:
     for k, entry in enumerate(doc["streams"]):
         if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[1] in STREAM_DTYPES):
             raise FormatError(f"stream entry {entry!r} is not [name, dtype]")
-        off, nb = struct.unpack_from("<QQ", raw, PREFIX.size + 16 * k)
+        off, nb = _layout.ENTRY.unpack_from(raw, _layout.entry_at(k))
         itemsize = np.dtype(STREAM_DTYPES[entry[1]]).itemsize
         if off % ALIGN or off < end or off + nb > payload_len or nb % itemsize:
             raise FormatError(f"stream {entry[0]!r}: offset {off} / length {nb} are out of bounds or misaligned")
@@ -270,7 +247,7 @@ def read_head(backend, blob) -> bytes:
     want = min(blob.shape[0], 4096)
     head = fetch(want)
     if len(head) >= PREFIX.size:
-        header_len = struct.unpack_from("<I", head, 12)[0]
+        header_len = _HEADER_LEN.read(head)
         if want < header_len <= min(MAX_HEADER, blob.shape[0]):
             head = fetch(header_len)
     return head

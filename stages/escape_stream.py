@@ -21,11 +21,11 @@ from kvzip.bitpack import groups, pack_bits, unpack_bits
 from kvzip.codebook import frame_codebook
 from kvzip.errors import FormatError
 from kvzip.frame import Frame
+from kvzip.layout import PLANE  # esc_count value marking a plane-coded chunk
 
 from .base import ESCAPED, PACKED, Stage, register
 from .top16_pack import ESCAPE
 
-PLANE = 0xFFFF            # esc_count value marking a plane-coded chunk
 ESCAPE_BYTES = 3          # uint16 position + uint8 exponent
 MIN_CHUNK, MAX_CHUNK = 8, 65536
 

@@ -12,7 +12,7 @@ from functools import lru_cache
 import numpy as np
 
 from kvzip.bitlogic import PLANE, cuda_helpers
-from kvzip import container
+from kvzip import container, layout
 from kvzip.bitpack import groups
 from kvzip.checksum import sum64
 from kvzip.errors import DECODE_ERRORS, FormatError
@@ -221,24 +221,23 @@ class FusedSplitPackEscape:
         nchunks = -(-n // C)
         meta = dict(frame.meta)
         meta["codebook"] = codebook_meta(cb)
-        names = ("codes", "rest", "esc_count", "esc_pos", "esc_exp", "exp_high")
-        dtypes = ("uint8", "uint8", "uint16", "uint16", "uint8", "uint8")
-        flags = container.FLAG_CHECKSUM if checksum else 0
+        names, dtypes = zip(*layout.FUSED_STREAMS)  # codes, rest, esc_count, then the escape streams
+        flags = layout.FLAG_CHECKSUM if checksum else 0
         header_len = len(container.build_header(meta, [(k, t, 0) for k, t in zip(names, dtypes)], flags))
         cap = HB * G // 3
         fixed = [4 * G, R * G, 2 * nchunks]
-        most = container.layout(fixed + [2 * cap, cap, HB * G])[1]
+        most = layout.place(fixed + [layout.ESC_POS_BYTES * cap, cap, HB * G])[1]
         # Pages past the blob's end are never written, so never take memory.
         buf = np.empty(header_len + most, np.uint8)
-        at = container.layout(fixed + [0])[0]
+        at = layout.place(fixed + [0])[0]
         codes, rest = buf[header_len + at[0]:][:4 * G], buf[header_len + at[1]:][:R * G]
         esc_count = buf[header_len + at[2]:][:2 * nchunks].view(np.uint16)
         esc_pos, esc_exp, exp_high = np.empty(cap, np.uint16), np.empty(cap, np.uint8), np.empty(HB * G, np.uint8)
         ne, nh = _encode_cpu(src, n, fmt.exp_bits, fmt.mant_bits, cb.encode_lut(), C, codes, rest, esc_count,
                              esc_pos, esc_exp, exp_high)
         streams = (codes, rest, esc_count, esc_pos[:ne], esc_exp[:ne], exp_high[:nh])
-        offsets, payload_len = container.layout([a.nbytes for a in streams])
-        if payload_len > container.layout([n * fmt.itemsize])[1]:
+        offsets, payload_len = layout.place([a.nbytes for a in streams])
+        if payload_len > layout.place([n * fmt.itemsize])[1]:
             return None
         blob = buf[:header_len + payload_len]
         end = 0

@@ -5,10 +5,10 @@ Decoding a blob on the GPU first checks its header (container.parse_header), the
 pipeline, the stream dtypes and lengths and the metadata: ~60 us of Python a call.  Blobs a
 serving loop decodes share almost all of their header: the same shape, pipeline, codebook and
 stream table, except the three escape streams' sizes (and so the payload length and the header
-CRC), which follow each tensor's escape count.  After a blob decodes on the fast path, its header
+CRC), which follow each tensor's escape count (kvzip/layout.py's VARYING and escape entries).  After a blob decodes on the fast path, its header
 with those fields blanked is remembered as a *layout*.  A later blob whose header blanks to the
 same bytes only needs the varying fields checked: the CRC, the payload length, and escape
-streams laid out exactly as container.layout places them (for a decompress_many batch,
+streams laid out exactly as layout.escape_layout places them (for a decompress_many batch,
 programs's kvz_check_heads checks them on the GPU as the headers are read back; head_checks
 here is its host twin).  Pipelines with QuantizeFP8 (one scale per tensor) in front are
 remembered too: their codes decode the same way, then the stage turns them back into the
@@ -32,27 +32,42 @@ the same layout goes straight to the program, with none of the import, guess or 
 from __future__ import annotations
 
 import bisect
-import struct
 import threading
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
-from kvzip import arrays, container
+from kvzip import arrays, container, layout as blob_layout
 from kvzip.backends import get_backend
 from kvzip.frame import Frame
 
 from . import graphs, programs, quantize_kernels
+from .abi import CHECKS, DECODE, HEADS
 
 MAX_LAYOUTS = 4096
 MAX_RECENT = 16  # layouts guess() tries, most recently decoded first
 _FUSED_ONLY = ("exponent_split", "top16_pack", "escape_stream", "serialize")
 _QUANTIZED = ("quantize_fp8",) + _FUSED_ONLY  # QuantizeFP8 with one scale per tensor in front
-_ESCAPES = struct.Struct("<6Q")  # the last three stream table entries: esc_pos, esc_exp, exp_high (offset, bytes)
-_PREFIX = container.PREFIX.size
+_ESCAPES = blob_layout.ESCAPES  # the last three stream table entries: esc_pos, esc_exp, exp_high (offset, bytes)
+_PREFIX = blob_layout.PREFIX_SIZE
+_HEADER_LEN, _STREAM_COUNT = blob_layout.HEADER_LEN, blob_layout.STREAM_COUNT
+_PAYLOAD_LEN = blob_layout.PAYLOAD_LEN.span  # the varying prefix fields (blob_layout.VARYING)
+_CRC = blob_layout.HEADER_CRC.span
+_ESCAPES_BYTES = _ESCAPES.size
+_PAYLOAD_ZERO, _ESCAPES_ZERO = bytes(blob_layout.PAYLOAD_LEN.size), bytes(_ESCAPES_BYTES)
+# Job row columns (kvzip/gpu/abi.py's DecodeJob): the six stream addresses, the escape streams',
+# their lengths; and the columns of what kvz_check_heads finds of a header (CHECKS).
+_STREAMS = DECODE.span("codes", "exp_high")
+_ESC_POS, _ESCAPE_STREAMS, _ESCAPE_LENGTHS = DECODE.col("esc_pos"), DECODE.span("esc_pos", "exp_high"), \
+    DECODE.span("n_esc", "n_high")
+_N_HIGH = DECODE.col("n_high")
+_OK, _AT_ESC_POS, _AT = CHECKS.col("ok"), CHECKS.col("esc_pos"), CHECKS.span("esc_pos", "exp_high")
+_COUNTS, _SIZE = CHECKS.span("n_esc", "n_high"), CHECKS.span("header_len", "stream_count")
+_H, _NS = CHECKS.col("header_len"), CHECKS.col("stream_count")
+_FACTS = CHECKS.span("ok", "n_high")
+_HEAD_PTR, _HEAD_LEN = HEADS.col("ptr"), HEADS.col("len")
 
 
 @dataclass(frozen=True)
@@ -78,7 +93,7 @@ class Layout:
     def most_bytes(self) -> int:
         """The longest a blob of this layout can be.  Escape streams: at most 2 + 1 bytes an
         escape and a byte of high exponents a value, padded."""
-        return self.fixed_bytes + 4 * self.n + 48
+        return self.fixed_bytes + 4 * self.n + blob_layout.ESCAPE_SLACK
 
     @cached_property
     def guess_row(self) -> np.ndarray:
@@ -86,8 +101,8 @@ class Layout:
         (the GPU's guess checks that and fills in the other escape fields; n_high stays
         GUESS_PENDING until it has)."""
         row = self.row.copy()
-        row[:, 3] = self.fixed_bytes
-        row[:, 8] = programs.GUESS_PENDING
+        row[:, _ESC_POS] = self.fixed_bytes
+        row[:, _N_HIGH] = programs.GUESS_PENDING
         return row
 
 
@@ -101,33 +116,31 @@ def _read(head: bytes):
     with the fields that follow the escape count zeroed: payload length, CRC, escape entries."""
     if len(head) < _PREFIX:
         return None
-    header_len = int.from_bytes(head[12:16], "little")
-    nstreams = int.from_bytes(head[36:40], "little")
-    at = _PREFIX + 16 * (nstreams - 3)
-    if header_len > len(head) or nstreams < 3 or at + 48 > header_len:
+    header_len = int.from_bytes(head[_HEADER_LEN.span], "little")
+    nstreams = int.from_bytes(head[_STREAM_COUNT.span], "little")
+    at = blob_layout.escape_entries_at(nstreams, header_len)
+    if header_len > len(head) or at is None:
         return None
     b = bytearray(head[:header_len])
-    crc = int.from_bytes(b[40:44], "little")
-    b[40:44] = bytes(4)
-    crc_ok = zlib.crc32(b) == crc  # the CRC covers the header with its own field zeroed
+    stored, crc = blob_layout.crc_blanked(b)  # the CRC covers the header with its own field zeroed
     escapes = _ESCAPES.unpack_from(b, at)
-    payload = int.from_bytes(b[16:24], "little")
-    b[16:24] = bytes(8)
-    b[at:at + 48] = bytes(48)
-    return bytes(b), crc_ok, payload, escapes
+    payload = int.from_bytes(b[_PAYLOAD_LEN], "little")
+    b[_PAYLOAD_LEN] = _PAYLOAD_ZERO
+    b[at:at + _ESCAPES_BYTES] = _ESCAPES_ZERO
+    return bytes(b), crc == stored, payload, escapes
 
 
 def remember(head: bytes, nbytes: int, opened: Frame, stages: list) -> None:
     """Remember the layout of a blob of nbytes the general path has just decoded on the fast path
     (opened: its frame as serialize.open_blob gave it; stages: its recorded pipeline's)."""
-    if int.from_bytes(head[12:16], "little") > container.CACHE_HEADER_MAX:
+    if _HEADER_LEN.read(head) > container.CACHE_HEADER_MAX:
         return  # bounds the layouts' bytes as container's cache is bounded (MAX_LAYOUTS of them)
     hdr = container.parse_header(head, nbytes)  # cached: the general path parsed it
     read = _read(head)
     ids = tuple(s.id for s in stages)
     if hdr.flags or read is None or ids not in (_FUSED_ONLY, _QUANTIZED):
         return
-    if [s[0] for s in hdr.streams[-3:]] != ["esc_pos", "esc_exp", "exp_high"]:
+    if tuple(s[0] for s in hdr.streams[-3:]) != blob_layout.ESCAPE_STREAMS:
         return
     from kvzip.codebook import frame_codebook
 
@@ -138,12 +151,12 @@ def remember(head: bytes, nbytes: int, opened: Frame, stages: list) -> None:
             return
         meta = {k: opened.meta[k] for k in ("dtype", "shape", "n", "format", "quantize_fp8")}
         dequantize = (stages[0], meta, at["scales"])
-    row = np.array([[at["codes"], at["rest"], at["esc_count"], 0, 0, 0, opened.n, 0, 0, 0,
-                     *programs.dlut_words(frame_codebook(opened)), 0, 0, 0, 0]], np.uint64)
+    dlo, dhi = programs.dlut_words(frame_codebook(opened))
+    row = DECODE.row(codes=at["codes"], rest=at["rest"], esc_count=at["esc_count"], n=opened.n, dlo=dlo, dhi=dhi)
     if len(_layouts) >= MAX_LAYOUTS:
         forget()
     layout = _layouts[read[0]] = Layout(opened.format, opened.dtype_format, tuple(opened.meta["shape"]), opened.n,
-                                        stages[-2].chunk, hdr.header_len, _PREFIX + 16 * (len(hdr.streams) - 3),
+                                        stages[-2].chunk, hdr.header_len, blob_layout.escapes_at(len(hdr.streams)),
                                         hdr.streams[-3][2], row, read[0], dequantize)
     _note(layout)
 
@@ -249,27 +262,15 @@ def match(head: bytes, nbytes: int) -> tuple[Layout, np.ndarray] | None:
         return None
     _, crc_ok, payload, (pos_at, pos_nb, exp_at, exp_nb, high_at, high_nb) = read
     h = layout.header_len
-    if not crc_ok or h + payload != nbytes:
+    if not crc_ok or not blob_layout.payload_fits(h, payload, nbytes):
         return None
-    if pos_at != layout.esc_pos_offset or not _laid_out(payload, read[3]):
-        return None  # laid out otherwise than container.layout would: the general path decides
+    if pos_at != layout.esc_pos_offset or not blob_layout.escapes_laid_out(payload, read[3]):
+        return None  # laid out otherwise than layout.escape_layout would: the general path decides
     row = layout.row.copy()
-    row[0, 3:6] = (h + pos_at, h + exp_at, h + high_at)
-    row[0, 7:9] = (exp_nb, high_nb)  # escapes; high-exponent bytes
+    row[0, _ESCAPE_STREAMS] = (h + pos_at, h + exp_at, h + high_at)
+    row[0, _ESCAPE_LENGTHS] = (exp_nb, high_nb)  # escapes; high-exponent bytes
     _note(layout)
     return layout, row
-
-
-def _up(x):
-    return -(-x // container.ALIGN) * container.ALIGN
-
-
-def _laid_out(payload: int, escapes: tuple) -> bool:
-    """Whether the escape streams (offset, bytes of esc_pos, esc_exp, exp_high) follow one another
-    as container.layout places them, esc_pos two bytes an escape, and close the payload."""
-    pos_at, pos_nb, exp_at, exp_nb, high_at, high_nb = escapes
-    return (pos_nb == 2 * exp_nb and exp_at == _up(pos_at + pos_nb) and high_at == _up(exp_at + exp_nb)
-            and payload == _up(high_at + high_nb))
 
 
 def head_checks(block: np.ndarray, nbytes) -> np.ndarray:
@@ -279,24 +280,25 @@ def head_checks(block: np.ndarray, nbytes) -> np.ndarray:
     exp_high's payload offsets, the escapes, the high-exponent bytes (all 0 unless it does);
     the header length and stream count the prefix claims (0 for a blob shorter than it).
     Hangs together: the header fits the row and the blob, its CRC matches, the escape streams
-    follow one another as container.layout places them and close the payload, which ends at
+    follow one another as layout.escape_layout places them and close the payload, which ends at
     the blob's end.  What match() checks, less the comparison with a remembered layout."""
     k, span = block.shape
-    out = np.zeros((k, 8), np.uint64)
+    out = np.zeros((k, CHECKS.columns), np.uint64)
     for t in range(k):
         n = int(nbytes[t])
         if n < _PREFIX:
             continue
         row = block[t]
-        h, ns = int(row[12:16].view("<u4")[0]), int(row[36:40].view("<u4")[0])
-        out[t, 6:8] = (h, ns)
+        h, ns = int(row[_HEADER_LEN.span].view("<u4")[0]), int(row[_STREAM_COUNT.span].view("<u4")[0])
+        out[t, _SIZE] = (h, ns)
         read = _read(row[:min(h, span, n)].tobytes())  # None when the header does not fit (or its table)
         if read is None:
             continue
         _, crc_ok, payload, e = read
         # Below 2^48, as the kernel requires before summing fields in 64 bits.
-        if crc_ok and max(*e, payload) < 1 << 48 and _laid_out(payload, e) and h + payload == n:
-            out[t, :6] = (1, e[0], e[2], e[4], e[3], e[5])
+        if crc_ok and max(*e, payload) < 1 << 48 and blob_layout.escapes_laid_out(payload, e) and \
+                blob_layout.payload_fits(h, payload, n):
+            out[t, _FACTS] = (1, e[0], e[2], e[4], e[3], e[5])  # ok, the three offsets, escapes, high bytes
     return out
 
 
@@ -313,23 +315,23 @@ def match_many(block: np.ndarray, nbytes, checks: np.ndarray | None = None) -> t
         checks = head_checks(block, nbytes)
     taken = np.zeros(k, bool)
     groups = []
-    sel = np.nonzero(checks[:, 0] == 1)[0]
+    sel = np.nonzero(checks[:, _OK] == 1)[0]
     if sel.size:
-        sizes = checks[sel, 6] << np.uint64(32) | checks[sel, 7]  # header length, stream count
+        sizes = checks[sel, _H] << np.uint64(32) | checks[sel, _NS]  # header length, stream count
         one = bool((sizes == sizes[0]).all())  # the usual batch: one layout
         for size in ([int(sizes[0])] if one else np.unique(sizes).tolist()):
             h, ns = size >> 32, size & 0xFFFFFFFF
             pos = sel if one else sel[sizes == size]
             rows = block[:, :h].copy() if pos.size == k else block[pos, :h]  # a copy either way: blanked below
-            groups += _match_rows(rows, pos, checks[pos], h, _PREFIX + 16 * (ns - 3), taken)
+            groups += _match_rows(rows, pos, checks[pos], h, blob_layout.escapes_at(ns), taken)
     return groups, np.nonzero(~taken)[0].tolist()
 
 
 def _match_rows(b: np.ndarray, pos, checks, h: int, at: int, taken) -> list:
     """match_many for rows b (consistent headers of length h, escape entries at byte at)."""
-    b[:, 16:24] = 0   # payload length
-    b[:, 40:44] = 0   # CRC
-    b[:, at:at + 48] = 0  # escape entries
+    b[:, _PAYLOAD_LEN] = 0   # payload length
+    b[:, _CRC] = 0           # CRC
+    b[:, at:at + _ESCAPES_BYTES] = 0  # escape entries
     if (b == b[0]).all():
         by_key = {b[0].tobytes(): slice(None)}
     else:
@@ -343,14 +345,14 @@ def _match_rows(b: np.ndarray, pos, checks, h: int, at: int, taken) -> list:
             continue
         js = np.arange(b.shape[0])[js]
         c = checks[js]
-        ok = c[:, 1] == layout.esc_pos_offset
+        ok = c[:, _AT_ESC_POS] == layout.esc_pos_offset
         if not ok.all():
             js, c = js[ok], c[ok]
         if not js.size:
             continue
         jobs = np.repeat(layout.row, js.size, axis=0)
-        jobs[:, 3:6] = h + c[:, 1:4]   # esc_pos, esc_exp, exp_high
-        jobs[:, 7:9] = c[:, 4:6]       # escapes (esc_exp bytes); high-exponent bytes
+        jobs[:, _ESCAPE_STREAMS] = h + c[:, _AT]   # esc_pos, esc_exp, exp_high
+        jobs[:, _ESCAPE_LENGTHS] = c[:, _COUNTS]   # escapes (esc_exp bytes); high-exponent bytes
         taken[pos[js]] = True
         _note(layout)
         out.append((layout, pos[js], jobs))
@@ -374,10 +376,10 @@ def decode_guessed(layouts: list, blobs: list, labels=None, origin=None, address
     first, k = layouts[0], len(layouts)
     same = all(layout is first for layout in layouts)
     jobs = np.repeat(first.guess_row, k, axis=0) if same else np.concatenate([layout.guess_row for layout in layouts])
-    heads = np.empty((k, 2), np.uint64)
+    heads = np.empty((k, HEADS.columns), np.uint64)
     ptrs, lengths = addresses if addresses is not None else ([b.data.ptr for b in blobs], [b.shape[0] for b in blobs])
-    heads[:, 0] = ptrs
-    heads[:, 1] = lengths
+    heads[:, _HEAD_PTR] = ptrs
+    heads[:, _HEAD_LEN] = lengths
     return decode_rows(layouts, jobs, blobs, labels, origin, heads)
 
 
@@ -494,7 +496,8 @@ def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None, origi
     address and length) for rows on guessed layouts; then returns (results, misses)."""
     first, k = layouts[0], len(layouts)
     same = all(layout is first for layout in layouts)  # the usual batch: spare the per-blob loops
-    jobs[:, :6] += (heads[:, :1] if heads is not None else np.array([b.data.ptr for b in blobs], np.uint64)[:, None])
+    jobs[:, _STREAMS] += (heads[:, _HEAD_PTR:_HEAD_PTR + 1] if heads is not None
+                          else np.array([b.data.ptr for b in blobs], np.uint64)[:, None])
     fmt, chunk, ns = first.fmt, first.chunk, (first.n,) * k if same else tuple(layout.n for layout in layouts)
     pair = _fused_dequantize(layouts, blobs)
     distinct = layouts[:1] if same else layouts

@@ -131,15 +131,36 @@ def quantize_kernel(name: str, names: tuple, device_id: int):
     return _module(device_id, QUANTIZE, options(), names).get_function(name)
 
 
+QUANTIZE_SOURCES = ("bf16", "fp16")  # the 16-bit formats quantize.cu's kernels read
+QUANTIZE_TARGETS = {"e5m2": "false", "e4m3": "true"}  # FP8 format -> finite-only ("fn") flag of the kernels
+
+
+def quantize_fields(name: str) -> str:
+    f = FORMATS[name]
+    return f"{f.exp_bits},{f.mant_bits}"
+
+
+@lru_cache(maxsize=None)
+def quantize_names() -> tuple:
+    """The name expressions of quantize.cu's module."""
+    q = quantize_fields
+    names = ["kvz_quantize"]
+    for src in QUANTIZE_SOURCES:
+        names.append(f"kvz_amax<{q(src)}>")
+        for fp8, fn in QUANTIZE_TARGETS.items():
+            names.append(f"kvz_quant_table<{q(src)},{q(fp8)},{fn}>")
+            names.append(f"kvz_dequantize<{q(fp8)},{fn},{q(src)}>")
+            names.append(f"kvz_dequant_tables<{q(fp8)},{fn},{q(src)}>")
+    return tuple(names)
+
+
 def units() -> list:
     """Every module the tunings in force build, as benchmarks/ptx_identity.py compiles them:
     [{unit, code, options, names}]."""
-    from . import quantize_kernels
-
     out = [{"unit": "fused" if i == 0 else f"fused{i}", "code": sources()[FUSED], "options": list(options(macros)),
             "names": list(names)} for i, (macros, names) in enumerate(fused_units())]
     out.append({"unit": "quantize", "code": sources()[QUANTIZE], "options": list(options()),
-                "names": list(quantize_kernels._names())})
+                "names": list(quantize_names())})
     return out
 
 

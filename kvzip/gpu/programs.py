@@ -33,7 +33,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from kvzip import arrays, container
+from kvzip import arrays, container, layout
 from kvzip.bitpack import groups
 from kvzip.codebook import codebook_meta
 from kvzip.errors import FormatError, decode_error_text
@@ -41,6 +41,7 @@ from kvzip.formats import FORMATS
 from kvzip.frame import Frame
 
 from . import graphs, loader, quantize_kernels, tuning
+from .abi import CHECKS, DECODE, ENCODE, FINISH, HEADS, SIZES
 from .graphs import Region as R
 from .tuning import tuning_for
 
@@ -52,7 +53,6 @@ BLOB_ALIGN = 256        # blobs of a batch start on 256-byte boundaries of one b
 HEAD_SPAN = 2048        # bytes read back per blob to parse its header (more only if it is longer;
                         # the default pipelines' headers are 624 to 848 bytes;
                         # kvz_check_heads stages at most 4096 in shared memory)
-_ESCAPE_STREAMS = ["esc_pos", "esc_exp", "exp_high"]
 SB_CHUNKS = 256         # chunks per block of kvz_scan (one thread each)
 QUEUE_WORDS = 128       # work words of the dense kernels' chunk queues (common.cuh's QUEUE_WORDS)
 # The tunables (kernel shapes, queue and check knobs, the decode tail's split, the early return of
@@ -130,16 +130,11 @@ GROUPS_MASK = (1 << 31) - 1  # kvz_encode's totals: escapes << 31 | plane-coded 
 VALUE_MASK = (1 << 62) - 1   # the totals below the ready flag (bit 63)
 
 
-def _align16(x: int) -> int:
-    return (x + 15) & ~15
-
-
 def payload_bytes(var_base: int, totals: int, hb: int) -> int:
     """A fused blob's payload length from kvz_encode's totals (escapes << 31 | plane-coded
     groups, any flag above bit 61 ignored): esc_pos starts at var_base, esc_exp and exp_high
-    follow on 16-byte boundaries (finish_blob's arithmetic; container.layout's)."""
-    escapes, high = totals >> 31 & VALUE_MASK >> 31, hb * (totals & GROUPS_MASK)
-    return _align16(_align16(_align16(var_base + 2 * escapes) + escapes) + high)
+    follow on 16-byte boundaries (layout.escape_layout; finish_blob's arithmetic)."""
+    return layout.escape_payload_len(var_base, totals >> 31 & VALUE_MASK >> 31, hb * (totals & GROUPS_MASK))
 
 
 def _pinned_words(k: int) -> np.ndarray:
@@ -207,11 +202,10 @@ def _stream_table(n, fmt, nchunks, others, ne, nh):
     G = groups(n)
     sizes = {"codes": 4 * G, "rest": fmt.rest_bits * G, "esc_count": 2 * nchunks, "esc_pos": 2 * ne, "esc_exp": ne,
              "exp_high": nh, **{k: v.nbytes for k, v in others.items()}}
-    dtypes = {"codes": "uint8", "rest": "uint8", "esc_count": "uint16", "esc_pos": "uint16", "esc_exp": "uint8",
-              "exp_high": "uint8", **{k: v.dtype.name for k, v in others.items()}}
-    table = [(k, dtypes[k], sizes[k]) for k in container.canonical_order(sizes)]
-    if [d[0] for d in table[-3:]] != _ESCAPE_STREAMS:
-        raise AssertionError("container.STREAM_ORDER must end with the escape streams")
+    dtypes = {**dict(layout.FUSED_STREAMS), **{k: v.dtype.name for k, v in others.items()}}
+    table = [(k, dtypes[k], sizes[k]) for k in layout.canonical_order(sizes)]
+    if tuple(d[0] for d in table[-3:]) != layout.ESCAPE_STREAMS:
+        raise AssertionError("layout.STREAM_ORDER must end with the escape streams")
     return table
 
 
@@ -254,15 +248,15 @@ def _plan(frame: Frame, fmt, cb, chunk: int, flags: int, pipeline_key: str) -> _
     full["codebook"] = codebook_meta(cb)
     table = _stream_table(n, fmt, nchunks, {k: frame.streams[k] for k, _, _ in others}, 0, 0)
     header = container.build_header(full, table, flags)
-    offsets, _ = container.layout([d[2] for d in table])
+    offsets, _ = layout.place([d[2] for d in table])
     off = {d[0]: o for d, o in zip(table, offsets)}
     nxt = {d[0]: offsets[j + 1] if j + 1 < len(offsets) else None for j, d in enumerate(table)}
     size = {d[0]: d[2] for d in table}
     pads = tuple(x for k in ("codes", "rest", "esc_count") for x in (off[k] + size[k], nxt[k]))
     plan = _Plan(n, G, nchunks, flags, header, tuple(table), off, nxt, pads,
-                 container.PREFIX.size + 16 * (len(table) - 3),  # esc_pos's entry; esc_exp, exp_high follow
-                 container.layout([a.nbytes for a in frame.streams.values()])[1],
-                 -(-(len(header) + off["esc_pos"] + HB * G + 48) // BLOB_ALIGN) * BLOB_ALIGN)
+                 layout.escapes_at(len(table)),  # esc_pos's entry; esc_exp, exp_high follow
+                 layout.place([a.nbytes for a in frame.streams.values()])[1],
+                 -(-(len(header) + off["esc_pos"] + HB * G + layout.ESCAPE_SLACK) // BLOB_ALIGN) * BLOB_ALIGN)
     if len(_plans) > 4096:
         _plans.clear()
     _plans[key] = plan
@@ -283,9 +277,12 @@ def _config_key(config) -> str:
     return hit[1]
 
 
-ENCODE_COLUMNS = 12  # EncodeJob's 8-byte fields
-Q_SCALE = 11  # its column for the quantizing encode: where the blob's scale goes (q_table is 10)
-FINISH_COLUMNS = 12  # FinishJob's 8-byte fields
+ENCODE_COLUMNS = ENCODE.columns  # EncodeJob's 8-byte fields (kvzip/gpu/abi.py)
+Q_SCALE = ENCODE.col("q_scale")  # its column for the quantizing encode: where the blob's scale goes
+FINISH_COLUMNS = FINISH.columns  # FinishJob's 8-byte fields
+_SRC = ENCODE.col("src")
+_N_ESC, _N_HIGH, _PAYLOAD = (SIZES.col(name) for name in SIZES.names)  # what finish_blob writes a blob
+_ENCODE_OUT = [ENCODE.col(name) for name in ("codes", "rest", "esc_count", "esc_pos")]  # in the output buffer
 
 
 class _EncodeProgram:
@@ -312,7 +309,7 @@ class _EncodeProgram:
         total_chunks, total_sb, slot = chunk_base[-1], sb_base[-1], slot_size(chunk, fmt.name)
         tmpl_host = np.frombuffer(b"".join(templates), np.uint8)
         # work: scan ticket, totals, look-back, kvz_encode's chunk queues, each tensor's chunks done
-        self.sizes_nb, work_nb = 24 * k, 8 * (1 + k + total_sb + QUEUE_WORDS + k)
+        self.sizes_nb, work_nb = SIZES.nbytes * k, 8 * (1 + k + total_sb + QUEUE_WORDS + k)
         enc, scan, _, _ = _instances(fmt)
         ops = [("upload", 3), ("zero", 3)]
         if quantize:
@@ -321,7 +318,7 @@ class _EncodeProgram:
             p = plans[0]
             ops += [("zero", 7),
                     ("launch", amax, (quantize_kernels.grid(p.n // 8, device),), (quantize_kernels.THREADS,),
-                     (P(0), R(0), np.int64(p.n), R(7))),  # src: word 0 of the job table
+                     (P(0), R(0), np.int64(p.n), R(7))),  # src: the job table's first word (EncodeJob.src)
                     ("launch", table, (quantize_kernels.TABLE_BYTES // quantize_kernels.THREADS,), (quantize_kernels.THREADS,),
                      (R(7), P(0), R(0), np.int32(Q_SCALE), np.int32(p.nxt["scales"] - p.off["scales"]), R(8)))]
         lut = P(_device_lut(fmt.name, cb.exponents, device))
@@ -337,7 +334,7 @@ class _EncodeProgram:
                 ("download", 4, self.sizes_nb)]
         # Regions: encode jobs | finish jobs | templates | zeroed work | sizes | escape slots |
         # (quantize) amax, table.
-        ws = self.shape = graphs.CallShape((8 * ENCODE_COLUMNS * k, 8 * FINISH_COLUMNS * k, tmpl_host.nbytes, work_nb,
+        ws = self.shape = graphs.CallShape((ENCODE.nbytes * k, FINISH.nbytes * k, tmpl_host.nbytes, work_nb,
                                                  self.sizes_nb, 2 * total_chunks * slot, total_chunks * slot)
                                                 + ((16, quantize_kernels.TABLE_BYTES) if quantize else ()),
                                                 tuple(ops))
@@ -345,22 +342,24 @@ class _EncodeProgram:
         enc_rows, fin_rows = [], []
         for i, p in enumerate(plans):
             pay = starts[i] + len(p.header)
-            enc_rows.append((0, p.n, pay + p.off["codes"], pay + p.off["rest"], pay + p.off["esc_count"],
-                             pay + p.off["esc_pos"], slot_pos + 2 * slot * chunk_base[i],
-                             slot_exp + slot * chunk_base[i], chunk_base[i], sb_base[i],
-                             ws.ptr(8) if quantize else 0, pay + p.off["scales"] if quantize else 0))  # Q_TABLE, Q_SCALE
-            fin_rows.append((starts[i], ws.ptr(2) + templates[p.header], len(p.header), p.table_at,
-                             p.off["esc_pos"], *p.pads, 0 if p.flags & container.FLAG_CHECKSUM else 1))
-        ws.put(0, np.array(enc_rows, np.uint64))
-        ws.put(1, np.array(fin_rows, np.uint64))
+            enc_rows.append(dict(n=p.n, codes=pay + p.off["codes"], rest=pay + p.off["rest"],
+                                 esc_count=pay + p.off["esc_count"], esc_pos=pay + p.off["esc_pos"],
+                                 slot_pos=slot_pos + 2 * slot * chunk_base[i], slot_exp=slot_exp + slot * chunk_base[i],
+                                 chunk_base=chunk_base[i], sb_base=sb_base[i],
+                                 q_table=ws.ptr(8) if quantize else 0, q_scale=pay + p.off["scales"] if quantize else 0))
+            fin_rows.append(dict(blob=starts[i], tmpl=ws.ptr(2) + templates[p.header], header_len=len(p.header),
+                                 table_at=p.table_at, var_base=p.off["esc_pos"], pad=p.pads,
+                                 write_header=0 if p.flags & layout.FLAG_CHECKSUM else 1))
+        ws.put(0, ENCODE.rows(enc_rows))  # src: added per call
+        ws.put(1, FINISH.rows(fin_rows))
         ws.put(2, tmpl_host)
         # Per call only the inputs' and the output buffer's addresses change: where they go in the
         # staged tables (as uint64 indices), and the output-relative values to add the buffer to.
         fin_at = ws.offsets[1] // 8
-        self.src_at = np.arange(k) * ENCODE_COLUMNS
-        out_cols = np.arange(2, 6) if not quantize else np.array([2, 3, 4, 5, Q_SCALE])  # codes .. esc_pos (scales)
+        self.src_at = np.arange(k) * ENCODE_COLUMNS + _SRC
+        out_cols = np.array(_ENCODE_OUT + ([Q_SCALE] if quantize else []))  # codes .. esc_pos (scales)
         self.out_at = np.concatenate([(np.arange(k)[:, None] * ENCODE_COLUMNS + out_cols).ravel(),
-                                      fin_at + np.arange(k) * FINISH_COLUMNS])
+                                      fin_at + np.arange(k) * FINISH_COLUMNS + FINISH.col("blob")])
         self.out_rel = ws.staged[self.out_at].copy()  # codes, rest, esc_count, esc_pos; each blob's start
         # One tensor: item writes (0.4 us here) beat the index arrays (1.3 us).
         self.one = list(zip(self.out_at.tolist(), self.out_rel.tolist())) if k == 1 else None
@@ -386,7 +385,7 @@ class _EncodeProgram:
         staged = self.shape.staged
         if self.one is not None:
             words = self.shape.words
-            words[0] = src_ptrs[0]
+            words[_SRC] = src_ptrs[0]
             for at, relative in self.one:
                 words[at] = relative + out_ptr
         else:
@@ -396,7 +395,7 @@ class _EncodeProgram:
 
     def wait(self, stream) -> np.ndarray:
         got = self.shape.wait(stream)[:self.sizes_nb]
-        return got.view(np.uint64).reshape(-1, 3).astype(np.int64)
+        return got.view(np.uint64).reshape(-1, SIZES.columns).astype(np.int64)
 
     def encode(self, src_ptrs: list[int], origin, stream) -> list:
         """The blobs of the tensors at src_ptrs as origin's arrays (CuPy's without one), None where
@@ -427,7 +426,7 @@ class _EncodeProgram:
                 self.shape.wait(stream)
             return blobs
         self.shape.wait(stream)
-        payloads = self.shape.down64[2:3 * len(self.starts):3].tolist()  # (escapes, high bytes, payload) each
+        payloads = self.shape.down64[_PAYLOAD:SIZES.columns * len(self.starts):SIZES.columns].tolist()  # SIZES rows
         return buffer.blobs(self.starts, [self._blob_length(t, p) for t, p in enumerate(payloads)], places)
 
     def _blob_length(self, t: int, payload: int) -> int | None:
@@ -461,7 +460,7 @@ def encode_batch(frames: list[Frame], top16, chunk: int, checksum: bool) -> Enco
 
     fmt = frames[0].format
     cb = top16.codebook_for(fmt)
-    flags = container.FLAG_CHECKSUM if checksum else 0
+    flags = layout.FLAG_CHECKSUM if checksum else 0
     plans, srcs = [], []
     for frame in frames:
         plans.append(_plan(frame, fmt, cb, chunk, flags, _config_key(frame.meta.get("pipeline"))))
@@ -484,7 +483,7 @@ def encode_batch(frames: list[Frame], top16, chunk: int, checksum: bool) -> Enco
     # The one host synchronisation: the escape totals fix each blob's length.
     got = prog.run(srcs, buffer.data.ptr, stream)
     header_lens = prog.header_lens
-    lengths = header_lens + got[:, 2]
+    lengths = header_lens + got[:, _PAYLOAD]
     if checksum:  # the payload is final: hash it and write the header from the host
         from kvzip.checksum import sum64
 
@@ -494,9 +493,9 @@ def encode_batch(frames: list[Frame], top16, chunk: int, checksum: bool) -> Enco
             others = {k: a for k, a in frame.streams.items() if k != "data"}
             meta = dict(frame.meta)
             meta["codebook"] = codebook_meta(cb)
-            table = _stream_table(p.n, fmt, p.nchunks, others, int(got[i, 0]), int(got[i, 1]))
+            table = _stream_table(p.n, fmt, p.nchunks, others, int(got[i, _N_ESC]), int(got[i, _N_HIGH]))
             buffer[s:s + h].set(np.frombuffer(container.build_header(meta, table, flags, digest), np.uint8))
-    return EncodedBatch(buffer, starts, lengths, got[:, 2] <= prog.raw_payloads, plans)
+    return EncodedBatch(buffer, starts, lengths, got[:, _PAYLOAD] <= prog.raw_payloads, plans)
 
 
 @dataclass(frozen=True)
@@ -565,7 +564,7 @@ class _HeadsProgram:
 
     def __init__(self, k: int, device: int):
         self.shape = graphs.CallShape(
-            (16 * k, k * HEAD_SPAN, 64 * k),
+            (HEADS.nbytes * k, k * HEAD_SPAN, CHECKS.nbytes * k),
             (("upload", 1), _launch("kvz_gather_heads", device, (4, k), (R(0), np.int32(HEAD_SPAN), R(1))),
              _launch("kvz_check_heads", device, k, (R(0), np.int32(HEAD_SPAN), R(2))),
              ("download", 1, self.download_bytes(k))))
@@ -574,7 +573,7 @@ class _HeadsProgram:
     @staticmethod
     def download_bytes(k: int) -> int:
         # Regions 1 and 2 back to back (a region is padded to 256 bytes; k * HEAD_SPAN already is).
-        return k * HEAD_SPAN + 64 * k
+        return k * HEAD_SPAN + CHECKS.nbytes * k
 
 
 def head_block(ptrs: list[int], sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -586,11 +585,11 @@ def head_block(ptrs: list[int], sizes: list[int]) -> tuple[np.ndarray, np.ndarra
     k = len(ptrs)
     device, stream = _current()
     ws = graphs.cached(("heads", device, k), lambda: _HeadsProgram(k, device)).shape
-    ws.staged[0:2 * k:2] = ptrs
-    ws.staged[1:2 * k:2] = sizes
+    ws.staged[_HEAD_PTR:HEADS.columns * k:HEADS.columns] = ptrs
+    ws.staged[_HEAD_LEN:HEADS.columns * k:HEADS.columns] = sizes
     got = ws.run(stream)
     return got[:k * HEAD_SPAN].reshape(k, HEAD_SPAN), got[k * HEAD_SPAN:_HeadsProgram.download_bytes(k)].view(
-        np.uint64).reshape(k, 8)
+        np.uint64).reshape(k, CHECKS.columns)
 
 
 def heads_from_block(block: np.ndarray, blobs) -> list[bytes]:
@@ -599,18 +598,22 @@ def heads_from_block(block: np.ndarray, blobs) -> list[bytes]:
     heads = []
     for row, b in zip(block, blobs):
         head = row[:min(HEAD_SPAN, b.shape[0])].tobytes()
-        if len(head) >= container.PREFIX.size:
-            header_len = int.from_bytes(head[12:16], "little")
-            if HEAD_SPAN < header_len <= min(container.MAX_HEADER, b.shape[0]):
+        if len(head) >= layout.PREFIX_SIZE:
+            header_len = layout.HEADER_LEN.read(head)
+            if HEAD_SPAN < header_len <= min(layout.MAX_HEADER, b.shape[0]):
                 head = b[:header_len].get().tobytes()
         heads.append(head)
     return heads
 
 
-DECODE_COLUMNS = 16  # DecodeJob's 8-byte fields
-DQ_TABLE, DQ_SCALE = 14, 15  # its columns for the dequantizing decode
+DECODE_COLUMNS = DECODE.columns  # DecodeJob's 8-byte fields (kvzip/gpu/abi.py)
+DQ_TABLE, DQ_SCALE = DECODE.col("dq_table"), DECODE.col("dq_scale")  # its columns for the dequantizing decode
+_DST = DECODE.col("dst")
+_STREAMS = DECODE.span("codes", "exp_high")  # the six stream addresses (blob-relative in a layout's row)
+_BASES = DECODE.span("chunk_base", "sb_base")
+_HEAD_PTR, _HEAD_LEN = HEADS.col("ptr"), HEADS.col("len")
 GUESS_MISSED = 255  # the guess's error for a blob whose header is not the guessed layout's (fused_fast.cu)
-GUESS_PENDING = np.uint64(2**64 - 1)  # n_high (column 8) of a guessed row until the GPU's guess is in
+GUESS_PENDING = np.uint64(2**64 - 1)  # n_high of a guessed row until the GPU's guess is in
 
 
 def _decode_split(fmt, chunks: int, warps: int) -> tuple:
@@ -666,7 +669,7 @@ class _DecodeProgram:
         # written, look-back, decode chunk queue) | chunk offsets
         # (| expected headers) (| dequantize tables).
         guess = expect is not None
-        sizes = [8 * DECODE_COLUMNS * k] + ([16 * k] if guess else [])
+        sizes = [DECODE.nbytes * k] + ([HEADS.nbytes * k] if guess else [])
         jobs, heads, work, offs = R(0), R(1), R(len(sizes)), R(len(sizes) + 1)
         queue_at = _decode_status_at(k) + sb_base  # work ends with kvz_decode's chunk queues
         sizes += [8 * (queue_at + QUEUE_WORDS), 8 * chunk_base]
@@ -699,8 +702,9 @@ class _DecodeProgram:
                                 np.int64(queue_at), np.int64(scan_blocks), np.int64(split_at), np.int32(shift))))
         self.shape = graphs.CallShape(tuple(sizes), tuple(ops) + (("download", work, self.errors_nb),))
         self.heads_at = self.shape.offsets[1] // 8 if guess else None  # heads' first word in the staging
+        self.head_at = (self.heads_at + _HEAD_PTR, self.heads_at + _HEAD_LEN) if guess else None  # run_one's
         self.staged_row = None  # the layout row run_one last staged whole (None after a run)
-        self.row_streams = None  # and its stream columns (0-5, blob-relative) as ints
+        self.row_streams = None  # and its stream columns (_STREAMS, blob-relative) as ints
         self.out_offset = int(self.fixed[0, 0])  # run_one's output offset
         self.tables = self.shape.ptr(len(sizes) - 1) + 512 * np.arange(k, dtype=np.uint64) if dequantize else None
         if guess:
@@ -710,7 +714,7 @@ class _DecodeProgram:
             self.shape.buffer[self.shape.offsets[expected]:][:rows.size].set(rows.ravel())
 
     def run(self, jobs: np.ndarray, stream, labels=None, views=None, origin=None, heads=None):
-        """Decode the blobs jobs describe (columns 9, 12 and 13, and DQ_TABLE, are filled in here).
+        """Decode the blobs jobs describe (dst, chunk_base and sb_base, and dq_table, are filled in here).
         Returns views(buffer, offsets): what to hand out for the values of blob i, which lie at
         byte offsets[i] of buffer (a new kvzip.arrays.ResultBuffer for origin's caller); by
         default their raw-bit CuPy arrays.  views runs while the GPU decodes; its results are
@@ -720,8 +724,8 @@ class _DecodeProgram:
         positions of the blobs whose header was not the expected one (their results are not
         decoded values)."""
         out = arrays.ResultBuffer(self.out_bytes, origin)
-        jobs[:, 9] = self.fixed[:, 0] + P(out.ptr)
-        jobs[:, 12:14] = self.fixed[:, 1:3]
+        jobs[:, _DST] = self.fixed[:, 0] + P(out.ptr)
+        jobs[:, _BASES] = self.fixed[:, 1:3]
         if self.tables is not None:
             jobs[:, DQ_TABLE] = self.tables
         self.shape.put(0, jobs)
@@ -755,18 +759,19 @@ class _DecodeProgram:
         if self.staged_row is not row:
             staged = self.shape.staged
             staged[:DECODE_COLUMNS] = row[0]
-            staged[12:14] = self.fixed[0, 1:3]
+            staged[_BASES] = self.fixed[0, 1:3]
             if self.tables is not None:
                 staged[DQ_TABLE] = self.tables[0]
-            self.staged_row, self.row_streams = row, row[0, :6].tolist()
+            self.staged_row, self.row_streams = row, row[0, _STREAMS].tolist()
         words = self.shape.words
-        for i, relative in enumerate(self.row_streams):  # item writes: a fraction of a ufunc's cost
+        for i, relative in enumerate(self.row_streams, _STREAMS.start):  # item writes: a fraction of a ufunc's cost
             words[i] = relative + blob_ptr
-        words[9] = self.out_offset + out.ptr
+        words[_DST] = self.out_offset + out.ptr
         if scale_at is not None:
             words[DQ_SCALE] = blob_ptr + scale_at
-        words[self.heads_at] = blob_ptr
-        words[self.heads_at + 1] = blob_len
+        ptr_at, len_at = self.head_at
+        words[ptr_at] = blob_ptr
+        words[len_at] = blob_len
         self.shape.launch(stream)
         got = views(out, self.offsets) if views is not None else self._raw_views(out)
         if while_running is not None:
@@ -798,7 +803,7 @@ class _DecodeProgram:
 
 def decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray, labels=None, dequantize: tuple | None = None,
                 views=None, origin=None, guessed: tuple | None = None):
-    """Decode blobs from their job rows (kvz_decode's DecodeJob; columns 9, 12, 13 filled in here).
+    """Decode blobs from their job rows (kvz_decode's DecodeJob; dst, chunk_base, sb_base filled in here).
     dequantize: (FP8 format, 16-bit format): blobs of a QuantizeFP8 (per tensor) pipeline, to
     16-bit values, each with the scale column DQ_SCALE points at.  views, origin: as
     _DecodeProgram.run.  guessed: (expected blanked headers, (k, 2) blob addresses and lengths)
@@ -826,11 +831,15 @@ def decode_batch(frames: list[Frame], chunk: int, codebooks: list, labels=None) 
     rows = []
     for frame, cb in zip(frames, codebooks):
         st = frame.streams
-        rows.append((st["codes"].data.ptr, st["rest"].data.ptr, st["esc_count"].data.ptr, st["esc_pos"].data.ptr,
-                     st["esc_exp"].data.ptr, st["exp_high"].data.ptr, frame.n, st["esc_pos"].shape[0],
-                     st["exp_high"].shape[0], 0, *dlut_words(cb), 0, 0, 0, 0))
+        rows.append(_batch_row(st["codes"].data.ptr, st["rest"].data.ptr, st["esc_count"].data.ptr,
+                               st["esc_pos"].data.ptr, st["esc_exp"].data.ptr, st["exp_high"].data.ptr, frame.n,
+                               st["esc_pos"].shape[0], st["exp_high"].shape[0], *dlut_words(cb)))
     jobs = np.array(rows, np.uint64).reshape(len(frames), DECODE_COLUMNS)
     return decode_jobs(frames[0].format, chunk, tuple(f.n for f in frames), jobs, labels)
+
+
+_batch_row = DECODE.maker("codes", "rest", "esc_count", "esc_pos", "esc_exp", "exp_high", "n", "n_esc", "n_high",
+                          "dlo", "dhi")  # decode_batch's rows by name (the others 0)
 
 
 @lru_cache(maxsize=256)

@@ -18,31 +18,18 @@ from functools import lru_cache
 import numpy as np
 
 from kvzip.arrays import aligned
-from kvzip.formats import FORMATS
 
 from . import loader
 
 ENABLED = True          # tests switch this off to exercise the Numba kernels on a real GPU
 THREADS = 256           # quantize.cu's THREADS; kvz_dequantize builds one table entry a thread
-SOURCES = ("bf16", "fp16")
-TARGETS = {"e5m2": "false", "e4m3": "true"}  # FP8 format -> finite-only ("fn") flag of the kernels
+SOURCES = loader.QUANTIZE_SOURCES
+TARGETS = loader.QUANTIZE_TARGETS
 TABLE_BYTES = 1 << 15   # one code per 15-bit source magnitude
 
 
-def _fields(name: str) -> str:
-    f = FORMATS[name]
-    return f"{f.exp_bits},{f.mant_bits}"
-
-
-def _names() -> tuple:
-    names = ["kvz_quantize"]
-    for src in SOURCES:
-        names.append(f"kvz_amax<{_fields(src)}>")
-        for fp8, fn in TARGETS.items():
-            names.append(f"kvz_quant_table<{_fields(src)},{_fields(fp8)},{fn}>")
-            names.append(f"kvz_dequantize<{_fields(fp8)},{fn},{_fields(src)}>")
-            names.append(f"kvz_dequant_tables<{_fields(fp8)},{fn},{_fields(src)}>")
-    return tuple(names)
+_fields = loader.quantize_fields
+_names = loader.quantize_names
 
 
 @lru_cache(maxsize=None)

@@ -52,6 +52,8 @@ struct FinishJob {  // all 8-byte fields: uint64 array (ntensors, 12)
     long long write_header; // 0 when the host writes the header itself (payload checksum)
 };
 
+#include "abi_check.cuh"  // EncodeJob, DecodeJob, FinishJob as kvzip/gpu/abi.py writes them (generated)
+
 #define SB_CHUNKS 256      // chunks per scan block: one thread each
 
 #define GUESS_MISSED 255

@@ -10,9 +10,10 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+#include "layout.cuh"  // the container layout (generated from kvzip/layout.py): prefix offsets, PLANE, ...
+
 #define FULL_MASK 0xffffffffu
 #define WARPS 8            // warps per block
-#define PLANE 0xFFFFu
 #define FLAG_SHIFT 62
 #define VALUE_MASK ((1ull << FLAG_SHIFT) - 1)
 #define GROUPS_MASK 0x7FFFFFFFull  // status value = escapes << 31 | plane-coded groups

@@ -84,7 +84,7 @@ __device__ u32 warp_crc32(const u32 crc_table[4][256], const u32* w, long long n
     return reg;
 }
 
-__device__ __forceinline__ long long align16(long long x) { return (x + 15) & ~15ll; }
+__device__ __forceinline__ long long align16(long long x) { return (x + KVZ_ALIGN - 1) & ~(KVZ_ALIGN - 1); }
 
 // Blob J's padding, header and sizes (escapes, exp_high bytes, payload length) from its totals
 // (escapes << 31 | plane-coded groups), by one whole block (it synchronises).  The streams after
@@ -94,7 +94,7 @@ __device__ void finish_blob(const FinishJob& J, u64 totals, int hb, u64* __restr
     __shared__ u32 crc_table[4][256];
     __shared__ __align__(16) u8 head[HEADER_SMEM];
     const long long ne = (long long)(totals >> 31), nh = (long long)hb * (long long)(totals & GROUPS_MASK);
-    const long long a_end = J.var_base + 2 * ne;
+    const long long a_end = J.var_base + KVZ_ESC_POS_BYTES * ne;
     const long long b = align16(a_end), b_end = b + ne;
     const long long cc = align16(b_end), c_end = cc + nh;
     const long long end = align16(c_end);
@@ -118,15 +118,17 @@ __device__ void finish_blob(const FinishJob& J, u64 totals, int hb, u64* __restr
     build_crc_tables(crc_table);
     if (threadIdx.x < 32) {
         if (threadIdx.x == 0) {
-            put_u64(h + 16, (u64)end);
-            put_u64(h + J.table_at, (u64)J.var_base);       put_u64(h + J.table_at + 8, (u64)(2 * ne));
-            put_u64(h + J.table_at + 16, (u64)b);           put_u64(h + J.table_at + 24, (u64)ne);
-            put_u64(h + J.table_at + 32, (u64)cc);          put_u64(h + J.table_at + 40, (u64)nh);
+            // The escape entries at table_at: (offset, length) of esc_pos, esc_exp, exp_high.
+            put_u64(h + KVZ_PAYLOAD_LEN_AT, (u64)end);
+            put_u64(h + J.table_at, (u64)J.var_base);       put_u64(h + J.table_at + 8, (u64)(KVZ_ESC_POS_BYTES * ne));
+            put_u64(h + J.table_at + KVZ_ENTRY_SIZE, (u64)b);      put_u64(h + J.table_at + KVZ_ENTRY_SIZE + 8, (u64)ne);
+            put_u64(h + J.table_at + 2 * KVZ_ENTRY_SIZE, (u64)cc); put_u64(h + J.table_at + 2 * KVZ_ENTRY_SIZE + 8, (u64)nh);
         }
         __syncwarp();  // the fields are in place for the whole warp
-        // H is a multiple of 16 and h 16-byte aligned; the CRC field (word 10) counts as 0.
-        const u32 crc = warp_crc32(crc_table, reinterpret_cast<const u32*>(h), H / 4, 10, threadIdx.x) ^ 0xFFFFFFFFu;
-        if (threadIdx.x == 0) { h[40] = (u8)crc; h[41] = (u8)(crc >> 8); h[42] = (u8)(crc >> 16); h[43] = (u8)(crc >> 24); }
+        // H is a multiple of 16 and h 16-byte aligned; the CRC field (a word) counts as 0.
+        const u32 crc = warp_crc32(crc_table, reinterpret_cast<const u32*>(h), H / 4, KVZ_HEADER_CRC_AT / 4, threadIdx.x) ^ 0xFFFFFFFFu;
+        u8* const c = h + KVZ_HEADER_CRC_AT;
+        if (threadIdx.x == 0) { c[0] = (u8)crc; c[1] = (u8)(crc >> 8); c[2] = (u8)(crc >> 16); c[3] = (u8)(crc >> 24); }
     }
     __syncthreads();
     if (in_smem)
@@ -153,23 +155,23 @@ __device__ __forceinline__ long long stage_head(const u64* heads, int t, int spa
 __device__ void head_facts(const u8* b, long long len, int span, const u8* head, long long staged,
                            const u32 crc_table[4][256], u64 out[8]) {
     for (int k = 0; k < 8; k++) out[k] = 0;
-    if (len < 48) return;
+    if (len < KVZ_PREFIX_SIZE) return;
     const u32* w = reinterpret_cast<const u32*>(head);
-    const long long h = w[3], ns = w[9];
-    const long long at = 48 + 16 * (ns - 3);
+    const long long h = w[KVZ_HEADER_LEN_AT / 4], ns = w[KVZ_STREAM_COUNT_AT / 4];
+    const long long at = KVZ_TABLE_AT + KVZ_ENTRY_SIZE * (ns - KVZ_ESCAPE_STREAMS);
     out[6] = (u64)h; out[7] = (u64)ns;
-    if (!(ns >= 3 && h <= span && h <= len && at + 48 <= h)) return;
-    const long long words = min(h, staged) / 4;  // the staged words; the CRC field (word 10) as 0
-    u32 crc = warp_crc32(crc_table, w, words, 10, threadIdx.x & 31);
+    if (!(ns >= KVZ_ESCAPE_STREAMS && h <= span && h <= len && at + KVZ_ESCAPE_ENTRIES_SIZE <= h)) return;
+    const long long words = min(h, staged) / 4;  // the staged words; the CRC field (a word) as 0
+    u32 crc = warp_crc32(crc_table, w, words, KVZ_HEADER_CRC_AT / 4, threadIdx.x & 31);
     for (long long i = 4 * words; i < h; i++) crc = crc_table[0][(crc ^ (i < staged ? head[i] : b[i])) & 0xFF] ^ (crc >> 8);
     const u64* e = reinterpret_cast<const u64*>(head + at);  // (offset, bytes) of esc_pos, esc_exp, exp_high
-    const u64 payload = reinterpret_cast<const u64*>(head)[2];
+    const u64 payload = reinterpret_cast<const u64*>(head)[KVZ_PAYLOAD_LEN_AT / 8];
     const u64 big = 1ull << 48;  // every field below this before any sum: no wrap-around
-    bool ok = (crc ^ 0xFFFFFFFFu) == w[10] && payload < big;
+    bool ok = (crc ^ 0xFFFFFFFFu) == w[KVZ_HEADER_CRC_AT / 4] && payload < big;
     for (int k = 0; k < 6; k++) ok = ok && e[k] < big;
     // The layout finish_blob writes (every term below 2^49 once ok holds: && stops before the sums).
     ok = ok && e[2] == (u64)align16((long long)(e[0] + e[1])) && e[4] == (u64)align16((long long)(e[2] + e[3])) &&
-         payload == (u64)align16((long long)(e[4] + e[5])) && e[1] == 2 * e[3] && (u64)h + payload == (u64)len;
+         payload == (u64)align16((long long)(e[4] + e[5])) && e[1] == KVZ_ESC_POS_BYTES * e[3] && (u64)h + payload == (u64)len;
     if (ok) { out[0] = 1; out[1] = e[0]; out[2] = e[2]; out[3] = e[4]; out[4] = e[3]; out[5] = e[5]; }
 }
 
@@ -189,10 +191,15 @@ __device__ void guess_head(const u64* heads, int t, int span, const u8* expect, 
     long long len;
     const long long staged = stage_head(heads, t, span, head, crc_table, b, len);
     const u32* w = reinterpret_cast<const u32*>(head);
-    const long long h = len >= 48 ? w[3] : 0, at = len >= 48 ? 48 + 16 * ((long long)w[9] - 3) : 0;
-    bool same = len >= 48 && h <= span && h <= len;  // within expect's row: i < h <= span
+    const bool prefix = len >= KVZ_PREFIX_SIZE;
+    const long long h = prefix ? w[KVZ_HEADER_LEN_AT / 4] : 0;
+    const long long at = prefix ? KVZ_TABLE_AT + KVZ_ENTRY_SIZE * ((long long)w[KVZ_STREAM_COUNT_AT / 4] - KVZ_ESCAPE_STREAMS) : 0;
+    bool same = prefix && h <= span && h <= len;  // within expect's row: i < h <= span
     for (long long i = threadIdx.x; same && i < h; i += blockDim.x) {
-        const bool blank = (i >= 16 && i < 24) || (i >= 40 && i < 44) || (i >= at && i < at + 48);
+        // The fields that follow the escape count, blanked in expect (kvzip/layout.py's VARYING, escape entries).
+        const bool blank = (i >= KVZ_PAYLOAD_LEN_AT && i < KVZ_PAYLOAD_LEN_AT + KVZ_PAYLOAD_LEN_SIZE) ||
+                           (i >= KVZ_HEADER_CRC_AT && i < KVZ_HEADER_CRC_AT + KVZ_HEADER_CRC_SIZE) ||
+                           (i >= at && i < at + KVZ_ESCAPE_ENTRIES_SIZE);
         same = (blank ? 0 : i < staged ? head[i] : b[i]) == expect[(long long)t * span + i];
     }
     same = __syncthreads_and(same);

@@ -1,0 +1,117 @@
+"""The host-kernel ABI of fused_fast.cu: the job tables' rows by field name.
+
+Every row the host hands the kernels is a run of 8-byte words (pointers, counts), so the host
+keeps them as (k, columns) uint64 arrays: the cheapest thing to fill per call.  Here each table's
+fields are named as in its C struct, with a NumPy structured dtype over the same bytes; host code
+takes column numbers from the names (``DECODE.col("dst")``: the field's offset // 8) and slices
+of neighbouring fields (``DECODE.span("esc_pos", "exp_high")``), never literals.
+
+kvzip/gpu/kernels/abi_check.cuh, generated from this module (``python -m kvzip.gpu.headers --write``;
+tests/test_abi.py fails when the committed file differs), static_asserts every struct's size and
+every field's offset and size after the struct definitions, so a struct edited without this
+module fails to compile.
+
+Tables without a C struct (the kernels index them as words) are named here all the same: HEADS,
+(address, length) a blob, what kvz_gather_heads, kvz_check_heads and guess_head read; CHECKS,
+what kvz_check_heads writes a blob (head_facts' out[8]); SIZES, what finish_blob writes a blob.
+"""
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+WORD = 8
+
+
+class Table:
+    """One row type: its C struct's name (None where the kernels index words) and its fields
+    (name, or (name, words) for an array field), each WORD bytes a word."""
+
+    def __init__(self, struct: str | None, fields):
+        self.struct = struct
+        self.fields = tuple((f, 1) if isinstance(f, str) else tuple(f) for f in fields)
+        self.dtype = np.dtype([(name, "<u8") if n == 1 else (name, "<u8", (n,)) for name, n in self.fields])
+        self.names = tuple(name for name, _ in self.fields)
+        self.columns = self.dtype.itemsize // WORD
+        self.nbytes = self.dtype.itemsize
+        self._col = {name: self.dtype.fields[name][1] // WORD for name in self.names}
+        self._words = dict(self.fields)
+        # The field each word belongs to, in order.
+        self.words = tuple(name for name, n in self.fields for _ in range(n))
+
+    def col(self, name: str) -> int:
+        """The column (word index in a row) of field name."""
+        return self._col[name]
+
+    def span(self, first: str, last: str | None = None) -> slice:
+        """The columns of fields first .. last (in order, adjacent), as a slice."""
+        last = first if last is None else last
+        lo, hi = self._col[first], self._col[last] + self._words[last]
+        if hi <= lo:
+            raise ValueError(f"{self.struct}: {first} .. {last} is no run of fields")
+        return slice(lo, hi)
+
+    def row(self, k: int = 1, **values) -> np.ndarray:
+        """A (k, columns) uint64 table, every row with the named fields set (the others 0)."""
+        out = np.zeros(k, self.dtype)
+        for name, value in values.items():
+            out[name] = value
+        return out.view(np.uint64).reshape(k, self.columns)
+
+    def rows(self, records) -> np.ndarray:
+        """A (len(records), columns) uint64 table from dicts of field values (missing ones 0)."""
+        out = np.zeros(len(records), self.dtype)
+        for name in self.names:
+            out[name] = [r.get(name, 0) for r in records]
+        return out.view(np.uint64).reshape(len(records), self.columns)
+
+    def maker(self, *names):
+        """A function of the values of fields names (in that order; array fields not allowed)
+        giving the whole row as a tuple of columns, the other fields 0: rows for
+        np.array(..., np.uint64) built by name at the cost of one call a row."""
+        where = {name: i for i, name in enumerate(names)}
+        if len(where) != len(names) or any(self._words[name] != 1 for name in names):
+            raise ValueError(f"{self.struct}: fields {names} must be distinct single words")
+        get = operator.itemgetter(*(where.get(name, len(names)) for name in self.words))
+        return lambda *values: get(values + (0,))
+
+    def view(self, table: np.ndarray) -> np.ndarray:
+        """The (k,) structured view of a (k, columns) uint64 table (C-contiguous)."""
+        return table.view(self.dtype).reshape(table.shape[0])
+
+
+ENCODE = Table("EncodeJob", ("src", "n", "codes", "rest", "esc_count", "esc_pos", "slot_pos", "slot_exp",
+                             "chunk_base", "sb_base", "q_table", "q_scale"))
+DECODE = Table("DecodeJob", ("codes", "rest", "esc_count", "esc_pos", "esc_exp", "exp_high", "n", "n_esc", "n_high",
+                             "dst", "dlo", "dhi", "chunk_base", "sb_base", "dq_table", "dq_scale"))
+FINISH = Table("FinishJob", ("blob", "tmpl", "header_len", "table_at", "var_base", ("pad", 6), "write_header"))
+HEADS = Table(None, ("ptr", "len"))
+CHECKS = Table(None, ("ok", "esc_pos", "esc_exp", "exp_high", "n_esc", "n_high", "header_len", "stream_count"))
+SIZES = Table(None, ("n_esc", "n_high", "payload_len"))
+STRUCTS = (ENCODE, DECODE, FINISH)
+
+
+def cuh() -> str:
+    """kvzip/gpu/kernels/abi_check.cuh: static_asserts of STRUCTS' layouts."""
+    lines = [
+        "// kvzip/gpu/kernels/abi_check.cuh: the job structs' layout as the host writes them.",
+        "// Generated from kvzip/gpu/abi.py by `python -m kvzip.gpu.headers --write`: do not edit (tests/test_abi.py",
+        "// checks that this file is that text).  Included after the struct definitions.",
+        "#pragma once",
+    ]
+    for t in STRUCTS:
+        s = t.struct
+        lines += ["", f"static_assert(sizeof({s}) == {t.nbytes}, \"{s}: {t.columns} words, as kvzip/gpu/abi.py\");"]
+        for name, n in t.fields:
+            at = t.col(name) * WORD
+            lines.append(f"static_assert(__builtin_offsetof({s}, {name}) == {at} && sizeof({s}::{name}) == {n * WORD}, "
+                         f"\"{s}::{name}: column {t.col(name)}\");")
+    lines += [""]
+    return "\n".join(lines)
+
+
+def cuh_path():
+    from pathlib import Path
+
+    return Path(__file__).parent / "kernels" / "abi_check.cuh"

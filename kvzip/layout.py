@@ -1,0 +1,268 @@
+"""The container blob's bytes, defined once (docs/format.md section 2 is their normative text).
+
+Every reader and writer of the layout takes it from here: kvzip/container.py (the reference
+writer and reader), stages/fused.py's encode_blob, kvzip/gpu/programs.py (header templates, the
+host's payload arithmetic), kvzip/gpu/layout_cache.py (headers of remembered layouts), and the
+CUDA kernels through kvzip/gpu/kernels/layout.cuh, which is generated from this module
+(``python -m kvzip.gpu.headers --write``; tests/test_layout.py fails when the committed file differs).
+
+    offset  size  field
+    0       8     magic b"KVZIP\\x00\\r\\n"
+    8       2     version (uint16)
+    10      2     flags (uint16)
+    12      4     header_len H (uint32): multiple of ALIGN, the payload starts there
+    16      8     payload_len P (uint64): multiple of ALIGN; the blob is H + P bytes
+    24      8     checksum (uint64): sum64 of the payload, 0 without FLAG_CHECKSUM
+    32      4     meta_len J (uint32)
+    36      4     stream_count S (uint32)
+    40      4     header_crc (uint32): CRC-32 of [0, H) with these 4 bytes zeroed
+    44      4     reserved, 0
+    48      16*S  stream table: per stream (offset from the payload's start, length), uint64 each
+    48+16S  J     metadata JSON, then zero padding up to H
+    H       P     the streams in table order, each ALIGN-aligned, zero padding between
+
+All integers little-endian.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+
+# ----------------------------------------------------------------------------- the prefix
+MAGIC = b"KVZIP\x00\r\n"
+VERSION = 1
+FLAG_CHECKSUM = 1   # the checksum field holds sum64 of the payload
+FLAG_STORED = 2     # the values were stored raw (size fallback)
+KNOWN_FLAGS = FLAG_CHECKSUM | FLAG_STORED
+MAX_HEADER = 1 << 20
+MAX_STREAMS = 64
+ALIGN = 16          # header length, payload length and every stream offset are multiples of it
+
+
+class Field:
+    """A prefix field: name, byte offset, size, struct code, and its bytes as a slice."""
+
+    __slots__ = ("name", "offset", "size", "code", "end", "span")
+
+    def __init__(self, name: str, offset: int, size: int, code: str):
+        self.name, self.offset, self.size, self.code = name, offset, size, code
+        self.end = offset + size
+        self.span = slice(offset, self.end)
+
+    def read(self, buf) -> int:
+        """The field's unsigned value in buf (bytes-like, at least end bytes)."""
+        return int.from_bytes(buf[self.offset:self.end], "little")
+
+    def __repr__(self) -> str:
+        return f"Field({self.name!r}, {self.offset}, {self.size}, {self.code!r})"
+
+
+def _fields(spec) -> tuple:
+    out, at = [], 0
+    for name, size, code in spec:
+        out.append(Field(name, at, size, code))
+        at += size
+    return tuple(out)
+
+
+PREFIX_FIELDS = _fields((
+    ("magic", 8, "8s"),
+    ("version", 2, "H"),
+    ("flags", 2, "H"),
+    ("header_len", 4, "I"),
+    ("payload_len", 8, "Q"),
+    ("checksum", 8, "Q"),
+    ("meta_len", 4, "I"),
+    ("stream_count", 4, "I"),
+    ("header_crc", 4, "I"),
+    ("reserved", 4, "4x"),
+))
+FIELD = {f.name: f for f in PREFIX_FIELDS}
+PREFIX = struct.Struct("<" + "".join(f.code for f in PREFIX_FIELDS))  # "<8sHHIQQIII4x", 48 bytes
+PREFIX_SIZE = PREFIX.size
+# PREFIX.unpack's values, in order (the reserved bytes give none).
+PREFIX_VALUES = tuple(f.name for f in PREFIX_FIELDS if not f.code.endswith("x"))
+
+HEADER_LEN = FIELD["header_len"]
+PAYLOAD_LEN = FIELD["payload_len"]
+STREAM_COUNT = FIELD["stream_count"]
+HEADER_CRC = FIELD["header_crc"]
+_CRC_ZERO = bytes(HEADER_CRC.size)
+
+# ----------------------------------------------------------------------------- the stream table
+TABLE_AT = PREFIX_SIZE       # the stream table follows the prefix
+ENTRY = struct.Struct("<QQ")  # a stream's (offset from the payload's start, length in bytes)
+ENTRY_SIZE = ENTRY.size
+
+# Payload order: streams whose size is known before encoding come first, so a GPU encoder can
+# write them straight into the blob before it knows how many escapes there are.
+STREAM_ORDER = ("data", "scales", "codes", "rest", "esc_count", "esc_pos", "esc_exp", "exp_high")
+# The fused split/pack/escape streams (name, dtype), in payload order, and the three whose sizes
+# follow the escape count: they close the payload, in this order.
+FUSED_STREAMS = (("codes", "uint8"), ("rest", "uint8"), ("esc_count", "uint16"),
+                 ("esc_pos", "uint16"), ("esc_exp", "uint8"), ("exp_high", "uint8"))
+ESCAPE_STREAMS = ("esc_pos", "esc_exp", "exp_high")
+ESC_POS_BYTES = 2   # esc_pos: a uint16 position an escape; esc_exp a byte an escape
+ESCAPES = struct.Struct("<6Q")  # the escape streams' three table entries, back to back
+ESCAPE_SLACK = len(ESCAPE_STREAMS) * ALIGN  # more than their padding can take in all
+PLANE = 0xFFFF      # esc_count of a plane-coded chunk
+
+assert STREAM_ORDER[-len(ESCAPE_STREAMS):] == ESCAPE_STREAMS
+assert tuple(name for name, _ in FUSED_STREAMS) == STREAM_ORDER[2:]
+assert ESCAPES.size == len(ESCAPE_STREAMS) * ENTRY_SIZE
+
+
+def canonical_order(names) -> list[str]:
+    """Streams in payload order: STREAM_ORDER first, any others after them by name."""
+    rank = {name: i for i, name in enumerate(STREAM_ORDER)}
+    return sorted(names, key=lambda k: (rank.get(k, len(rank)), k))
+
+
+def align(x: int) -> int:
+    """x rounded up to a multiple of ALIGN."""
+    return (x + ALIGN - 1) // ALIGN * ALIGN
+
+
+def entry_at(k: int) -> int:
+    """Header offset of stream k's table entry."""
+    return TABLE_AT + ENTRY_SIZE * k
+
+
+def escapes_at(stream_count: int) -> int:
+    """Header offset of the escape streams' entries (the last three of stream_count)."""
+    return TABLE_AT + ENTRY_SIZE * (stream_count - len(ESCAPE_STREAMS))
+
+
+def place(stream_nbytes) -> tuple[list[int], int]:
+    """Payload offsets of streams of these byte lengths in table order, and the payload length."""
+    offsets, pos = [], 0
+    for nb in stream_nbytes:
+        offsets.append(pos)
+        pos = align(pos + nb)
+    return offsets, pos
+
+
+_UP = ALIGN - 1
+assert not ALIGN & _UP  # a power of two: the escape arithmetic rounds with a mask
+
+
+def escape_layout(var_base: int, escapes: int, high_bytes: int) -> tuple[int, int, int, int]:
+    """place()'s offsets of esc_pos, esc_exp and exp_high, and the payload length, for escape
+    streams that start at payload offset var_base (ALIGN-aligned: every stream before them has
+    a size fixed by the shape) and close the payload: esc_pos ESC_POS_BYTES an escape, esc_exp
+    one, exp_high high_bytes.  (fused_fast.cu's finish_blob does the same arithmetic.)"""
+    exp_at = (var_base + ESC_POS_BYTES * escapes + _UP) & ~_UP
+    high_at = (exp_at + escapes + _UP) & ~_UP
+    return var_base, exp_at, high_at, (high_at + high_bytes + _UP) & ~_UP
+
+
+def escape_payload_len(var_base: int, escapes: int, high_bytes: int) -> int:
+    """escape_layout's payload length alone (the encoders size every blob by it)."""
+    exp_at = (var_base + ESC_POS_BYTES * escapes + _UP) & ~_UP
+    high_at = (exp_at + escapes + _UP) & ~_UP
+    return (high_at + high_bytes + _UP) & ~_UP
+
+
+def escapes_laid_out(payload_len: int, escapes: tuple) -> bool:
+    """Whether the escape streams' entries (offset, bytes of esc_pos, esc_exp, exp_high) are as
+    escape_layout places them (esc_pos ESC_POS_BYTES an escape) and close a payload of
+    payload_len bytes.  (fused_fast.cu's head_facts checks the same on the GPU.)"""
+    pos_at, pos_nb, exp_at, exp_nb, high_at, high_nb = escapes
+    return pos_nb == ESC_POS_BYTES * exp_nb and escape_layout(pos_at, exp_nb, high_nb) == (
+        pos_at, exp_at, high_at, payload_len)
+
+
+# ----------------------------------------------------------------------------- header checks
+def crc_blanked(header: bytearray) -> tuple[int, int]:
+    """(stored CRC, CRC of the header with the field zeroed), zeroing the field in header."""
+    stored = HEADER_CRC.read(header)
+    header[HEADER_CRC.span] = _CRC_ZERO
+    return stored, zlib.crc32(header)
+
+
+def seal(header: bytearray) -> None:
+    """Write the header's CRC (its field zero on entry)."""
+    _U32.pack_into(header, HEADER_CRC.offset, zlib.crc32(header))
+
+
+_U32 = struct.Struct("<I")
+
+
+def payload_fits(header_len: int, payload_len: int, blob_len: int) -> bool:
+    """The payload length is an ALIGN multiple and the payload ends at the blob's end."""
+    return not payload_len % ALIGN and header_len + payload_len == blob_len
+
+
+def header_fits(header_len: int, blob_len: int) -> bool:
+    """The header length's own constraints: an ALIGN multiple in [PREFIX_SIZE, MAX_HEADER], not
+    past the blob's end."""
+    return not header_len % ALIGN and PREFIX_SIZE <= header_len <= MAX_HEADER and header_len <= blob_len
+
+
+def table_fits(stream_count: int, meta_len: int, header_len: int) -> bool:
+    """The stream table and the metadata fit the header."""
+    return stream_count <= MAX_STREAMS and TABLE_AT + ENTRY_SIZE * stream_count + meta_len <= header_len
+
+
+_NESC, _ESCAPES_SIZE = len(ESCAPE_STREAMS), ESCAPES.size
+_ESC_BASE = TABLE_AT - ENTRY_SIZE * _NESC  # escapes_at(s) == _ESC_BASE + ENTRY_SIZE * s
+
+
+def escape_entries_at(stream_count: int, header_len: int) -> int | None:
+    """escapes_at(stream_count) when a header of header_len bytes holds the escape streams'
+    entries there (so the table has them: stream_count >= 3), else None."""
+    at = _ESC_BASE + ENTRY_SIZE * stream_count
+    return at if stream_count >= _NESC and at + _ESCAPES_SIZE <= header_len else None
+
+
+# The header fields that follow the escape count, which a remembered layout's header has blanked
+# (kvzip/gpu/layout_cache.py; guess_head in fused_fast.cu): these two prefix fields and the
+# escape streams' ESCAPES.size bytes of entries at escapes_at(stream_count).
+VARYING = (PAYLOAD_LEN, HEADER_CRC)
+
+
+# ----------------------------------------------------------------------------- the C side
+def cuh() -> str:
+    """kvzip/gpu/kernels/layout.cuh: these constants for the CUDA kernels."""
+    lines = [
+        "// kvzip/gpu/kernels/layout.cuh: the container layout for the kernels.",
+        "// Generated from kvzip/layout.py by `python -m kvzip.gpu.headers --write`: do not edit (tests/test_layout.py",
+        "// checks that this file is that text).",
+        "#pragma once",
+        "",
+        "// Prefix fields: byte offset (_AT) and size in bytes (_SIZE).",
+    ]
+    for f in PREFIX_FIELDS:
+        key = f.name.upper()
+        lines.append(f"#define KVZ_{key}_AT {f.offset}")
+        lines.append(f"#define KVZ_{key}_SIZE {f.size}")
+        if f.size in (2, 4, 8):  # the kernels read these as words of their size
+            lines.append(f"static_assert(KVZ_{key}_AT % KVZ_{key}_SIZE == 0, \"{f.name} is aligned to its size\");")
+    lines += [
+        f"#define KVZ_PREFIX_SIZE {PREFIX_SIZE}",
+        "",
+        "// Header length, payload length and stream offsets are multiples of KVZ_ALIGN.",
+        f"#define KVZ_ALIGN {ALIGN}",
+        "// The stream table: an entry (offset from the payload's start, length; uint64 each) a stream.",
+        f"#define KVZ_TABLE_AT {TABLE_AT}",
+        f"#define KVZ_ENTRY_SIZE {ENTRY_SIZE}",
+        "// The escape streams close the payload and the table, in this order.",
+    ]
+    for k, name in enumerate(ESCAPE_STREAMS):
+        lines.append(f"#define KVZ_{name.upper()}_INDEX {k}")
+    lines += [
+        f"#define KVZ_ESCAPE_STREAMS {len(ESCAPE_STREAMS)}",
+        f"#define KVZ_ESCAPE_ENTRIES_SIZE {ESCAPES.size}  // their table entries, back to back",
+        f"#define KVZ_ESC_POS_BYTES {ESC_POS_BYTES}",
+        "// esc_count of a plane-coded chunk.",
+        f"#define PLANE 0x{PLANE:X}u",
+        "",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def cuh_path():
+    from pathlib import Path
+
+    return Path(__file__).parent / "gpu" / "kernels" / "layout.cuh"
