@@ -602,17 +602,18 @@ def export_tensor(bits, fmt: FloatFormat, shape, origin: Origin):
     """
     fmt = get_format(fmt)
     shape = tuple(shape)
+    if origin.framework == "torch":  # first: torch needs no NumPy dtype (nor ml_dtypes)
+        ints = bits.view(_INT_OF_WIDTH[fmt.itemsize])  # integers cross DLPack; torch reinterprets
+        return _to_torch(ints, origin).view(_torch_dtype(fmt.dtype_name)).reshape(shape)
+    if origin.framework == "cupy" and not isinstance(bits, np.ndarray):
+        # one constructor call: a view and a reshape cost ~8 us more
+        return _cupy().ndarray(shape, _cupy_dtype(fmt), bits.data)
     np_dtype = numpy_dtype(fmt.name)
     if origin.framework == "numpy":
         return _to_numpy(bits).view(np_dtype).reshape(shape)
     if origin.framework == "cupy":
-        if not isinstance(bits, np.ndarray):  # one constructor call: a view and a reshape cost ~8 us more
-            return _cupy().ndarray(shape, _cupy_dtype(fmt), bits.data)
         out = _to_cupy(bits, origin)
         return (out.view(np_dtype) if _cupy_holds(np_dtype) else out).reshape(shape)
-    if origin.framework == "torch":
-        ints = bits.view(_INT_OF_WIDTH[fmt.itemsize])  # integers cross DLPack; torch reinterprets
-        return _to_torch(ints, origin).view(_torch_dtype(fmt.dtype_name)).reshape(shape)
     if origin.framework == "jax":
         if origin.device == "cpu":
             return _to_jax(_to_numpy(bits).view(np_dtype).reshape(shape), origin)
