@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from operator import attrgetter, methodcaller
 
-import ml_dtypes
 import numpy as np
 
 from .formats import BY_DTYPE_NAME, FORMATS, FloatFormat, get_format
@@ -44,8 +43,20 @@ from .formats import BY_DTYPE_NAME, FORMATS, FloatFormat, get_format
 __all__ = ["Origin", "framework_of", "import_tensor", "export_tensor", "export_tensors",
            "import_bytes", "import_blobs", "export_bytes"]
 
-# NumPy dtype per format: ml_dtypes supplies the ones NumPy lacks (the same types JAX uses).
-_NP_DTYPES = {f.name: np.dtype(getattr(ml_dtypes, f.dtype_name, f.dtype_name)) for f in FORMATS.values()}
+
+
+@lru_cache(maxsize=None)
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a format (a FORMATS name).  ml_dtypes supplies the ones NumPy lacks (the
+    same types JAX uses); it is imported here, on first need, not by ``import kvzip`` (it takes
+    ~0.5 s to load): a float16 / float32 caller, or one that stays in torch, never loads it."""
+    dtype_name = FORMATS[name].dtype_name
+    if dtype_name in np.sctypeDict:  # float16, float32
+        return np.dtype(dtype_name)
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, dtype_name))
+
 
 # Dtypes NumPy and CuPy accept through DLPack; any other dtype crosses as same-width integers.
 _DLPACK_NATIVE = frozenset(
@@ -591,17 +602,18 @@ def export_tensor(bits, fmt: FloatFormat, shape, origin: Origin):
     """
     fmt = get_format(fmt)
     shape = tuple(shape)
-    np_dtype = _NP_DTYPES[fmt.name]
+    if origin.framework == "torch":  # first: torch needs no NumPy dtype (nor ml_dtypes)
+        ints = bits.view(_INT_OF_WIDTH[fmt.itemsize])  # integers cross DLPack; torch reinterprets
+        return _to_torch(ints, origin).view(_torch_dtype(fmt.dtype_name)).reshape(shape)
+    if origin.framework == "cupy" and not isinstance(bits, np.ndarray):
+        # one constructor call: a view and a reshape cost ~8 us more
+        return _cupy().ndarray(shape, _cupy_dtype(fmt), bits.data)
+    np_dtype = numpy_dtype(fmt.name)
     if origin.framework == "numpy":
         return _to_numpy(bits).view(np_dtype).reshape(shape)
     if origin.framework == "cupy":
-        if not isinstance(bits, np.ndarray):  # one constructor call: a view and a reshape cost ~8 us more
-            return _cupy().ndarray(shape, _cupy_dtype(fmt), bits.data)
         out = _to_cupy(bits, origin)
         return (out.view(np_dtype) if _cupy_holds(np_dtype) else out).reshape(shape)
-    if origin.framework == "torch":
-        ints = bits.view(_INT_OF_WIDTH[fmt.itemsize])  # integers cross DLPack; torch reinterprets
-        return _to_torch(ints, origin).view(_torch_dtype(fmt.dtype_name)).reshape(shape)
     if origin.framework == "jax":
         if origin.device == "cpu":
             return _to_jax(_to_numpy(bits).view(np_dtype).reshape(shape), origin)
@@ -719,7 +731,7 @@ def _export_pieces(at, pieces, origin: Origin) -> list:
 
 def _cupy_dtype(fmt: FloatFormat) -> np.dtype:
     """What a CuPy result of fmt holds: fmt's dtype where CuPy has it, else its raw bits."""
-    dtype = _NP_DTYPES[fmt.name]
+    dtype = numpy_dtype(fmt.name)
     return dtype if _cupy_holds(dtype) else fmt.uint_dtype
 
 

@@ -13,9 +13,9 @@ nogil Numba loop sums word ranges in threads instead (the array form makes four 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from . import cpu_parallel
+from .jit import cpu_jit
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -29,7 +29,7 @@ def mix(xp, z):
     return z ^ (z >> np.uint64(31))
 
 
-@njit(nogil=True, cache=False)
+@cpu_jit(nogil=True)
 def _sum_terms(words, i0, i1):
     """sum of mix(w_i + i * GOLDEN) over i0 <= i < i1, mod 2**64.  Two words a step into two
     sums, k stepping by GOLDEN instead of a multiply (~20 % faster on the 2-core CI machine).

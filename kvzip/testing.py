@@ -357,10 +357,10 @@ def pipeline_configs(fmt=None, *, lossy: bool = True):
 # ------------------------------------------------------------------------------------ helpers
 def as_float(bits, fmt) -> np.ndarray:
     """Raw bits as a NumPy array of the float dtype (ml_dtypes for bf16 / fp8), no copy."""
-    from .arrays import _NP_DTYPES
+    from .arrays import numpy_dtype
 
     fmt = _fmt(fmt)
-    return np.asarray(bits).view(fmt.uint_dtype).view(_NP_DTYPES[fmt.name])
+    return np.asarray(bits).view(fmt.uint_dtype).view(numpy_dtype(fmt.name))
 
 
 def as_torch(bits, fmt):

@@ -24,79 +24,94 @@ import sys
 from functools import lru_cache
 
 import numpy as np
-from numba import njit
 
 from kvzip import cpu_parallel
 from kvzip.bitlogic import CPU, ESCAPE, PLANE
+from kvzip.jit import cpu_jit
 
-_jit = njit(nogil=True, cache=False)  # nogil: threads over chunk ranges run at the same time
+# The shared helpers as globals of this module: cached kernels call them by global name (kvzip/jit.py).
+encode_group, encode_group_plane, decode_group = CPU.encode_group, CPU.encode_group_plane, CPU.decode_group
+value_exponent, patch_exponent = CPU.value_exponent, CPU.patch_exponent
+
+_jit = cpu_jit(nogil=True)  # nogil: threads over chunk ranges run at the same time; cached on disk
+
+
+@_jit
+def list_chunk_bf16(src, n, g0, g1, lut, flut, codes, rest, esc_pos, esc_exp, slot, cap, src64, codes32, rest64):
+    """Groups g0..g1 of BF16 values, a word at a time: each whole group's 8 values are two
+    uint64 words of src64, its codes one uint32 of codes32, its rest bytes (sign << 7 |
+    mantissa) one uint64 of rest64.  flut is lut with each escape as 0x10 (code nibble 0, the
+    flag in bit 4), so the loop has no branch; only a group with one is scanned again, to list its escapes from esc_pos[slot] in order
+    while fewer than cap.  A last partial group goes through the shared helper.  Returns the
+    chunk's escape count."""
+    count = 0
+    whole = min(g1, n // 8)
+    for g in range(g0, whole):
+        w0 = src64[2 * g]
+        w1 = src64[2 * g + 1]
+        word = np.uint64(0)
+        r = np.uint64(0)
+        flags = np.uint64(0)
+        for j in range(8):
+            lane = (w0 if j < 4 else w1) >> np.uint64(16 * (j % 4))
+            c = np.uint64(flut[(lane >> np.uint64(7)) & np.uint64(0xFF)])
+            flags |= c
+            word |= (c & np.uint64(0xF)) << np.uint64(4 * j)
+            r |= (((lane >> np.uint64(8)) & np.uint64(0x80)) | (lane & np.uint64(0x7F))) << np.uint64(8 * j)
+        codes32[g] = np.uint32(word)
+        rest64[g] = r
+        if flags & np.uint64(0x10):
+            for i in range(8 * g, 8 * g + 8):
+                e = (src[i] >> 7) & 0xFF
+                if lut[e] == ESCAPE:
+                    if count < cap:
+                        esc_pos[slot + count] = i - 8 * g0
+                        esc_exp[slot + count] = e
+                    count += 1
+    for g in range(whole, g1):  # at most one: the group holding the last values
+        mask = encode_group(src, n, g, 8, 7, lut, codes, rest)
+        for j in range(8):
+            if (mask >> j) & 1:
+                if count < cap:
+                    esc_pos[slot + count] = 8 * g + j - 8 * g0
+                    esc_exp[slot + count] = (src[8 * g + j] >> 7) & 0xFF
+                count += 1
+    return count
+
+
+@_jit
+def decode_chunk_bf16(codes, rest, n, g0, g1, dlut, dst, codes32, rest64, dst64):
+    """Groups g0..g1 of BF16 values without their escapes, a word at a time (the views of
+    list_chunk_bf16; dst64: dst as uint64, whole groups only)."""
+    whole = min(g1, n // 8)
+    for g in range(g0, whole):
+        word = np.uint64(codes32[g])
+        r = rest64[g]
+        out0 = np.uint64(0)
+        out1 = np.uint64(0)
+        for j in range(8):
+            e = np.uint64(dlut[(word >> np.uint64(4 * j)) & np.uint64(0xF)])
+            rb = (r >> np.uint64(8 * j)) & np.uint64(0xFF)
+            lane = ((rb & np.uint64(0x80)) << np.uint64(8)) | (e << np.uint64(7)) | (rb & np.uint64(0x7F))
+            if j < 4:
+                out0 |= lane << np.uint64(16 * j)
+            else:
+                out1 |= lane << np.uint64(16 * (j - 4))
+        dst64[2 * g] = out0
+        dst64[2 * g + 1] = out1
+    for g in range(whole, g1):  # at most one: the group holding the last values
+        decode_group(codes, rest, n, g, 8, 7, dlut, False, codes, 0, dst)
 
 
 @lru_cache(maxsize=None)
 def kernels(E: int, M: int):
-    """(encode_range, decode_range) for the format with E exponent and M mantissa bits."""
+    """(encode_range, decode_range) for the format with E exponent and M mantissa bits.
+
+    Closures over ints and a bool only, so Numba's disk cache keeps one entry per format; the
+    functions they call are this module's globals (kvzip/jit.py says why)."""
     HB = E - 4
     EMASK = (1 << E) - 1
-    encode_group, encode_group_plane, decode_group = CPU.encode_group, CPU.encode_group_plane, CPU.decode_group
-    value_exponent, patch_exponent = CPU.value_exponent, CPU.patch_exponent
     bf16 = (E, M) == (8, 7) and sys.byteorder == "little"  # the word views read little-endian words
-
-    @_jit
-    def list_chunk_bf16(src, n, g0, g1, lut, flut, codes, rest, esc_pos, esc_exp, slot, cap, src64, codes32, rest64):
-        """Groups g0..g1 of BF16 values, a word at a time: each whole group's 8 values are two
-        uint64 words of src64, its codes one uint32 of codes32, its rest bytes (sign << 7 |
-        mantissa) one uint64 of rest64.  flut is lut with each escape as 0x10 (code nibble 0, the
-        flag in bit 4), so the loop has no branch; only a group with one is scanned again, to list its escapes from esc_pos[slot] in order
-        while fewer than cap.  A last partial group goes through the shared helper.  Returns the
-        chunk's escape count."""
-        count = 0
-        whole = min(g1, n // 8)
-        for g in range(g0, whole):
-            w0 = src64[2 * g]
-            w1 = src64[2 * g + 1]
-            word = np.uint64(0)
-            r = np.uint64(0)
-            flags = np.uint64(0)
-            for j in range(8):
-                lane = (w0 if j < 4 else w1) >> np.uint64(16 * (j % 4))
-                c = np.uint64(flut[(lane >> np.uint64(7)) & np.uint64(0xFF)])
-                flags |= c
-                word |= (c & np.uint64(0xF)) << np.uint64(4 * j)
-                r |= (((lane >> np.uint64(8)) & np.uint64(0x80)) | (lane & np.uint64(0x7F))) << np.uint64(8 * j)
-            codes32[g] = np.uint32(word)
-            rest64[g] = r
-            if flags & np.uint64(0x10):
-                for i in range(8 * g, 8 * g + 8):
-                    e = (src[i] >> 7) & 0xFF
-                    if lut[e] == ESCAPE:
-                        if count < cap:
-                            esc_pos[slot + count] = i - 8 * g0
-                            esc_exp[slot + count] = e
-                        count += 1
-        for g in range(whole, g1):  # at most one: the group holding the last values
-            mask = encode_group(src, n, g, E, M, lut, codes, rest)
-            for j in range(8):
-                if (mask >> j) & 1:
-                    if count < cap:
-                        esc_pos[slot + count] = 8 * g + j - 8 * g0
-                        esc_exp[slot + count] = (src[8 * g + j] >> 7) & 0xFF
-                    count += 1
-        return count
-
-    @_jit
-    def list_chunk_groups(src, n, g0, g1, lut, flut, codes, rest, esc_pos, esc_exp, slot, cap, src64, codes32, rest64):
-        count = 0
-        for g in range(g0, g1):
-            mask = encode_group(src, n, g, E, M, lut, codes, rest)
-            if mask:
-                for j in range(8):
-                    if (mask >> j) & 1:
-                        if count < cap:
-                            i = g * 8 + j
-                            esc_pos[slot + count] = i - g0 * 8
-                            esc_exp[slot + count] = value_exponent(int(src[i]), E, M)
-                        count += 1
-        return count
 
     @_jit
     def encode_range(src, n, lut, flut, C, c0, c1, codes, rest, esc_count, esc_pos, esc_exp, exp_high, src64,
@@ -109,9 +124,21 @@ def kernels(E: int, M: int):
             g1 = min(g0 + gpc, G)
             cap = (HB * (g1 - g0)) // 3
             slot = c * full_cap
-            list_chunk = list_chunk_bf16 if bf16 else list_chunk_groups
-            count = list_chunk(src, n, g0, g1, lut, flut, codes, rest, esc_pos, esc_exp, slot, cap, src64, codes32,
-                               rest64)
+            if bf16:
+                count = list_chunk_bf16(src, n, g0, g1, lut, flut, codes, rest, esc_pos, esc_exp, slot, cap, src64,
+                                        codes32, rest64)
+            else:  # list the chunk's escapes group by group
+                count = 0
+                for g in range(g0, g1):
+                    mask = encode_group(src, n, g, E, M, lut, codes, rest)
+                    if mask:
+                        for j in range(8):
+                            if (mask >> j) & 1:
+                                if count < cap:
+                                    i = g * 8 + j
+                                    esc_pos[slot + count] = i - g0 * 8
+                                    esc_exp[slot + count] = value_exponent(int(src[i]), E, M)
+                                count += 1
             if count > cap:
                 esc_count[c] = PLANE
                 hoff = g0 * HB
@@ -120,29 +147,6 @@ def kernels(E: int, M: int):
                     hoff += HB
             else:
                 esc_count[c] = count
-
-    @_jit
-    def decode_chunk_bf16(codes, rest, n, g0, g1, dlut, dst, codes32, rest64, dst64):
-        """Groups g0..g1 of BF16 values without their escapes, a word at a time (the views of
-        list_chunk_bf16; dst64: dst as uint64, whole groups only)."""
-        whole = min(g1, n // 8)
-        for g in range(g0, whole):
-            word = np.uint64(codes32[g])
-            r = rest64[g]
-            out0 = np.uint64(0)
-            out1 = np.uint64(0)
-            for j in range(8):
-                e = np.uint64(dlut[(word >> np.uint64(4 * j)) & np.uint64(0xF)])
-                rb = (r >> np.uint64(8 * j)) & np.uint64(0xFF)
-                lane = ((rb & np.uint64(0x80)) << np.uint64(8)) | (e << np.uint64(7)) | (rb & np.uint64(0x7F))
-                if j < 4:
-                    out0 |= lane << np.uint64(16 * j)
-                else:
-                    out1 |= lane << np.uint64(16 * (j - 4))
-            dst64[2 * g] = out0
-            dst64[2 * g + 1] = out1
-        for g in range(whole, g1):  # at most one: the group holding the last values
-            decode_group(codes, rest, n, g, E, M, dlut, False, codes, 0, dst)
 
     @_jit
     def decode_range(codes, rest, esc_count, esc_off, plane_off, esc_pos, esc_exp, exp_high, n, dlut, C, c0, c1,

@@ -21,7 +21,7 @@ import numpy as np
 from kvzip import fp8_bits
 from kvzip.errors import FormatError
 from kvzip.formats import FORMATS, get_format
-from kvzip.jit import numba_cuda, twin_compile
+from kvzip.jit import cpu_jit, numba_cuda, twin_compile
 
 from kvzip.gpu import quantize_kernels
 from .base import TENSOR, Stage, register
@@ -50,39 +50,42 @@ def _helpers(target):
     return twin_compile(fp8_bits.HELPERS, target)
 
 
+# The CPU twins as globals of this module: the cached CPU kernels below call them by global name
+# (kvzip/jit.py: a closure over a compiled function would never hit Numba's disk cache).
+_cpu = _helpers("cpu")
+_cpu_finite_magnitude, _cpu_scale_from_amax = _cpu.finite_magnitude, _cpu.scale_from_amax
+_cpu_quantize, _cpu_dequantize = _cpu.quantize, _cpu.dequantize
+
+
 @lru_cache(maxsize=None)
 def _cpu_kernels(source, fp8):
-    from numba import njit
-
+    """Closures over the pair's field widths only (ints), so Numba's disk cache keeps one entry
+    per pair."""
     SRC_E, SRC_M, E, M, FN = _format_constants(source, fp8)
-    h = _helpers("cpu")
-    # Kernels can call compiled functions held in closure variables, not namespace attributes.
-    finite_magnitude, scale_from_amax = h.finite_magnitude, h.scale_from_amax
-    quantize, dequantize = h.quantize, h.dequantize
 
     # Values are C-ordered, so value i belongs to channel i % n_channels: walk rows x channels.
-    @njit(cache=False)
+    @cpu_jit
     def amax(src, n_channels, out):
         for row in range(0, src.size, n_channels):
             for c in range(n_channels):
-                out[c] = max(out[c], finite_magnitude(src[row + c], SRC_E, SRC_M))
+                out[c] = max(out[c], _cpu_finite_magnitude(src[row + c], SRC_E, SRC_M))
 
-    @njit(cache=False)
+    @cpu_jit
     def scales(amax_bits, out):
         for c in range(out.size):
-            out[c] = scale_from_amax(amax_bits[c], SRC_E, SRC_M, E, M, FN)
+            out[c] = _cpu_scale_from_amax(amax_bits[c], SRC_E, SRC_M, E, M, FN)
 
-    @njit(cache=False)
+    @cpu_jit
     def encode(src, scale, n_channels, out):
         for row in range(0, src.size, n_channels):
             for c in range(n_channels):
-                out[row + c] = quantize(src[row + c], SRC_E, SRC_M, scale[c], E, M, FN)
+                out[row + c] = _cpu_quantize(src[row + c], SRC_E, SRC_M, scale[c], E, M, FN)
 
-    @njit(cache=False)
+    @cpu_jit
     def decode(codes, scale, n_channels, out):
         for row in range(0, codes.size, n_channels):
             for c in range(n_channels):
-                out[row + c] = dequantize(codes[row + c], scale[c], E, M, FN, SRC_E, SRC_M)
+                out[row + c] = _cpu_dequantize(codes[row + c], scale[c], E, M, FN, SRC_E, SRC_M)
 
     return {"amax": amax, "scales": scales, "encode": encode, "decode": decode}
 
