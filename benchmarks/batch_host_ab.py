@@ -5,7 +5,7 @@ from CuPy arrays and from torch tensors over the same memory.
     python benchmarks/batch_host_ab.py [rounds]          # loop / maps
     python benchmarks/batch_host_ab.py pieces            # what staging 64 addresses costs
 
-loop: every tensor checked by kvzip.gpu.executor.encode_many_by_lanes's per-tensor loop (arrays.cuda_addresses
+loop: every tensor checked by kvzip.execution._lane_groups's per-tensor loop (arrays.cuda_addresses
 switched off); maps: an alike batch checked a property at a time over the list
 (arrays.cuda_addresses).  Each: the call (CUDA events, median of 30 after warm-up, as the bench)
 and the host time from the call to its graph launch (host_phases.py's "pre", median of 30).

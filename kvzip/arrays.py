@@ -39,6 +39,7 @@ from operator import attrgetter, methodcaller
 import numpy as np
 
 from .formats import BY_DTYPE_NAME, FORMATS, FloatFormat, get_format
+from .gpu.results import DeviceBuffer
 
 __all__ = ["Origin", "framework_of", "import_tensor", "export_tensor", "export_tensors",
            "import_bytes", "import_blobs", "export_bytes"]
@@ -82,6 +83,23 @@ class Origin:
     @property
     def backend_name(self) -> str:
         return "cuda" if self.device == "cuda" else "cpu"
+
+    # What the GPU runtime (kvzip/gpu, which never imports this module) asks of its caller.
+    def results(self, nbytes: int) -> "ResultBuffer":
+        """Device memory for nbytes of results, handed out as this caller's arrays."""
+        return ResultBuffer(nbytes, self)
+
+    def export_bytes(self, u8):
+        """export_bytes(u8, self)."""
+        return export_bytes(u8, self)
+
+    def export_tensor(self, bits, fmt: FloatFormat, shape):
+        """export_tensor(bits, fmt, shape, self)."""
+        return export_tensor(bits, fmt, shape, self)
+
+    def address_of(self, x) -> int | None:
+        """cuda_address(x, self)."""
+        return cuda_address(x, self)
 
     def stream_context(self):
         """Run CuPy (and the Numba kernels that follow CuPy's current stream) where the caller works.
@@ -626,58 +644,47 @@ def export_tensor(bits, fmt: FloatFormat, shape, origin: Origin):
     raise ValueError(f"unknown framework {origin.framework!r}")
 
 
-class ResultBuffer:
-    """Device memory for a call's results: .ptr its address for the kernels, .array a CuPy uint8
-    array over it.
+class ResultBuffer(DeviceBuffer):
+    """Device memory for a call's results in a caller's framework (Origin.results): .ptr its
+    address for the kernels, .array a CuPy uint8 array over it.
 
     For a CUDA torch caller the memory comes from torch's allocator, on the caller's current
     stream (where kvzip's work runs), and results are slices of that tensor: narrow() and view()
     cost a few microseconds where a DLPack export of a CuPy array costs 15-25 on the H200's
     host.  Other callers get memory from CuPy's pool, and the results are the only CuPy arrays
-    built over it: an empty() array first took ~1.7 of the allocation's ~4.3 us on that host,
-    ahead of the launch (benchmarks/NOTES.md, v18)."""
+    built over it (benchmarks/NOTES.md, v18)."""
 
-    __slots__ = ("_array", "memory", "nbytes", "tensor", "origin", "ptr")
+    __slots__ = ("tensor", "origin")
 
     def __init__(self, nbytes: int, origin: Origin | None = None):
-        self.origin, self.tensor, self._array, self.nbytes = origin, None, None, max(nbytes, 1)
+        self.origin, self.tensor = origin, None
         if origin is not None and origin.framework == "torch" and origin.device == "cuda":
             import torch
 
+            self._array, self.nbytes, self.memory = None, max(nbytes, 1), None
             self.tensor = torch.empty(self.nbytes, dtype=torch.uint8, device=torch.device("cuda", origin.device_index))
             self.ptr = self.tensor.data_ptr()  # all the kernels need: the CuPy view is built only if asked for
-            self.memory = None
         else:
-            self.memory = _cupy().cuda.alloc(self.nbytes)  # a cupy.cuda.MemoryPointer (the pool's)
-            self.ptr = self.memory.ptr
+            super().__init__(nbytes)
 
     @property
     def array(self):
         """The buffer as a CuPy uint8 array (for a torch buffer, a view of its tensor)."""
-        if self._array is None:
-            if self.tensor is not None:
-                self._array = _cupy_over_torch(self.tensor, (self.nbytes,), _U8, self.origin.device_index)
-            else:
-                self._array = _cupy().ndarray((self.nbytes,), _U8, self.memory)
-        return self._array
+        if self._array is None and self.tensor is not None:
+            self._array = _cupy_over_torch(self.tensor, (self.nbytes,), _U8, self.origin.device_index)
+        return DeviceBuffer.array.fget(self)
 
     def places(self, starts) -> list:
-        """What blobs() needs of each start, worked out ahead (while the GPU runs): the CuPy
-        memory pointers, ~15 % of building a CuPy array (None for a torch buffer: nothing to do)."""
-        if self.tensor is not None:
-            return None
-        at = self.memory
-        return [at + s if s else at for s in starts]
+        """DeviceBuffer.places (None for a torch buffer: nothing to work out)."""
+        return None if self.tensor is not None else super().places(starts)
 
     def blobs(self, starts, lengths, places=None) -> list:
-        """The bytes [start, start + length) as 1-D uint8 arrays of the caller's framework (CuPy
-        without an origin); None where length is None.  lengths: any iterable, read as the blobs
-        are built.  places: self.places(starts), if taken."""
+        """DeviceBuffer.blobs as 1-D uint8 arrays of the caller's framework (CuPy without an
+        origin)."""
         if self.tensor is not None:
             t = self.tensor
             return [None if n is None else t.narrow(0, s, n) for s, n in zip(starts, lengths)]
-        cupy = _cupy()
-        out = [None if n is None else cupy.ndarray((n,), _U8, p) for p, n in zip(places or self.places(starts), lengths)]
+        out = super().blobs(starts, lengths, places)
         if self.origin is None or self.origin.framework == "cupy":
             return out
         return [None if b is None else export_bytes(b, self.origin) for b in out]

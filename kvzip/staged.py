@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from . import arrays, container, trace
+from . import container, trace
 from .errors import FormatError
 from .frame import Frame
 from .stages import ExponentSplit, FusedSplitPackEscape, Serialize
@@ -46,9 +46,10 @@ def tensor_frame(bits, fmt, shape, backend) -> Frame:
 
 # ----------------------------------------------------------------------------- encode
 def encode(pipe, bits, fmt, shape, backend, origin):
-    """The blob of one imported tensor, as the caller's 1-D uint8 array."""
+    """The blob of one imported tensor, as the caller's 1-D uint8 array (origin: the caller, a
+    kvzip.arrays.Origin)."""
     blob = encode_frame(pipe, tensor_frame(bits, fmt, shape, backend)).streams["blob"]
-    return arrays.export_bytes(to_origin(blob, origin), origin)
+    return origin.export_bytes(to_origin(blob, origin))
 
 
 def encode_frame(pipe, frame: Frame, start: int = 0) -> Frame:
@@ -132,4 +133,4 @@ def export_decoded(frame: Frame, origin):
     if frame.format != fmt:
         raise FormatError(f"decoded values are {frame.format.name} but the blob says dtype {fmt.dtype_name}")
     data = frame.expect("data", fmt.uint_dtype, frame.n)
-    return arrays.export_tensor(to_origin(data, origin), fmt, tuple(frame.meta["shape"]), origin)
+    return origin.export_tensor(to_origin(data, origin), fmt, tuple(frame.meta["shape"]))

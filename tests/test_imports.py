@@ -73,6 +73,20 @@ def test_no_import_cycles():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def test_the_gpu_runtime_never_imports_the_framework_interop():
+    """kvzip/gpu is handed device pointers and its caller (an allocator and exporter): neither it
+    nor anything it imports, directly or not, imports kvzip.arrays (DLPack, torch, JAX)."""
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    for start in (m for m in graph if m.startswith("kvzip.gpu")):
+        seen, todo = {start}, [start]
+        while todo:
+            for n in graph[todo.pop()] - seen:
+                assert n != "kvzip.arrays", f"{start} reaches kvzip.arrays"
+                seen.add(n)
+                todo.append(n)
+
+
 def test_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None

@@ -115,3 +115,9 @@ def cuh_path():
     from pathlib import Path
 
     return Path(__file__).parent / "kernels" / "abi_check.cuh"
+
+
+def aligned(a) -> bool:
+    """Whether a CuPy array starts on a 16-byte boundary: the kernels' vector loads need it of
+    every stream they read in place."""
+    return a.data.ptr % 16 == 0

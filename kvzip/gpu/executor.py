@@ -22,12 +22,13 @@ import math
 
 import numpy as np
 
-from kvzip import arrays, container, staged, trace
+from kvzip import container, staged, trace
 from kvzip.backends import get_backend
 from kvzip.frame import Frame
 from kvzip.stages import FusedSplitPackEscape, QuantizeFP8
 
 from . import graphs, layout_cache, programs, quantize_kernels
+from .abi import aligned
 
 
 def takes(pipe, backend) -> bool:
@@ -63,7 +64,7 @@ class ShapeEncoder:
     def lane_for(self, bits):
         """The lane, if there is one and bits (the input on the GPU) can take it; else None."""
         lane = self.lane
-        return lane if lane is not None and arrays.aligned(bits) else None
+        return lane if lane is not None and aligned(bits) else None
 
     def encode(self, pipe, x, dtype, bits, backend, origin):
         """The blob of x (imported: bits on backend; pipe: the caller's pipeline, equal to
@@ -78,7 +79,7 @@ class ShapeEncoder:
                     graphs.remember("encode", _EncodeRepeat(pipe, x, dtype, origin, lane))
                 return blob
         frame = staged.tensor_frame(bits, self.fmt, self.shape, backend)
-        return arrays.export_bytes(staged.to_origin(self.encode_frame(frame).streams["blob"], origin), origin)
+        return origin.export_bytes(staged.to_origin(self.encode_frame(frame).streams["blob"], origin))
 
     def encode_frame(self, frame):
         """The blob frame of a tensor frame: the stages ahead of the fused step, then its kernels
@@ -139,7 +140,7 @@ class _EncodeRepeat:
         if pipe is not self.pipe or dtype != self.dtype or type(x) is not self.kind or x.dtype is not self.xdtype \
                 or x.shape != self.shape or not self.lane.usable():
             return None
-        ptr = arrays.cuda_address(x, self.origin)
+        ptr = self.origin.address_of(x)
         stream = self.origin.working_stream() if ptr is not None and ptr % 16 == 0 else None
         if stream is None:
             return None
@@ -158,53 +159,12 @@ def encode_again(pipe, x, dtype):
     return blob
 
 
-def encode_many_by_lanes(xs: list, dtype, out: list, lane_of) -> list[int]:
-    """Encode the tensors of xs that have a lane (lane_of(bits, fmt, shape, origin): the lane of
-    an imported tensor's ShapeEncoder, or None), a program run per format and caller.  Fills
-    out; returns the indices left for the general path (no lane, or stored raw after all)."""
-    rest, groups = [], {}  # (format, id of the origin) -> [indices, inputs, lanes, device addresses, origin]
-    # A serving loop's batch: tensors all alike, the first imported in full and the others only
-    # their addresses read, a property at a time over the list (arrays.cuda_addresses).
-    alike = arrays.cuda_addresses(xs) if len(xs) > 1 else None
-    if alike is not None:
-        bits, fmt, shape, origin = arrays.import_tensor(xs[0], dtype)
-        lane = lane_of(bits, fmt, shape, origin)
-        if lane is not None and origin is alike[0] and bits.data.ptr == alike[1][0] \
-                and (origin.framework == "cupy" or not lane.quantize):  # torch's quantizing lanes read CuPy arrays
-            groups[(fmt.name, id(origin))] = [list(range(len(xs))), [bits, *xs[1:]], [lane] * len(xs), alike[1], origin]
-        else:
-            alike = None
-    nd, tt = arrays.cupy_ndarray(), arrays.torch_tensor()
-    run = None  # (type, dtype, shape, origin, lane, group) of the last input imported in full that had a lane
-    for i, x in enumerate(xs if alike is None else ()):
-        # Other batches: arrays like the last one need no import, only their address (what the
-        # program reads): CuPy ~1 us a tensor instead of ~3 on the H200's host, torch ~1 instead
-        # of ~5 (a CuPy array over each tensor's memory: benchmarks/NOTES.md, v19).
-        if run is not None and type(x) is run[0] and x.dtype is run[1] and x.shape == run[2]:
-            ptr = arrays.cuda_address(x, run[3])
-            if ptr is not None and ptr % 16 == 0:  # arrays.aligned: what lane_of would check again
-                group = run[5]
-                group[0].append(i)
-                group[1].append(x)
-                group[2].append(run[4])
-                group[3].append(ptr)
-                continue
-        bits, fmt, shape, origin = arrays.import_tensor(x, dtype)
-        lane = lane_of(bits, fmt, shape, origin)
-        if lane is None:
-            rest.append(i)
-            run = None
-            continue
-        group = groups.get((fmt.name, id(origin)))
-        if group is None:  # a program per format and caller (the blobs come out in its framework)
-            group = groups[(fmt.name, id(origin))] = [[], [], [], [], origin]
-        group[0].append(i)
-        group[1].append(bits)
-        group[2].append(lane)
-        group[3].append(bits.data.ptr)
-        like = type(x) is nd or (type(x) is tt and not lane.quantize)
-        run = (type(x), x.dtype, x.shape, origin, lane, group) if like else None
-    for indices, inputs, lanes, ptrs, origin in groups.values():
+def run_lanes(groups, out: list) -> list[int]:
+    """Encode tensors through their lanes, a program run per group of one format and caller:
+    groups holds [indices, inputs (arrays over the values), lanes, device addresses, origin].
+    Fills out; returns the indices left (stored raw after all: the payload came out larger)."""
+    rest = []
+    for indices, inputs, lanes, ptrs, origin in groups:
         with origin.stream_context():
             blobs = programs.encode_lanes(lanes, inputs, origin, ptrs)
         for i, blob in zip(indices, blobs):
@@ -213,7 +173,7 @@ def encode_many_by_lanes(xs: list, dtype, out: list, lane_of) -> list[int]:
             else:
                 out[i] = blob
         trace.note("fast")
-    return sorted(rest)
+    return rest
 
 
 def encode_many_general(members: list, out: list) -> None:
@@ -232,7 +192,7 @@ def encode_many_general(members: list, out: list) -> None:
                 groups.setdefault(frame.format.name, []).append((i, encoder, frame, origin))
                 continue
             blob = staged.encode_frame(pipe, frame, start=len(steps) - 1).streams["blob"]
-        out[i] = arrays.export_bytes(staged.to_origin(blob, origin), origin)
+        out[i] = origin.export_bytes(staged.to_origin(blob, origin))
     for group in groups.values():
         pipe = group[0][1].pipe
         fused = pipe.body_steps[-1]
@@ -244,16 +204,21 @@ def encode_many_general(members: list, out: list) -> None:
                     encoder.learn(frame, batch.plans[j])
                 else:  # incompressible: stored raw, as encode() would
                     blob = staged.stored(pipe, frame).streams["blob"]
-                out[i] = arrays.export_bytes(blob, origin)
+                out[i] = origin.export_bytes(blob)
     if groups:
         trace.note("fast")
 
 
 # ----------------------------------------------------------------------------- decode
-def decode_again(blob):
-    """The tensor of a blob like the last one this thread decoded on a guessed layout
-    (layout_cache.decode_again), or None: take the full path."""
-    got = layout_cache.decode_again(blob)
+def last_decode():
+    """This thread's last decode on a guessed layout, which decode_again may repeat, or None."""
+    return layout_cache.last_decode()
+
+
+def decode_again(call, found):
+    """The tensor of a blob like the one call (last_decode()) decoded (layout_cache.decode_again;
+    found: the blob's origin, address and length), or None: take the full path."""
+    got = layout_cache.decode_again(call, found)
     if got is not None:
         trace.note("fast")
     return got
@@ -299,13 +264,13 @@ def decode_many(pipe, gpu: list, out: list, guess: bool) -> None:
         trace.note("fast")
 
 
-def decode_like_batch(pipe, blobs: list, out: list) -> list[int] | None:
+def decode_like_batch(pipe, blobs: list, found, out: list) -> list[int] | None:
     """decode_many's usual batch with the least host work: blobs compress_many gave a CuPy or
     torch caller (one device, 16-byte aligned) of one guessed layout, checked in one pass and
     decoded in one program run (~190 us of host ahead of the launch for 64 CuPy blobs through the
     general loops: benchmarks/NOTES.md, v18).  Fills out; returns the positions left to decode
-    the checked way (a wrong guess), or None where the batch is not of that kind."""
-    found = arrays.blob_addresses(blobs)
+    the checked way (a wrong guess), or None where the batch is not of that kind.  found: the
+    blobs' (origin, addresses, lengths) as kvzip.arrays.blob_addresses gives them, or None."""
     if found is None or not decodes(pipe, get_backend("cuda")):
         return None
     origin, ptrs, lengths = found

@@ -39,7 +39,7 @@ from functools import cached_property
 
 import numpy as np
 
-from kvzip import arrays, container, layout as blob_layout
+from kvzip import container, layout as blob_layout
 from kvzip.backends import get_backend
 from kvzip.frame import Frame
 
@@ -427,16 +427,19 @@ def decode_one_guessed(layout: Layout, blob, origin=None):
     return _handed_out([got], [blob], (layout,), pair, call.views, origin)[0]
 
 
-def decode_again(blob):
+def last_decode():
+    """This thread's last decode on a guessed layout (its GuessedDecode), if it may run again."""
+    return graphs.recall("decode") if programs.ENABLED else None
+
+
+def decode_again(call, found):
     """decompress of a blob like the one this thread last decoded by decode_one_guessed, by
-    that call's GuessedDecode: of the same framework and device (current, and 16-byte aligned),
-    and of a length guess() gives the same layout for, nothing remembered or forgotten since.
-    Returns the result, or None where the blob is not like it or the guess missed (the caller
-    then takes the full path, which guesses again)."""
-    call = graphs.recall("decode")
-    if call is None or not programs.ENABLED:
-        return None
-    found = arrays.blob_addresses((blob,))
+    that call's GuessedDecode (last_decode()): of the same framework and device (current, and
+    16-byte aligned), and of a length guess() gives the same layout for, nothing remembered or
+    forgotten since.  found: the blob's (origin, (address,), (length,)) as the caller's
+    framework tells them (kvzip.arrays.blob_addresses), or None.  Returns the result, or None
+    where the blob is not like it or the guess missed (the caller then takes the full path,
+    which guesses again)."""
     if found is None or found[0] is not call.origin:
         return None
     (ptr,), (nbytes,) = found[1], found[2]
@@ -483,7 +486,7 @@ def _handed_out(got: list, blobs, layouts, pair, views, origin) -> list:
         got = [_dequantized(b, blob, layout) if layout.dequantize and b is not None else b
                for b, blob, layout in zip(got, blobs, layouts)]
     if views is None and origin is not None:
-        got = [arrays.export_tensor(b, layout.dtype_format, layout.shape, origin) if b is not None else None
+        got = [origin.export_tensor(b, layout.dtype_format, layout.shape) if b is not None else None
                for b, layout in zip(got, layouts)]
     return got
 

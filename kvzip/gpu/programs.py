@@ -33,7 +33,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from kvzip import arrays, container, layout
+from kvzip import container, layout
 from kvzip.bitpack import groups
 from kvzip.codebook import codebook_meta
 from kvzip.errors import FormatError, decode_error_text
@@ -41,7 +41,8 @@ from kvzip.formats import FORMATS
 from kvzip.frame import Frame
 
 from . import graphs, loader, quantize_kernels, tuning
-from .abi import CHECKS, DECODE, ENCODE, FINISH, HEADS, SIZES
+from .abi import CHECKS, DECODE, ENCODE, FINISH, HEADS, SIZES, aligned
+from .results import allocate
 from .graphs import Region as R
 from .tuning import tuning_for
 
@@ -171,11 +172,11 @@ def applicable(backend, n: int = 0, src=None) -> bool:
     given) 16-byte aligned."""
     if not ENABLED or backend.name != "cuda" or backend.simulated or n >= MAX_VALUES:
         return False
-    return src is None or arrays.aligned(src)
+    return src is None or aligned(src)
 
 
 def decode_applicable(frame: Frame) -> bool:
-    return applicable(frame.backend, frame.n) and all(arrays.aligned(frame.streams[k]) for k in ("codes", "rest")
+    return applicable(frame.backend, frame.n) and all(aligned(frame.streams[k]) for k in ("codes", "rest")
                                                       if k in frame.streams)
 
 
@@ -403,7 +404,7 @@ class _EncodeProgram:
         while the GPU runs: a CuPy or torch caller's blobs are built as kvz_encode publishes each
         tensor's totals, while the others and the scan run, and (Tuning.early_return) handed out while
         the scan finishes them on the stream; other callers' once the GPU is done."""
-        buffer = arrays.ResultBuffer(self.total, origin)
+        buffer = allocate(self.total, origin)
         # A CuPy or torch caller's blobs (views, no copy: safe before the scan ends) are sized as
         # published.
         early = bool(self.starts) and (origin is None or origin.framework in ("cupy", "torch"))
@@ -513,7 +514,7 @@ class EncodeLane:
     def encode(self, bits, origin=None):
         """The blob of bits (a 16-byte aligned CuPy array of plan.n values), or None when the
         payload comes out larger than the values (the general path then stores them raw) or
-        the lane quantizes and quantize_kernels is off.  origin (kvzip.arrays.Origin): hand the
+        the lane quantizes and quantize_kernels is off.  origin (the caller, a kvzip.arrays.Origin): hand the
         blob out as that caller's array (else CuPy's)."""
         if not self.usable():
             return None
@@ -716,14 +717,14 @@ class _DecodeProgram:
     def run(self, jobs: np.ndarray, stream, labels=None, views=None, origin=None, heads=None):
         """Decode the blobs jobs describe (dst, chunk_base and sb_base, and dq_table, are filled in here).
         Returns views(buffer, offsets): what to hand out for the values of blob i, which lie at
-        byte offsets[i] of buffer (a new kvzip.arrays.ResultBuffer for origin's caller); by
+        byte offsets[i] of buffer (results.allocate's buffer for origin's caller); by
         default their raw-bit CuPy arrays.  views runs while the GPU decodes; its results are
         dropped if a blob fails validation.  labels: what to call each blob in an error (its
         position in the caller's batch).  heads ((k, 2) uint64: each blob's address and length)
         goes with a program on guessed layouts, whose run returns (results, misses): the
         positions of the blobs whose header was not the expected one (their results are not
         decoded values)."""
-        out = arrays.ResultBuffer(self.out_bytes, origin)
+        out = allocate(self.out_bytes, origin)
         jobs[:, _DST] = self.fixed[:, 0] + P(out.ptr)
         jobs[:, _BASES] = self.fixed[:, 1:3]
         if self.tables is not None:
@@ -755,7 +756,7 @@ class _DecodeProgram:
         and (scale_at: the scale's offset in the blob) the dequantizing decode's scale address.
         while_running: called once the GPU has the work (host work the decode hides).
         Returns (result as run's views give it, missed: the header was not the expected one)."""
-        out = arrays.ResultBuffer(self.out_bytes, origin)
+        out = allocate(self.out_bytes, origin)
         if self.staged_row is not row:
             staged = self.shape.staged
             staged[:DECODE_COLUMNS] = row[0]

@@ -17,9 +17,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from kvzip.arrays import aligned
 
 from . import loader
+from .abi import aligned
 
 ENABLED = True          # tests switch this off to exercise the Numba kernels on a real GPU
 THREADS = 256           # quantize.cu's THREADS; kvz_dequantize builds one table entry a thread

@@ -28,19 +28,26 @@ def real_bf16(n, rate=0.0):
 def taken(monkeypatch):
     """Per call, whether its shortcut gave the result (None: it was not asked: nothing kept)."""
     got = []
-    real_encode, real_decode = gpu_executor.encode_again, layout_cache.decode_again
+    real_encode, real_last, real_decode = gpu_executor.encode_again, layout_cache.last_decode, layout_cache.decode_again
 
     def encode_again(pipe, x, dtype):
         blob = real_encode(pipe, x, dtype)
         got.append(blob is not None if graphs.recall("encode") is not None else None)
         return blob
 
-    def decode_again(blob):
-        out = real_decode(blob)
-        got.append(out is not None if graphs.recall("decode") is not None else None)
+    def last_decode():  # nothing to repeat (or the kernels off): decode_again is not asked
+        call = real_last()
+        if call is None:
+            got.append(None if graphs.recall("decode") is None else False)
+        return call
+
+    def decode_again(call, found):
+        out = real_decode(call, found)
+        got.append(out is not None)
         return out
 
     monkeypatch.setattr(gpu_executor, "encode_again", encode_again)
+    monkeypatch.setattr(layout_cache, "last_decode", last_decode)
     monkeypatch.setattr(layout_cache, "decode_again", decode_again)
     graphs.release()
     layout_cache.forget()
