@@ -170,7 +170,7 @@ def test_quantizing_lane_writes_the_general_paths_bytes(src, fp8, rate, n, monke
     first = pipe.encode(cupy.asarray(bits), dtype=src)  # general path: registers the lane
     np.testing.assert_array_equal(first.get(), cpu)
     stored = kvzip.info(cpu)["stored_raw"]
-    encoder, = [e for e in execution._encoders.values() if e is not None and e.pipe.key == pipe.key and e.shape == (n,)]
+    encoder, = [e for e in execution._encoders.values() if e is not None and e.pipe.key == pipe.key and e.shape == (n,) and e.fmt.name == src]
     assert encoder.fmt.name == src and (stored or (encoder.lane is not None and encoder.lane.quantize == src))
 
     def no_general_path(self, frame):
