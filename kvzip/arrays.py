@@ -19,8 +19,8 @@ DLPack carries the memory between frameworks, with two gaps that shape the code:
 CuPy results in a dtype CuPy lacks (float8 always, bf16 before CuPy 14) are their raw unsigned bits.
 
 One shortcut past DLPack: a contiguous CUDA torch tensor is read as a CuPy array over its own
-memory (``data_ptr``, the tensor kept alive as the owner), which costs ~3 us where the capsule
-and its stream handshake cost ~60 on the H200's host; kvzip's work then runs on the caller's
+memory (``data_ptr``, the tensor kept alive as the owner), a fraction of what the capsule and
+its stream handshake cost; kvzip's work then runs on the caller's
 torch stream (``Origin.stream_context``), the same ordering DLPack's handshake gives.
 
 torch, cupy and jax are imported only when the caller's object belongs to them: a NumPy-only
@@ -344,7 +344,7 @@ def _cupy_blob_addresses(blobs, nd) -> tuple | None:
 
 def _torch_blob_addresses(blobs, tensor) -> tuple | None:
     """_cupy_blob_addresses for torch CUDA tensors: a handful of attribute reads a blob, where
-    import_bytes builds a CuPy array over each (~5 us a blob on the H200's host: NOTES v19)."""
+    import_bytes builds a CuPy array over each (~5 us a blob: benchmarks/NOTES.md, v19)."""
     import torch
 
     device = blobs[0].get_device()  # -1 on the CPU
@@ -471,7 +471,7 @@ def _borrow_torch(t):
                         "(t.unbind()) or a padded copy (t.to_padded_tensor(0))")
     if t.is_cuda and t.layout is torch.strided and t.is_contiguous() and t.numel() and not t.is_neg():
         # Contiguous CUDA memory becomes a CuPy array over the tensor's own memory (the tensor
-        # owns it): ~3 us, where the DLPack capsule and its stream handshake took ~60.
+        # owns it): far cheaper than the DLPack capsule and its stream handshake.
         width = np.dtype(name) if name in _DLPACK_NATIVE else _INT_OF_WIDTH.get(t.element_size())
         if width is None:
             raise _unsupported(name, "torch")
@@ -650,9 +650,8 @@ class ResultBuffer(DeviceBuffer):
 
     For a CUDA torch caller the memory comes from torch's allocator, on the caller's current
     stream (where kvzip's work runs), and results are slices of that tensor: narrow() and view()
-    cost a few microseconds where a DLPack export of a CuPy array costs 15-25 on the H200's
-    host.  Other callers get memory from CuPy's pool, and the results are the only CuPy arrays
-    built over it (benchmarks/NOTES.md, v18)."""
+    cost a fraction of a DLPack export of a CuPy array.  Other callers get memory from CuPy's
+    pool, and the results are the only CuPy arrays built over it (benchmarks/NOTES.md, v18)."""
 
     __slots__ = ("tensor", "origin")
 
@@ -694,7 +693,7 @@ class ResultBuffer(DeviceBuffer):
         if self.tensor is None:
             return _export_pieces(self.memory, pieces, self.origin)
         # One as_strided a piece over the buffer viewed once per dtype, where narrow, view and view
-        # cost three torch calls a piece (~3 us on the H200's host).
+        # cost three torch calls a piece.
         t, typed, strides, out = self.tensor, {}, {}, []
         for at, fmt, shape in pieces:
             whole = typed.get(fmt.name)

@@ -104,8 +104,8 @@ def _lane_groups(xs: list, dtype, lane_of) -> tuple[list, list]:
     run = None  # (type, dtype, shape, origin, lane, group) of the last input imported in full that had a lane
     for i, x in enumerate(xs):
         # Other batches: arrays like the last one need no import, only their address (what the
-        # program reads): CuPy ~1 us a tensor instead of ~3 on the H200's host, torch ~1 instead
-        # of ~5 (a CuPy array over each tensor's memory: benchmarks/NOTES.md, v19).
+        # program reads), a fraction of an import's cost (a CuPy array over each tensor's memory:
+        # benchmarks/NOTES.md, v19).
         if run is not None and type(x) is run[0] and x.dtype is run[1] and x.shape == run[2]:
             ptr = arrays.cuda_address(x, run[3])
             if ptr is not None and ptr % 16 == 0:  # aligned: what lane_of would check again

@@ -150,7 +150,7 @@ def escape_layout(var_base: int, escapes: int, high_bytes: int) -> tuple[int, in
     """place()'s offsets of esc_pos, esc_exp and exp_high, and the payload length, for escape
     streams that start at payload offset var_base (ALIGN-aligned: every stream before them has
     a size fixed by the shape) and close the payload: esc_pos ESC_POS_BYTES an escape, esc_exp
-    one, exp_high high_bytes.  (fused_fast.cu's finish_blob does the same arithmetic.)"""
+    one, exp_high high_bytes.  (kernels/header.cuh's finish_blob does the same arithmetic.)"""
     exp_at = (var_base + ESC_POS_BYTES * escapes + _UP) & ~_UP
     high_at = (exp_at + escapes + _UP) & ~_UP
     return var_base, exp_at, high_at, (high_at + high_bytes + _UP) & ~_UP
@@ -166,7 +166,7 @@ def escape_payload_len(var_base: int, escapes: int, high_bytes: int) -> int:
 def escapes_laid_out(payload_len: int, escapes: tuple) -> bool:
     """Whether the escape streams' entries (offset, bytes of esc_pos, esc_exp, exp_high) are as
     escape_layout places them (esc_pos ESC_POS_BYTES an escape) and close a payload of
-    payload_len bytes.  (fused_fast.cu's head_facts checks the same on the GPU.)"""
+    payload_len bytes.  (kernels/header.cuh's head_facts checks the same on the GPU.)"""
     pos_at, pos_nb, exp_at, exp_nb, high_at, high_nb = escapes
     return pos_nb == ESC_POS_BYTES * exp_nb and escape_layout(pos_at, exp_nb, high_nb) == (
         pos_at, exp_at, high_at, payload_len)
@@ -216,7 +216,7 @@ def escape_entries_at(stream_count: int, header_len: int) -> int | None:
 
 
 # The header fields that follow the escape count, which a remembered layout's header has blanked
-# (kvzip/gpu/layout_cache.py; guess_head in fused_fast.cu): these two prefix fields and the
+# (kvzip/gpu/layout_cache.py; guess_head in kernels/header.cuh): these two prefix fields and the
 # escape streams' ESCAPES.size bytes of entries at escapes_at(stream_count).
 VARYING = (PAYLOAD_LEN, HEADER_CRC)
 

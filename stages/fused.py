@@ -212,8 +212,9 @@ class FusedSplitPackEscape:
         The header's length does not depend on the escape counts (stream lengths sit in its
         fixed-size table, not in its JSON), so it is known first; codes, rest and esc_count go
         straight to their places in the blob, the short escape streams after them once counted.
-        That saves copying every stream into a new blob (~15 % of a BF16 encode, NOTES.md).  Same
-        bytes as Serialize.encode: canonical stream order, zero padding, the sum over the payload."""
+        That saves copying every stream into a new blob (~15 % of a BF16 encode,
+        benchmarks/NOTES.md).  Same bytes as Serialize.encode: canonical stream order, zero
+        padding, the sum over the payload."""
         fmt, n, C = frame.format, frame.n, self.chunk
         cb = self.top16.codebook_for(fmt)
         src = frame.expect("data", fmt.uint_dtype, n)

@@ -1,4 +1,4 @@
-"""The host-kernel ABI of fused_fast.cu: the job tables' rows by field name.
+"""The host-kernel ABI of the fused kernels (kernels/abi.cuh): the job tables' rows by field name.
 
 Every row the host hands the kernels is a run of 8-byte words (pointers, counts), so the host
 keeps them as (k, columns) uint64 arrays: the cheapest thing to fill per call.  Here each table's

@@ -267,8 +267,8 @@ def decode_many(pipe, gpu: list, out: list, guess: bool) -> None:
 def decode_like_batch(pipe, blobs: list, found, out: list) -> list[int] | None:
     """decode_many's usual batch with the least host work: blobs compress_many gave a CuPy or
     torch caller (one device, 16-byte aligned) of one guessed layout, checked in one pass and
-    decoded in one program run (~190 us of host ahead of the launch for 64 CuPy blobs through the
-    general loops: benchmarks/NOTES.md, v18).  Fills out; returns the positions left to decode
+    decoded in one program run (the general loops cost far more host time ahead of the launch:
+    benchmarks/NOTES.md, v18).  Fills out; returns the positions left to decode
     the checked way (a wrong guess), or None where the batch is not of that kind.  found: the
     blobs' (origin, addresses, lengths) as kvzip.arrays.blob_addresses gives them, or None."""
     if found is None or not decodes(pipe, get_backend("cuda")):

@@ -64,9 +64,7 @@ def _stream_status(stream) -> int:
 
 # The upload and download are a kernel that copies between the pinned staging (mapped into the
 # device's address space: UVA) and the workspace, 16 bytes a thread, and zeroes a region.  As copy
-# nodes they cost far more: in a replayed graph on the H200 a 2 KiB host-to-device copy added
-# 10.7 us and a 64-byte download 2.0 us, a kernel reading and writing pinned memory 0.9 us
-# (benchmarks/graph_nodes.py; NOTES.md, v16).
+# nodes they cost far more in a replayed graph (benchmarks/graph_nodes.py measures both).
 # It starts as every fast-path kernel does (kvzip/gpu/dependent_launch.py): a download is launched as
 # a programmatic dependent of the kernel before it.  A download, the call's last node, runs as one
 # block and then sets a flag in the pinned staging, which the host polls instead of synchronising
@@ -188,8 +186,8 @@ class CallShape:
         # inside the last one's padding).
         self.host_up = cupyx.zeros_pinned(max(-(-self.up_bytes // 16) * 16, 16), np.uint8)
         self.staged = self.host_up.view(np.uint64)  # the upload area as 64-bit words (job tables)
-        # The same words for single-item writes: a memoryview's take ~0.05 us on the H200's host,
-        # a NumPy array's ~0.07 (benchmarks/NOTES.md, v22).
+        # The same words for single-item writes, which a memoryview takes faster than a NumPy
+        # array (benchmarks/NOTES.md, v22).
         self.words = memoryview(self.host_up).cast("B").cast("Q")
         assert not down or ops[-1][0] == "download", "a download is the call's last op"
         self.host_down, self.done = self._download_area(down[0] if down else 0, bool(down))

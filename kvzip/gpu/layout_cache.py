@@ -2,7 +2,7 @@
 straight to the fast path's kernels.
 
 Decoding a blob on the GPU first checks its header (container.parse_header), the recorded
-pipeline, the stream dtypes and lengths and the metadata: ~60 us of Python a call.  Blobs a
+pipeline, the stream dtypes and lengths and the metadata: Python work on every call.  Blobs a
 serving loop decodes share almost all of their header: the same shape, pipeline, codebook and
 stream table, except the three escape streams' sizes (and so the payload length and the header
 CRC), which follow each tensor's escape count (kvzip/layout.py's VARYING and escape entries).  After a blob decodes on the fast path, its header

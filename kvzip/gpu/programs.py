@@ -1,4 +1,4 @@
-"""The fast GPU path of the fused split/pack/escape step: CUDA C++ kernels (fused_fast.cu) run
+"""The fast GPU path of the fused split/pack/escape step: CUDA C++ kernels (kernels/fused.cu) run
 through CuPy on the caller's stream, writing container blobs in place.
 
 Used on a real GPU (not under the simulator) for every format and chunk size; the Numba kernels
@@ -79,8 +79,8 @@ def _dequantizing_decode(fmt) -> str:
 
 def slot_size(chunk: int, fmt_name: str | None = None) -> int:
     """Escapes kvz_encode keeps per chunk for kvz_scan to place (3 % of the chunk, at least 128:
-    on the shipped real KV 0.15 % of 4096-value chunks hold 65 to 68); a chunk with more is
-    collected again from the input by one warp, which showed as a 20 us tail in the scan."""
+    far more than the shipped real KV's chunks hold); a chunk with more is collected again from
+    the input by one warp, a tail in the scan."""
     t = tuning_for(fmt_name)
     return max(t.slot_min, chunk // t.slot_share)
 
@@ -127,7 +127,7 @@ _keep: list = []
 P = np.uint64  # kernel pointer arguments travel as 64-bit integers: CuPy marshals those cheaply
 
 
-GROUPS_MASK = (1 << 31) - 1  # kvz_encode's totals: escapes << 31 | plane-coded groups (fused_fast.cu)
+GROUPS_MASK = (1 << 31) - 1  # kvz_encode's totals: escapes << 31 | plane-coded groups (encode.cu)
 VALUE_MASK = (1 << 62) - 1   # the totals below the ready flag (bit 63)
 
 
@@ -147,8 +147,9 @@ def _pinned_words(k: int) -> np.ndarray:
 
 def _launch(name: str, device: int, grid, args) -> tuple:
     """A launch op for graphs (kernels get raw addresses: CuPy views and array arguments
-    cost ~4 and ~10 us each, which made the host the bottleneck below 64 MiB; NOTES.md, v3).
-    Every kernel of fused_fast.cu begins with await_predecessor(), so each is a "dependent" op."""
+    cost enough host time to make the host the bottleneck below 64 MiB; benchmarks/NOTES.md, v3).
+    Every kernel of the fused module (kernels/fused.cu) begins with await_predecessor(), so each
+    is a "dependent" op."""
     return ("dependent", _kernel(name, device), grid if isinstance(grid, tuple) else (grid,), (THREADS,), args)
 
 
@@ -362,7 +363,7 @@ class _EncodeProgram:
         self.out_at = np.concatenate([(np.arange(k)[:, None] * ENCODE_COLUMNS + out_cols).ravel(),
                                       fin_at + np.arange(k) * FINISH_COLUMNS + FINISH.col("blob")])
         self.out_rel = ws.staged[self.out_at].copy()  # codes, rest, esc_count, esc_pos; each blob's start
-        # One tensor: item writes (0.4 us here) beat the index arrays (1.3 us).
+        # One tensor: item writes beat the index arrays.
         self.one = list(zip(self.out_at.tolist(), self.out_rel.tolist())) if k == 1 else None
         self.starts = starts[:-1]  # each blob's byte offset in the output buffer
         self.total = starts[-1]
@@ -441,8 +442,8 @@ class _EncodeProgram:
         they come (finish_blob's layout arithmetic); raises _Unpublished if the stream finished
         without publishing one (not expected: the caller then reads the sizes the scan wrote).
         The wait is graphs.await_word's, which gives the GIL up between looks by
-        sched_yield: time.sleep(0) in its place slept ~50 us (the timer slack) and made a
-        64-tensor batch slower than a plain synchronisation (NOTES v18)."""
+        sched_yield, not time.sleep(0), which sleeps out the timer slack (benchmarks/NOTES.md,
+        v18)."""
         ready = self.ready
         for t, pending in enumerate(self.pending):
             if pending and not graphs.await_word(ready, t, stream):
@@ -502,8 +503,8 @@ def encode_batch(frames: list[Frame], top16, chunk: int, checksum: bool) -> Enco
 @dataclass(frozen=True)
 class EncodeLane:
     """A pipeline's encode of tensors of one format and shape once the general path has run it on
-    the fast path (kvzip/pipeline.py keeps one per shape): the plan and codebook, so the next
-    tensor of the shape goes straight to its program."""
+    the fast path (kvzip/gpu/executor.py's ShapeEncoder keeps one per shape): the plan and
+    codebook, so the next tensor of the shape goes straight to its program."""
 
     plan: _Plan
     fmt: object
@@ -536,9 +537,8 @@ def encode_lanes(lanes: list[EncodeLane], bits: list, origin=None, ptrs: list[in
     (arrays over the values; only their addresses are read).  ptrs: those addresses, if the
     caller has them already (then only quantizing lanes read bits)."""
     first = lanes[0]
-    # A serving loop's batch is one lane k times: its plans without a Python step a tensor (with
-    # the generators below, this function took 14.6-14.9 us of a 64-tensor call ahead of its
-    # launch on the H200's host; 9.0-9.1 without: NOTES v25).
+    # A serving loop's batch is one lane k times: its plans without a Python step a tensor (no
+    # generators here: they cost host time ahead of the launch; benchmarks/NOTES.md, v25).
     uniform = lanes.count(first) == len(lanes)
     if first.quantize if uniform else any(lane.quantize for lane in lanes):
         if not quantize_kernels.ENABLED:
@@ -613,7 +613,7 @@ _DST = DECODE.col("dst")
 _STREAMS = DECODE.span("codes", "exp_high")  # the six stream addresses (blob-relative in a layout's row)
 _BASES = DECODE.span("chunk_base", "sb_base")
 _HEAD_PTR, _HEAD_LEN = HEADS.col("ptr"), HEADS.col("len")
-GUESS_MISSED = 255  # the guess's error for a blob whose header is not the guessed layout's (fused_fast.cu)
+GUESS_MISSED = 255  # the guess's error for a blob whose header isn't the guessed layout's (abi.cuh)
 GUESS_PENDING = np.uint64(2**64 - 1)  # n_high of a guessed row until the GPU's guess is in
 
 
@@ -630,7 +630,7 @@ def _decode_split(fmt, chunks: int, warps: int) -> tuple:
 
 
 def _decode_status_at(k: int) -> int:
-    """The decode work's first look-back word for k blobs (fused_fast.cu's decode_status_at): after
+    """The decode work's first look-back word for k blobs (abi.cuh's decode_status_at): after
     the ticket, the errors, the deferred and blocks-done words, and a line (16 words, 128 bytes)
     holding only the count of scan blocks whose offsets are written, which the decoder polls."""
     return -(-(3 + k) // 16) * 16 + 16

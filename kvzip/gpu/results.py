@@ -15,7 +15,7 @@ _U8 = np.dtype(np.uint8)
 class DeviceBuffer:
     """nbytes of device memory from CuPy's pool: .ptr its address for the kernels, .memory the
     cupy.cuda.MemoryPointer, .array a CuPy uint8 array over it (built only when asked for: an
-    empty() array took ~1.7 of an allocation's ~4.3 us on the H200's host)."""
+    empty() array is a large share of an allocation's host time)."""
 
     __slots__ = ("_array", "memory", "nbytes", "ptr")
 

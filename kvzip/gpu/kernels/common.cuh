@@ -39,7 +39,7 @@ __device__ __forceinline__ void release_dependents() {
 
 // The job tables' stream pointers are plain generic pointers to the compiler, which then emitted
 // generic LD/ST for the dense passes' data; telling it they point to global memory gives LDG/STG
-// (ncu, 2^28: the E5M2 decoder 189 -> 184 us, the encoders within run-to-run noise; NOTES v17).
+// (benchmarks/NOTES.md, v17).
 template <typename P>
 __device__ __forceinline__ void assume_global(const P* p) { __builtin_assume(__isGlobal(p)); }
 
@@ -97,8 +97,8 @@ __device__ __forceinline__ T warp_inclusive_sum(T x, int lane) {
 }
 
 // A per-lane count 0..15: its exclusive prefix over the lanes, and (in *total) the warp's sum, from
-// one ballot per bit of the count.  No shuffle chain: kvz_encode's escape slots took 18 % of its
-// stall samples with a shuffle scan per step (ncu, NOTES v15).
+// one ballot per bit of the count.  No shuffle chain: a shuffle scan per step stalled kvz_encode's
+// escape slots (benchmarks/NOTES.md, v15).
 __device__ __forceinline__ int warp_exclusive_count(u32 k, int lane, int* total) {
     const u32 below = (1u << lane) - 1u;
     int before = 0, all = 0;
@@ -130,8 +130,7 @@ __device__ __forceinline__ int find_job(const Job* jobs, int njobs, long long ke
 // from a queue, an atomic counter that lane 0 claims from at the start of the chunk before, so
 // the claim's round trip overlaps that chunk's work and no warp waits on another.
 // Dealing every chunk statically (warp w: w, w + W, ...) left the warps whose chunks held many
-// escapes finishing last (ncu, E5M2 decode: 82 % of the warps active on average against 91 %
-// without escapes; NOTES v15).  The bytes never depend on which warp takes which chunk.
+// escapes finishing last.  The bytes never depend on which warp takes which chunk.
 // KVZ_QUEUES counters, QUEUE_STRIDE words apart (QUEUE_WORDS words of work from queue_at, zeroed;
 // programs.py sizes the region): warp w takes queue q = w % KVZ_QUEUES, whose k-th claim is
 // chunk W + q + KVZ_QUEUES * k, so each chunk is claimed exactly once.  Several counters because
@@ -142,19 +141,18 @@ __device__ __forceinline__ int find_job(const Job* jobs, int njobs, long long ke
 // Written as atomicAdd and __shfl_sync, the compiler aggregated the atomic across the warp (a
 // leader election and a shuffle of its result right after it; ptxas does this to an atom.add in
 // inline PTX too, not to atom.inc, whose wrap-around it cannot combine) and hoisted the loop's
-// shuffle to the top: every chunk waited out the round trip, 19 % of the E5M2 encoder's stall
-// samples (ncu source view, NOTES v17).  The queue is picked inside the asm too (W is a multiple
-// of WARPS, so it is the warp's place in its block modulo KVZ_QUEUES): held in a register across
-// the loop it cost the BF16 decoder 24 bytes of spills.
+// shuffle to the top: every chunk waited out the round trip.  The queue is picked inside the asm
+// too (W is a multiple of WARPS, so it is the warp's place in its block modulo KVZ_QUEUES): held
+// in a register across the loop it cost the BF16 decoder 24 bytes of spills.
 #define QUEUE_STRIDE 16  // 128 bytes: each counter a line of its own
 #define QUEUE_WORDS 128  // the queues' region of work (KVZ_QUEUES * QUEUE_STRIDE at most)
 static_assert(KVZ_QUEUES >= 1 && KVZ_QUEUES * QUEUE_STRIDE <= QUEUE_WORDS && WARPS % KVZ_QUEUES == 0,
               "the queues fit their region and divide the warps");
 // claim_chunk returns the counter's old value as the atomic gives it (lane 0's; the counter's low
 // word, little-endian: fewer than 2^32 chunks, MAX_VALUES), and next_chunk makes it a chunk, W + q
-// + KVZ_QUEUES * old, in its own asm: with that arithmetic outside (v24-v26) ptxas put a multiply
-// of old right after the atomic, so lane 0, and with it the warp at the branch's end, waited out
-// the claim's round trip at every chunk's start after all (SASS, NOTES v27).  W (the grid's
+// + KVZ_QUEUES * old, in its own asm: with that arithmetic outside, ptxas put a multiply of old
+// right after the atomic, so lane 0, and with it the warp at the branch's end, waited out the
+// claim's round trip at every chunk's start after all (benchmarks/NOTES.md, v27).  W (the grid's
 // warps) comes from %nctaid in the asm too: one register less across the chunk.
 __device__ __forceinline__ u32 claim_chunk(u64* queues, int lane) {
     u32 old = 0;

@@ -183,7 +183,7 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
     const u8* __restrict__ rest = J.rest + g0 * R;
     using Out = typename Pick<DQ, u16, T>::type;
     Out* __restrict__ dst = static_cast<Out*>(J.dst) + g0 * 8;
-    if constexpr (sizeof(T) == 1) {  // E5M2 decode 189 -> 184 us with global loads and stores; BF16 spilled
+    if constexpr (sizeof(T) == 1) {  // FP8 only: BF16 spilled with global loads and stores
         assume_global(codes); assume_global(rest); assume_global(dst);
     }
     // FP8 and float16: the chunk's codes and rest into L2 as it starts, so the steps' loads find
@@ -224,7 +224,7 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
             if (i < ng) { w[q] = reinterpret_cast<const u32*>(codes)[i]; load_rest_raw<R>(rest, i, rr[q]); }
         }
         // The chunk's first 32 escapes, loaded once its first step's loads are in flight (their
-        // address waits on chunk_off; ncu, 2^28: E5M2 243 -> 237 us, BF16 the same, NOTES v15).
+        // address waits on chunk_off; benchmarks/NOTES.md, v15).
         if (s0 == 0 && cnt > 0 && !load_escapes<E>(J, esc_off, 0, cnt, len, -1, lane, pos, exp, err)) cnt = 0;
         // This step's escapes: the lanes holding positions below the step's end (earlier ones
         // were used by earlier steps).  Warp-uniform loop, a shuffle per escape.
@@ -273,9 +273,9 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
 // A warp's first chunk, gc, before kvz_scan is known to be done.  The job table is read past L1
 // (ld.global.cg: its rows were written by the upload, complete before any scan block released
 // this grid), so no line of it sits in this multiprocessor's L1 when the scan's header guesses
-// write their fields of it: the loads after the wait (await_offsets) then see them.  (Volatile loads,
-// one at a time, made every warp's start ~10 us later.)  A call, not inlined: a second inlined
-// copy of the chunk's code cost the decoders' loop spills (BF16 0 -> 28 bytes, E5M2 16 -> 68).
+// write their fields of it: the loads after the wait (await_offsets) then see them.  (Not volatile
+// loads: one at a time, they delayed every warp's start.)  A call, not inlined: a second inlined
+// copy of the chunk's code made the decoders' loops spill.
 template <int E, int M, typename T, int GPL>
 __device__ __noinline__ void decode_early_chunk(const DecodeJob* __restrict__ jobs, int njobs, long long gc, int chunk,
                                                 const u64* __restrict__ chunk_off, u64* __restrict__ work, int lane,
@@ -305,7 +305,7 @@ __device__ __noinline__ void decode_early_chunk(const DecodeJob* __restrict__ jo
 // 2^part_shift + p: part p of chunk c, its share of whole steps).  Each part reads the chunk's
 // escapes from its first and skips those before its steps (each_escape), as whole chunks do
 // step by step.  split_at >= the grid's warps (the early chunks are whole).  (The part's state
-// fits the BF16 decoder's 80 registers only since the claim holds one: NOTES v27.)
+// fits the BF16 decoder's 80 registers only since the claim holds one: benchmarks/NOTES.md, v27.)
 // Each thread ends with griddepcontrol.wait (the scan long done by then), so the kernel's end
 // still implies the scan's for what follows it in the stream.
 template <int E, int M, typename T, int GPL, int MINB, bool DQ = false>

@@ -51,10 +51,9 @@ __device__ __noinline__ void flush_totals(const EncodeJob* jobs, int job, u64 su
 // groups, each lane loading its GPL groups with vector loads, encoding them and storing codes
 // and rest in place.  Escapes go to a per-chunk slot in position order (slot_escapes); kvz_scan
 // moves them to their final place.
-// The loop is kept this plain on purpose: the same traffic with nothing else (benchmarks/
-// access_patterns.py) moves 3.8 TB/s on the H200, while earlier versions of this kernel with
-// prefetching across chunks, a cursor per warp, or a cp.async ring in shared memory spent ~170
-// instructions a group on bookkeeping and stalled at 52-60 % of DRAM bandwidth (NOTES.md, v3-v4).
+// The loop is kept this plain on purpose: earlier versions of this kernel with prefetching
+// across chunks, a cursor per warp, or a cp.async ring in shared memory spent their instructions
+// on bookkeeping and stalled well below DRAM bandwidth (benchmarks/NOTES.md, v3-v4).
 // Each warp also sums its chunks' escapes and plane-coded groups per tensor into work[1 + t] (one
 // atomic per warp and tensor), so kvz_scan knows the totals, and with them where the escape
 // exponents go, from its start.  ready (pinned host memory, or null): word t becomes tensor t's

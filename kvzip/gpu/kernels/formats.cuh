@@ -33,8 +33,7 @@ __device__ __forceinline__ u32 bf16_exponents4(u32 w0, u32 w1) { return __byte_p
 // BF16, a whole group, SIMD-within-a-register.  The exponents of all 8 values are gathered into two
 // words (bf16_exponents4); the 8 LUT results are packed into the codes word with byte permutes;
 // the escape mask is only worked out when a LUT result is an escape.
-// ncu showed the v3 encoder issue-bound (62 % of cycles issuing) at ~100 instructions a group;
-// this is ~55.
+// The v3 encoder was issue-bound at ~100 instructions a group; this is ~55.
 __device__ __forceinline__ u32 encode_bf16_full(const Raw<u16>& raw, long long g, const u8* slut,
                                                 u8* __restrict__ codes, u8* __restrict__ rest) {
     const u32 ea = bf16_exponents4(raw.w[0], raw.w[1]);  // exponents of values 0-3
@@ -57,7 +56,7 @@ __device__ __forceinline__ u32 encode_bf16_full(const Raw<u16>& raw, long long g
 // value at bits 20-31, by two products: every partial product lands on bits of its own or outside
 // 20-31, so nothing carries into them (tests/test_kernel_identities.py: all 4096 field values,
 // each with random other bits).  Two logic ops and two multiplies (FMA pipe) instead of nine logic ops: the
-// E5M2 encoder was ALU-bound (ncu: ALU pipe 74 %, 106 instructions a group; NOTES v17).
+// E5M2 encoder was ALU-bound (benchmarks/NOTES.md, v17).
 __device__ __forceinline__ u32 e5m2_rest12(u32 w) {
     return (w & 0x80038003u) * 0x00100401u + (w & 0x03800380u) * 0x00008020u;
 }
@@ -207,7 +206,7 @@ __device__ __forceinline__ void decode_raw(u32 word, const RestRaw<M + 1>& rr, u
 // Four codes (16 bits) -> their four exponent bytes: byte-permute lookups in the low and high
 // halves of the 16-entry codebook (d0..d3), then a third permute picks byte k of hi (selector
 // k + 4) where code k has bit 3 set, else byte k of lo: five instructions where a mask built from
-// the bits took eleven (the E5M2 decoder was ALU-bound, ncu: ALU pipe 72 %; NOTES v17).
+// the bits took eleven (the E5M2 decoder was ALU-bound: benchmarks/NOTES.md, v17).
 __device__ __forceinline__ u32 lookup4(u32 n4, u32 d0, u32 d1, u32 d2, u32 d3) {
     const u32 sel = n4 & 0x7777u;  // prmt selector bit 3 would mean sign replication: keep 0-7
     const u32 lo = __byte_perm(d0, d1, sel), hi = __byte_perm(d2, d3, sel);
@@ -216,7 +215,7 @@ __device__ __forceinline__ u32 lookup4(u32 n4, u32 d0, u32 d1, u32 d2, u32 d3) {
 
 // BF16, a whole group, non-plane, SIMD-within-a-register: out[k] holds values 2k and 2k+1 as
 // stored.  The generic decode (unpack to 8 values, repack) spent ~130 instructions a group and
-// was compute-bound on the H200 (ncu: 69-77 % SM, 47 % DRAM); this one ~45.
+// was compute-bound; this one ~45.
 __device__ __forceinline__ void decode_bf16_words(u32 word, const RestRaw<8>& rr, u32 d0, u32 d1, u32 d2, u32 d3,
                                                   u32 out[4]) {
     const u32 ea = lookup4(word & 0xFFFFu, d0, d1, d2, d3), eb = lookup4(word >> 16, d0, d1, d2, d3);
@@ -234,7 +233,7 @@ __device__ __forceinline__ void decode_bf16_words(u32 word, const RestRaw<8>& rr
 // to their places in the stored bytes: mantissas to bits 8k..8k+1 by two products (the even and
 // the odd values' fields; their partial products land on bits of their own, so they add without
 // carries), signs to bit 8k + 7 by one (tests/test_kernel_identities.py: all 4096 fields).  It
-// replaced ten shifts and masks (NOTES v17).
+// replaced ten shifts and masks (benchmarks/NOTES.md, v17).
 __device__ __forceinline__ u32 e5m2_spread_rest(u32 x) {
     const u32 mm = (x & 0x0C3u) * 0x401u + (x & 0x618u) * 0x8020u;
     const u32 s = (x & 0x924u) * 0x108420u;
@@ -243,7 +242,7 @@ __device__ __forceinline__ u32 e5m2_spread_rest(u32 x) {
 
 // E5M2, a whole group, non-plane, SIMD-within-a-register: out[h] holds values 4h..4h+3 as stored
 // (byte = sign << 7 | exponent << 2 | mantissa; rest = sign << 2 | mantissa, 3 bits a value).
-// The generic path spent ~130 instructions a group (ncu: 333 us for 2^28 values).
+// The generic path spent ~130 instructions a group.
 // d0..d3: the codebook's exponents shifted left by 2, in place in the stored byte (E5M2 exponents
 // are below 64, so a shift of the table keeps its bytes apart).
 __device__ __forceinline__ void decode_e5m2_words(u32 word, u32 rest24, u32 d0, u32 d1, u32 d2, u32 d3, u32 out[2]) {

@@ -1,11 +1,9 @@
 // kvzip fast GPU path: fused ExponentSplit + Top16Pack + EscapeStream, encode and decode.
 //
-// Why CUDA C++ and not Numba: Numba-CUDA has no 128-bit loads or stores.  On this workplace's
-// H200 a Numba dense pack with 64-bit loads reached 1671 GB/s encode / 1526 GB/s decode, a CUDA C
-// one with 128-bit loads 2071 GB/s (shared/DESIGN.md), and our first Numba fused kernels
-// (stages/fused.py, one thread per group, a thread per chunk for escapes) 58 GB/s
-// (benchmarks/NOTES.md).  The Numba kernels remain the generic path and, with the @njit twin,
-// the reference this file is tested against byte for byte (tests/gpu).
+// Why CUDA C++ and not Numba: Numba-CUDA has no 128-bit loads or stores, which the dense passes
+// need to approach DRAM bandwidth (benchmarks/NOTES.md).  The Numba kernels remain the generic
+// path and, with the @njit twin, the reference this file is tested against byte for byte
+// (tests/gpu).
 //
 // Work split.  Encode: kvz_encode's warps take chunks from queues (claim_chunk: four atomic
 // counters, claimed a chunk ahead); a warp walks its chunk in steps,

@@ -142,8 +142,9 @@ __device__ __forceinline__ u32 raw_value(const Raw<T>& r, int j) {
 
 // E5M2 rest fields (24 bits a group) of the warp's 32 consecutive groups, one a lane, to the 96
 // bytes at p as 24 whole words: word k holds bytes 4k..4k+3, which lie in groups 4k / 3 and the
-// one after (two shuffles).  Three byte stores a group took 11 us more of the E5M2 encode (ncu,
-// NOTES v15; the same for loads in the decoder made it slower).  p must be 4-byte aligned.
+// one after (two shuffles).  Three byte stores a group were slower in the E5M2 encode
+// (benchmarks/NOTES.md, v15; the same for loads in the decoder made it slower).  p must be
+// 4-byte aligned.
 __device__ __forceinline__ void store_rest24_warp(u8* __restrict__ p, u32 bits, int lane) {
     const int g = (4 * lane) / 3, off = 4 * lane - 3 * g;
     const u32 a = __shfl_sync(FULL_MASK, bits, g & 31), b = __shfl_sync(FULL_MASK, bits, (g + 1) & 31);
@@ -155,7 +156,7 @@ __device__ __forceinline__ void store_rest24_warp(u8* __restrict__ p, u32 bits, 
 // stores the words that start among its 11 bytes (two or three); the last of them may run into
 // the next lane's first bytes, which one shuffle brings.  Eleven byte stores a group, each warp
 // store touching 352 bytes for 32 of them, held the FP16 encoder at about half BF16's speed
-// (NOTES v19).  p must be 4-byte aligned.
+// (benchmarks/NOTES.md, v19).  p must be 4-byte aligned.
 __device__ __forceinline__ u32 bits32_at(u64 a, u64 b, int x) {  // bits x..x+31 of b:a, x <= 96
     return (u32)(x == 0 ? a : x >= 64 ? b >> (x - 64) : (a >> x) | (b << (64 - x)));
 }

@@ -11,9 +11,8 @@
 //   kvz_dequantize     the 256-entry table built per block from the scale, 8 codes per load
 //   kvz_dequant_tables tables alone, for the fused module's kvz_decode to apply as it stores
 //
-// The Numba kernels computed the rounding per value: on an H200 (2^28 bf16 values, ncu) amax
-// 573 us, quantize 1.52 ms and dequantize 1.51 ms, all at 91-95 % SM and 11-20 % DRAM
-// throughput.  benchmarks/NOTES.md (v8) has the figures of these kernels.
+// The Numba kernels computed the rounding per value and were compute-bound (benchmarks/NOTES.md,
+// v8).
 
 #include "quantize_lookup.cuh"
 

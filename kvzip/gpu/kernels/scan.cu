@@ -54,8 +54,8 @@ __device__ void verdict_block_done(u64* work, int njobs, u64* down, unsigned int
 // The decode scan's offsets, ready: each block, once its chunk offsets, its count checks
 // (errors 1, 2, 5) and any header guess are written, counts itself at work[offsets_ready_at
 // (njobs)] (a line of its own: kvz_decode's blocks poll it), and kvz_decode waits for that count
-// (await_offsets) instead of the scan's end, so the scan's escape checks (check_block_escapes:
-// 2-3 us of a 2^28 graph, NOTES v26) overlap the decoder's start rather than delay it.  Those
+// (await_offsets) instead of the scan's end, so the scan's escape checks (check_block_escapes;
+// benchmarks/NOTES.md, v26) overlap the decoder's start rather than delay it.  Those
 // checks' errors (3, 4) reach the host through the scan's verdict; the decoder makes the same
 // checks as it applies the escapes, so its reads and writes stay inside the blob and the output
 // either way.
@@ -80,7 +80,7 @@ __device__ __forceinline__ void offsets_block_done(u64* work, int njobs) {
 //   chunks with more escapes than a slot, or plane-coded ones, are redone from the input by a warp
 //   each (only escape-heavy data).  The first njobs blocks (by ticket) finish the blobs instead,
 //   one each (finish_blob: padding, header, sizes[3t ..]), alongside the others: kvz_encode's
-//   totals are all they need.  (A kernel of its own before, 10 us and a graph node.)
+//   totals are all they need.
 // Decode: also checks the block's escapes as kvz_decode does (check_block_escapes).
 // work: [0] ticket, [1 + t] tensor t's totals (encode: kvz_encode's sums) or error (decode),
 // (decode: [1 + njobs] the deferred checks, check_block_escapes; [2 + njobs] the blocks done,
@@ -89,8 +89,7 @@ __device__ __forceinline__ void offsets_block_done(u64* work, int njobs) {
 // verdict (below).  fin, sizes: encode only.  heads, expect, span: a decode on guessed
 // layouts, whose first njobs blocks run guess_head for each blob; the blocks that set a blob's
 // errors or check its totals wait for that verdict first (a wrong guess's counts mean nothing).
-// Tickets hand the guesses out first, so no block waits on one that has not started.  (The guess
-// used to be a kernel of its own too: ~8 us and a graph node before the scan.)
+// Tickets hand the guesses out first, so no block waits on one that has not started.
 template <int E, int M, typename T, typename Job, bool QT = false>
 __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs, int chunk, int slot,
                                                      const u8* __restrict__ lut, u64* __restrict__ work,
@@ -154,9 +153,8 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
     const u64 excl = block_exclusive_sum(mine, &agg);
     // Encode: the block's escapes leave the slots in rounds of MOVE_BATCH a thread, every load of
     // a round in flight before its stores (which the compiler may not hoist loads above: they
-    // could alias).  The first round's loads go out before the look-back, whose wait they overlap.
-    // (A load and its dependent store an escape took 52 % of the scan's stall samples, the
-    // look-back's barrier 14 %: NOTES v18.)
+    // could alias).  The first round's loads go out before the look-back, whose wait they overlap
+    // (benchmarks/NOTES.md, v18).
     const u32 listed = (u32)(agg >> 31);
     const long long c0 = lsb * SB_CHUNKS;
     u16 pos[MOVE_BATCH];
@@ -199,7 +197,7 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
         u8* __restrict__ high_out = exp_out + align16((long long)(totals >> 31));
         const long long esc_base = (long long)(prefix >> 31);
         // The job's pointers in registers: read through J, every store below could alias them and
-        // each escape reloaded three (ncu: 38 % of the scan's stall samples on this loop's stores).
+        // each escape reloaded three.
         u16* __restrict__ esc_pos = J.esc_pos;
         assume_global(esc_pos); assume_global(exp_out);
         for (u32 k0 = tid;;) {
