@@ -63,8 +63,25 @@ def main(argv=None) -> int:
         return 1
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+            json.dump({**report, "environment": _environment(args.device)}, f, indent=2)
     return 0 if report["ok"] else 1
+
+
+def _environment(device: str) -> dict:
+    """Where the figures were taken: date, machine, GPU and versions (written with --json)."""
+    import datetime
+    import platform
+
+    import torch
+    import transformers
+
+    from kvzip.version import __version__
+
+    gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else None
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "platform": platform.platform(), "gpu": gpu,
+            "versions": {"kvzip": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                         "python": platform.python_version()}}
 
 
 def _parser() -> argparse.ArgumentParser:
