@@ -90,3 +90,34 @@ def test_rows_by_name():
     assert view.shape == (3,) and view["n"].tolist() == [7, 7, 7] and view["dhi"][0] == 11
     with pytest.raises(ValueError):
         d.span("n_high", "esc_pos")
+
+
+def kernel_params(kernel: str) -> list[tuple[str, str]]:
+    """(name, kind) of each parameter of the __global__ kernel in kernels/*.cu: "ptr" for a
+    pointer, "i32" for int, "i64" for long long / i64."""
+    sources = "\n".join(p.read_text() for p in sorted(KERNELS.glob("*.cu")))
+    sources = re.sub(r"/\*.*?\*/", "", sources, flags=re.S)
+    m = re.search(r"__global__[^;{]*?\b" + kernel + r"\s*\(([^)]*)\)\s*\{", sources, re.S)
+    assert m, f"no __global__ {kernel} in kernels/*.cu"
+    out = []
+    for param in m.group(1).split(","):
+        param = " ".join(param.split())
+        name = re.search(r"(\w+)$", param).group(1)
+        kind = "ptr" if "*" in param else "i64" if re.search(r"\b(long long|i64)\b", param) else "i32"
+        assert "*" in param or re.search(r"\b(int|long long|i64)\b", param), param
+        out.append((name, kind))
+    return out
+
+
+@pytest.mark.parametrize("spec", abi.KERNEL_ARGS, ids=lambda s: s.kernel)
+def test_kernel_arguments_are_the_signatures(spec):
+    assert list(spec.params) == kernel_params(spec.kernel)
+
+
+def test_kernel_arguments_by_name():
+    from kvzip.gpu.graphs import Region
+
+    args = abi.CHECK_HEADS_ARGS(heads=Region(0), span=2048, checks=7)
+    assert type(args[0]) is Region and args[1].dtype == np.int32 and args[2].dtype == np.uint64 and args[2] == 7
+    with pytest.raises(TypeError, match="missing.*span"):
+        abi.CHECK_HEADS_ARGS(heads=0, checks=0)

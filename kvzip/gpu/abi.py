@@ -123,3 +123,52 @@ def aligned(a) -> bool:
     """Whether a CuPy array starts on a 16-byte boundary: the kernels' vector loads need it of
     every stream they read in place."""
     return a.data.ptr % 16 == 0
+
+
+# ----------------------------------------------------------------------------- kernel arguments
+# Each kernel's parameters by name, in its signature's order, and how each travels: "ptr" a device
+# address (a uint64; graphs.Region and graphs.Mapped, which CallShape resolves to addresses, pass
+# unchanged), "i32" an int, "i64" a long long.  tests/test_abi.py reads every signature in
+# kernels/ and checks these against it, so a launch is written by name and cannot drift from the
+# kernel.  (A params struct a kernel was tried and not taken: benchmarks/NOTES.md, r1.)
+def _address(v):
+    return v if type(v) is not int and isinstance(v, int) else np.uint64(v)  # Region, Mapped: as they are
+
+
+class KernelArgs:
+    __slots__ = ("kernel", "params", "names", "_casts")
+
+    _CASTS = {"ptr": _address, "i32": np.int32, "i64": np.int64}
+
+    def __init__(self, kernel: str, params: str):
+        self.kernel = kernel
+        self.params = tuple(tuple(p.split(":")) for p in params.split())
+        self.names = tuple(name for name, _ in self.params)
+        self._casts = tuple((name, self._CASTS[kind]) for name, kind in self.params)
+
+    def __call__(self, **values) -> tuple:
+        """The launch's argument tuple from one value per parameter name."""
+        try:
+            if len(values) == len(self._casts):
+                return tuple([cast(values[name]) for name, cast in self._casts])
+        except KeyError:
+            pass
+        missing, extra = set(self.names) - values.keys(), values.keys() - set(self.names)
+        raise TypeError(f"{self.kernel}: missing {sorted(missing)}, unknown {sorted(extra)}")
+
+
+ENCODE_ARGS = KernelArgs("kvz_encode", "jobs:ptr njobs:i32 total_chunks:i64 chunk:i32 slot:i32 lut:ptr work:ptr "
+                                       "queue_at:i64 ready:ptr")
+SCAN_ARGS = KernelArgs("kvz_scan", "jobs:ptr njobs:i32 chunk:i32 slot:i32 lut:ptr work:ptr chunk_off:ptr fin:ptr "
+                                   "sizes:ptr heads:ptr expect:ptr span:i32 down:ptr flag:ptr runs:ptr")
+DECODE_ARGS = KernelArgs("kvz_decode", "jobs:ptr njobs:i32 units:i64 chunk:i32 chunk_off:ptr work:ptr queue_at:i64 "
+                                       "scan_blocks:i64 split_at:i64 part_shift:i32")
+GATHER_HEADS_ARGS = KernelArgs("kvz_gather_heads", "jobs:ptr span:i32 dst:ptr")
+CHECK_HEADS_ARGS = KernelArgs("kvz_check_heads", "heads:ptr span:i32 checks:ptr")
+AMAX_ARGS = KernelArgs("kvz_amax", "src:ptr src_at:ptr n:i64 out:ptr")
+QUANT_TABLE_ARGS = KernelArgs("kvz_quant_table", "amax:ptr scale:ptr addrs:ptr scale_word:i32 scale_span:i32 table:ptr")
+QUANTIZE_ARGS = KernelArgs("kvz_quantize", "src:ptr n:i64 table_g:ptr out:ptr")
+DEQUANT_TABLES_ARGS = KernelArgs("kvz_dequant_tables", "addrs:ptr word:i32 stride:i32 single:ptr tables:ptr")
+DEQUANTIZE_ARGS = KernelArgs("kvz_dequantize", "codes:ptr n:i64 scale:ptr out:ptr")
+KERNEL_ARGS = (ENCODE_ARGS, SCAN_ARGS, DECODE_ARGS, GATHER_HEADS_ARGS, CHECK_HEADS_ARGS, AMAX_ARGS, QUANT_TABLE_ARGS,
+               QUANTIZE_ARGS, DEQUANT_TABLES_ARGS, DEQUANTIZE_ARGS)

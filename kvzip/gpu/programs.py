@@ -41,7 +41,8 @@ from kvzip.formats import FORMATS
 from kvzip.frame import Frame
 
 from . import graphs, loader, quantize_kernels, tuning
-from .abi import CHECKS, DECODE, ENCODE, FINISH, HEADS, SIZES, aligned
+from .abi import (AMAX_ARGS, CHECK_HEADS_ARGS, CHECKS, DECODE, DECODE_ARGS, DEQUANT_TABLES_ARGS, ENCODE, ENCODE_ARGS,
+                  FINISH, GATHER_HEADS_ARGS, HEADS, QUANT_TABLE_ARGS, SCAN_ARGS, SIZES, aligned)
 from .results import allocate
 from .graphs import Region as R
 from .tuning import tuning_for
@@ -320,19 +321,20 @@ class _EncodeProgram:
             p = plans[0]
             ops += [("zero", 7),
                     ("launch", amax, (quantize_kernels.grid(p.n // 8, device),), (quantize_kernels.THREADS,),
-                     (P(0), R(0), np.int64(p.n), R(7))),  # src: the job table's first word (EncodeJob.src)
+                     AMAX_ARGS(src=0, src_at=R(0), n=p.n, out=R(7))),  # src_at: the job table's first word (EncodeJob.src)
                     ("launch", table, (quantize_kernels.TABLE_BYTES // quantize_kernels.THREADS,), (quantize_kernels.THREADS,),
-                     (R(7), P(0), R(0), np.int32(Q_SCALE), np.int32(p.nxt["scales"] - p.off["scales"]), R(8)))]
+                     QUANT_TABLE_ARGS(amax=R(7), scale=0, addrs=R(0), scale_word=Q_SCALE,
+                                      scale_span=p.nxt["scales"] - p.off["scales"], table=R(8)))]
         lut = P(_device_lut(fmt.name, cb.exponents, device))
         # kvz_encode writes each tensor's totals here (pinned, mapped) as soon as it has them.
         self.ready = _pinned_words(k)
         if total_chunks:
             ops.append(_launch(enc, device, _chunk_grid(enc, device, total_chunks),
-                               (R(0), np.int32(k), np.int64(total_chunks), np.int32(chunk), np.int32(slot), lut, R(3),
-                                np.int64(1 + k + total_sb), P(self.ready.ctypes.data))))
+                               ENCODE_ARGS(jobs=R(0), njobs=k, total_chunks=total_chunks, chunk=chunk, slot=slot, lut=lut,
+                                           work=R(3), queue_at=1 + k + total_sb, ready=self.ready.ctypes.data)))
         ops += [_launch(scan, device, k + total_sb,  # k blocks finish the blobs (headers)
-                        (R(0), np.int32(k), np.int32(chunk), np.int32(slot), lut, R(3), P(0), R(1), R(4),
-                         P(0), P(0), np.int32(0), P(0), P(0), P(0))),
+                        SCAN_ARGS(jobs=R(0), njobs=k, chunk=chunk, slot=slot, lut=lut, work=R(3), chunk_off=0, fin=R(1),
+                                  sizes=R(4), heads=0, expect=0, span=0, down=0, flag=0, runs=0)),
                 ("download", 4, self.sizes_nb)]
         # Regions: encode jobs | finish jobs | templates | zeroed work | sizes | escape slots |
         # (quantize) amax, table.
@@ -566,8 +568,8 @@ class _HeadsProgram:
     def __init__(self, k: int, device: int):
         self.shape = graphs.CallShape(
             (HEADS.nbytes * k, k * HEAD_SPAN, CHECKS.nbytes * k),
-            (("upload", 1), _launch("kvz_gather_heads", device, (4, k), (R(0), np.int32(HEAD_SPAN), R(1))),
-             _launch("kvz_check_heads", device, k, (R(0), np.int32(HEAD_SPAN), R(2))),
+            (("upload", 1), _launch("kvz_gather_heads", device, (4, k), GATHER_HEADS_ARGS(jobs=R(0), span=HEAD_SPAN, dst=R(1))),
+             _launch("kvz_check_heads", device, k, CHECK_HEADS_ARGS(heads=R(0), span=HEAD_SPAN, checks=R(2))),
              ("download", 1, self.download_bytes(k))))
         assert self.shape.offsets[2] == self.shape.offsets[1] + k * HEAD_SPAN  # one download takes both
 
@@ -680,18 +682,18 @@ class _DecodeProgram:
             sizes.append(k * HEAD_SPAN)
         if dequantize:
             ops.append(("launch", quantize_kernels.dequant_tables_kernel(*dequantize, device), (k,), (256,),
-                        (jobs, np.int32(DQ_SCALE), np.int32(DECODE_COLUMNS), P(0), R(len(sizes)))))
+                        DEQUANT_TABLES_ARGS(addrs=jobs, word=DQ_SCALE, stride=DECODE_COLUMNS, single=0, tables=R(len(sizes)))))
             sizes.append(512 * k)
         # The scan's verdict (every check but those it deferred), sent by its last block.
         self.early = bool(chunk_base and tuning_for(fmt.name).early_verdict)
-        verdict = (graphs.EARLY_DOWN, graphs.EARLY_FLAG, graphs.EARLY_RUNS) if self.early else (
-            P(0), P(0), P(0))
+        verdict = dict(down=graphs.EARLY_DOWN, flag=graphs.EARLY_FLAG, runs=graphs.EARLY_RUNS) if self.early else \
+            dict(down=0, flag=0, runs=0)
         scan_blocks = sb_base + (k if guess else 0)  # on guessed layouts the first k check the headers
         if scan_blocks:
             ops.append(_launch(scan, device, scan_blocks,
-                               (jobs, np.int32(k), np.int32(chunk), np.int32(0), P(0), work, offs, P(0), P(0),
-                                heads if guess else P(0), R(expected) if guess else P(0),
-                                np.int32(HEAD_SPAN if guess else 0)) + verdict))
+                               SCAN_ARGS(jobs=jobs, njobs=k, chunk=chunk, slot=0, lut=0, work=work, chunk_off=offs, fin=0,
+                                         sizes=0, heads=heads if guess else 0, expect=R(expected) if guess else 0,
+                                         span=HEAD_SPAN if guess else 0, **verdict)))
         if self.early:
             ops.append(("early", work, self.errors_nb))
         if chunk_base:
@@ -699,8 +701,8 @@ class _DecodeProgram:
             split_at, shift = _decode_split(fmt if not dequantize else None, chunk_base, grid * WARPS)
             units = split_at + ((chunk_base - split_at) << shift)
             ops.append(_launch(dec, device, grid,
-                               (jobs, np.int32(k), np.int64(units), np.int32(chunk), offs, work,
-                                np.int64(queue_at), np.int64(scan_blocks), np.int64(split_at), np.int32(shift))))
+                               DECODE_ARGS(jobs=jobs, njobs=k, units=units, chunk=chunk, chunk_off=offs, work=work,
+                                           queue_at=queue_at, scan_blocks=scan_blocks, split_at=split_at, part_shift=shift)))
         self.shape = graphs.CallShape(tuple(sizes), tuple(ops) + (("download", work, self.errors_nb),))
         self.heads_at = self.shape.offsets[1] // 8 if guess else None  # heads' first word in the staging
         self.head_at = (self.heads_at + _HEAD_PTR, self.heads_at + _HEAD_LEN) if guess else None  # run_one's

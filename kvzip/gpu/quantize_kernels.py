@@ -19,7 +19,7 @@ import numpy as np
 
 
 from . import loader
-from .abi import aligned
+from .abi import AMAX_ARGS, DEQUANTIZE_ARGS, QUANT_TABLE_ARGS, QUANTIZE_ARGS, aligned
 
 ENABLED = True          # tests switch this off to exercise the Numba kernels on a real GPU
 THREADS = 256           # quantize.cu's THREADS; kvz_dequantize builds one table entry a thread
@@ -78,14 +78,14 @@ def quantize(src, source: str, fp8: str):
     amax.fill(0)
     scales = cupy.empty(1, np.float32)
     codes = cupy.empty(n, np.uint8)
-    P, N = np.uint64, np.int64(n)
     amax_kernel, table_kernel = kernels(source, fp8, dev)
-    amax_kernel((grid(n // 8, dev),), (THREADS,), (P(src.data.ptr), P(0), N, P(amax.data.ptr)))
+    amax_kernel((grid(n // 8, dev),), (THREADS,), AMAX_ARGS(src=src.data.ptr, src_at=0, n=n, out=amax.data.ptr))
     table_kernel((TABLE_BYTES // THREADS,), (THREADS,),
-                 (P(amax.data.ptr), P(scales.data.ptr), P(0), np.int32(0), np.int32(4), P(work.data.ptr)))
+                 QUANT_TABLE_ARGS(amax=amax.data.ptr, scale=scales.data.ptr, addrs=0, scale_word=0, scale_span=4,
+                                  table=work.data.ptr))
     if n:
         _kernel("kvz_quantize", dev)((grid(n // 8, dev),), (THREADS,),
-                                     (P(src.data.ptr), N, P(work.data.ptr), P(codes.data.ptr)))
+                                     QUANTIZE_ARGS(src=src.data.ptr, n=n, table_g=work.data.ptr, out=codes.data.ptr))
     return codes, scales
 
 
@@ -96,7 +96,6 @@ def dequantize(codes, scales, fp8: str, source: str):
     dev, n = codes.device.id, codes.size
     out = cupy.empty(n, np.uint16)
     if n:
-        P = np.uint64
         _kernel(f"kvz_dequantize<{_fields(fp8)},{TARGETS[fp8]},{_fields(source)}>", dev)(
-            (grid(n // 8, dev),), (THREADS,), (P(codes.data.ptr), np.int64(n), P(scales.data.ptr), P(out.data.ptr)))
+            (grid(n // 8, dev),), (THREADS,), DEQUANTIZE_ARGS(codes=codes.data.ptr, n=n, scale=scales.data.ptr, out=out.data.ptr))
     return out
