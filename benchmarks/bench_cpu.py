@@ -21,6 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def real_kv(data: pathlib.Path, nbytes: int):
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy; import kvzip no longer loads it)
     from safetensors.numpy import load_file
 
     files = sorted(data.glob("smollm2-*.safetensors"))
@@ -36,8 +37,6 @@ def real_kv(data: pathlib.Path, nbytes: int):
     bits = np.concatenate(parts)
     if bits.nbytes < nbytes:
         sys.exit(f"{data} holds only {bits.nbytes} bytes of SmolLM2 KV, fewer than {nbytes}")
-    import ml_dtypes
-
     return bits[: nbytes // 2].view(ml_dtypes.bfloat16), [f.name for f in files]
 
 

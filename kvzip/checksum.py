@@ -30,36 +30,28 @@ def mix(xp, z):
 
 
 @cpu_jit(nogil=True)
-def _sum_terms(words, i0, i1):
-    """sum of mix(w_i + i * GOLDEN) over i0 <= i < i1, mod 2**64.  Two words a step into two
-    sums, k stepping by GOLDEN instead of a multiply (~20 % faster on the 2-core CI machine).
-    All uint64: numba would turn a uint64 and int64 mix into float64."""
-    t0 = np.uint64(0)
-    t1 = np.uint64(0)
+def sum_terms(words, i0, i1):
+    """sum of mix(w_i + i * GOLDEN) over i0 <= i < i1, mod 2**64: the one definition of the terms,
+    also called from the CPU decode kernels (stages/fused_cpu.py) on the words they decode.
+    A plain loop over a slice, k stepping by GOLDEN: LLVM vectorises it (contiguous loads,
+    vpmullq where the CPU has AVX-512DQ); indexing ``words`` itself, or two words a step, made
+    it gather (benchmarks/NOTES.md, c6).  All uint64: numba would turn a uint64 and int64 mix
+    into float64."""
+    t = np.uint64(0)
+    w = words[i0:i1]
     k = np.uint64(i0) * GOLDEN + GOLDEN  # mix's own + GOLDEN folded in
-    i = i0
-    while i + 2 <= i1:
-        z = words[i] + k
-        y = words[i + 1] + k + GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        y = (y ^ (y >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-        y = (y ^ (y >> np.uint64(27))) * _M2
-        t0 += z ^ (z >> np.uint64(31))
-        t1 += y ^ (y >> np.uint64(31))
-        k += GOLDEN + GOLDEN
-        i += 2
-    if i < i1:
-        z = words[i] + k
+    for j in range(w.shape[0]):
+        z = w[j] + k
         z = (z ^ (z >> np.uint64(30))) * _M1
         z = (z ^ (z >> np.uint64(27))) * _M2
-        t0 += z ^ (z >> np.uint64(31))
-    return t0 + t1
+        t += z ^ (z >> np.uint64(31))
+        k += GOLDEN
+    return t
 
 
 def _cpu_total(words: np.ndarray) -> int:
     ranges = cpu_parallel.split(words.shape[0], 8)
-    return sum(int(t) for t in cpu_parallel.run_ranges(lambda i0, i1: _sum_terms(words, i0, i1), ranges)) % (1 << 64)
+    return sum(int(t) for t in cpu_parallel.run_ranges(lambda i0, i1: sum_terms(words, i0, i1), ranges)) % (1 << 64)
 
 
 def sum64(xp, payload) -> int:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import layout as _layout
-from .checksum import sum64
+from .checksum import sum64, sum64_finish
 from .errors import FormatError
 from .layout import (ALIGN, FLAG_CHECKSUM, FLAG_STORED, KNOWN_FLAGS, MAGIC, MAX_HEADER,  # noqa: F401 (re-exported)
                      MAX_STREAMS, PREFIX, STREAM_ORDER, VERSION, canonical_order)
@@ -269,8 +269,45 @@ def stream_views(backend, blob, hdr: Header) -> dict:
     return out
 
 
+PAYLOAD_MISMATCH = "payload checksum mismatch (corrupted payload)"
+
+
 def verify_payload(backend, blob, hdr: Header) -> None:
     if hdr.flags & FLAG_CHECKSUM:
         got = sum64(backend.xp, blob[hdr.header_len:])
         if got != hdr.checksum:
-            raise FormatError("payload checksum mismatch (corrupted payload)")
+            raise FormatError(PAYLOAD_MISMATCH)
+
+
+class PayloadCheck:
+    """A CPU blob's payload checksum, verified later than verify_payload would: the CPU fused
+    decode sums the words as it decodes them (stages/fused_cpu.py) and hands the sum to
+    ``finish``; whoever else ends up with it calls ``verify``, which sums the payload itself.
+    The caller (kvzip/staged.py) verifies before anything reads the payload but that decode,
+    and before any error is raised, so the checksum error wins as with verify_payload."""
+
+    __slots__ = ("payload", "hdr", "done")
+
+    def __init__(self, blob, hdr: Header):
+        self.payload, self.hdr, self.done = blob[hdr.header_len:], hdr, False
+
+    def words(self):
+        """The payload as uint64 words (its length is a multiple of 16)."""
+        return self.payload.view(np.uint64)
+
+    def stream_at(self, name: str) -> int:
+        """Byte offset of a stream in the payload."""
+        return next(off for k, _, off, _ in self.hdr.streams if k == name)
+
+    def finish(self, inner) -> None:
+        """Compare sum64's inner sum, taken by the caller over every payload word, with the header's."""
+        self.done = True
+        if sum64_finish(inner, self.payload.shape[0]) != self.hdr.checksum:
+            raise FormatError(PAYLOAD_MISMATCH)
+
+    def verify(self) -> None:
+        """Sum the payload here, unless that was done already."""
+        if not self.done:
+            self.done = True
+            if sum64(np, self.payload) != self.hdr.checksum:
+                raise FormatError(PAYLOAD_MISMATCH)

@@ -94,9 +94,25 @@ def open_blob(u8, backend):
 
 
 def decode(pipe, u8, backend, origin):
-    """The tensor of one imported blob (u8 on backend), in the caller's framework."""
-    head, hdr, opened = open_blob(u8, backend)
-    out = export_decoded(decode_opened(pipe, opened), origin)
+    """The tensor of one imported blob (u8 on backend), in the caller's framework.
+
+    On the CPU a payload checksum is verified by the fused decode as it reads the words (a
+    PayloadCheck), not in a pass of its own before; still before any other step reads the
+    payload and before any error goes out: a corrupted payload's checksum error wins over the
+    errors the header checks or the decode would raise."""
+    head = container.read_head(backend, u8)
+    hdr = container.parse_header(head, u8.shape[0])
+    check = container.PayloadCheck(u8, hdr) if backend.name == "cpu" and hdr.flags & container.FLAG_CHECKSUM \
+        else None
+    try:
+        frame = decode_opened(pipe, frame_from_header(backend, u8, hdr, check), check)
+        if check is not None:
+            check.verify()  # a no-op where the fused decode verified it
+    except Exception:
+        if check is not None:
+            check.verify()
+        raise
+    out = export_decoded(frame, origin)
     container.remember_header(head, u8.shape[0], hdr)
     return out
 
@@ -106,22 +122,32 @@ def decode_frame(pipe, frame: Frame) -> Frame:
     return decode_opened(pipe, Serialize().decode(frame))
 
 
-def decode_opened(pipe, frame: Frame) -> Frame:
-    """Undo the stages of the pipeline an opened blob records (fused as pipe fuses)."""
+def decode_opened(pipe, frame: Frame, check: container.PayloadCheck | None = None) -> Frame:
+    """Undo the stages of the pipeline an opened blob records (fused as pipe fuses).  check: the
+    payload checksum still to verify (decode_steps says where)."""
     recorded = pipe.recorded(frame.meta, fuse=pipe.fuse)
     recorded.check_streams(frame)
-    frame = decode_steps(recorded.body_steps, frame)
+    frame = decode_steps(recorded.body_steps, frame, check)
     if set(frame.streams) != {"data"}:
         raise FormatError(f"decoding left streams {sorted(frame.streams)}; the blob holds unknown streams")
     return frame
 
 
-def decode_steps(steps, frame: Frame) -> Frame:
+def decode_steps(steps, frame: Frame, check: container.PayloadCheck | None = None) -> Frame:
+    """The steps' decoders, last step first.  check: verified by the fused CPU decode where that
+    runs first (it sums the words it decodes), else here before any step reads the payload."""
     trace.note("staged")
-    for step in reversed(steps):
-        frame = step.decode(frame)
+    steps = list(reversed(steps))
+    if check is not None and not (steps and isinstance(steps[0], FusedSplitPackEscape) and frame.backend.name == "cpu"):
+        check.verify()
+        check = None
+    for step in steps:
         if isinstance(step, FusedSplitPackEscape):
+            frame = step.decode(frame, check)
             trace.note("fused")
+        else:
+            frame = step.decode(frame)
+        check = None
     return frame
 
 

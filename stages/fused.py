@@ -34,9 +34,19 @@ def _encode_cpu(src, n, E, M, lut, C, codes, rest, esc_count, esc_pos, esc_exp, 
     return fused_cpu.encode(src, n, E, M, lut, C, codes, rest, esc_count, esc_pos, esc_exp, exp_high)
 
 
-def _decode_cpu(codes, rest, esc_count, esc_pos, esc_exp, exp_high, n, E, M, dlut, C, dst):
-    """The CPU decode into dst; returns 0 or a key of kvzip.errors.DECODE_ERRORS."""
-    return fused_cpu.decode(codes, rest, esc_count, esc_pos, esc_exp, exp_high, n, E, M, dlut, C, dst)
+def _decode_cpu(codes, rest, esc_count, esc_pos, esc_exp, exp_high, n, E, M, dlut, C, dst, check=None):
+    """The CPU decode into dst; returns 0 or a key of kvzip.errors.DECODE_ERRORS.  check (a
+    container.PayloadCheck): verified on the way, from the words the decode reads; where the
+    decode failed, by a pass of its own first, so that a corrupted payload's checksum error wins."""
+    if check is None:
+        return fused_cpu.decode(codes, rest, esc_count, esc_pos, esc_exp, exp_high, n, E, M, dlut, C, dst)[0]
+    code, inner = fused_cpu.decode(codes, rest, esc_count, esc_pos, esc_exp, exp_high, n, E, M, dlut, C, dst,
+                                   check.words(), check.stream_at("codes"), check.stream_at("rest"))
+    if inner is None:
+        check.verify()
+    else:
+        check.finish(inner)
+    return code
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -277,8 +287,12 @@ class FusedSplitPackEscape:
         out.meta.pop("codebook", None)
         return out
 
-    def decode(self, frame: Frame) -> Frame:
+    def decode(self, frame: Frame, check=None) -> Frame:
+        """check: a CPU frame's payload checksum, still to verify (container.PayloadCheck)."""
         fmt, backend, n, C = frame.format, frame.backend, frame.n, self.chunk
+        if check is not None and backend.name != "cpu":
+            check.verify()  # only the CPU kernels sum as they decode
+            check = None
         cb = self.check(frame)
         xp = backend.xp
         G = groups(n)
@@ -289,8 +303,8 @@ class FusedSplitPackEscape:
         dlut = backend.from_numpy(cb.decode_lut())
         dst = backend.empty(n, fmt.uint_dtype)
         if backend.name == "cpu":
-                code = _decode_cpu(codes, rest, esc_count, streams["esc_pos"], streams["esc_exp"], streams["exp_high"],
-                               n, E, M, dlut, C, dst)
+            code = _decode_cpu(codes, rest, esc_count, streams["esc_pos"], streams["esc_exp"], streams["exp_high"],
+                               n, E, M, dlut, C, dst, check)
         else:
             _, _, _, k_dec, k_patch = _cuda_kernels()
             esc_off, plane_off, _, _ = _chunk_offsets(xp, esc_count, backend.from_numpy(chunk_groups), fmt.high_exp_bits)

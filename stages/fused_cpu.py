@@ -27,6 +27,7 @@ import numpy as np
 
 from kvzip import cpu_parallel
 from kvzip.bitlogic import CPU, ESCAPE, PLANE
+from kvzip.checksum import sum_terms
 from kvzip.jit import cpu_jit
 
 # The shared helpers as globals of this module: cached kernels call them by global name (kvzip/jit.py).
@@ -110,6 +111,7 @@ def kernels(E: int, M: int):
     Closures over ints and a bool only, so Numba's disk cache keeps one entry per format; the
     functions they call are this module's globals (kvzip/jit.py says why)."""
     HB = E - 4
+    R = M + 1  # rest bytes a group
     EMASK = (1 << E) - 1
     bf16 = (E, M) == (8, 7) and sys.byteorder == "little"  # the word views read little-endian words
 
@@ -150,13 +152,22 @@ def kernels(E: int, M: int):
 
     @_jit
     def decode_range(codes, rest, esc_count, esc_off, plane_off, esc_pos, esc_exp, exp_high, n, dlut, C, c0, c1,
-                     dst, codes32, rest64, dst64):
-        """Decode chunks c0..c1; returns 8 * chunk + error code of the first bad chunk, or -1."""
+                     dst, codes32, rest64, dst64, words, cw, rw):
+        """Decode chunks c0..c1; returns (8 * chunk + error code of the first bad chunk, or -1;
+        the sum64 terms of the payload words the chunks' codes and rest lie in).  words: the
+        payload as uint64 words, codes and rest starting at words cw and rw (empty: no sum).
+        A chunk's words are those whose first byte lies in its codes or rest bytes, so the
+        chunks of a decode tile two word ranges exactly (stages/fused_cpu.py, decode)."""
         G = (n + 7) // 8
         gpc = C // 8
+        summing = words.shape[0] > 0
+        total = np.uint64(0)
         for c in range(c0, c1):
             g0 = c * gpc
             g1 = min(g0 + gpc, G)
+            if summing:  # first: it brings the chunk's lines in for the decode below
+                total += sum_terms(words, cw + (4 * g0 + 7) // 8, cw + (4 * g1 + 7) // 8)
+                total += sum_terms(words, rw + (R * g0 + 7) // 8, rw + (R * g1 + 7) // 8)
             cnt = int(esc_count[c])
             if cnt == PLANE:
                 hoff = plane_off[c]
@@ -176,12 +187,12 @@ def kernels(E: int, M: int):
                 pos = int(esc_pos[k])
                 e = int(esc_exp[k])
                 if pos >= length or pos <= prev:
-                    return 8 * c + 3
+                    return 8 * c + 3, total
                 prev = pos
                 if e > EMASK:
-                    return 8 * c + 4
+                    return 8 * c + 4, total
                 patch_exponent(dst, c * C + pos, e, E, M)
-        return -1
+        return -1, total
 
     return encode_range, decode_range
 
@@ -269,8 +280,19 @@ def encode(src, n, E, M, lut, C, codes, rest, esc_count, esc_pos, esc_exp, exp_h
     return int(ne), int(nh)
 
 
-def decode(codes, rest, esc_count, esc_pos, esc_exp, exp_high, n, E, M, dlut, C, dst) -> int:
-    """Rebuild the n values into dst; returns 0, or the error code the serial decoder gives."""
+_NO_WORDS = np.zeros(0, np.uint64)
+
+
+def decode(codes, rest, esc_count, esc_pos, esc_exp, exp_high, n, E, M, dlut, C, dst, words=None, codes_at=0,
+           rest_at=0):
+    """Rebuild the n values into dst; returns (0, or the error code the serial decoder gives;
+    the inner sum of sum64 over words, or None).
+
+    words: the payload as uint64 words, holding codes and rest at byte offsets codes_at and
+    rest_at (multiples of 8): each task also sums the terms of the words its chunks' codes and
+    rest lie in while they are in cache, and the words outside those two ranges (the other
+    streams, padding) are summed after.  Additions mod 2**64 in any order give the same sum.
+    The sum is None where words is None or the decode found an error (its tasks stopped early)."""
     _, decode_range = kernels(E, M)
     nchunks = esc_count.shape[0]
     esc_off = np.empty(nchunks, np.int64)
@@ -279,12 +301,28 @@ def decode(codes, rest, esc_count, esc_pos, esc_exp, exp_high, n, E, M, dlut, C,
                                         plane_off)
 
     dst64, codes32, rest64 = _word_views(dst, codes, rest, E, M)
+    summing = words is not None
+    w = words if summing else _NO_WORDS
+    cw, rw = codes_at // 8, rest_at // 8
 
     def work(c0, c1):
         return decode_range(codes, rest, esc_count, esc_off, plane_off, esc_pos, esc_exp, exp_high, n, dlut, C,
-                            c0, c1, dst, codes32, rest64, dst64)
+                            c0, c1, dst, codes32, rest64, dst64, w, cw, rw)
 
-    errors = [e for e in cpu_parallel.run_ranges(work, cpu_parallel.split(stop, C * dst.itemsize)) if e >= 0]
+    results = cpu_parallel.run_ranges(work, cpu_parallel.split(stop, C * dst.itemsize))
+    errors = [e for e, _ in results if e >= 0]
     if count_error >= 0:
         errors.append(count_error)
-    return min(errors) % 8 if errors else 0
+    if errors:
+        return min(errors) % 8, None
+    if not summing:
+        return 0, None
+    total = sum(int(t) for _, t in results)
+    G = (n + 7) // 8
+    covered = sorted([(cw, cw + (4 * G + 7) // 8), (rw, rw + ((M + 1) * G + 7) // 8)])
+    start = 0
+    for lo, hi in covered + [(w.shape[0], w.shape[0])]:
+        if lo > start:
+            total += int(sum_terms(w, start, lo))
+        start = max(start, hi)
+    return 0, total % (1 << 64)

@@ -257,6 +257,60 @@ def test_every_payload_bit_flip_with_checksum(name):
         blob[bit // 8] ^= 1 << (bit % 8)
 
 
+@pytest.mark.parametrize("name", ["bf16 listed escapes +checksum", "fp32 escapes +checksum",
+                                  "e5m2 plane and listed +checksum", "quantize e5m2"])
+def test_checksum_error_wins_over_the_decodes_and_the_headers(name):
+    """On the CPU the fused decode verifies the checksum from the words it decodes
+    (container.PayloadCheck), later than a pass before the decode would: a blob the decode or the
+    header checks reject still reports the checksum mismatch when its checksum is wrong, and the
+    other error when it is right."""
+    if name not in BASE:
+        pytest.skip("QuantizeFP8 not available")
+    meta, flags, streams = unpack(BASE[name][0])
+    if not flags & container.FLAG_CHECKSUM:  # the quantizing pipeline's blob: give it a checksum
+        flags |= container.FLAG_CHECKSUM
+    counts = stream_array(streams, "esc_count")
+    pos = stream_array(streams, "esc_pos")
+    codes = stream_array(streams, "codes")
+    first = int(np.flatnonzero(counts != 0xFFFF)[0])
+    bad_count, bad_pos, other_codes = counts.copy(), pos.copy(), codes.copy()
+    bad_count[first] += 1
+    if bad_pos.size:
+        bad_pos[0] = 0xFFFF
+    other_codes[-1] ^= 0x11
+    shape = dict(meta, shape=[meta["n"] + 1])
+    cases = [(meta, with_stream(streams, "esc_count", bad_count.tobytes())),
+             (meta, with_stream(streams, "esc_pos", bad_pos.tobytes())),
+             (meta, with_stream(streams, "codes", other_codes.tobytes())),  # decodes, to other values
+             (shape, streams)]
+    for m, s in cases:
+        right = rebuild(m, s, flags)
+        wrong = rebuild(m, s, flags, checksum=container.parse_header(right, len(right)).checksum ^ (1 << 63))
+        assert_rejected(wrong, match="payload checksum mismatch")
+        for dec in DECODERS.values():
+            try:
+                dec(right)
+            except FormatError as e:
+                assert "checksum" not in str(e)
+
+
+def test_fused_cpu_decode_sums_the_payload_itself(monkeypatch):
+    """kvzip.decompress on the CPU verifies a checksum from the fused decode's own sums: no pass of
+    sum64 over the payload; other pipelines (here the stages one by one) still take that pass."""
+    from kvzip import checksum
+
+    passes = []
+    real = checksum._cpu_total
+    monkeypatch.setattr(checksum, "_cpu_total", lambda words: passes.append(words.shape[0]) or real(words))
+    for name in ("bf16 listed escapes +checksum", "e5m2 plane and listed +checksum", "fp32 escapes +checksum"):
+        blob, bits, fmt = BASE[name]
+        assert np.asarray(kvzip.decompress(blob)).view(bits.dtype).tobytes() == np.asarray(bits).tobytes()
+        assert passes == [], name
+        STAGED.decode(blob)
+        assert len(passes) == 1
+        passes.clear()
+
+
 @settings(max_examples=examples(300))
 @given(name=st.sampled_from(UNCHECKED), data=st.data())
 def test_payload_corruption_without_checksum_never_crashes(name, data):

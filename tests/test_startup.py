@@ -53,7 +53,7 @@ USE_SCRIPT = textwrap.dedent("""
 
 # The kernels a compress / decompress of the script above runs at the top level.
 TOP_KERNELS = {"kernels.<locals>.encode_range", "kernels.<locals>.decode_range", "_compact", "_decode_offsets",
-               "_sum_terms", "_cpu_kernels.<locals>.amax", "_cpu_kernels.<locals>.scales",
+               "sum_terms", "_cpu_kernels.<locals>.amax", "_cpu_kernels.<locals>.scales",
                "_cpu_kernels.<locals>.encode", "_cpu_kernels.<locals>.decode"}
 
 
