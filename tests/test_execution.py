@@ -1,0 +1,67 @@
+"""kvzip/execution.py's one executor choice, the immutable Pipeline and the per-thread path
+record (kvzip/trace.py), on the CPU."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import kvzip
+from kvzip import execution, testing as kt
+from kvzip.trace import last_path
+
+
+def test_a_pipeline_cannot_be_changed():
+    pipe = kvzip.splitzip_pipeline()
+    with pytest.raises(AttributeError, match="immutable"):
+        pipe.fuse = False
+    with pytest.raises(AttributeError):
+        pipe.stages.append(kvzip.stages.Serialize())  # a tuple
+    assert kvzip.Pipeline(pipe.stages, fuse=False).fuse is False
+    with pytest.raises(TypeError):
+        kvzip.Pipeline(pipe.stages, fuse=0)
+
+
+def test_equal_pipelines_share_a_key_and_differ_from_the_unfused():
+    a, b = kvzip.splitzip_pipeline(chunk=256), kvzip.splitzip_pipeline(chunk=256)
+    assert a is not b and a.key == b.key and a == b and hash(a) == hash(b)
+    assert kvzip.Pipeline(a.stages, fuse=False).key != a.key
+    assert kvzip.splitzip_pipeline(chunk=512).key != a.key
+
+
+def test_the_choice_is_made_once_per_shape_and_stays_bounded(monkeypatch):
+    monkeypatch.setattr(execution, "MAX_ENCODERS", 8)
+    execution.forget()
+    pipe = kvzip.splitzip_pipeline()
+    for n in range(1, 21):  # twenty shapes through a cache of eight
+        bits = kt.kv_like_bits("bf16", n, seed=n)
+        np.testing.assert_array_equal(kvzip.decompress(pipe.encode(bits, dtype="bf16")).view(np.uint16), bits)
+        assert len(execution._encoders) <= 8
+    keys = list(execution._encoders)
+    assert [k[2] for k in keys] == [(n,) for n in range(13, 21)]  # the oldest went first
+    assert all(v is None for v in execution._encoders.values())  # on the CPU: the staged executor
+    pipe.encode(kt.kv_like_bits("bf16", 20, seed=1), dtype="bf16")
+    assert list(execution._encoders) == keys  # a shape seen before: no new choice
+    execution.forget()
+    assert not execution._encoders
+
+
+def test_the_path_is_per_thread():
+    bits = kt.kv_like_bits("bf16", 5000, seed=3)
+    fused, staged = kvzip.splitzip_pipeline(), kvzip.Pipeline(kvzip.splitzip_pipeline().stages, fuse=False)
+    seen = {}
+    start = threading.Barrier(2)
+
+    def run(name, pipe):
+        start.wait()
+        for _ in range(20):
+            pipe.encode(bits, dtype="bf16")
+            seen.setdefault(name, set()).add(last_path())
+
+    threads = [threading.Thread(target=run, args=a) for a in (("fused", fused), ("staged", staged))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"fused": {"fused"}, "staged": {"staged"}}
