@@ -62,22 +62,6 @@ QUEUE_WORDS = 128       # work words of the dense kernels' chunk queues (common.
 # kvzip/gpu/tuning.py; benchmarks change them through tuning.override().
 
 
-def _instances(fmt):
-    """The kernel names of one format: encode, encode-side scan, decode-side scan, decode."""
-    return loader.instances(fmt)
-
-
-def _quantizing_encode(fmt) -> tuple[str, str]:
-    """kvz_encode and its scan for an FP8 format reading 16-bit values and quantizing them as
-    they load (QuantizeFP8 per tensor fused in)."""
-    return loader.quantizing_encode(fmt)
-
-
-def _dequantizing_decode(fmt) -> str:
-    """kvz_decode of an FP8 format writing 16-bit values through each job's dq_table."""
-    return loader.dequantizing_decode(fmt)
-
-
 def slot_size(chunk: int, fmt_name: str | None = None) -> int:
     """Escapes kvz_encode keeps per chunk for kvz_scan to place (3 % of the chunk, at least 128:
     far more than the shipped real KV's chunks hold); a chunk with more is collected again from
@@ -313,10 +297,10 @@ class _EncodeProgram:
         tmpl_host = np.frombuffer(b"".join(templates), np.uint8)
         # work: scan ticket, totals, look-back, kvz_encode's chunk queues, each tensor's chunks done
         self.sizes_nb, work_nb = SIZES.nbytes * k, 8 * (1 + k + total_sb + QUEUE_WORDS + k)
-        enc, scan, _, _ = _instances(fmt)
+        enc, scan, _, _ = loader.instances(fmt)
         ops = [("upload", 3), ("zero", 3)]
         if quantize:
-            enc, scan = _quantizing_encode(fmt)
+            enc, scan = loader.quantizing_encode(fmt)
             amax, table = quantize_kernels.kernels(quantize, fmt.name, device)
             p = plans[0]
             ops += [("zero", 7),
@@ -665,8 +649,8 @@ class _DecodeProgram:
         self.fixed = np.array(fixed, np.uint64).reshape(k, 3)
         # The downloads: the scan's ticket, each blob's error, and the scan's deferred checks.
         self.out_bytes, self.dtype, self.errors_nb = out_at, out_fmt.uint_dtype, 8 * (2 + k)
-        _, _, scan, dec = _instances(fmt)
-        dec = _dequantizing_decode(fmt) if dequantize else dec
+        _, _, scan, dec = loader.instances(fmt)
+        dec = loader.dequantizing_decode(fmt) if dequantize else dec
         # Workspace: jobs (| heads: blob address and length) | zeroed work (scan ticket, per-tensor
         # errors, deferred checks, scan blocks done, the line of scan blocks whose offsets are
         # written, look-back, decode chunk queue) | chunk offsets
