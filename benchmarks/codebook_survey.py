@@ -9,12 +9,8 @@ the any-model issue's choice rule; ratios only (the bytes are the GPU's too), no
 The stride is prime on purpose: a stride that divides the head dimension (64 with SmolLM2's 64
 or MiniLM's 32) samples one channel of every head and misses the others' exponents.
 
-Variants (bit-exact operations on BF16 values, so they are real values a model could hold):
-  as-is         the tensor
-  layer-scaled  times 2**(layer % 7 - 3)            (a model whose layers differ in scale)
-  chan-scaled   times 2**(channel % 8 - 4)          (per-channel scales, as after smoothing)
-  zeros-5%      5 % of the values set to +0         (pruned or padded KV)
-  wide          times 2**(channel % 32 - 16)        (a wide exponent range)
+Variants: kvzip.testing.kv_variant (bit-exact: per-layer and per-channel power-of-two scales,
+5 % exact zeros, a wide exponent range).
 Writes DIR/codebook-survey-cpu.json (machine, versions and date inside) and prints a summary.
 """
 from __future__ import annotations
@@ -32,9 +28,9 @@ import numpy as np
 import kvzip
 from kvzip.calibrate import choose_exponents, exponent_histogram
 from kvzip.formats import FORMATS
+from kvzip.testing import KV_VARIANTS as VARIANTS, kv_variant
 
 BF16 = FORMATS["bf16"]
-VARIANTS = ("as-is", "layer-scaled", "chan-scaled", "zeros-5%", "wide")
 
 
 def load(path: Path) -> dict:
@@ -43,35 +39,6 @@ def load(path: Path) -> dict:
     from safetensors.torch import load_file
 
     return {k: t.contiguous().view(torch.int16).numpy().view(np.uint16) for k, t in load_file(str(path)).items()}
-
-
-def _scaled(bits: np.ndarray, shift) -> np.ndarray:
-    """bits * 2**shift (shift broadcast over bits), exact in BF16 while no value leaves the range."""
-    import torch
-
-    x = torch.from_numpy(np.array(bits.view(np.int16))).view(torch.bfloat16).float()
-    y = torch.ldexp(x, torch.as_tensor(shift, dtype=torch.float32).expand_as(x))
-    back = y.to(torch.bfloat16)
-    if not torch.equal(back.float(), y) or not torch.isfinite(back).all() == torch.isfinite(x).all():
-        raise ValueError("scaling left BF16's exact range")
-    return back.view(torch.int16).numpy().view(np.uint16)
-
-
-def variant(bits: np.ndarray, name: str, layer: int, rng) -> np.ndarray:
-    channels = np.arange(bits.shape[-1])
-    if name == "as-is":
-        return bits
-    if name == "layer-scaled":
-        return _scaled(bits, np.full(bits.shape, layer % 7 - 3))
-    if name == "chan-scaled":
-        return _scaled(bits, np.broadcast_to(channels % 8 - 4, bits.shape))
-    if name == "wide":
-        return _scaled(bits, np.broadcast_to(channels % 32 - 16, bits.shape))
-    if name == "zeros-5%":
-        out = bits.copy()
-        out.reshape(-1)[rng.random(out.size) < 0.05] = 0
-        return out
-    raise ValueError(name)
 
 
 def ratio_of(bits: np.ndarray, codebook) -> tuple[float, float]:
@@ -88,14 +55,13 @@ def own_codebook(bits: np.ndarray, stride: int = 1):
 
 def survey(data: Path, stride: int) -> list[dict]:
     rows = []
-    rng = np.random.default_rng(0)
     for path in sorted(data.glob("*.safetensors")):
         tensors = load(path)
         print(f"{path.name}: {len(tensors)} tensors", flush=True)
         for key, bits in tensors.items():
             layer = int(key.split(".")[0].removeprefix("layer"))
             for name in VARIANTS:
-                v = variant(bits, name, layer, rng)
+                v = kv_variant(bits, name, layer, seed=layer)
                 row = {"file": path.name, "tensor": key, "variant": name, "values": int(v.size)}
                 for label, cb in (("default", None), ("own", own_codebook(v)), ("sampled", own_codebook(v, stride))):
                     row[f"ratio_{label}"], row[f"escapes_{label}"] = ratio_of(v, cb)

@@ -395,6 +395,44 @@ def real_kv_layers(n_layers: int, tokens: int, device: str = "cpu", values=None,
     return layers
 
 
+# Adversarial-but-real variants of real BF16 KV: bit-exact operations, so each is a tensor a
+# model could hold.  Scaling by powers of two moves exponents without touching mantissas.
+KV_VARIANTS = ("as-is", "layer-scaled", "chan-scaled", "zeros-5%", "wide")
+
+
+def scale_pow2(bits: np.ndarray, shift) -> np.ndarray:
+    """BF16 bits times 2**shift (an int or an array broadcast over bits), exactly: ValueError
+    where a value would leave BF16's range or lose bits (a subnormal result, an overflow)."""
+    f = (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    with np.errstate(over="ignore", under="ignore"):
+        g = np.ldexp(f, np.asarray(shift, np.int32)).astype(np.float32)
+    out = g.view(np.uint32)
+    if (out & 0xFFFF).any() or (np.isfinite(g) != np.isfinite(f)).any() or ((f != 0) & (g == 0)).any():
+        raise ValueError("scaling by a power of two left BF16's exact range")
+    return (out >> 16).astype(np.uint16)
+
+
+def kv_variant(bits: np.ndarray, name: str, layer: int = 0, seed: int = 0) -> np.ndarray:
+    """A variant of BF16 KV bits of shape [..., channels] (KV_VARIANTS):
+    "layer-scaled" times 2**(layer % 7 - 3) (layers of different scale); "chan-scaled" times
+    2**(channel % 8 - 4) (per-channel scales); "zeros-5%" 5 % of the values +0; "wide" times
+    2**(channel % 32 - 16) (a wide exponent range); "as-is" the bits themselves."""
+    channels = np.arange(bits.shape[-1])
+    if name == "as-is":
+        return bits
+    if name == "layer-scaled":
+        return scale_pow2(bits, layer % 7 - 3)
+    if name == "chan-scaled":
+        return scale_pow2(bits, np.broadcast_to(channels % 8 - 4, bits.shape))
+    if name == "wide":
+        return scale_pow2(bits, np.broadcast_to(channels % 32 - 16, bits.shape))
+    if name == "zeros-5%":
+        out = np.array(bits, np.uint16)
+        out.reshape(-1)[np.random.default_rng(seed).random(out.size) < 0.05] = 0
+        return out
+    raise ValueError(f"unknown KV variant {name!r}; known: {KV_VARIANTS}")
+
+
 def bits_of(x) -> tuple[np.ndarray, str, tuple[int, ...]]:
     """(C-order raw bits as a 1-D unsigned NumPy array, dtype name, shape) of a NumPy array or a
     CPU torch tensor of any kvzip format."""

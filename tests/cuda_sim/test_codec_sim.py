@@ -266,3 +266,16 @@ def test_truncated_and_flipped_on_cuda():
         raw[i] ^= 1 << int(rng.integers(8))
         with pytest.raises(FormatError):
             kvzip.decompress(raw, backend="cuda")
+
+
+@pytest.mark.parametrize("variant", ["chan-scaled", "zeros-5%"])
+def test_cuda_kernels_match_cpu_on_real_kv_variants(variant):
+    """The Numba-CUDA kernels on real KV whose channels are scaled by powers of two (escapes in
+    every chunk) or with exact zeros: the CPU's bytes, and the values back."""
+    from kvzip.data import load_sample
+
+    t = sorted(load_sample("code").items())[0][1]
+    bits = np.ascontiguousarray(kt.kv_variant(np.ascontiguousarray(t).view(np.uint16), variant, layer=1)).ravel()[:6000]
+    gpu = kvzip.compress(bits, dtype="bf16", chunk=256, backend="cuda")
+    np.testing.assert_array_equal(np.asarray(gpu), kvzip.compress(bits, dtype="bf16", chunk=256, backend="cpu"))
+    np.testing.assert_array_equal(np.asarray(kvzip.decompress(gpu, backend="cuda")).view(np.uint16), bits)
