@@ -9,6 +9,7 @@ import numpy as np
 
 from . import arrays, container, execution
 from .backends import get_backend
+from .codebook import Codebook
 from .pipeline import Pipeline
 from .stages import EscapeStream, ExponentSplit, Serialize, Top16Pack
 from .stages.serialize import frame_from_header
@@ -60,13 +61,23 @@ def _shared(codebook, checksum, chunk) -> Pipeline:
     return splitzip_pipeline(codebook, checksum=checksum, chunk=chunk)
 
 
+@lru_cache(maxsize=64)
+def _shared_by_content(fmt_name: str, exponents: tuple, name, checksum, chunk) -> Pipeline:
+    return splitzip_pipeline(Codebook(exponents, fmt_name, name), checksum=checksum, chunk=chunk)
+
+
 def _default(codebook, checksum, chunk) -> Pipeline:
     """The pipeline compress()/decompress() run: built once per setting when the codebook is a
-    name or the default (building one costs ~8 us a call); private, so no caller can change it.
-    Only exact types reach the cache: it matches keys by equality, and 0 == False, 4096.0 == 4096,
-    which the stages refuse; so a cached answer is always the one a fresh build would give."""
-    if (codebook is None or type(codebook) is str) and type(checksum) is bool and type(chunk) is int:
-        return _shared(codebook, checksum, chunk)
+    name, the default or a Codebook object (by content: its format, exponents and name, all a blob
+    records of it; so the same object comes back for equal codebooks, and the GPU executor's
+    shortcuts for a call like the last apply); private, so no caller can change it.  Only exact
+    types reach the caches: they match keys by equality, and 0 == False, 4096.0 == 4096, which the
+    stages refuse; so a cached answer is always the one a fresh build would give."""
+    if type(checksum) is bool and type(chunk) is int:
+        if codebook is None or type(codebook) is str:
+            return _shared(codebook, checksum, chunk)
+        if type(codebook) is Codebook and (codebook.name is None or len(codebook.name) <= 256):
+            return _shared_by_content(codebook.format.name, codebook.exponents, codebook.name, checksum, chunk)
     return splitzip_pipeline(codebook, checksum=checksum, chunk=chunk)
 
 

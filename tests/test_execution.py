@@ -65,3 +65,20 @@ def test_the_path_is_per_thread():
     for t in threads:
         t.join()
     assert seen == {"fused": {"fused"}, "staged": {"staged"}}
+
+
+def test_compress_reuses_one_pipeline_for_equal_codebook_objects():
+    """A Codebook object reaches the same cached pipeline as an equal one (by format, exponents
+    and name: all a blob records of it), so its calls take the paths a named codebook's take; the
+    bytes are those of a freshly built pipeline."""
+    from kvzip import api
+
+    bits = kt.kv_like_bits("bf16", 20000, seed=9)
+    a = kvzip.calibrate(bits, format="bf16", name="mine")
+    b = kvzip.Codebook(a.exponents, "bf16", "mine", provenance={"other": "record"})
+    assert api._default(a, False, 4096) is api._default(b, False, 4096)
+    assert api._default(a, False, 4096) is not api._default(a, True, 4096)
+    assert api._default(kvzip.Codebook(a.exponents, "bf16", "other"), False, 4096) is not api._default(a, False, 4096)
+    np.testing.assert_array_equal(kvzip.compress(bits, codebook=a, dtype="bf16"),
+                                  kvzip.splitzip_pipeline(a).encode(bits, dtype="bf16"))
+    assert kvzip.info(kvzip.compress(bits, codebook=b, dtype="bf16"))["codebook"] == "mine"
