@@ -671,7 +671,7 @@ class ResultBuffer(DeviceBuffer):
         """The buffer as a CuPy uint8 array (for a torch buffer, a view of its tensor)."""
         if self._array is None and self.tensor is not None:
             self._array = _cupy_over_torch(self.tensor, (self.nbytes,), _U8, self.origin.device_index)
-        return DeviceBuffer.array.fget(self)
+        return super().array
 
     def places(self, starts) -> list:
         """DeviceBuffer.places (None for a torch buffer: nothing to work out)."""

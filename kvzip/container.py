@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import layout as _layout
-from .checksum import sum64, sum64_finish
+from .checksum import sum64, sum64_finish, sum64_start
 from .errors import FormatError
 from .layout import (ALIGN, FLAG_CHECKSUM, FLAG_STORED, KNOWN_FLAGS, MAGIC, MAX_HEADER,  # noqa: F401 (re-exported)
                      MAX_STREAMS, PREFIX, STREAM_ORDER, VERSION, canonical_order)
@@ -308,6 +308,4 @@ class PayloadCheck:
     def verify(self) -> None:
         """Sum the payload here, unless that was done already."""
         if not self.done:
-            self.done = True
-            if sum64(np, self.payload) != self.hdr.checksum:
-                raise FormatError(PAYLOAD_MISMATCH)
+            self.finish(sum64_start(np, self.payload))

@@ -158,9 +158,7 @@ def escape_layout(var_base: int, escapes: int, high_bytes: int) -> tuple[int, in
 
 def escape_payload_len(var_base: int, escapes: int, high_bytes: int) -> int:
     """escape_layout's payload length alone (the encoders size every blob by it)."""
-    exp_at = (var_base + ESC_POS_BYTES * escapes + _UP) & ~_UP
-    high_at = (exp_at + escapes + _UP) & ~_UP
-    return (high_at + high_bytes + _UP) & ~_UP
+    return escape_layout(var_base, escapes, high_bytes)[3]
 
 
 def escapes_laid_out(payload_len: int, escapes: tuple) -> bool:
@@ -204,15 +202,11 @@ def table_fits(stream_count: int, meta_len: int, header_len: int) -> bool:
     return stream_count <= MAX_STREAMS and TABLE_AT + ENTRY_SIZE * stream_count + meta_len <= header_len
 
 
-_NESC, _ESCAPES_SIZE = len(ESCAPE_STREAMS), ESCAPES.size
-_ESC_BASE = TABLE_AT - ENTRY_SIZE * _NESC  # escapes_at(s) == _ESC_BASE + ENTRY_SIZE * s
-
-
 def escape_entries_at(stream_count: int, header_len: int) -> int | None:
     """escapes_at(stream_count) when a header of header_len bytes holds the escape streams'
     entries there (so the table has them: stream_count >= 3), else None."""
-    at = _ESC_BASE + ENTRY_SIZE * stream_count
-    return at if stream_count >= _NESC and at + _ESCAPES_SIZE <= header_len else None
+    at = escapes_at(stream_count)
+    return at if stream_count >= len(ESCAPE_STREAMS) and at + ESCAPES.size <= header_len else None
 
 
 # The header fields that follow the escape count, which a remembered layout's header has blanked
@@ -256,7 +250,6 @@ def cuh() -> str:
         f"#define KVZ_ESC_POS_BYTES {ESC_POS_BYTES}",
         "// esc_count of a plane-coded chunk.",
         f"#define PLANE 0x{PLANE:X}u",
-        "",
         "",
     ]
     return "\n".join(lines)

@@ -134,11 +134,11 @@ def decode_opened(pipe, frame: Frame, check: container.PayloadCheck | None = Non
 
 
 def decode_steps(steps, frame: Frame, check: container.PayloadCheck | None = None) -> Frame:
-    """The steps' decoders, last step first.  check: verified by the fused CPU decode where that
-    runs first (it sums the words it decodes), else here before any step reads the payload."""
+    """The steps' decoders, last step first.  check: verified by the fused decode where that runs
+    first (on the CPU it sums the words it decodes), else here before any step reads the payload."""
     trace.note("staged")
     steps = list(reversed(steps))
-    if check is not None and not (steps and isinstance(steps[0], FusedSplitPackEscape) and frame.backend.name == "cpu"):
+    if check is not None and not (steps and isinstance(steps[0], FusedSplitPackEscape)):
         check.verify()
         check = None
     for step in steps:

@@ -303,20 +303,21 @@ def decode_general(pipe, rest: list, out: list, labelled: bool = True) -> bool:
         if steps and isinstance(steps[-1], FusedSplitPackEscape) and programs.decode_applicable(frame):
             fused = steps[-1]
             cb = fused.check(frame)
-            groups.setdefault((frame.format.name, fused.chunk), []).append((i, frame, origin, steps, cb, head, u8, hdr))
+            groups.setdefault((frame.format.name, fused.chunk), []).append((i, frame, origin, recorded, cb, head, u8, hdr))
         else:
             out[i] = staged.export_decoded(staged.decode_steps(steps, frame), origin)
             container.remember_header(head, u8.shape[0], hdr)
     for (_, chunk), members in groups.items():
         dsts = programs.decode_batch([m[1] for m in members], chunk, [m[4] for m in members],
                                      [m[0] for m in members] if labelled else None)
-        for (i, opened, origin, steps, _, head, u8, hdr), dst in zip(members, dsts):
+        for (i, opened, origin, recorded, _, head, u8, hdr), dst in zip(members, dsts):
+            steps = recorded.body_steps
             frame = steps[-1].finish_decode(opened, dst)
             for step in reversed(steps[:-1]):
                 frame = step.decode(frame)
             out[i] = staged.export_decoded(frame, origin)
             container.remember_header(head, u8.shape[0], hdr)
-            layout_cache.remember(head, u8.shape[0], opened, pipe.recorded(opened.meta).stages)
+            layout_cache.remember(head, u8.shape[0], opened, recorded.stages)
         trace.note("fast")
     return bool(groups)
 

@@ -50,4 +50,3 @@ static_assert(KVZ_RESERVED_AT % KVZ_RESERVED_SIZE == 0, "reserved is aligned to 
 #define KVZ_ESC_POS_BYTES 2
 // esc_count of a plane-coded chunk.
 #define PLANE 0xFFFFu
-
