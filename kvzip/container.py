@@ -17,6 +17,12 @@
     H       P     payload: streams in table order, each starting 16-byte aligned, zero padding between
 
 All integers little-endian.  Parsing validates every field before anything is sliced.
+
+That is version 1.  Blobs of the preset pipeline get the compact version-2 header instead
+(docs/format.md section 13; kvzip/layout.py's COMPACT_FIELDS): 64 bytes of fixed fields that
+stand for exactly the version-1 header of the same blob; parse_header turns either into the
+same Header, and writers go through header_for, which picks the compact one when it holds the
+blob exactly.
 The layout itself (field offsets, alignment, stream order, the escape streams' arithmetic) is
 kvzip/layout.py's; the names below are re-exported from there.
 """
@@ -68,6 +74,138 @@ def build_header(meta: dict, streams: list[tuple[str, str, int]], flags: int, ch
     raw = bytearray(prefix + table + text + bytes(header_len - PREFIX.size - len(table) - len(text)))
     _layout.seal(raw)
     return bytes(raw)
+
+
+def header_for(meta: dict, streams: list[tuple[str, str, int]], flags: int, checksum: int = 0) -> bytes:
+    """The header a writer writes: the compact one (version 2) when it holds this blob exactly,
+    else build_header's (version 1)."""
+    compact = compact_header(meta, streams, flags, checksum)
+    return compact if compact is not None else build_header(meta, streams, flags, checksum)
+
+
+_FORMAT_OF_CODE = {code: name for name, code in _layout.DTYPE_CODES.items()}
+_SOURCE_CODE = {name: code for code, name in enumerate(_layout.CODEBOOK_SOURCES)}
+_COMPACT_CODEBOOK = _layout.COMPACT_FIELD["codebook"]
+
+
+def compact_header(meta: dict, streams: list[tuple[str, str, int]], flags: int, checksum: int = 0) -> bytes | None:
+    """The version-2 header of a blob with this metadata and these streams [(name, dtype name,
+    nbytes)], or None where it cannot hold them exactly: a pipeline other than the preset one
+    (or its stored-raw fallback), a codebook name other than the shipped default's, n >= 2**32,
+    a shape whose LEB128 takes more than 8 bytes.  Exactly: a reader's metadata and streams of
+    it are these (compared here), so choosing it loses nothing."""
+    fmt = _format_name(meta.get("dtype"))
+    shape = meta.get("shape")
+    if fmt is None or type(shape) is not list or len(shape) > 255 or meta.get("format") != fmt \
+            or not all(type(d) is int and d >= 0 for d in shape) or not isinstance(meta.get("n"), int) \
+            or not 0 <= meta["n"] < _layout.COMPACT_MAX_N:
+        return None
+    sides = _layout.leb128(shape)
+    if len(sides) > _layout.COMPACT_SHAPE_BYTES:
+        return None
+    names = {name: nb for name, _, nb in streams}
+    stored = bool(flags & FLAG_STORED)
+    chunk_log2 = source = 0
+    exponents = bytes(16)
+    if not stored:
+        pipeline, codebook = meta.get("pipeline"), meta.get("codebook")
+        if not (type(pipeline) is list and len(pipeline) == 4 and type(pipeline[2]) is dict
+                and type(pipeline[2].get("chunk")) is int and type(codebook) is dict):
+            return None
+        chunk = pipeline[2]["chunk"]
+        if chunk <= 0 or chunk & (chunk - 1):
+            return None
+        chunk_log2 = chunk.bit_length() - 1
+        given = pipeline[1].get("codebook") if type(pipeline[1]) is dict else None
+        source = _SOURCE_CODE["default" if given is None else "named" if codebook.get("name") else "given"]
+        try:
+            exponents = bytes(codebook.get("exponents"))
+        except (TypeError, ValueError):
+            return None
+        if len(exponents) != 16:
+            return None
+    head = bytearray(_layout.COMPACT.pack(MAGIC, _layout.COMPACT_VERSION, flags, _layout.COMPACT_SIZE, sides, checksum,
+                                          names.get("esc_exp", 0), names.get("exp_high", 0), 0, _layout.DTYPE_CODES[fmt],
+                                          chunk_log2, len(shape), source, exponents))
+    _layout.seal(head)
+    try:
+        hdr = _parse_compact(bytes(head), _layout.COMPACT_SIZE + layout([nb for _, _, nb in streams])[1])
+    except FormatError:
+        return None
+    if hdr.meta != meta or [s[:2] + (s[3],) for s in hdr.streams] != [tuple(s) for s in streams]:
+        return None
+    return bytes(head)
+
+
+def _format_name(dtype) -> str | None:
+    """The short format name of a dtype name the compact header can hold, else None."""
+    from .formats import BY_DTYPE_NAME
+
+    fmt = BY_DTYPE_NAME.get(dtype) if type(dtype) is str else None
+    return fmt.name if fmt is not None and fmt.name in _layout.DTYPE_CODES else None
+
+
+def _parse_compact(head: bytes, blob_len: int) -> Header:
+    """A version-2 header (docs/format.md section 13) as the Header a version-1 one parses to:
+    the metadata and stream table it stands for."""
+    from .bitpack import groups
+    from .formats import FORMATS
+
+    (_, _, flags, header_len, sides, checksum, escapes, high_bytes, _, dtype, chunk_log2, ndim, source,
+     exponents) = _layout.COMPACT.unpack_from(head)
+    if header_len != _layout.COMPACT_SIZE or blob_len < header_len:
+        raise FormatError(f"bad header length {header_len} for a version-2 blob of {blob_len} bytes")
+    payload_len = blob_len - header_len
+    if payload_len % ALIGN:
+        raise FormatError(f"payload of {payload_len} bytes is not a multiple of {ALIGN}")
+    raw = bytearray(head[:header_len])
+    stored_crc, crc = _layout.crc_blanked(raw)
+    if crc != stored_crc:
+        raise FormatError("header checksum mismatch (corrupted header)")
+    if not flags & FLAG_CHECKSUM and checksum:
+        raise FormatError("payload checksum set without its flag")
+    fmt_name = _FORMAT_OF_CODE.get(dtype)
+    if fmt_name is None:
+        raise FormatError(f"unknown dtype code {dtype}")
+    fmt = FORMATS[fmt_name]
+    read = _layout.unleb128(sides, ndim)
+    if read is None or any(sides[read[1]:]):
+        raise FormatError("bad shape field (not ndim shortest LEB128 numbers followed by zeros)")
+    shape = list(read[0])
+    n = 1
+    for d in shape:
+        n *= d
+    if n >= _layout.COMPACT_MAX_N:
+        raise FormatError(f"shape {shape} holds {n} values; a version-2 header holds fewer than 2**32")
+    meta = {"dtype": fmt.dtype_name, "shape": shape, "n": n, "format": fmt_name}
+    serialize = {"id": "serialize", "checksum": bool(flags & FLAG_CHECKSUM)}
+    if flags & FLAG_STORED:
+        if chunk_log2 or escapes or high_bytes or source or any(exponents):
+            raise FormatError("a stored-raw version-2 header has chunk, escape, codebook fields set")
+        meta["pipeline"] = [serialize]
+        table = [("data", _STREAM_DTYPE_OF_WIDTH[fmt.itemsize], n * fmt.itemsize)]
+    else:
+        if not 3 <= chunk_log2 <= 16 or source >= len(_layout.CODEBOOK_SOURCES):
+            raise FormatError(f"bad chunk (2**{chunk_log2}) or codebook source ({source})")
+        kind = _layout.CODEBOOK_SOURCES[source]
+        codebook = {"name": None if kind == "given" else f"{fmt_name}-kv", "format": fmt_name,
+                    "exponents": list(exponents)}
+        meta["pipeline"] = [{"id": "exponent_split"},
+                            {"id": "top16_pack", "codebook": None if kind == "default" else dict(codebook)},
+                            {"id": "escape_stream", "chunk": 1 << chunk_log2}, serialize]
+        meta["codebook"] = codebook
+        G = groups(n)
+        sizes = (4 * G, fmt.rest_bits * G, 2 * -(-n // (1 << chunk_log2)), _layout.ESC_POS_BYTES * escapes, escapes,
+                 high_bytes)
+        table = [(name, dt, nb) for (name, dt), nb in zip(_layout.FUSED_STREAMS, sizes)]
+    offsets, need = layout([nb for _, _, nb in table])
+    if need != payload_len:
+        raise FormatError(f"payload of {payload_len} bytes; the header's streams take {need}")
+    return Header(flags, header_len, payload_len, checksum, meta,
+                  [(name, dt, off, nb) for (name, dt, nb), off in zip(table, offsets)])
+
+
+_STREAM_DTYPE_OF_WIDTH = {1: "uint8", 2: "uint16", 4: "uint32"}
 
 
 # The metadata JSON's nesting depth limit.  A writer's deepest value is a codebook's exponent list
@@ -187,10 +325,15 @@ def _parse_header(head: bytes, blob_len: int) -> Header:
     magic, version, flags, header_len, payload_len, checksum, meta_len, nstreams, _ = PREFIX.unpack_from(head)
     if magic != MAGIC:
         raise FormatError("not a kvzip blob (bad magic)")
-    if version != VERSION:
-        raise FormatError(f"unsupported container version {version} (this kvzip reads version {VERSION})")
+    if version not in (VERSION, _layout.COMPACT_VERSION):
+        raise FormatError(f"unsupported container version {version} (this kvzip reads versions {VERSION} and "
+                          f"{_layout.COMPACT_VERSION})")
     if flags & ~KNOWN_FLAGS:
         raise FormatError(f"unknown flags 0x{flags:04x}")
+    if version == _layout.COMPACT_VERSION:
+        if len(head) < _layout.COMPACT_SIZE or blob_len < _layout.COMPACT_SIZE:
+            raise FormatError(f"blob of {blob_len} bytes is too short for a version-2 header")
+        return _parse_compact(head, blob_len)
     if not _layout.header_fits(header_len, blob_len):
         raise FormatError(f"bad header length {header_len} for a blob of {blob_len} bytes")
     if len(head) < header_len:

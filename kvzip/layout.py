@@ -21,7 +21,9 @@ CUDA kernels through kvzip/gpu/kernels/layout.cuh, which is generated from this 
     48+16S  J     metadata JSON, then zero padding up to H
     H       P     the streams in table order, each ALIGN-aligned, zero padding between
 
-All integers little-endian.
+All integers little-endian.  That is version 1; the compact version-2 header (COMPACT_FIELDS
+below, docs/format.md section 13) keeps magic, version, flags, header length, checksum and CRC
+at these offsets.
 """
 from __future__ import annotations
 
@@ -156,6 +158,13 @@ def escape_layout(var_base: int, escapes: int, high_bytes: int) -> tuple[int, in
     return var_base, exp_at, high_at, (high_at + high_bytes + _UP) & ~_UP
 
 
+def escape_entries(var_base: int, escapes: int, high_bytes: int) -> tuple[tuple, int]:
+    """The escape streams' (offset, bytes) of esc_pos, esc_exp and exp_high as escape_layout
+    places them (a version-1 header's last three table entries), and the payload length."""
+    pos_at, exp_at, high_at, payload_len = escape_layout(var_base, escapes, high_bytes)
+    return (pos_at, ESC_POS_BYTES * escapes, exp_at, escapes, high_at, high_bytes), payload_len
+
+
 def escape_payload_len(var_base: int, escapes: int, high_bytes: int) -> int:
     """escape_layout's payload length alone (the encoders size every blob by it)."""
     return escape_layout(var_base, escapes, high_bytes)[3]
@@ -215,6 +224,87 @@ def escape_entries_at(stream_count: int, header_len: int) -> int | None:
 VARYING = (PAYLOAD_LEN, HEADER_CRC)
 
 
+# ----------------------------------------------------------------------------- version 2: the compact header
+# A 64-byte header of fixed binary fields for the blobs of the preset pipelines (docs/format.md
+# section 13): no stream table and no JSON; a reader derives both from these fields.  It keeps
+# magic, version, flags, header length, checksum and CRC at their version-1 offsets, so a
+# reader finds the payload (and checks the CRC) before it looks at the version.
+COMPACT_VERSION = 2
+COMPACT_FIELDS = _fields((
+    ("magic", 8, "8s"),
+    ("version", 2, "H"),
+    ("flags", 2, "H"),
+    ("header_len", 4, "I"),      # COMPACT_SIZE
+    ("shape", 8, "8s"),          # the sides as unsigned LEB128, then zero bytes
+    ("checksum", 8, "Q"),
+    ("escapes", 4, "I"),         # E: esc_pos holds 2E bytes, esc_exp E
+    ("high_bytes", 4, "I"),      # exp_high's bytes
+    ("header_crc", 4, "I"),
+    ("dtype", 1, "B"),           # DTYPE_CODES
+    ("chunk_log2", 1, "B"),      # 0 when stored raw
+    ("ndim", 1, "B"),
+    ("codebook_source", 1, "B"),  # CODEBOOK_SOURCES
+    ("codebook", 16, "16s"),     # code c <-> exponent byte c; zero when stored raw
+))
+COMPACT_FIELD = {f.name: f for f in COMPACT_FIELDS}
+COMPACT = struct.Struct("<" + "".join(f.code for f in COMPACT_FIELDS))
+COMPACT_SIZE = COMPACT.size
+COMPACT_SHAPE_BYTES = COMPACT_FIELD["shape"].size
+COMPACT_MAX_N = 1 << 32  # E and exp_high's bytes are 32-bit fields: n stays below this
+# The format codes of the dtype field (the caller's dtype; the compact header holds no QuantizeFP8).
+DTYPE_CODES = {"bf16": 1, "fp16": 2, "fp32": 3, "e4m3": 4, "e5m2": 5}
+# Where the codebook came from, which the reader turns back into the recorded configuration:
+# the pipeline's default (top16_pack's codebook null: the shipped "<format>-kv"), an unnamed
+# codebook the caller gave, or the shipped default given by its name.
+CODEBOOK_SOURCES = ("default", "given", "named")
+for _name in ("magic", "version", "flags", "header_len", "checksum", "header_crc"):
+    assert COMPACT_FIELD[_name].offset == FIELD[_name].offset, _name
+assert COMPACT_SIZE == 64 and COMPACT_SIZE % ALIGN == 0
+COMPACT_VARYING = (COMPACT_FIELD["escapes"], COMPACT_FIELD["high_bytes"], HEADER_CRC)
+VERSION_AT = FIELD["version"]
+
+
+def version_of(head) -> int:
+    """The container version a header's prefix claims (0 when head is too short to say)."""
+    return VERSION_AT.read(head) if len(head) >= VERSION_AT.end else 0
+
+
+def leb128(sides) -> bytes:
+    """Unsigned LEB128 of each side, back to back: 7 bits a byte, low first, bit 7 set on every
+    byte but a number's last."""
+    out = bytearray()
+    for v in sides:
+        while True:
+            low = v & 0x7F
+            v >>= 7
+            out.append(low | (0x80 if v else 0))
+            if not v:
+                break
+    return bytes(out)
+
+
+def unleb128(buf: bytes, count: int) -> tuple[tuple, int] | None:
+    """count sides from buf, and the bytes they take; None when buf ends inside a number or a
+    number is not in its shortest form (a last byte of 0 after others), which writers never
+    produce, so no two encodings of one shape exist."""
+    sides, at = [], 0
+    for _ in range(count):
+        v = shift = 0
+        while True:
+            if at >= len(buf):
+                return None
+            b = buf[at]
+            at += 1
+            v |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                break
+        if b == 0 and shift > 7:
+            return None
+        sides.append(v)
+    return tuple(sides), at
+
+
 # ----------------------------------------------------------------------------- the C side
 def cuh() -> str:
     """kvzip/gpu/kernels/layout.cuh: these constants for the CUDA kernels."""
@@ -251,7 +341,15 @@ def cuh() -> str:
         "// esc_count of a plane-coded chunk.",
         f"#define PLANE 0x{PLANE:X}u",
         "",
+        "// Version 2, the compact header: its fields' offsets (_AT) and sizes; it is KVZ_COMPACT_SIZE bytes.",
+        f"#define KVZ_COMPACT_VERSION {COMPACT_VERSION}",
+        f"#define KVZ_COMPACT_SIZE {COMPACT_SIZE}",
     ]
+    for f in COMPACT_FIELDS:
+        if FIELD.get(f.name) is None:  # those it shares with version 1 are above
+            lines.append(f"#define KVZ_COMPACT_{f.name.upper()}_AT {f.offset}")
+            lines.append(f"#define KVZ_COMPACT_{f.name.upper()}_SIZE {f.size}")
+    lines.append("")
     return "\n".join(lines)
 
 

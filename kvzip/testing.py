@@ -506,6 +506,18 @@ def build_blob(meta: dict, streams: list, flags: int = 0, checksum: int | None =
     return head + bytes(payload)
 
 
+def version1(blob) -> bytes:
+    """The blob with a version-1 header (JSON metadata, stream table) in place of its compact
+    one: the same metadata, streams and payload, as a writer of version 1 wrote them.  Readers
+    take both versions; tests of the version-1 reader and of old blobs use this."""
+    from . import container
+
+    b = bytes(np.asarray(blob))
+    hdr = container.parse_header(b, len(b))
+    streams = [(name, dt, nb) for name, dt, _, nb in hdr.streams]
+    return container.build_header(hdr.meta, streams, hdr.flags, hdr.checksum) + b[hdr.header_len:]
+
+
 def reseal(blob) -> bytes:
     """The blob with its header CRC recomputed (after header bytes were edited in place)."""
     import struct
@@ -522,12 +534,16 @@ def reseal(blob) -> bytes:
 
 def with_metadata_text(blob, text: bytes) -> bytes:
     """The blob with its metadata JSON replaced by ``text`` verbatim (even text build_header
-    would refuse to write: deep, duplicate keys, not JSON), the header resized and resealed."""
+    would refuse to write: deep, duplicate keys, not JSON), the header resized and resealed.
+    A compact (version-2) blob is first given its version-1 header (version1)."""
     import struct
 
     from . import container
+    from .layout import COMPACT_VERSION, version_of
 
     blob = bytes(blob)
+    if version_of(blob) == COMPACT_VERSION:
+        blob = version1(blob)
     (_, _, _, H, P, checksum, J, S, _) = container.PREFIX.unpack_from(blob)
     table = blob[48:48 + 16 * S]
     new_h = -(-(48 + len(table) + len(text)) // 16) * 16

@@ -234,9 +234,11 @@ class FusedSplitPackEscape:
         meta["codebook"] = codebook_meta(cb)
         names, dtypes = zip(*layout.FUSED_STREAMS)  # codes, rest, esc_count, then the escape streams
         flags = layout.FLAG_CHECKSUM if checksum else 0
-        header_len = len(container.build_header(meta, [(k, t, 0) for k, t in zip(names, dtypes)], flags))
         cap = HB * G // 3
         fixed = [4 * G, R * G, 2 * nchunks]
+        # The header's length does not follow the escape counts: sized with none.
+        header_len = len(container.header_for(meta, [(k, t, nb) for k, t, nb in zip(names, dtypes, fixed + [0, 0, 0])],
+                                              flags))
         most = layout.place(fixed + [layout.ESC_POS_BYTES * cap, cap, HB * G])[1]
         # Pages past the blob's end are never written, so never take memory.
         buf = np.empty(header_len + most, np.uint8)
@@ -260,7 +262,7 @@ class FusedSplitPackEscape:
         blob[header_len + end:] = 0
         described = [(k, t, a.nbytes) for k, t, a in zip(names, dtypes, streams)]
         total = sum64(np, blob[header_len:]) if checksum else 0
-        blob[:header_len] = np.frombuffer(container.build_header(meta, described, flags, total), np.uint8)
+        blob[:header_len] = np.frombuffer(container.header_for(meta, described, flags, total), np.uint8)
         return Frame(frame.backend, {"blob": blob}, meta)
 
     def check(self, frame: Frame):

@@ -49,11 +49,11 @@ class Serialize(Stage):
             described.append((name, dtype_name, a.nbytes))
         offsets, payload_len = container.layout([nb for _, _, nb in described])
         flags |= container.FLAG_CHECKSUM if self.checksum else 0
-        header = container.build_header(frame.meta, described, flags)
+        header = container.header_for(frame.meta, described, flags)
         blob = container.assemble(backend, header, arrays, payload_len, offsets)
         if self.checksum:
             # The payload is in place: hash it, then write the header again with the sum.
-            header = container.build_header(frame.meta, described, flags, sum64(backend.xp, blob[len(header):]))
+            header = container.header_for(frame.meta, described, flags, sum64(backend.xp, blob[len(header):]))
             blob[: len(header)] = backend.from_numpy(np.frombuffer(header, np.uint8))
         return Frame(backend, {"blob": blob}, dict(frame.meta))
 

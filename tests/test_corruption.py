@@ -326,7 +326,9 @@ def test_payload_corruption_without_checksum_never_crashes(name, data):
 
 # --------------------------------------------------------------------------- forged prefix fields
 def _fmt_blob():
-    return BASE["bf16 listed escapes"][0]
+    """A blob with a version-1 header: what the prefix, table and metadata forgeries below edit
+    (the compact header's fields are tests/test_compact_header.py's)."""
+    return kt.version1(BASE["bf16 listed escapes"][0])
 
 
 @pytest.mark.parametrize("field,value", [
@@ -378,7 +380,7 @@ def _set_table(blob, k, off, nb):
 
 @pytest.mark.parametrize("name", ["bf16 listed escapes", "e4m3 stored", "fp16 split-only"])
 def test_forged_stream_table(name):
-    blob = BASE[name][0]
+    blob = kt.version1(BASE[name][0])
     hdr = container.parse_header(blob, len(blob))
     P = hdr.payload_len
     for k, (sname, dt, off, nb) in enumerate(hdr.streams):
@@ -852,7 +854,7 @@ def test_forged_quantize_metadata():
 @pytest.mark.parametrize("name", ["bf16 listed escapes", "e4m3 stored"])
 def test_info_rejects_structural_damage(name):
     blob = BASE[name][0]
-    for bad in (blob[:-1], blob[:47], b"", reseal(blob[:8] + b"\x02\x00" + blob[10:])):
+    for bad in (blob[:-1], blob[:47], b"", reseal(blob[:8] + b"\x03\x00" + blob[10:])):
         with pytest.raises(FormatError):
             kvzip.info(bad)
 

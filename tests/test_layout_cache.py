@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import kvzip
+from kvzip import testing as kt
 from kvzip import container
 from kvzip import stages as S
 from kvzip.backends import get_backend
@@ -28,21 +29,25 @@ def real_bits():
     return rng.permutation(sample[:N])
 
 
-def with_escapes(rate):
+def with_escapes(rate, version=2):
+    """A blob of real KV with escapes at this rate, with a compact header (version 2, as
+    kvzip writes it) or its version-1 twin."""
     bits = real_bits()
     hit = rng.random(N) < rate
     bits[hit] = (bits[hit] & 0x807F) | (rng.integers(200, 250, int(hit.sum())) << 7).astype(np.uint16)
-    return kvzip.compress(bits, dtype="bf16")
+    blob = kvzip.compress(bits, dtype="bf16")
+    return blob if version == 2 else np.frombuffer(kt.version1(blob), np.uint8)
 
 
 def head_of(blob):
     return container.read_head(get_backend("cpu"), blob)
 
 
-@pytest.fixture
-def remembered():
+@pytest.fixture(params=[1, 2], ids=["v1", "v2"])
+def remembered(request):
+    """A remembered layout, its blob's header of version request.param (the blob is yielded)."""
     layout_cache.forget()
-    blob = with_escapes(0.001)
+    blob = with_escapes(0.001, request.param)
     head = head_of(blob)
     opened = open_blob(get_backend("cpu"), blob, head)
     layout_cache.remember(head, blob.shape[0], opened, recorded_pipeline(opened.meta).stages)
@@ -59,7 +64,7 @@ def expected_row(blob):
 
 @pytest.mark.parametrize("rate", [0.0, 0.001, 0.01, 0.05])
 def test_blobs_that_differ_in_escapes_match_with_their_own_offsets(remembered, rate):
-    blob = with_escapes(rate)
+    blob = with_escapes(rate, version_of(remembered))
     hit = layout_cache.match(head_of(blob), blob.shape[0])
     assert hit is not None
     layout, row = hit
@@ -78,8 +83,18 @@ def resealed(head: bytes, edit) -> bytes:
     return bytes(b)
 
 
+def version_of(blob) -> int:
+    return int(np.asarray(blob)[8])
+
+
+def v1(blob):
+    return np.frombuffer(kt.version1(blob), np.uint8)
+
+
 def test_headers_it_cannot_vouch_for_are_refused(remembered):
-    blob = with_escapes(0.01)
+    if version_of(remembered) == 2:
+        pytest.skip("the version-1 table's forgeries; the compact header's are the next test's")
+    blob = with_escapes(0.01, 1)
     head, n = head_of(blob), blob.shape[0]
     hdr = container.parse_header(head, n)
     at = container.PREFIX.size + 16 * (len(hdr.streams) - 3)  # esc_pos's table entry
@@ -92,10 +107,35 @@ def test_headers_it_cannot_vouch_for_are_refused(remembered):
     assert layout_cache.match(odd, n) is None  # esc_pos no longer twice esc_exp
     shifted = resealed(head, lambda b: struct.pack_into("<Q", b, at + 16, struct.unpack_from("<Q", b, at + 16)[0] + 16))
     assert layout_cache.match(shifted, n) is None  # esc_exp not where container.layout puts it
-    other_shape = kvzip.compress(real_bits().reshape(200, 200), dtype="bf16")
+    other_shape = v1(kvzip.compress(real_bits().reshape(200, 200), dtype="bf16"))
     assert layout_cache.match(head_of(other_shape), other_shape.shape[0]) is None
-    checked = kvzip.compress(real_bits(), dtype="bf16", checksum=True)
+    checked = v1(kvzip.compress(real_bits(), dtype="bf16", checksum=True))
     assert layout_cache.match(head_of(checked), checked.shape[0]) is None
+
+
+def compact_forgeries(head: bytes, n: int) -> list:
+    """(head, blob length) pairs no remembered layout may vouch for: a compact header's escape
+    fields, CRC or length that do not hang together with its blob."""
+    escapes = struct.unpack_from("<I", head, 32)[0]
+    crc_broken = bytearray(head)
+    crc_broken[33] ^= 2
+    return [(head, n + 16), (head, n - 16), (bytes(crc_broken), n),
+            (resealed(head, lambda b: struct.pack_into("<I", b, 32, escapes + 16)), n),  # the streams outgrow the blob
+            (resealed(head, lambda b: struct.pack_into("<I", b, 36, 16)), n),  # exp_high bytes that are not there
+            (resealed(head, lambda b: struct.pack_into("<I", b, 32, 0xFFFFFFFF)), n)]
+
+
+def test_compact_headers_it_cannot_vouch_for_are_refused(remembered):
+    if version_of(remembered) == 1:
+        pytest.skip("the compact header's forgeries")
+    blob = with_escapes(0.01)
+    head, n = head_of(blob), blob.shape[0]
+    assert layout_cache.match(head, n) is not None
+    for bad, nb in compact_forgeries(head, n):
+        assert layout_cache.match(bad, nb) is None
+    for other in (kvzip.compress(real_bits().reshape(200, 200), dtype="bf16"),
+                  kvzip.compress(real_bits(), dtype="bf16", checksum=True), v1(blob)):
+        assert layout_cache.match(head_of(other), other.shape[0]) is None
 
 
 def remember_blob(blob):
@@ -133,17 +173,22 @@ def test_per_channel_quantized_and_checksummed_layouts_are_not_remembered():
 def test_batch_matching_agrees_with_one_at_a_time(remembered):
     """match_many (decompress_many's path) gives, blob for blob, what match gives, on valid,
     tampered, foreign and short blobs, whatever lies in a row past its blob's end."""
-    cases = [(head_of(b), b.shape[0]) for b in (with_escapes(r) for r in (0.0, 0.001, 0.01, 0.05))]
+    version = version_of(remembered)
+    same = (lambda b: b) if version == 2 else v1
+    cases = [(head_of(b), b.shape[0]) for b in (with_escapes(r, version) for r in (0.0, 0.001, 0.01, 0.05))]
     head, n = cases[2]
-    hdr = container.parse_header(head, n)
-    at = container.PREFIX.size + 16 * (len(hdr.streams) - 3)
-    crc_broken = bytearray(head)
-    crc_broken[at + 8] ^= 2
-    cases += [(head, n + 16), (bytes(crc_broken), n),
-              (resealed(head, lambda b: struct.pack_into("<Q", b, at + 8, struct.unpack_from("<Q", b, at + 8)[0] + 1)), n),
-              (resealed(head, lambda b: struct.pack_into("<Q", b, at + 8, 1 << 63)), n),  # would wrap in int64
-              (head_of(kvzip.compress(real_bits().reshape(200, 200), dtype="bf16")), None),
-              (head_of(kvzip.compress(real_bits(), dtype="bf16", checksum=True)), None),
+    if version == 1:
+        hdr = container.parse_header(head, n)
+        at = container.PREFIX.size + 16 * (len(hdr.streams) - 3)
+        crc_broken = bytearray(head)
+        crc_broken[at + 8] ^= 2
+        cases += [(head, n + 16), (bytes(crc_broken), n),
+                  (resealed(head, lambda b: struct.pack_into("<Q", b, at + 8, struct.unpack_from("<Q", b, at + 8)[0] + 1)), n),
+                  (resealed(head, lambda b: struct.pack_into("<Q", b, at + 8, 1 << 63)), n)]  # would wrap in int64
+    else:
+        cases += compact_forgeries(head, n)
+    cases += [(head_of(same(kvzip.compress(real_bits().reshape(200, 200), dtype="bf16"))), None),
+              (head_of(same(kvzip.compress(real_bits(), dtype="bf16", checksum=True))), None),
               (head, 10)]  # a 10-byte blob whose row still holds an earlier blob's header
     cases = [(h, len(h) if nb is None else nb) for h, nb in cases]
     block = rng.integers(0, 256, (len(cases), 4096), dtype=np.uint8)  # stale bytes past each head
@@ -185,7 +230,7 @@ def test_guess_picks_the_recent_layout_with_the_most_fixed_bytes_a_blob_can_have
     # layout decoded last is the guess, for either's blobs.
     again = kvzip.compress(real_bits()[:10_000].reshape(100, 100), dtype="bf16")
     remember_blob(again)
-    other = layout_cache._layouts[layout_cache._read(head_of(again))[0]]
+    other = layout_cache._layouts[layout_cache._read(head_of(again), again.shape[0])[0]]
     assert other is not lo and abs(other.fixed_bytes - lo.fixed_bytes) * layout_cache.NEAR <= lo.fixed_bytes
     assert layout_cache.guess(again.shape[0]) is other and layout_cache.guess(small.shape[0]) is other
     assert layout_cache.guess_many([small.shape[0], large.shape[0]]) == [other, hi]

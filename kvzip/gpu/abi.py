@@ -85,7 +85,8 @@ ENCODE = Table("EncodeJob", ("src", "n", "codes", "rest", "esc_count", "esc_pos"
                              "chunk_base", "sb_base", "q_table", "q_scale"))
 DECODE = Table("DecodeJob", ("codes", "rest", "esc_count", "esc_pos", "esc_exp", "exp_high", "n", "n_esc", "n_high",
                              "dst", "dlo", "dhi", "chunk_base", "sb_base", "dq_table", "dq_scale"))
-FINISH = Table("FinishJob", ("blob", "tmpl", "header_len", "table_at", "var_base", ("pad", 6), "write_header"))
+FINISH = Table("FinishJob", ("blob", "tmpl", "header_len", "table_at", "var_base", ("pad", 6), "write_header",
+                                 "compact"))
 HEADS = Table(None, ("ptr", "len"))
 CHECKS = Table(None, ("ok", "esc_pos", "esc_exp", "exp_high", "n_esc", "n_high", "header_len", "stream_count"))
 SIZES = Table(None, ("n_esc", "n_high", "payload_len"))

@@ -32,6 +32,7 @@ the same layout goes straight to the program, with none of the import, guess or 
 from __future__ import annotations
 
 import bisect
+import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -57,6 +58,11 @@ _PAYLOAD_LEN = blob_layout.PAYLOAD_LEN.span  # the varying prefix fields (blob_l
 _CRC = blob_layout.HEADER_CRC.span
 _ESCAPES_BYTES = _ESCAPES.size
 _PAYLOAD_ZERO, _ESCAPES_ZERO = bytes(blob_layout.PAYLOAD_LEN.size), bytes(_ESCAPES_BYTES)
+# A compact (version-2) header's varying fields: escapes, exp_high bytes and the CRC, back to back.
+_COMPACT_VARYING = slice(blob_layout.COMPACT_FIELD["escapes"].offset, blob_layout.HEADER_CRC.end)
+assert _COMPACT_VARYING.stop - _COMPACT_VARYING.start == sum(f.size for f in blob_layout.COMPACT_VARYING)
+_COMPACT_COUNTS = struct.Struct("<II")  # escapes, exp_high bytes
+_COMPACT_SIZE = blob_layout.COMPACT_SIZE
 # Job row columns (kvzip/gpu/abi.py's DecodeJob): the six stream addresses, the escape streams',
 # their lengths; and the columns of what kvz_check_heads finds of a header (CHECKS).
 _STREAMS = DECODE.span("codes", "exp_high")
@@ -78,7 +84,6 @@ class Layout:
     n: int
     chunk: int
     header_len: int
-    escapes_at: int        # where the escape streams' table entries start in the header
     esc_pos_offset: int    # payload offset of esc_pos (fixed: every stream before it has a fixed size)
     row: np.ndarray        # the job row: codes, rest, esc_count addresses relative to the blob, n, codebook
     key: bytes             # the header with the escape-dependent fields blanked (what _layouts maps)
@@ -110,12 +115,23 @@ _layouts: dict = {}
 _recent: OrderedDict = OrderedDict()  # key -> Layout of the latest layouts decoded, most recent last
 
 
-def _read(head: bytes):
-    """(blanked header, CRC matches, payload length, the escape entries' six fields) of head, or
-    None if it is too short to hold what its prefix claims.  The blanked header is the header
-    with the fields that follow the escape count zeroed: payload length, CRC, escape entries."""
+def _read(head: bytes, nbytes: int):
+    """(blanked header, CRC matches, payload length, the escape entries' six fields) of head, the
+    first bytes of a blob of nbytes, or None if it is too short to hold what its prefix claims.
+    The blanked header is the header with the fields that follow the escape count zeroed:
+    payload length, CRC, escape entries (a compact header: escapes, exp_high bytes, CRC).  A
+    compact header's entries are (0, 0, escapes, 0, exp_high bytes, 0)'s counts only (their
+    offsets follow from the layout: _compact_entries) and its payload length the blob's rest."""
     if len(head) < _PREFIX:
         return None
+    if blob_layout.version_of(head) == blob_layout.COMPACT_VERSION:
+        if _HEADER_LEN.read(head) != _COMPACT_SIZE or len(head) < _COMPACT_SIZE:
+            return None
+        b = bytearray(head[:_COMPACT_SIZE])
+        stored, crc = blob_layout.crc_blanked(b)
+        escapes, high = _COMPACT_COUNTS.unpack_from(b, _COMPACT_VARYING.start)
+        b[_COMPACT_VARYING] = bytes(_COMPACT_VARYING.stop - _COMPACT_VARYING.start)
+        return bytes(b), crc == stored, nbytes - _COMPACT_SIZE, (0, 0, 0, escapes, 0, high)
     header_len = int.from_bytes(head[_HEADER_LEN.span], "little")
     nstreams = int.from_bytes(head[_STREAM_COUNT.span], "little")
     at = blob_layout.escape_entries_at(nstreams, header_len)
@@ -136,7 +152,7 @@ def remember(head: bytes, nbytes: int, opened: Frame, stages: list) -> None:
     if _HEADER_LEN.read(head) > container.CACHE_HEADER_MAX:
         return  # bounds the layouts' bytes as container's cache is bounded (MAX_LAYOUTS of them)
     hdr = container.parse_header(head, nbytes)  # cached: the general path parsed it
-    read = _read(head)
+    read = _read(head, nbytes)
     ids = tuple(s.id for s in stages)
     if hdr.flags or read is None or ids not in (_FUSED_ONLY, _QUANTIZED):
         return
@@ -156,8 +172,7 @@ def remember(head: bytes, nbytes: int, opened: Frame, stages: list) -> None:
     if len(_layouts) >= MAX_LAYOUTS:
         forget()
     layout = _layouts[read[0]] = Layout(opened.format, opened.dtype_format, tuple(opened.meta["shape"]), opened.n,
-                                        stages[-2].chunk, hdr.header_len, blob_layout.escapes_at(len(hdr.streams)),
-                                        hdr.streams[-3][2], row, read[0], dequantize)
+                                        stages[-2].chunk, hdr.header_len, hdr.streams[-3][2], row, read[0], dequantize)
     _note(layout)
 
 
@@ -256,15 +271,18 @@ def guess_many(nbytes) -> list:
 def match(head: bytes, nbytes: int) -> tuple[Layout, np.ndarray] | None:
     """(layout, job row relative to the blob) for a blob of nbytes starting with head whose layout
     was remembered and whose varying fields check out; None sends it down the general path."""
-    read = _read(head)
+    read = _read(head, nbytes)
     layout = _layouts.get(read[0]) if read is not None else None
     if layout is None:
         return None
-    _, crc_ok, payload, (pos_at, pos_nb, exp_at, exp_nb, high_at, high_nb) = read
+    _, crc_ok, payload, entries = read
     h = layout.header_len
+    if h == _COMPACT_SIZE and blob_layout.version_of(head) == blob_layout.COMPACT_VERSION:
+        entries = blob_layout.escape_entries(layout.esc_pos_offset, entries[3], entries[5])[0]
+    pos_at, pos_nb, exp_at, exp_nb, high_at, high_nb = entries
     if not crc_ok or not blob_layout.payload_fits(h, payload, nbytes):
         return None
-    if pos_at != layout.esc_pos_offset or not blob_layout.escapes_laid_out(payload, read[3]):
+    if pos_at != layout.esc_pos_offset or not blob_layout.escapes_laid_out(payload, entries):
         return None  # laid out otherwise than layout.escape_layout would: the general path decides
     row = layout.row.copy()
     row[0, _ESCAPE_STREAMS] = (h + pos_at, h + exp_at, h + high_at)
@@ -281,7 +299,10 @@ def head_checks(block: np.ndarray, nbytes) -> np.ndarray:
     the header length and stream count the prefix claims (0 for a blob shorter than it).
     Hangs together: the header fits the row and the blob, its CRC matches, the escape streams
     follow one another as layout.escape_layout places them and close the payload, which ends at
-    the blob's end.  What match() checks, less the comparison with a remembered layout."""
+    the blob's end.  What match() checks, less the comparison with a remembered layout.
+    A compact header: it is COMPACT_SIZE bytes and fits, its CRC matches, the payload is an
+    ALIGN multiple; the offsets are 0 (they follow from the shape: match_many places them)
+    and so is the stream count."""
     k, span = block.shape
     out = np.zeros((k, CHECKS.columns), np.uint64)
     for t in range(k):
@@ -290,8 +311,14 @@ def head_checks(block: np.ndarray, nbytes) -> np.ndarray:
             continue
         row = block[t]
         h, ns = int(row[_HEADER_LEN.span].view("<u4")[0]), int(row[_STREAM_COUNT.span].view("<u4")[0])
+        if blob_layout.version_of(row) == blob_layout.COMPACT_VERSION:
+            out[t, _H] = h
+            read = _read(row[:min(span, n)].tobytes(), n) if h <= min(span, n) else None
+            if read is not None and read[1] and not (n - h) % blob_layout.ALIGN:
+                out[t, _FACTS] = (1, 0, 0, 0, read[3][3], read[3][5])
+            continue
         out[t, _SIZE] = (h, ns)
-        read = _read(row[:min(h, span, n)].tobytes())  # None when the header does not fit (or its table)
+        read = _read(row[:min(h, span, n)].tobytes(), n)  # None when the header does not fit (or its table)
         if read is None:
             continue
         _, crc_ok, payload, e = read
@@ -323,15 +350,21 @@ def match_many(block: np.ndarray, nbytes, checks: np.ndarray | None = None) -> t
             h, ns = size >> 32, size & 0xFFFFFFFF
             pos = sel if one else sel[sizes == size]
             rows = block[:, :h].copy() if pos.size == k else block[pos, :h]  # a copy either way: blanked below
-            groups += _match_rows(rows, pos, checks[pos], h, blob_layout.escapes_at(ns), taken)
+            compact = ns == 0  # kvz_check_heads gives a compact header no stream count, a version-1 one >= 3
+            groups += _match_rows(rows, pos, checks[pos], h, None if compact else blob_layout.escapes_at(ns), taken,
+                                  np.asarray(nbytes, np.int64)[pos])
     return groups, np.nonzero(~taken)[0].tolist()
 
 
-def _match_rows(b: np.ndarray, pos, checks, h: int, at: int, taken) -> list:
-    """match_many for rows b (consistent headers of length h, escape entries at byte at)."""
-    b[:, _PAYLOAD_LEN] = 0   # payload length
-    b[:, _CRC] = 0           # CRC
-    b[:, at:at + _ESCAPES_BYTES] = 0  # escape entries
+def _match_rows(b: np.ndarray, pos, checks, h: int, at: int | None, taken, nbytes) -> list:
+    """match_many for rows b (consistent headers of length h, escape entries at byte at; None:
+    compact headers) of blobs of nbytes."""
+    if at is None:
+        b[:, _COMPACT_VARYING] = 0  # escapes, exp_high bytes, CRC
+    else:
+        b[:, _PAYLOAD_LEN] = 0   # payload length
+        b[:, _CRC] = 0           # CRC
+        b[:, at:at + _ESCAPES_BYTES] = 0  # escape entries
     if (b == b[0]).all():
         by_key = {b[0].tobytes(): slice(None)}
     else:
@@ -345,7 +378,11 @@ def _match_rows(b: np.ndarray, pos, checks, h: int, at: int, taken) -> list:
             continue
         js = np.arange(b.shape[0])[js]
         c = checks[js]
-        ok = c[:, _AT_ESC_POS] == layout.esc_pos_offset
+        if at is None:  # compact: place the escape streams after the layout's esc_pos; they must close the payload
+            c = _compact_entries(c, layout.esc_pos_offset)
+            ok = _aligned(c[:, _AT][:, 2] + c[:, _N_HIGH_CHECK]) == (nbytes[js] - h).astype(np.uint64)
+        else:
+            ok = c[:, _AT_ESC_POS] == layout.esc_pos_offset
         if not ok.all():
             js, c = js[ok], c[ok]
         if not js.size:
@@ -357,6 +394,26 @@ def _match_rows(b: np.ndarray, pos, checks, h: int, at: int, taken) -> list:
         _note(layout)
         out.append((layout, pos[js], jobs))
     return out
+
+
+_N_HIGH_CHECK = CHECKS.col("n_high")
+
+
+def _aligned(x: np.ndarray) -> np.ndarray:
+    """x rounded up to ALIGN multiples (uint64)."""
+    up = np.uint64(blob_layout.ALIGN - 1)
+    return (x + up) & ~up
+
+
+def _compact_entries(checks: np.ndarray, var_base: int) -> np.ndarray:
+    """Compact headers' checks rows with the escape streams' offsets filled in, as
+    layout.escape_layout places them after esc_pos at var_base (their counts are the header's)."""
+    c = checks.copy()
+    ne = c[:, CHECKS.col("n_esc")]
+    c[:, CHECKS.col("esc_pos")] = var_base
+    c[:, CHECKS.col("esc_exp")] = exp_at = _aligned(np.uint64(var_base) + np.uint64(blob_layout.ESC_POS_BYTES) * ne)
+    c[:, CHECKS.col("exp_high")] = _aligned(exp_at + ne)
+    return c
 
 
 def decode(matches: list, blobs: list, origin=None) -> list:

@@ -211,7 +211,8 @@ class _Plan:
     off: dict
     nxt: dict
     pads: tuple
-    table_at: int
+    table_at: int            # where the escape entries go in a version-1 header (0 in a compact one)
+    compact: bool            # a version-2 header: escapes and exp_high bytes go in its fixed fields
     raw_payload: int         # payload bytes of the values stored raw (the size fallback's)
     blob_bytes: int          # worst-case blob size (BLOB_ALIGN-rounded): escape streams of at most
                              # HB bytes a group (a chunk is plane-coded past HB * groups / 3 escapes)
@@ -234,14 +235,15 @@ def _plan(frame: Frame, fmt, cb, chunk: int, flags: int, pipeline_key: str) -> _
     full = dict(meta)
     full["codebook"] = codebook_meta(cb)
     table = _stream_table(n, fmt, nchunks, {k: frame.streams[k] for k, _, _ in others}, 0, 0)
-    header = container.build_header(full, table, flags)
+    header = container.header_for(full, table, flags)
     offsets, _ = layout.place([d[2] for d in table])
     off = {d[0]: o for d, o in zip(table, offsets)}
     nxt = {d[0]: offsets[j + 1] if j + 1 < len(offsets) else None for j, d in enumerate(table)}
     size = {d[0]: d[2] for d in table}
     pads = tuple(x for k in ("codes", "rest", "esc_count") for x in (off[k] + size[k], nxt[k]))
+    compact = layout.version_of(header) == layout.COMPACT_VERSION
     plan = _Plan(n, G, nchunks, flags, header, tuple(table), off, nxt, pads,
-                 layout.escapes_at(len(table)),  # esc_pos's entry; esc_exp, exp_high follow
+                 0 if compact else layout.escapes_at(len(table)), compact,  # esc_pos's entry; esc_exp, exp_high follow
                  layout.place([a.nbytes for a in frame.streams.values()])[1],
                  -(-(len(header) + off["esc_pos"] + HB * G + layout.ESCAPE_SLACK) // BLOB_ALIGN) * BLOB_ALIGN)
     if len(_plans) > 4096:
@@ -337,7 +339,7 @@ class _EncodeProgram:
                                  q_table=ws.ptr(8) if quantize else 0, q_scale=pay + p.off["scales"] if quantize else 0))
             fin_rows.append(dict(blob=starts[i], tmpl=ws.ptr(2) + templates[p.header], header_len=len(p.header),
                                  table_at=p.table_at, var_base=p.off["esc_pos"], pad=p.pads,
-                                 write_header=0 if p.flags & layout.FLAG_CHECKSUM else 1))
+                                 write_header=0 if p.flags & layout.FLAG_CHECKSUM else 1, compact=int(p.compact)))
         ws.put(0, ENCODE.rows(enc_rows))  # src: added per call
         ws.put(1, FINISH.rows(fin_rows))
         ws.put(2, tmpl_host)
@@ -482,7 +484,7 @@ def encode_batch(frames: list[Frame], top16, chunk: int, checksum: bool) -> Enco
             meta = dict(frame.meta)
             meta["codebook"] = codebook_meta(cb)
             table = _stream_table(p.n, fmt, p.nchunks, others, int(got[i, _N_ESC]), int(got[i, _N_HIGH]))
-            buffer[s:s + h].set(np.frombuffer(container.build_header(meta, table, flags, digest), np.uint8))
+            buffer[s:s + h].set(np.frombuffer(container.header_for(meta, table, flags, digest), np.uint8))
     return EncodedBatch(buffer, starts, lengths, got[:, _PAYLOAD] <= prog.raw_payloads, plans)
 
 

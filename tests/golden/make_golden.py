@@ -12,6 +12,9 @@ in its shape), ``NAME.kvz`` (the blob) and, for a lossy pipeline, ``NAME.output.
 the blob decodes to).  ``manifest.json`` lists each case's format, shape and pipeline config
 (codebooks spelled out, so a recalibrated shipped codebook does not change them, except in
 ``bf16_default_codebook``, whose config says ``codebook: null``: it pins the shipped default).
+Where today's blob has the compact (version-2) header, ``NAME.v1.kvz`` holds the same blob with
+its version-1 header (kvzip.testing.version1), the bytes kvzip wrote before version 2: they were
+committed then, and a regeneration that changes them is a format change too.
 
 Deterministic: inputs come from the KV sample shipped in kvzip.data and fixed seeds, so a rerun
 on an unchanged kvzip rewrites identical files.
@@ -26,6 +29,7 @@ import numpy as np
 
 import kvzip
 from kvzip import stages as S
+from kvzip import testing as kt
 from kvzip.data import load_sample
 from kvzip.formats import FORMATS
 
@@ -98,6 +102,9 @@ def main():
                                                                                 "stored_raw", "checksum")}}
         np.save(HERE / entry["input"], x, allow_pickle=False)
         (HERE / entry["blob"]).write_bytes(blob.tobytes())
+        if int.from_bytes(blob[8:10].tobytes(), "little") != 1:  # its version-1 form, as kvzip wrote it before
+            entry["blob_v1"] = f"{name}.v1.kvz"
+            (HERE / entry["blob_v1"]).write_bytes(kt.version1(blob))
         if pipe.lossless:
             assert np.array_equal(out_bits, x), name
         else:

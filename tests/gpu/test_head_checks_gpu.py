@@ -11,6 +11,7 @@ import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
 
 import kvzip
 from kvzip import container
+from kvzip import testing as kt
 from kvzip.data import load_sample
 from kvzip.gpu import programs, layout_cache
 
@@ -41,13 +42,37 @@ def put_u64(offset, value):
     return lambda b: struct.pack_into("<Q", b, offset, value)
 
 
-def cases() -> list[bytes]:
-    valid = [kvzip.compress(real_bf16(n, n), dtype="bf16").tobytes() for n in (4096 * 5, 100_003, 64)]
+def put_u32(offset, value):
+    return lambda b: struct.pack_into("<I", b, offset, value)
+
+
+def cases(version: int = 1) -> list[bytes]:
+    """Valid blobs (the fourth escape-heavy) with headers of this version, then forgeries of it."""
+    same = kt.version1 if version == 1 else bytes
+    valid = [same(kvzip.compress(real_bf16(n, n), dtype="bf16").tobytes()) for n in (4096 * 5, 100_003, 64)]
     noisy = real_bf16(1 << 15, 3)
-    hit = rng.random(noisy.shape[0]) < 0.03
-    noisy[hit] = (noisy[hit] & 0x807F) | (rng.integers(200, 250, int(hit.sum())) << 7).astype(np.uint16)
-    valid.append(kvzip.compress(noisy, dtype="bf16").tobytes())
+    hit = np.random.default_rng(77).random(noisy.shape[0]) < 0.03
+    noisy[hit] = (noisy[hit] & 0x807F) | (np.random.default_rng(78).integers(200, 250, int(hit.sum())) << 7).astype(np.uint16)
+    valid.append(same(kvzip.compress(noisy, dtype="bf16").tobytes()))
     b = valid[3]
+    if version == 2:
+        escapes = struct.unpack_from("<I", b, 32)[0]
+        flipped = bytearray(b)
+        flipped[33] ^= 2  # the CRC no longer matches
+        return valid + [
+            bytes(flipped),
+            resealed(b, put_u32(32, escapes + 16)),        # escape streams past the blob
+            resealed(b, put_u32(32, 0xFFFFFFFF)),
+            resealed(b, put_u32(36, 16)),                  # exp_high bytes that are not there
+            resealed(b, put_u32(12, 80)),                  # a compact header is 64 bytes
+            resealed(b, put_u32(12, 4000)),
+            b + bytes(16),                                 # blob longer than its payload
+            b[:-8],                                        # a payload not a multiple of 16
+            b[:60], b[:10],                                # shorter than the header, the prefix
+            kt.version1(b)[:2048] if len(kt.version1(b)) > 2048 else kt.version1(b),  # the other version
+            kvzip.compress(real_bf16(5000), dtype="bf16", checksum=True).tobytes(),
+            rng.integers(0, 256, 3000, dtype=np.uint8).tobytes(),
+        ]
     at = escapes_at(b)
     flipped = bytearray(b)
     flipped[at + 8] ^= 2  # the CRC no longer matches
@@ -64,18 +89,24 @@ def cases() -> list[bytes]:
         resealed(b, lambda x: struct.pack_into("<I", x, 36, 0xFFFFFFFF)),             # escape table past the header
         resealed(b, lambda x: struct.pack_into("<I", x, 12, 4000)),                   # header longer than the span
         resealed(b, lambda x: struct.pack_into("<I", x, 12, 203)),                    # a header length not a multiple of 4
-        kvzip.compress(real_bf16(5000), dtype="bf16", checksum=True).tobytes(),
+        kt.version1(kvzip.compress(real_bf16(5000), dtype="bf16", checksum=True).tobytes()),
         rng.integers(0, 256, 3000, dtype=np.uint8).tobytes(),
     ]
 
 
-def test_gpu_checks_equal_the_host_twin():
-    blobs = [cupy.asarray(np.frombuffer(c, np.uint8)) for c in cases()]
+@pytest.mark.parametrize("version", [1, 2])
+def test_gpu_checks_equal_the_host_twin(version):
+    blobs = [cupy.asarray(np.frombuffer(c, np.uint8)) for c in cases(version)]
     sizes = [b.shape[0] for b in blobs]
     block, checks = programs.head_block([b.data.ptr for b in blobs], sizes)
     want = layout_cache.head_checks(block, sizes)
     np.testing.assert_array_equal(checks, want)
-    assert checks[:4, 0].tolist() == [1, 1, 1, 1] and checks[4:-2, 0].tolist() == [0] * (len(blobs) - 6)
+    if version == 1:
+        assert checks[:4, 0].tolist() == [1, 1, 1, 1] and checks[4:-2, 0].tolist() == [0] * (len(blobs) - 6)
+    else:
+        # A compact header's checks are its CRC, its length and the payload's; escape counts that
+        # do not fit the blob are the host's to find (match_many places the streams by the shape).
+        assert checks[:, 0].tolist() == [1, 1, 1, 1] + [0, 1, 1, 1, 0, 0, 1, 0, 0, 0, 1] + [1, 0]
     assert checks[-2, 0] == 1  # a checksummed blob's header hangs together too (match_many then rejects its layout)
 
 
@@ -125,17 +156,19 @@ def test_long_batch_with_forged_and_unknown_blobs():
         assert backs[10].shape == odd.shape and bool(cupy.array_equal(backs[10].view(odd.dtype), odd))
 
 
-def test_guessed_layout_decodes_exactly_where_the_host_match_would():
+@pytest.mark.parametrize("version", [1, 2])
+def test_guessed_layout_decodes_exactly_where_the_host_match_would(version):
     """guess_head (decode without a header read-back) takes a blob's guessed layout exactly
     when layout_cache.match, the host's checks, would give that layout for its header; on every
     other case (forgeries, other layouts, checksums, junk) it reports a miss, decodes nothing of
     that blob and raises nothing, and the blobs it takes decode to their values.  Blobs shorter
     than the layout's fixed bytes are never guessed."""
     layout_cache.forget()
-    blobs = [cupy.asarray(np.frombuffer(c, np.uint8)) for c in cases()]
+    host_cases = cases(version)
+    blobs = [cupy.asarray(np.frombuffer(c, np.uint8)) for c in host_cases]
     kvzip.decompress(blobs[3])  # remembers the layout of the escape-heavy blob
     layout = layout_cache.guess(blobs[3].shape[0])
-    assert layout is not None and layout.key == layout_cache._read(cases()[3])[0]
+    assert layout is not None and layout.key == layout_cache._read(host_cases[3], len(host_cases[3]))[0]
     eligible = [b for b in blobs if b.shape[0] >= layout.fixed_bytes]
     assert all(layout_cache.guess(b.shape[0]) is None for b in blobs if b.shape[0] < layout.fixed_bytes)
     want_hits = []

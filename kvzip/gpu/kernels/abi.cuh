@@ -42,14 +42,15 @@ struct DecodeJob {  // all 8-byte fields: the host fills a uint64 array (ntensor
     const float* dq_scale;  // and the blob's scale it is built from (quantize.cu's kvz_dequant_tables)
 };
 
-struct FinishJob {  // all 8-byte fields: uint64 array (ntensors, 12)
+struct FinishJob {  // all 8-byte fields: uint64 array (ntensors, 13)
     u8* blob;               // header at blob[0], payload at blob[header_len]
     const u8* tmpl;         // header template
     long long header_len;
-    long long table_at;     // header offset of esc_pos's stream-table entry (esc_exp, exp_high follow)
+    long long table_at;     // header offset of esc_pos's stream-table entry (esc_exp, exp_high follow); 0 when compact
     long long var_base;     // payload offset of esc_pos (the escape streams close the payload)
     long long pad[6];       // three (start, end) payload ranges of padding known before encoding
     long long write_header; // 0 when the host writes the header itself (payload checksum)
+    long long compact;      // 1: a version-2 header (escapes and exp_high bytes in fixed fields, no table)
 };
 
 #include "abi_check.cuh"  // EncodeJob, DecodeJob, FinishJob as kvzip/gpu/abi.py writes them (generated)

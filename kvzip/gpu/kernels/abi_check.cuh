@@ -38,7 +38,7 @@ static_assert(sizeof(DecodeJob::sb_base) == 8, "DecodeJob::sb_base: column 13, 1
 static_assert(sizeof(DecodeJob::dq_table) == 8, "DecodeJob::dq_table: column 14, 1 word");
 static_assert(sizeof(DecodeJob::dq_scale) == 8, "DecodeJob::dq_scale: column 15, 1 word");
 
-static_assert(sizeof(FinishJob) == 96, "FinishJob: 12 words, as kvzip/gpu/abi.py");
+static_assert(sizeof(FinishJob) == 104, "FinishJob: 13 words, as kvzip/gpu/abi.py");
 static_assert(sizeof(FinishJob::blob) == 8, "FinishJob::blob: column 0, 1 word");
 static_assert(sizeof(FinishJob::tmpl) == 8, "FinishJob::tmpl: column 1, 1 word");
 static_assert(sizeof(FinishJob::header_len) == 8, "FinishJob::header_len: column 2, 1 word");
@@ -46,3 +46,4 @@ static_assert(sizeof(FinishJob::table_at) == 8, "FinishJob::table_at: column 3, 
 static_assert(sizeof(FinishJob::var_base) == 8, "FinishJob::var_base: column 4, 1 word");
 static_assert(sizeof(FinishJob::pad) == 48, "FinishJob::pad: column 5, 6 words");
 static_assert(sizeof(FinishJob::write_header) == 8, "FinishJob::write_header: column 11, 1 word");
+static_assert(sizeof(FinishJob::compact) == 8, "FinishJob::compact: column 12, 1 word");

@@ -15,6 +15,26 @@ __device__ __forceinline__ void put_u64(u8* p, u64 v) {
     for (int k = 0; k < 8; k++) p[k] = (u8)(v >> (8 * k));
 }
 
+__device__ __forceinline__ void put_u32(u8* p, u32 v) {
+#pragma unroll
+    for (int k = 0; k < 4; k++) p[k] = (u8)(v >> (8 * k));
+}
+
+// Whether a staged header (16-byte aligned, at least a prefix) is a version-2 (compact) one.
+__device__ __forceinline__ bool compact_head(const u8* head) {
+    return (head[KVZ_VERSION_AT] | (u32)head[KVZ_VERSION_AT + 1] << 8) == KVZ_COMPACT_VERSION;
+}
+
+// The fields of a header that follow the escape count (blanked in a remembered layout's,
+// kvzip/layout.py's VARYING and COMPACT_VARYING): byte i of a version-1 header with its escape
+// entries at `at`, or of a compact one.
+__device__ __forceinline__ bool varying_byte(long long i, bool compact, long long at) {
+    const bool crc = i >= KVZ_HEADER_CRC_AT && i < KVZ_HEADER_CRC_AT + KVZ_HEADER_CRC_SIZE;
+    if (compact) return crc || (i >= KVZ_COMPACT_ESCAPES_AT && i < KVZ_COMPACT_HIGH_BYTES_AT + KVZ_COMPACT_HIGH_BYTES_SIZE);
+    return crc || (i >= KVZ_PAYLOAD_LEN_AT && i < KVZ_PAYLOAD_LEN_AT + KVZ_PAYLOAD_LEN_SIZE) ||
+           (i >= at && i < at + KVZ_ESCAPE_ENTRIES_SIZE);
+}
+
 #define HEADER_SMEM 4096  // headers up to this size are built in shared memory (ours are < 2 KiB)
 
 // zlib's CRC-32, slicing-by-4: four 256-entry tables the whole block builds in shared memory, for
@@ -117,7 +137,11 @@ __device__ void finish_blob(const FinishJob& J, u64 totals, int hb, u64* __restr
     for (long long i = threadIdx.x; i < H; i += blockDim.x) h[i] = J.tmpl[i];
     build_crc_tables(crc_table);
     if (threadIdx.x < 32) {
-        if (threadIdx.x == 0) {
+        if (threadIdx.x == 0 && J.compact) {
+            // A compact header's escape fields (the layout follows from them; n < 2^32 bounds both).
+            put_u32(h + KVZ_COMPACT_ESCAPES_AT, (u32)ne);
+            put_u32(h + KVZ_COMPACT_HIGH_BYTES_AT, (u32)nh);
+        } else if (threadIdx.x == 0) {
             // The escape entries at table_at: (offset, length) of esc_pos, esc_exp, exp_high.
             put_u64(h + KVZ_PAYLOAD_LEN_AT, (u64)end);
             put_u64(h + J.table_at, (u64)J.var_base);       put_u64(h + J.table_at + 8, (u64)(KVZ_ESC_POS_BYTES * ne));
@@ -157,7 +181,20 @@ __device__ void head_facts(const u8* b, long long len, int span, const u8* head,
     for (int k = 0; k < 8; k++) out[k] = 0;
     if (len < KVZ_PREFIX_SIZE) return;
     const u32* w = reinterpret_cast<const u32*>(head);
-    const long long h = w[KVZ_HEADER_LEN_AT / 4], ns = w[KVZ_STREAM_COUNT_AT / 4];
+    const long long h = w[KVZ_HEADER_LEN_AT / 4];
+    if (compact_head(head)) {
+        // A compact header: its CRC, its length, the payload a multiple of 16; escapes and
+        // exp_high bytes as it says; the stream offsets follow from the shape, which the host
+        // knows (words 1-3 stay 0) and the stream count is none.
+        out[6] = (u64)h;
+        if (!(h == KVZ_COMPACT_SIZE && h <= span && h <= len)) return;
+        const u32 crc = warp_crc32(crc_table, w, h / 4, KVZ_HEADER_CRC_AT / 4, threadIdx.x & 31) ^ 0xFFFFFFFFu;
+        if (crc == w[KVZ_HEADER_CRC_AT / 4] && (len - h) % KVZ_ALIGN == 0) {
+            out[0] = 1; out[4] = w[KVZ_COMPACT_ESCAPES_AT / 4]; out[5] = w[KVZ_COMPACT_HIGH_BYTES_AT / 4];
+        }
+        return;
+    }
+    const long long ns = w[KVZ_STREAM_COUNT_AT / 4];
     const long long at = KVZ_TABLE_AT + KVZ_ENTRY_SIZE * (ns - KVZ_ESCAPE_STREAMS);
     out[6] = (u64)h; out[7] = (u64)ns;
     if (!(ns >= KVZ_ESCAPE_STREAMS && h <= span && h <= len && at + KVZ_ESCAPE_ENTRIES_SIZE <= h)) return;
@@ -192,22 +229,26 @@ __device__ void guess_head(const u64* heads, int t, int span, const u8* expect, 
     const long long staged = stage_head(heads, t, span, head, crc_table, b, len);
     const u32* w = reinterpret_cast<const u32*>(head);
     const bool prefix = len >= KVZ_PREFIX_SIZE;
+    const bool compact = prefix && compact_head(head);
     const long long h = prefix ? w[KVZ_HEADER_LEN_AT / 4] : 0;
     const long long at = prefix ? KVZ_TABLE_AT + KVZ_ENTRY_SIZE * ((long long)w[KVZ_STREAM_COUNT_AT / 4] - KVZ_ESCAPE_STREAMS) : 0;
     bool same = prefix && h <= span && h <= len;  // within expect's row: i < h <= span
-    for (long long i = threadIdx.x; same && i < h; i += blockDim.x) {
-        // The fields that follow the escape count, blanked in expect (kvzip/layout.py's VARYING, escape entries).
-        const bool blank = (i >= KVZ_PAYLOAD_LEN_AT && i < KVZ_PAYLOAD_LEN_AT + KVZ_PAYLOAD_LEN_SIZE) ||
-                           (i >= KVZ_HEADER_CRC_AT && i < KVZ_HEADER_CRC_AT + KVZ_HEADER_CRC_SIZE) ||
-                           (i >= at && i < at + KVZ_ESCAPE_ENTRIES_SIZE);
-        same = (blank ? 0 : i < staged ? head[i] : b[i]) == expect[(long long)t * span + i];
-    }
+    for (long long i = threadIdx.x; same && i < h; i += blockDim.x)  // the varying fields are blanked in expect
+        same = (varying_byte(i, compact, at) ? 0 : i < staged ? head[i] : b[i]) == expect[(long long)t * span + i];
     same = __syncthreads_and(same);
     if (threadIdx.x >= 32) return;
     u64 out[8];
     head_facts(b, len, span, head, staged, crc_table, out);
     if (threadIdx.x != 0) return;
     const u8* payload = b + h;
+    if (compact && out[0] == 1) {
+        // The escape streams where the layout puts esc_pos (var, as the guess has it) and the
+        // header's counts place the others; they must close the payload.
+        const long long var = reinterpret_cast<const u8*>(J.esc_pos) - payload;
+        const long long ne = (long long)out[4], exp_at = align16(var + KVZ_ESC_POS_BYTES * ne), high_at = align16(exp_at + ne);
+        out[1] = (u64)var; out[2] = (u64)exp_at; out[3] = (u64)high_at;
+        if (var < 0 || align16(high_at + (long long)out[5]) != len - h) out[0] = 0;
+    }
     const bool hit = same && out[0] == 1 && reinterpret_cast<const u8*>(J.esc_pos) == payload + out[1];
     if (hit) {
         J.esc_exp = payload + out[2];

@@ -50,3 +50,23 @@ static_assert(KVZ_RESERVED_AT % KVZ_RESERVED_SIZE == 0, "reserved is aligned to 
 #define KVZ_ESC_POS_BYTES 2
 // esc_count of a plane-coded chunk.
 #define PLANE 0xFFFFu
+
+// Version 2, the compact header: its fields' offsets (_AT) and sizes; it is KVZ_COMPACT_SIZE bytes.
+#define KVZ_COMPACT_VERSION 2
+#define KVZ_COMPACT_SIZE 64
+#define KVZ_COMPACT_SHAPE_AT 16
+#define KVZ_COMPACT_SHAPE_SIZE 8
+#define KVZ_COMPACT_ESCAPES_AT 32
+#define KVZ_COMPACT_ESCAPES_SIZE 4
+#define KVZ_COMPACT_HIGH_BYTES_AT 36
+#define KVZ_COMPACT_HIGH_BYTES_SIZE 4
+#define KVZ_COMPACT_DTYPE_AT 44
+#define KVZ_COMPACT_DTYPE_SIZE 1
+#define KVZ_COMPACT_CHUNK_LOG2_AT 45
+#define KVZ_COMPACT_CHUNK_LOG2_SIZE 1
+#define KVZ_COMPACT_NDIM_AT 46
+#define KVZ_COMPACT_NDIM_SIZE 1
+#define KVZ_COMPACT_CODEBOOK_SOURCE_AT 47
+#define KVZ_COMPACT_CODEBOOK_SOURCE_SIZE 1
+#define KVZ_COMPACT_CODEBOOK_AT 48
+#define KVZ_COMPACT_CODEBOOK_SIZE 16
