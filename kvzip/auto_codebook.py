@@ -23,7 +23,8 @@ block.  On a GPU: ``J = __umulhi(i * 0x9E3779B9u, M)`` in uint32 (``i`` taken mo
 * ``2^(19+k) <= n < 2^(20+k)`` for ``k = 1..4``: one value in ``2^k`` is read.
 * ``n >= 2^24``: ``k = 5``, ``S = 8192``: one value in 32 (1/32 of the bytes, plus at most one
   partial run at the end).
-* So fewer than 2^20 values are read for any ``n < 2^24``, and ``n/32`` beyond; a sampled tensor
+* So at most 2^20 values are read for any ``n < 2^24`` (``blocks <= 2^12`` there), and at most
+  ``256 * ceil(n / 8192)`` (``n/32`` rounded up to a run) beyond; a sampled tensor (``n >= 2^20``)
   always gives at least 2048 runs and 2^19 values.
 * The last block may be partial (``n`` need not be a multiple of ``S``): its run is cut at ``n``,
   and is empty when ``start(i) >= n``.  ``n = 0``: no blocks, nothing read.
