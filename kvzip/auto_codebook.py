@@ -161,6 +161,30 @@ def auto_codebook(bits: np.ndarray, fmt) -> Codebook:
     return Codebook(exps, fmt, name=None, coverage=coverage)
 
 
+AUTO = "auto"  # what codebook= says for this rule (Top16Pack records it in the pipeline config)
+
+
+def auto_codebook_on(backend, flat, fmt, exponents: bool = False) -> Codebook:
+    """auto_codebook of a flat array on any backend (the staged executor's; the GPU executor has a
+    kernel of its own): the sample is gathered where the array lives and counted on the host.
+    exponents: flat holds the exponent fields already (ExponentSplit's stream), not the values."""
+    fmt = _as_format(fmt)
+    n = int(flat.shape[0])
+    if backend.name == "cpu" and not exponents:
+        return auto_codebook(flat, fmt)
+    plan = sample_plan(n)
+    if plan.block == plan.run_length:
+        sample = backend.to_numpy(flat)
+    else:
+        xp = backend.xp
+        starts = backend.from_numpy(run_starts(n))
+        idx = (starts[:, None] + xp.arange(RUN_LENGTH, dtype=xp.int64)[None, :]).reshape(-1)
+        sample = backend.to_numpy(flat[idx[idx < n]])
+    field = sample.astype(np.int64) if exponents else (sample.astype(np.int64) >> fmt.mant_bits) & ((1 << fmt.exp_bits) - 1)
+    hist = np.bincount(field, minlength=1 << fmt.exp_bits)[:1 << fmt.exp_bits]
+    return Codebook(choose_exponents(hist, (0,)), fmt, name=None)
+
+
 def _check_n(n) -> int:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
         raise ValueError(f"a tensor size must be a non-negative int, got {n!r}")

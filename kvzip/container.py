@@ -117,7 +117,8 @@ def compact_header(meta: dict, streams: list[tuple[str, str, int]], flags: int, 
             return None
         chunk_log2 = chunk.bit_length() - 1
         given = pipeline[1].get("codebook") if type(pipeline[1]) is dict else None
-        source = _SOURCE_CODE["default" if given is None else "named" if codebook.get("name") else "given"]
+        source = _SOURCE_CODE["default" if given is None else "auto" if given == "auto" else
+                              "named" if codebook.get("name") else "given"]
         try:
             exponents = bytes(codebook.get("exponents"))
         except (TypeError, ValueError):
@@ -158,12 +159,7 @@ def _parse_compact(head: bytes, blob_len: int) -> Header:
     payload_len = blob_len - header_len
     if payload_len % ALIGN:
         raise FormatError(f"payload of {payload_len} bytes is not a multiple of {ALIGN}")
-    raw = bytearray(head[:header_len])
-    stored_crc, crc = _layout.crc_blanked(raw)
-    if crc != stored_crc:
-        raise FormatError("header checksum mismatch (corrupted header)")
-    if not flags & FLAG_CHECKSUM and checksum:
-        raise FormatError("payload checksum set without its flag")
+    _check_sums(head, header_len, flags, checksum)
     fmt_name = _FORMAT_OF_CODE.get(dtype)
     if fmt_name is None:
         raise FormatError(f"unknown dtype code {dtype}")
@@ -188,10 +184,11 @@ def _parse_compact(head: bytes, blob_len: int) -> Header:
         if not 3 <= chunk_log2 <= 16 or source >= len(_layout.CODEBOOK_SOURCES):
             raise FormatError(f"bad chunk (2**{chunk_log2}) or codebook source ({source})")
         kind = _layout.CODEBOOK_SOURCES[source]
-        codebook = {"name": None if kind == "given" else f"{fmt_name}-kv", "format": fmt_name,
+        codebook = {"name": None if kind in ("given", "auto") else f"{fmt_name}-kv", "format": fmt_name,
                     "exponents": list(exponents)}
+        recorded = {"default": None, "auto": "auto"}.get(kind, codebook)
         meta["pipeline"] = [{"id": "exponent_split"},
-                            {"id": "top16_pack", "codebook": None if kind == "default" else dict(codebook)},
+                            {"id": "top16_pack", "codebook": dict(recorded) if recorded is codebook else recorded},
                             {"id": "escape_stream", "chunk": 1 << chunk_log2}, serialize]
         meta["codebook"] = codebook
         G = groups(n)
@@ -206,6 +203,18 @@ def _parse_compact(head: bytes, blob_len: int) -> Header:
 
 
 _STREAM_DTYPE_OF_WIDTH = {1: "uint8", 2: "uint16", 4: "uint32"}
+
+
+def _check_sums(head: bytes, header_len: int, flags: int, checksum: int) -> bytearray:
+    """The header's CRC and the checksum field's flag, as every version has them; returns the
+    header bytes with the CRC field zeroed."""
+    raw = bytearray(head[:header_len])
+    stored, crc = _layout.crc_blanked(raw)
+    if crc != stored:
+        raise FormatError("header checksum mismatch (corrupted header)")
+    if not flags & FLAG_CHECKSUM and checksum:
+        raise FormatError("payload checksum set without its flag")
+    return raw
 
 
 # The metadata JSON's nesting depth limit.  A writer's deepest value is a codebook's exponent list
@@ -342,12 +351,7 @@ def _parse_header(head: bytes, blob_len: int) -> Header:
         raise FormatError(f"payload length {payload_len} does not match the blob ({blob_len} - {header_len} bytes)")
     if not _layout.table_fits(nstreams, meta_len, header_len):
         raise FormatError(f"stream count {nstreams} / metadata length {meta_len} do not fit the header")
-    raw = bytearray(head[:header_len])
-    stored, crc_zeroed = _layout.crc_blanked(raw)
-    if crc_zeroed != stored:
-        raise FormatError("header checksum mismatch (corrupted header)")
-    if not flags & FLAG_CHECKSUM and checksum:
-        raise FormatError("payload checksum set without its flag")
+    raw = _check_sums(head, header_len, flags, checksum)
     text_at = _layout.entry_at(nstreams)
     doc = _parse_metadata(bytes(raw[text_at:text_at + meta_len]))
     if not (isinstance(doc, dict) and isinstance(doc.get("meta"), dict)

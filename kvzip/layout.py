@@ -255,8 +255,9 @@ COMPACT_MAX_N = 1 << 32  # E and exp_high's bytes are 32-bit fields: n stays bel
 DTYPE_CODES = {"bf16": 1, "fp16": 2, "fp32": 3, "e4m3": 4, "e5m2": 5}
 # Where the codebook came from, which the reader turns back into the recorded configuration:
 # the pipeline's default (top16_pack's codebook null: the shipped "<format>-kv"), an unnamed
-# codebook the caller gave, or the shipped default given by its name.
-CODEBOOK_SOURCES = ("default", "given", "named")
+# codebook the caller gave, the shipped default given by its name, or chosen for this tensor
+# (top16_pack's codebook "auto").
+CODEBOOK_SOURCES = ("default", "given", "named", "auto")
 for _name in ("magic", "version", "flags", "header_len", "checksum", "header_crc"):
     assert COMPACT_FIELD[_name].offset == FIELD[_name].offset, _name
 assert COMPACT_SIZE == 64 and COMPACT_SIZE % ALIGN == 0

@@ -184,8 +184,8 @@ class FusedSplitPackEscape:
     def encode(self, frame: Frame) -> Frame:
         fmt, backend, n, C = frame.format, frame.backend, frame.n, self.chunk
         xp = backend.xp
-        cb = self.top16.codebook_for(fmt)
         src = frame.expect("data", fmt.uint_dtype, n)
+        cb = self.top16.codebook_of(frame)
         G = groups(n)
         HB = fmt.high_exp_bits
         nchunks, chunk_groups, _ = chunk_layout(n, C)
@@ -226,8 +226,8 @@ class FusedSplitPackEscape:
         benchmarks/NOTES.md).  Same bytes as Serialize.encode: canonical stream order, zero
         padding, the sum over the payload."""
         fmt, n, C = frame.format, frame.n, self.chunk
-        cb = self.top16.codebook_for(fmt)
         src = frame.expect("data", fmt.uint_dtype, n)
+        cb = self.top16.codebook_of(frame)
         G, HB, R = groups(n), fmt.high_exp_bits, fmt.rest_bits
         nchunks = -(-n // C)
         meta = dict(frame.meta)

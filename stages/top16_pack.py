@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvzip.auto_codebook import AUTO, auto_codebook_on
 from kvzip.bitpack import groups, pack_bits, unpack_bits
 from kvzip.codebook import Codebook, codebook_meta, resolve_codebook
 from kvzip.frame import Frame
@@ -32,26 +33,44 @@ class Top16Pack(Stage):
     produces = ("codes", "rest")
 
     def __init__(self, codebook=None):
-        """codebook: None (the shipped default for the data's format), a shipped name such as
-        "bf16-kv", a Codebook, or its dict form."""
+        """codebook: None (the shipped default for the data's format), "auto" (chosen for each
+        tensor from a sample of its own exponents: kvzip/auto_codebook.py), a shipped name such
+        as "bf16-kv", a Codebook, or its dict form."""
         if isinstance(codebook, dict):
             codebook = Codebook.from_dict(codebook)
+        elif codebook == AUTO:
+            pass
         elif isinstance(codebook, str):
             codebook = Codebook.load(codebook)
         elif codebook is not None and not isinstance(codebook, Codebook):
             raise TypeError(f"codebook must be None, a name, a dict or a Codebook, got {type(codebook).__name__}")
         self.codebook = codebook
 
+    @property
+    def auto(self) -> bool:
+        """Whether the codebook is chosen per tensor (codebook="auto")."""
+        return self.codebook == AUTO
+
     def get_config(self):
-        return {"id": self.id, "codebook": None if self.codebook is None else codebook_meta(self.codebook)}
+        codebook = self.codebook
+        return {"id": self.id, "codebook": codebook if codebook is None or codebook == AUTO else codebook_meta(codebook)}
 
     def codebook_for(self, fmt) -> Codebook:
+        """The fixed codebook for fmt (not for "auto": codebook_of)."""
+        if self.auto:
+            raise AssertionError("an auto codebook depends on the tensor: codebook_of")
         return resolve_codebook(self.codebook, fmt)
+
+    def codebook_of(self, frame: Frame, name: str = "data") -> Codebook:
+        """The codebook for the tensor in frame (its stream name: the values, or "exponent")."""
+        if not self.auto:
+            return self.codebook_for(frame.format)
+        return auto_codebook_on(frame.backend, frame.streams[name].reshape(-1), frame.format, name == "exponent")
 
     def encode(self, frame: Frame) -> Frame:
         fmt, xp, n = frame.format, frame.backend.xp, frame.n
-        cb = self.codebook_for(fmt)
         exponent = frame.expect("exponent", np.uint8, n)
+        cb = self.codebook_of(frame, "exponent")
         rest = frame.expect("rest", rest_dtype(fmt), n)
         code = frame.backend.from_numpy(cb.encode_lut())[exponent]
         code[code == ESCAPE] = 0

@@ -65,7 +65,7 @@ def test_columns_the_host_writes():
     always read (the literals they replaced)."""
     from kvzip.gpu import layout_cache, programs
 
-    assert (programs.ENCODE_COLUMNS, programs.Q_SCALE, programs.FINISH_COLUMNS) == (12, 11, 13)
+    assert (programs.ENCODE_COLUMNS, programs.Q_SCALE, programs.FINISH_COLUMNS) == (13, 11, 14)
     assert (programs.DECODE_COLUMNS, programs.DQ_TABLE, programs.DQ_SCALE, programs._DST) == (16, 14, 15, 9)
     assert programs._STREAMS == slice(0, 6) and programs._BASES == slice(12, 14)
     assert programs._ENCODE_OUT == [2, 3, 4, 5] and programs._SRC == 0
@@ -84,8 +84,8 @@ def test_rows_by_name():
     make = d.maker("codes", "rest", "esc_count", "esc_pos", "esc_exp", "exp_high", "n", "n_esc", "n_high", "dlo", "dhi")
     assert list(make(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 10, 11, 0, 0, 0, 0]
     f = abi.FINISH.rows([dict(blob=5, tmpl=6, header_len=7, table_at=8, var_base=9, pad=tuple(range(20, 26)),
-                              write_header=1, compact=1)])
-    assert f.shape == (1, 13) and f[0].tolist() == [5, 6, 7, 8, 9, 20, 21, 22, 23, 24, 25, 1, 1]
+                              write_header=1, compact=1, codebook=3)])
+    assert f.shape == (1, 14) and f[0].tolist() == [5, 6, 7, 8, 9, 20, 21, 22, 23, 24, 25, 1, 1, 3]
     view = abi.DECODE.view(np.repeat(row, 3, axis=0))
     assert view.shape == (3,) and view["n"].tolist() == [7, 7, 7] and view["dhi"][0] == 11
     with pytest.raises(ValueError):

@@ -175,7 +175,7 @@ def _forged(blob, at, fmt, value) -> bytes:
     ("dtype code", 44, "<B", 9, "dtype code"),
     ("chunk log2 small", 45, "<B", 2, "chunk"),
     ("chunk log2 large", 45, "<B", 17, "chunk"),
-    ("codebook source", 47, "<B", 3, "codebook source"),
+    ("codebook source", 47, "<B", 4, "codebook source"),
     ("repeated exponent", 49, "<B", 126, "codebook"),
     ("escape count", 32, "<I", 5, "payload"),
     ("exp_high bytes", 36, "<I", 4096, "payload"),

@@ -82,11 +82,11 @@ class Table:
 
 
 ENCODE = Table("EncodeJob", ("src", "n", "codes", "rest", "esc_count", "esc_pos", "slot_pos", "slot_exp",
-                             "chunk_base", "sb_base", "q_table", "q_scale"))
+                             "chunk_base", "sb_base", "q_table", "q_scale", "lut"))
 DECODE = Table("DecodeJob", ("codes", "rest", "esc_count", "esc_pos", "esc_exp", "exp_high", "n", "n_esc", "n_high",
                              "dst", "dlo", "dhi", "chunk_base", "sb_base", "dq_table", "dq_scale"))
 FINISH = Table("FinishJob", ("blob", "tmpl", "header_len", "table_at", "var_base", ("pad", 6), "write_header",
-                                 "compact"))
+                                 "compact", "codebook"))
 HEADS = Table(None, ("ptr", "len"))
 CHECKS = Table(None, ("ok", "esc_pos", "esc_exp", "exp_high", "n_esc", "n_high", "header_len", "stream_count"))
 SIZES = Table(None, ("n_esc", "n_high", "payload_len"))
@@ -158,9 +158,10 @@ class KernelArgs:
         raise TypeError(f"{self.kernel}: missing {sorted(missing)}, unknown {sorted(extra)}")
 
 
-ENCODE_ARGS = KernelArgs("kvz_encode", "jobs:ptr njobs:i32 total_chunks:i64 chunk:i32 slot:i32 lut:ptr work:ptr "
+ENCODE_ARGS = KernelArgs("kvz_encode", "jobs:ptr njobs:i32 total_chunks:i64 chunk:i32 slot:i32 work:ptr "
                                        "queue_at:i64 ready:ptr")
-SCAN_ARGS = KernelArgs("kvz_scan", "jobs:ptr njobs:i32 chunk:i32 slot:i32 lut:ptr work:ptr chunk_off:ptr fin:ptr "
+AUTO_CODEBOOK_ARGS = KernelArgs("kvz_auto_codebook", "jobs:ptr work:ptr hist_at:i64 luts:ptr books:ptr")
+SCAN_ARGS = KernelArgs("kvz_scan", "jobs:ptr njobs:i32 chunk:i32 slot:i32 work:ptr chunk_off:ptr fin:ptr "
                                    "sizes:ptr heads:ptr expect:ptr span:i32 down:ptr flag:ptr runs:ptr")
 DECODE_ARGS = KernelArgs("kvz_decode", "jobs:ptr njobs:i32 units:i64 chunk:i32 chunk_off:ptr work:ptr queue_at:i64 "
                                        "scan_blocks:i64 split_at:i64 part_shift:i32")
@@ -171,5 +172,5 @@ QUANT_TABLE_ARGS = KernelArgs("kvz_quant_table", "amax:ptr scale:ptr addrs:ptr s
 QUANTIZE_ARGS = KernelArgs("kvz_quantize", "src:ptr n:i64 table_g:ptr out:ptr")
 DEQUANT_TABLES_ARGS = KernelArgs("kvz_dequant_tables", "addrs:ptr word:i32 stride:i32 single:ptr tables:ptr")
 DEQUANTIZE_ARGS = KernelArgs("kvz_dequantize", "codes:ptr n:i64 scale:ptr out:ptr")
-KERNEL_ARGS = (ENCODE_ARGS, SCAN_ARGS, DECODE_ARGS, GATHER_HEADS_ARGS, CHECK_HEADS_ARGS, AMAX_ARGS, QUANT_TABLE_ARGS,
+KERNEL_ARGS = (ENCODE_ARGS, AUTO_CODEBOOK_ARGS, SCAN_ARGS, DECODE_ARGS, GATHER_HEADS_ARGS, CHECK_HEADS_ARGS, AMAX_ARGS, QUANT_TABLE_ARGS,
                QUANTIZE_ARGS, DEQUANT_TABLES_ARGS, DEQUANTIZE_ARGS)

@@ -92,7 +92,10 @@ class ShapeEncoder:
         fused = steps[-1]
         if not programs.applicable(frame.backend, frame.n, frame.streams.get("data")):
             return staged.encode_frame(pipe, frame, start=len(steps) - 1)
-        batch = programs.encode_batch([frame], fused.top16, fused.chunk, checksum)
+        planned = programs.plans_for([frame], fused.top16, fused.chunk, checksum)
+        if planned is None:
+            return staged.encode_frame(pipe, frame, start=len(steps) - 1)
+        batch = programs.encode_batch([frame], *planned, fused.chunk)
         if not batch.fits[0]:
             return staged.stored(pipe, frame)
         trace.note("fast")
@@ -116,7 +119,8 @@ class ShapeEncoder:
             if quantize not in quantize_kernels.SOURCES:
                 return
         fmt, fused = frame.format, steps[-1]
-        self.lane = programs.EncodeLane(plan, fmt, fused.top16.codebook_for(fmt), fused.chunk, quantize)
+        codebook = None if fused.top16.auto else fused.top16.codebook_for(fmt)  # None: each tensor's own (auto)
+        self.lane = programs.EncodeLane(plan, fmt, codebook, fused.chunk, quantize)
 
 
 class _EncodeRepeat:
@@ -197,7 +201,14 @@ def encode_many_general(members: list, out: list) -> None:
         pipe = group[0][1].pipe
         fused = pipe.body_steps[-1]
         with group[0][3].stream_context():
-            batch = programs.encode_batch([m[2] for m in group], fused.top16, fused.chunk, pipe.stages[-1].checksum)
+            frames = [m[2] for m in group]
+            planned = programs.plans_for(frames, fused.top16, fused.chunk, pipe.stages[-1].checksum)
+            if planned is None:  # auto codebooks the GPU cannot write (version-1 headers)
+                for i, _, frame, origin in group:
+                    out[i] = origin.export_bytes(staged.encode_frame(pipe, frame, start=len(pipe.body_steps) - 1)
+                                                 .streams["blob"])
+                continue
+            batch = programs.encode_batch(frames, *planned, fused.chunk)
             for j, (i, encoder, frame, origin) in enumerate(group):
                 if batch.fits[j]:
                     blob = batch.blob(j)

@@ -63,6 +63,17 @@ _COMPACT_VARYING = slice(blob_layout.COMPACT_FIELD["escapes"].offset, blob_layou
 assert _COMPACT_VARYING.stop - _COMPACT_VARYING.start == sum(f.size for f in blob_layout.COMPACT_VARYING)
 _COMPACT_COUNTS = struct.Struct("<II")  # escapes, exp_high bytes
 _COMPACT_SIZE = blob_layout.COMPACT_SIZE
+_CODEBOOK = blob_layout.COMPACT_FIELD["codebook"].span  # a compact header's 16 codebook bytes: dlo, dhi
+_DLUT = DECODE.span("dlo", "dhi")
+
+
+def _expect(head: bytes, key: bytes) -> bytes:
+    """Layout.expect of a header whose key is key: a compact header's codebook put back."""
+    if len(key) != _COMPACT_SIZE or blob_layout.version_of(head) != blob_layout.COMPACT_VERSION:
+        return key
+    b = bytearray(key)
+    b[_CODEBOOK] = head[_CODEBOOK]
+    return bytes(b)
 # Job row columns (kvzip/gpu/abi.py's DecodeJob): the six stream addresses, the escape streams',
 # their lengths; and the columns of what kvz_check_heads finds of a header (CHECKS).
 _STREAMS = DECODE.span("codes", "exp_high")
@@ -86,7 +97,10 @@ class Layout:
     header_len: int
     esc_pos_offset: int    # payload offset of esc_pos (fixed: every stream before it has a fixed size)
     row: np.ndarray        # the job row: codes, rest, esc_count addresses relative to the blob, n, codebook
-    key: bytes             # the header with the escape-dependent fields blanked (what _layouts maps)
+    key: bytes             # the header with the escape-dependent fields blanked (what _layouts maps);
+                           # a compact one's codebook too: the job row takes each blob's (match)
+    expect: bytes          # what a guessed blob's header must be, blanked (guess_head): key, with a
+                           # compact header's codebook kept, as the row's dlo/dhi are this one's
     dequantize: tuple | None = None  # (QuantizeFP8 stage, its frame meta, scales offset in the blob)
 
     @property
@@ -131,6 +145,7 @@ def _read(head: bytes, nbytes: int):
         stored, crc = blob_layout.crc_blanked(b)
         escapes, high = _COMPACT_COUNTS.unpack_from(b, _COMPACT_VARYING.start)
         b[_COMPACT_VARYING] = bytes(_COMPACT_VARYING.stop - _COMPACT_VARYING.start)
+        b[_CODEBOOK] = bytes(16)
         return bytes(b), crc == stored, nbytes - _COMPACT_SIZE, (0, 0, 0, escapes, 0, high)
     header_len = int.from_bytes(head[_HEADER_LEN.span], "little")
     nstreams = int.from_bytes(head[_STREAM_COUNT.span], "little")
@@ -172,7 +187,8 @@ def remember(head: bytes, nbytes: int, opened: Frame, stages: list) -> None:
     if len(_layouts) >= MAX_LAYOUTS:
         forget()
     layout = _layouts[read[0]] = Layout(opened.format, opened.dtype_format, tuple(opened.meta["shape"]), opened.n,
-                                        stages[-2].chunk, hdr.header_len, hdr.streams[-3][2], row, read[0], dequantize)
+                                        stages[-2].chunk, hdr.header_len, hdr.streams[-3][2], row, read[0],
+                                        _expect(head, read[0]), dequantize)
     _note(layout)
 
 
@@ -277,7 +293,8 @@ def match(head: bytes, nbytes: int) -> tuple[Layout, np.ndarray] | None:
         return None
     _, crc_ok, payload, entries = read
     h = layout.header_len
-    if h == _COMPACT_SIZE and blob_layout.version_of(head) == blob_layout.COMPACT_VERSION:
+    compact = h == _COMPACT_SIZE and blob_layout.version_of(head) == blob_layout.COMPACT_VERSION
+    if compact:
         entries = blob_layout.escape_entries(layout.esc_pos_offset, entries[3], entries[5])[0]
     pos_at, pos_nb, exp_at, exp_nb, high_at, high_nb = entries
     if not crc_ok or not blob_layout.payload_fits(h, payload, nbytes):
@@ -285,6 +302,8 @@ def match(head: bytes, nbytes: int) -> tuple[Layout, np.ndarray] | None:
     if pos_at != layout.esc_pos_offset or not blob_layout.escapes_laid_out(payload, entries):
         return None  # laid out otherwise than layout.escape_layout would: the general path decides
     row = layout.row.copy()
+    if compact:  # the blob's own codebook (the layout's key holds none)
+        row[0, _DLUT] = np.frombuffer(head[_CODEBOOK], "<u8")
     row[0, _ESCAPE_STREAMS] = (h + pos_at, h + exp_at, h + high_at)
     row[0, _ESCAPE_LENGTHS] = (exp_nb, high_nb)  # escapes; high-exponent bytes
     _note(layout)
@@ -359,8 +378,11 @@ def match_many(block: np.ndarray, nbytes, checks: np.ndarray | None = None) -> t
 def _match_rows(b: np.ndarray, pos, checks, h: int, at: int | None, taken, nbytes) -> list:
     """match_many for rows b (consistent headers of length h, escape entries at byte at; None:
     compact headers) of blobs of nbytes."""
+    books = None
     if at is None:
+        books = b[:, _CODEBOOK].copy().view("<u8")  # each blob's codebook: its dlo, dhi
         b[:, _COMPACT_VARYING] = 0  # escapes, exp_high bytes, CRC
+        b[:, _CODEBOOK] = 0
     else:
         b[:, _PAYLOAD_LEN] = 0   # payload length
         b[:, _CRC] = 0           # CRC
@@ -388,6 +410,8 @@ def _match_rows(b: np.ndarray, pos, checks, h: int, at: int | None, taken, nbyte
         if not js.size:
             continue
         jobs = np.repeat(layout.row, js.size, axis=0)
+        if books is not None:
+            jobs[:, _DLUT] = books[js]
         jobs[:, _ESCAPE_STREAMS] = h + c[:, _AT]   # esc_pos, esc_exp, exp_high
         jobs[:, _ESCAPE_LENGTHS] = c[:, _COUNTS]   # escapes (esc_exp bytes); high-exponent bytes
         taken[pos[js]] = True
@@ -472,7 +496,7 @@ def decode_one_guessed(layout: Layout, blob, origin=None):
     """decode_guessed for one blob, with the least host work (GuessedDecode: the program keeps
     the layout's row staged).  Returns the result, or None if the guess was wrong."""
     pair = _fused_dequantize((layout,), (blob,))
-    program, stream = programs.decode_program(layout.fmt, layout.chunk, (layout.n,), pair, (layout.key,))
+    program, stream = programs.decode_program(layout.fmt, layout.chunk, (layout.n,), pair, (layout.expect,))
     call = GuessedDecode(layout, origin, pair, program)
     got = call.run(blob.data.ptr, blob.shape[0], stream)
     if got is None:
@@ -566,7 +590,7 @@ def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None, origi
         jobs[:, programs.DQ_SCALE] = [b.data.ptr + layout.dequantize[2] for b, layout in zip(blobs, layouts)]
     guessed = None
     if heads is not None:
-        guessed = ((first.key,) * k if same else tuple(layout.key for layout in layouts), heads)
+        guessed = ((first.expect,) * k if same else tuple(layout.expect for layout in layouts), heads)
     got = programs.decode_jobs(fmt, chunk, ns, jobs, labels, dequantize=pair, views=views,
                                  origin=origin if views is not None else None, guessed=guessed)
     got, misses = got if guessed is not None else (got, [])

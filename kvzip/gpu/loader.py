@@ -64,6 +64,11 @@ def instances(fmt) -> tuple:
             f"kvz_decode<{args},{dg},{db}>")
 
 
+def auto_codebook(fmt) -> str:
+    """kvz_auto_codebook of a format: each tensor's own codebook, chosen on the device."""
+    return f"kvz_auto_codebook<{_args(fmt)}>"
+
+
 def quantizing_encode(fmt) -> tuple:
     """kvz_encode and its scan for an FP8 format reading 16-bit values and quantizing them as
     they load (QuantizeFP8 per tensor fused in)."""
@@ -100,6 +105,7 @@ def fused_units() -> tuple:
         names += HEAD_KERNELS if macros == base else ()
         names += tuple(x for fmt in fmts if fmt.itemsize == 1
                        for x in (dequantizing_decode(fmt), *quantizing_encode(fmt)))
+        names += tuple(auto_codebook(fmt) for fmt in fmts)
         out.append((macros, names))
     return tuple(out)
 

@@ -34,6 +34,7 @@ from itertools import accumulate
 import numpy as np
 
 from kvzip import container, layout
+from kvzip.auto_codebook import sample_plan
 from kvzip.bitpack import groups
 from kvzip.codebook import codebook_meta
 from kvzip.errors import FormatError, decode_error_text
@@ -41,8 +42,8 @@ from kvzip.formats import FORMATS
 from kvzip.frame import Frame
 
 from . import graphs, loader, quantize_kernels, tuning
-from .abi import (AMAX_ARGS, CHECK_HEADS_ARGS, CHECKS, DECODE, DECODE_ARGS, DEQUANT_TABLES_ARGS, ENCODE, ENCODE_ARGS,
-                  FINISH, GATHER_HEADS_ARGS, HEADS, QUANT_TABLE_ARGS, SCAN_ARGS, SIZES, aligned)
+from .abi import (AMAX_ARGS, AUTO_CODEBOOK_ARGS, CHECK_HEADS_ARGS, CHECKS, DECODE, DECODE_ARGS, DEQUANT_TABLES_ARGS,
+                  ENCODE, ENCODE_ARGS, FINISH, GATHER_HEADS_ARGS, HEADS, QUANT_TABLE_ARGS, SCAN_ARGS, SIZES, aligned)
 from .results import allocate
 from .graphs import Region as R
 from .tuning import tuning_for
@@ -78,6 +79,13 @@ def _kernel(name: str, device_id: int):
     if k is None:
         k = _kernels[(name, device_id)] = loader.fused_kernel(name, device_id)
     return k
+
+
+@lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    import cupy
+
+    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
 
 
 @lru_cache(maxsize=None)
@@ -267,6 +275,10 @@ def _config_key(config) -> str:
 
 
 ENCODE_COLUMNS = ENCODE.columns  # EncodeJob's 8-byte fields (kvzip/gpu/abi.py)
+AUTO_LUT_BYTES = 256     # a tensor's LUT row for kvz_auto_codebook (2^E <= 256; kernels/auto_codebook.cu)
+AUTO_UNROLL = 8          # runs a kvz_auto_codebook thread reads a step (AUTO_UNROLL there)
+AUTO_BLOCKS_PER_SM = 4   # kvz_auto_codebook's blocks a launch: few and fat (each adds its histogram
+                         # to the tensor's with global atomics on the same few words)
 Q_SCALE = ENCODE.col("q_scale")  # its column for the quantizing encode: where the blob's scale goes
 FINISH_COLUMNS = FINISH.columns  # FinishJob's 8-byte fields
 _SRC = ENCODE.col("src")
@@ -285,6 +297,8 @@ class _EncodeProgram:
     instances of kvz_encode and kvz_scan."""
 
     def __init__(self, plans: tuple, fmt, cb, chunk: int, device: int, quantize: str | None = None):
+        """cb: the batch's codebook, or None: each tensor's own, chosen on the device first
+        (kvz_auto_codebook; the plans' headers are then compact, their codebook filled in)."""
         k = len(plans)
         if quantize and k != 1:
             raise ValueError("a quantizing encode program takes one tensor")
@@ -299,6 +313,12 @@ class _EncodeProgram:
         tmpl_host = np.frombuffer(b"".join(templates), np.uint8)
         # work: scan ticket, totals, look-back, kvz_encode's chunk queues, each tensor's chunks done
         self.sizes_nb, work_nb = SIZES.nbytes * k, 8 * (1 + k + total_sb + QUEUE_WORDS + k)
+        auto = cb is None
+        # auto: kvz_auto_codebook's histograms (2^E words a tensor) and tickets after the work
+        # words, zeroed with them
+        hist_at = work_nb
+        if auto:
+            work_nb += 4 * k * ((1 << fmt.exp_bits) + 1)
         enc, scan, _, _ = loader.instances(fmt)
         ops = [("upload", 3), ("zero", 3)]
         if quantize:
@@ -311,23 +331,32 @@ class _EncodeProgram:
                     ("launch", table, (quantize_kernels.TABLE_BYTES // quantize_kernels.THREADS,), (quantize_kernels.THREADS,),
                      QUANT_TABLE_ARGS(amax=R(7), scale=0, addrs=R(0), scale_word=Q_SCALE,
                                       scale_span=p.nxt["scales"] - p.off["scales"], table=R(8)))]
-        lut = P(_device_lut(fmt.name, cb.exponents, device))
+        regions = (ENCODE.nbytes * k, FINISH.nbytes * k, tmpl_host.nbytes, work_nb, self.sizes_nb,
+                   2 * total_chunks * slot, total_chunks * slot) + ((16, quantize_kernels.TABLE_BYTES) if quantize else ())
+        luts_region = len(regions)  # auto: each tensor's LUT row, then its 16 codebook bytes
+        if auto:
+            regions += (k * AUTO_LUT_BYTES, k * 16)
+            runs = max(sample_plan(p.n).blocks for p in plans)
+            grid = (max(1, min(-(-runs // AUTO_UNROLL), _sm_count(device) * AUTO_BLOCKS_PER_SM // k)), k)
+            ops.append(_launch(loader.auto_codebook(fmt), device, grid,
+                               AUTO_CODEBOOK_ARGS(jobs=R(0), work=R(3), hist_at=hist_at // 8, luts=R(luts_region),
+                                                  books=R(luts_region + 1))))
+        else:
+            lut = _device_lut(fmt.name, cb.exponents, device)
         # kvz_encode writes each tensor's totals here (pinned, mapped) as soon as it has them.
         self.ready = _pinned_words(k)
         if total_chunks:
             ops.append(_launch(enc, device, _chunk_grid(enc, device, total_chunks),
-                               ENCODE_ARGS(jobs=R(0), njobs=k, total_chunks=total_chunks, chunk=chunk, slot=slot, lut=lut,
+                               ENCODE_ARGS(jobs=R(0), njobs=k, total_chunks=total_chunks, chunk=chunk, slot=slot,
                                            work=R(3), queue_at=1 + k + total_sb, ready=self.ready.ctypes.data)))
         ops += [_launch(scan, device, k + total_sb,  # k blocks finish the blobs (headers)
-                        SCAN_ARGS(jobs=R(0), njobs=k, chunk=chunk, slot=slot, lut=lut, work=R(3), chunk_off=0, fin=R(1),
+                        SCAN_ARGS(jobs=R(0), njobs=k, chunk=chunk, slot=slot, work=R(3), chunk_off=0, fin=R(1),
                                   sizes=R(4), heads=0, expect=0, span=0, down=0, flag=0, runs=0)),
                 ("download", 4, self.sizes_nb)]
         # Regions: encode jobs | finish jobs | templates | zeroed work | sizes | escape slots |
-        # (quantize) amax, table.
-        ws = self.shape = graphs.CallShape((ENCODE.nbytes * k, FINISH.nbytes * k, tmpl_host.nbytes, work_nb,
-                                                 self.sizes_nb, 2 * total_chunks * slot, total_chunks * slot)
-                                                + ((16, quantize_kernels.TABLE_BYTES) if quantize else ()),
-                                                tuple(ops))
+        # (quantize) amax, table | (auto) LUT rows, codebooks.
+        ws = self.shape = graphs.CallShape(regions, tuple(ops))
+        self.books = ws.ptr(luts_region + 1) if auto else None
         slot_pos, slot_exp = ws.ptr(5), ws.ptr(6)
         enc_rows, fin_rows = [], []
         for i, p in enumerate(plans):
@@ -336,10 +365,12 @@ class _EncodeProgram:
                                  esc_count=pay + p.off["esc_count"], esc_pos=pay + p.off["esc_pos"],
                                  slot_pos=slot_pos + 2 * slot * chunk_base[i], slot_exp=slot_exp + slot * chunk_base[i],
                                  chunk_base=chunk_base[i], sb_base=sb_base[i],
-                                 q_table=ws.ptr(8) if quantize else 0, q_scale=pay + p.off["scales"] if quantize else 0))
+                                 q_table=ws.ptr(8) if quantize else 0, q_scale=pay + p.off["scales"] if quantize else 0,
+                                 lut=ws.ptr(luts_region) + AUTO_LUT_BYTES * i if auto else lut))
             fin_rows.append(dict(blob=starts[i], tmpl=ws.ptr(2) + templates[p.header], header_len=len(p.header),
                                  table_at=p.table_at, var_base=p.off["esc_pos"], pad=p.pads,
-                                 write_header=0 if p.flags & layout.FLAG_CHECKSUM else 1, compact=int(p.compact)))
+                                 write_header=0 if p.flags & layout.FLAG_CHECKSUM else 1, compact=int(p.compact),
+                                 codebook=self.books + 16 * i if auto else 0))
         ws.put(0, ENCODE.rows(enc_rows))  # src: added per call
         ws.put(1, FINISH.rows(fin_rows))
         ws.put(2, tmpl_host)
@@ -419,6 +450,11 @@ class _EncodeProgram:
         payloads = self.shape.down64[_PAYLOAD:SIZES.columns * len(self.starts):SIZES.columns].tolist()  # SIZES rows
         return buffer.blobs(self.starts, [self._blob_length(t, p) for t, p in enumerate(payloads)], places)
 
+    def chosen_codebooks(self) -> np.ndarray:
+        """uint8 (tensors, 16): the codebooks kvz_auto_codebook chose in the last call (auto)."""
+        ws, at = self.shape, self.books - self.shape.base
+        return ws.buffer[at:at + 16 * len(self.plans)].get().reshape(-1, 16)
+
     def _blob_length(self, t: int, payload: int) -> int | None:
         """Blob t's length with a payload of that many bytes; None where that is more than the
         values take raw (the general path then stores them raw)."""
@@ -444,19 +480,35 @@ class _Unpublished(Exception):
     """A stream finished without kvz_encode publishing a tensor's totals."""
 
 
-def encode_batch(frames: list[Frame], top16, chunk: int, checksum: bool) -> EncodedBatch:
-    """Encode tensor frames of one format straight into container blobs (Serialize included)."""
+def auto_placeholder(fmt):
+    """The codebook an auto plan's header template holds until kvz_auto_codebook's replaces it."""
+    from kvzip.codebook import Codebook
+
+    return Codebook(range(16), fmt)
+
+
+def plans_for(frames: list[Frame], top16, chunk: int, checksum: bool) -> tuple | None:
+    """(plans, codebook: None for auto) of tensor frames of one format, or None where an auto
+    codebook cannot be written on the GPU (a version-1 header: n >= 2**32, a long shape; the
+    staged executor then encodes them)."""
+    fmt = frames[0].format
+    cb = None if top16.auto else top16.codebook_for(fmt)
+    flags = layout.FLAG_CHECKSUM if checksum else 0
+    plans = tuple(_plan(frame, fmt, cb or auto_placeholder(fmt), chunk, flags, _config_key(frame.meta.get("pipeline")))
+                  for frame in frames)
+    return None if cb is None and not all(p.compact for p in plans) else (plans, cb)
+
+
+def encode_batch(frames: list[Frame], plans: tuple, cb, chunk: int) -> EncodedBatch:
+    """Encode tensor frames of one format straight into container blobs (Serialize included),
+    by plans_for's plans and codebook."""
     import cupy
 
     fmt = frames[0].format
-    cb = top16.codebook_for(fmt)
-    flags = layout.FLAG_CHECKSUM if checksum else 0
-    plans, srcs = [], []
-    for frame in frames:
-        plans.append(_plan(frame, fmt, cb, chunk, flags, _config_key(frame.meta.get("pipeline"))))
-        srcs.append(frame.expect("data", fmt.uint_dtype, frame.n).data.ptr)
+    flags = plans[0].flags
+    checksum = bool(flags & layout.FLAG_CHECKSUM)
+    srcs = [frame.expect("data", fmt.uint_dtype, frame.n).data.ptr for frame in frames]
     device, stream = _current()
-    plans = tuple(plans)
     prog = graphs.cached(("encode", device, *map(id, plans), None),  # ids are safe: the program holds the plans
                               lambda: _EncodeProgram(plans, fmt, cb, chunk, device))
     buffer = cupy.empty(max(prog.total, 1), np.uint8)
@@ -476,13 +528,15 @@ def encode_batch(frames: list[Frame], top16, chunk: int, checksum: bool) -> Enco
     lengths = header_lens + got[:, _PAYLOAD]
     if checksum:  # the payload is final: hash it and write the header from the host
         from kvzip.checksum import sum64
+        from kvzip.codebook import Codebook
 
+        books = prog.chosen_codebooks() if cb is None else None
         for i, (p, frame) in enumerate(zip(plans, frames)):
             s, h = int(starts[i]), int(header_lens[i])
             digest = sum64(cupy, buffer[s + h: s + int(lengths[i])])
             others = {k: a for k, a in frame.streams.items() if k != "data"}
             meta = dict(frame.meta)
-            meta["codebook"] = codebook_meta(cb)
+            meta["codebook"] = codebook_meta(cb if books is None else Codebook(books[i].tolist(), fmt))
             table = _stream_table(p.n, fmt, p.nchunks, others, int(got[i, _N_ESC]), int(got[i, _N_HIGH]))
             buffer[s:s + h].set(np.frombuffer(container.header_for(meta, table, flags, digest), np.uint8))
     return EncodedBatch(buffer, starts, lengths, got[:, _PAYLOAD] <= prog.raw_payloads, plans)
@@ -677,7 +731,7 @@ class _DecodeProgram:
         scan_blocks = sb_base + (k if guess else 0)  # on guessed layouts the first k check the headers
         if scan_blocks:
             ops.append(_launch(scan, device, scan_blocks,
-                               SCAN_ARGS(jobs=jobs, njobs=k, chunk=chunk, slot=0, lut=0, work=work, chunk_off=offs, fin=0,
+                               SCAN_ARGS(jobs=jobs, njobs=k, chunk=chunk, slot=0, work=work, chunk_off=offs, fin=0,
                                          sizes=0, heads=heads if guess else 0, expect=R(expected) if guess else 0,
                                          span=HEAD_SPAN if guess else 0, **verdict)))
         if self.early:

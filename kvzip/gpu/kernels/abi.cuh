@@ -5,7 +5,7 @@
 
 #include "common.cuh"
 
-// One tensor of a batch.  All fields are 8 bytes wide: the host fills a uint64 array (ntensors, 12).
+// One tensor of a batch.  All fields are 8 bytes wide: the host fills a uint64 array (ntensors, 13).
 struct EncodeJob {
     static constexpr bool ENCODE = true;
     const void* src;        // the values' bits
@@ -20,6 +20,8 @@ struct EncodeJob {
     long long sb_base;      // and its first scan block (SB_CHUNKS chunks each)
     const u8* q_table;      // QT kernels: the quantize table (src is then 16-bit bits)
     float* q_scale;         // QT: where the blob's scales stream goes (kvz_quant_table writes it)
+    const u8* lut;          // the codebook's encode LUT: exponent -> code, or ESC_FLAG (2^E bytes; one
+                            // shared by the batch, or this tensor's own, which kvz_auto_codebook wrote)
 };
 
 // One blob of a decode batch (the mirror of EncodeJob).
@@ -42,7 +44,7 @@ struct DecodeJob {  // all 8-byte fields: the host fills a uint64 array (ntensor
     const float* dq_scale;  // and the blob's scale it is built from (quantize.cu's kvz_dequant_tables)
 };
 
-struct FinishJob {  // all 8-byte fields: uint64 array (ntensors, 13)
+struct FinishJob {  // all 8-byte fields: uint64 array (ntensors, 14)
     u8* blob;               // header at blob[0], payload at blob[header_len]
     const u8* tmpl;         // header template
     long long header_len;
@@ -51,6 +53,7 @@ struct FinishJob {  // all 8-byte fields: uint64 array (ntensors, 13)
     long long pad[6];       // three (start, end) payload ranges of padding known before encoding
     long long write_header; // 0 when the host writes the header itself (payload checksum)
     long long compact;      // 1: a version-2 header (escapes and exp_high bytes in fixed fields, no table)
+    const u8* codebook;     // compact: the 16 codebook bytes to put in the header (kvz_auto_codebook's), or 0
 };
 
 #include "abi_check.cuh"  // EncodeJob, DecodeJob, FinishJob as kvzip/gpu/abi.py writes them (generated)

@@ -6,7 +6,7 @@
 // order in abi.cuh against kvzip/gpu/abi.py.  (NVRTC of CUDA 13.0 has no __builtin_offsetof.)
 #pragma once
 
-static_assert(sizeof(EncodeJob) == 96, "EncodeJob: 12 words, as kvzip/gpu/abi.py");
+static_assert(sizeof(EncodeJob) == 104, "EncodeJob: 13 words, as kvzip/gpu/abi.py");
 static_assert(sizeof(EncodeJob::src) == 8, "EncodeJob::src: column 0, 1 word");
 static_assert(sizeof(EncodeJob::n) == 8, "EncodeJob::n: column 1, 1 word");
 static_assert(sizeof(EncodeJob::codes) == 8, "EncodeJob::codes: column 2, 1 word");
@@ -19,6 +19,7 @@ static_assert(sizeof(EncodeJob::chunk_base) == 8, "EncodeJob::chunk_base: column
 static_assert(sizeof(EncodeJob::sb_base) == 8, "EncodeJob::sb_base: column 9, 1 word");
 static_assert(sizeof(EncodeJob::q_table) == 8, "EncodeJob::q_table: column 10, 1 word");
 static_assert(sizeof(EncodeJob::q_scale) == 8, "EncodeJob::q_scale: column 11, 1 word");
+static_assert(sizeof(EncodeJob::lut) == 8, "EncodeJob::lut: column 12, 1 word");
 
 static_assert(sizeof(DecodeJob) == 128, "DecodeJob: 16 words, as kvzip/gpu/abi.py");
 static_assert(sizeof(DecodeJob::codes) == 8, "DecodeJob::codes: column 0, 1 word");
@@ -38,7 +39,7 @@ static_assert(sizeof(DecodeJob::sb_base) == 8, "DecodeJob::sb_base: column 13, 1
 static_assert(sizeof(DecodeJob::dq_table) == 8, "DecodeJob::dq_table: column 14, 1 word");
 static_assert(sizeof(DecodeJob::dq_scale) == 8, "DecodeJob::dq_scale: column 15, 1 word");
 
-static_assert(sizeof(FinishJob) == 104, "FinishJob: 13 words, as kvzip/gpu/abi.py");
+static_assert(sizeof(FinishJob) == 112, "FinishJob: 14 words, as kvzip/gpu/abi.py");
 static_assert(sizeof(FinishJob::blob) == 8, "FinishJob::blob: column 0, 1 word");
 static_assert(sizeof(FinishJob::tmpl) == 8, "FinishJob::tmpl: column 1, 1 word");
 static_assert(sizeof(FinishJob::header_len) == 8, "FinishJob::header_len: column 2, 1 word");
@@ -47,3 +48,4 @@ static_assert(sizeof(FinishJob::var_base) == 8, "FinishJob::var_base: column 4, 
 static_assert(sizeof(FinishJob::pad) == 48, "FinishJob::pad: column 5, 6 words");
 static_assert(sizeof(FinishJob::write_header) == 8, "FinishJob::write_header: column 11, 1 word");
 static_assert(sizeof(FinishJob::compact) == 8, "FinishJob::compact: column 12, 1 word");
+static_assert(sizeof(FinishJob::codebook) == 8, "FinishJob::codebook: column 13, 1 word");

@@ -66,17 +66,20 @@ __device__ __noinline__ void flush_totals(const EncodeJob* jobs, int job, u64 su
 template <int E, int M, typename T, int GPL, int MINB, bool QT = false>
 __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* __restrict__ jobs, int njobs,
                                                                 long long total_chunks, int chunk, int slot,
-                                                                const u8* __restrict__ lut, u64* __restrict__ work,
+                                                                u64* __restrict__ work,
                                                                 long long queue_at, u64* __restrict__ ready) {
     await_predecessor();
     release_dependents();
     constexpr int HB = E - 4, R = M + 1, STEP = 32 * GPL;
-    __shared__ u32 slut_words[((1 << E) + 3) / 4];
-    u8* slut = reinterpret_cast<u8*>(slut_words);
-    for (int i = threadIdx.x; i < (1 << E); i += blockDim.x) slut[i] = lut[i];
+    // Each warp's copy of its current tensor's LUT (and E5M2's position tables, encode_e5m2_full),
+    // loaded when the warp's chunk belongs to another tensor than its last (load_warp_lut): a batch
+    // whose tensors have codebooks of their own (auto) encodes in one launch.
     constexpr bool E5M2 = E == 5 && M == 2 && sizeof(T) == 1;
-    __shared__ u32 tables[E5M2 ? POSITION_TABLE_WORDS : 1];  // E5M2's position tables (encode_e5m2_full)
-    if constexpr (E5M2) build_position_tables(tables, lut);
+    __shared__ u32 slut_words[WARPS][((1 << E) + 3) / 4];
+    __shared__ u32 tables_all[WARPS][E5M2 ? POSITION_TABLE_WORDS : 1];
+    u8* slut = reinterpret_cast<u8*>(slut_words[threadIdx.x >> 5]);
+    u32* tables = tables_all[threadIdx.x >> 5];
+    int lut_job = -1;
     __shared__ PendingCounts pending[WARPS];  // each warp's list of counts not yet released (lane 0's)
     if ((threadIdx.x & 31) == 0) pending[threadIdx.x >> 5].n = 0;
     const u8* qtable = nullptr;
@@ -97,6 +100,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
         next = claim_chunk(work + queue_at, lane);
         const int job = find_job(jobs, njobs, gc, &EncodeJob::chunk_base);
         const EncodeJob& J = jobs[job];
+        if (job != lut_job) {  // warp-uniform: every lane has this chunk
+            load_warp_lut<E, E5M2>(J.lut, slut, tables, lane);
+            lut_job = job;
+        }
         const long long c = gc - J.chunk_base, g0 = c * gpc;
         const long long n = J.n - g0 * 8;  // values from the chunk's start to the tensor's end
         const int ng = (int)min((long long)gpc, (n + 7) / 8);

@@ -71,12 +71,21 @@ __device__ __forceinline__ u32 e5m2_rest12(u32 w) {
 // Partial groups (a tensor's tail) take encode_raw's
 // generic loop and the byte LUT.
 #define POSITION_TABLE_WORDS (8 * 32)
-__device__ __forceinline__ void build_position_tables(u32* tabs, const u8* __restrict__ lut) {
-    for (int i = threadIdx.x; i < POSITION_TABLE_WORDS; i += blockDim.x) {
-        const int j = i >> 5;
-        const u32 c = lut[i & 31];
-        tabs[i] = ((c & 0xFu) << (4 * (j & 3))) | ((c >> 7) << (16 + j));
+
+// A warp's shared copy of a LUT (2^E bytes) and, for E5M2, the position tables built from it, by
+// the warp's lanes; the warp's lanes synchronise before (the old copy may still be read) and after.
+template <int E, bool E5M2>
+__device__ __forceinline__ void load_warp_lut(const u8* __restrict__ lut, u8* slut, u32* tabs, int lane) {
+    __syncwarp();
+    for (int i = lane; i < (1 << E); i += 32) slut[i] = lut[i];
+    if constexpr (E5M2) {
+        for (int i = lane; i < POSITION_TABLE_WORDS; i += 32) {
+            const int j = i >> 5;
+            const u32 c = lut[i & 31];
+            tabs[i] = ((c & 0xFu) << (4 * (j & 3))) | ((c >> 7) << (16 + j));
+        }
     }
+    __syncwarp();
 }
 __device__ __forceinline__ u32 table_word(const u8* tabs, u32 byte_offset) {
     return *reinterpret_cast<const u32*>(tabs + byte_offset);

@@ -20,6 +20,7 @@
 // chunk while the scan still runs.
 // No dense pass ever waits on another warp.
 
+#include "auto_codebook.cu"
 #include "encode.cu"
 #include "heads.cu"
 #include "scan.cu"

@@ -138,9 +138,12 @@ __device__ void finish_blob(const FinishJob& J, u64 totals, int hb, u64* __restr
     build_crc_tables(crc_table);
     if (threadIdx.x < 32) {
         if (threadIdx.x == 0 && J.compact) {
-            // A compact header's escape fields (the layout follows from them; n < 2^32 bounds both).
+            // A compact header's escape fields (the layout follows from them; n < 2^32 bounds both),
+            // and the tensor's own codebook where it has one.
             put_u32(h + KVZ_COMPACT_ESCAPES_AT, (u32)ne);
             put_u32(h + KVZ_COMPACT_HIGH_BYTES_AT, (u32)nh);
+            if (J.codebook != nullptr)
+                for (int c = 0; c < KVZ_COMPACT_CODEBOOK_SIZE; c++) h[KVZ_COMPACT_CODEBOOK_AT + c] = J.codebook[c];
         } else if (threadIdx.x == 0) {
             // The escape entries at table_at: (offset, length) of esc_pos, esc_exp, exp_high.
             put_u64(h + KVZ_PAYLOAD_LEN_AT, (u64)end);

@@ -92,7 +92,7 @@ __device__ __forceinline__ void offsets_block_done(u64* work, int njobs) {
 // Tickets hand the guesses out first, so no block waits on one that has not started.
 template <int E, int M, typename T, typename Job, bool QT = false>
 __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs, int chunk, int slot,
-                                                     const u8* __restrict__ lut, u64* __restrict__ work,
+                                                     u64* __restrict__ work,
                                                      u64* __restrict__ chunk_off, const FinishJob* __restrict__ fin,
                                                      u64* __restrict__ sizes, const u64* __restrict__ heads,
                                                      const u8* __restrict__ expect, int span, u64* __restrict__ down,
@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
                     load_values<T>(src, n, g0 + g, v, qtable);
 #pragma unroll
                     for (int j = 0; j < 8; j++)
-                        m |= (u32)((g0 + g) * 8 + j < n && (lut[(v[j] >> M) & ((1u << E) - 1u)] & ESC_FLAG)) << j;
+                        m |= (u32)((g0 + g) * 8 + j < n && (J.lut[(v[j] >> M) & ((1u << E) - 1u)] & ESC_FLAG)) << j;
                 }
                 int total;
                 int idx = idx0 + warp_exclusive_count(__popc(m), lane, &total);
