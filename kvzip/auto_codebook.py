@@ -21,10 +21,11 @@ block.  On a GPU: ``J = __umulhi(i * 0x9E3779B9u, M)`` in uint32 (``i`` taken mo
 
 * ``n < 2^20`` (``FULL_READ_BELOW``): ``k = 0``, ``S = L``, ``M = 1``, ``J = 0``: every value is read.
 * ``2^(19+k) <= n < 2^(20+k)`` for ``k = 1..4``: one value in ``2^k`` is read.
-* ``n >= 2^24``: ``k = 5``, ``S = 8192``: one value in 32 (1/32 of the bytes, plus at most one
-  partial run at the end).
-* So at most 2^20 values are read for any ``n < 2^24`` (``blocks <= 2^12`` there), and at most
-  ``256 * ceil(n / 8192)`` (``n/32`` rounded up to a run) beyond; a sampled tensor (``n >= 2^20``)
+* ``2^(19+k) <= n < 2^(20+k)`` for ``k = 5..7``: likewise, 1/32 to 1/128.
+* ``n >= 2^27``: ``k = 8``, ``S = 65536``: one value in 256 (plus at most one partial run at
+  the end).
+* So at most 2^20 values are read for any ``n < 2^28`` (``blocks <= 2^12`` there), and at most
+  ``256 * ceil(n / 65536)`` (``n/256`` rounded up to a run) beyond; a sampled tensor (``n >= 2^20``)
   always gives at least 2048 runs and 2^19 values.
 * The last block may be partial (``n`` need not be a multiple of ``S``): its run is cut at ``n``,
   and is empty when ``start(i) >= n``.  ``n = 0``: no blocks, nothing read.
@@ -69,7 +70,10 @@ Why these constants:
   everything costs a GPU well under a microsecond, less than the launch it rides on, and gives
   the tensor's own Top-16 exactly; above, the sample never drops under 2^19 values in 2048 runs,
   so a tensor of 2^20 values is not chosen from 2^15 of them.
-* ``MAX_SHIFT = 5``: 1/32 of the bytes from 2^24 values on, the budget asked of the rule.
+* ``MAX_SHIFT = 8``: at most 2^20 values read below 2^28, 1/256 of a tensor beyond; the GPU
+  reads the sample in latency-bound steps, so every halving of it comes off each encode (a
+  first rule stopped at 1/32 and cost 13 % of a 2^28 BF16 encode on an H200, benchmarks/NOTES.md
+  a3).  The survey found 1/256 blocks as good as the full histogram on every tensor it has (a2).
 """
 from __future__ import annotations
 
@@ -83,7 +87,7 @@ from .codebook import Codebook, _as_format
 RUN_LENGTH = 256           # values per run: whole head vectors for head_dim 32..256; one warp load
 ALIGN = 16                 # run starts are multiples of 16 values: 16-byte aligned in every format
 FULL_READ_BELOW = 1 << 20  # tensors of fewer values are read whole (k = 0)
-MAX_SHIFT = 5              # block = RUN_LENGTH << k with k <= 5: at most 1/32 of a large tensor
+MAX_SHIFT = 8              # block = RUN_LENGTH << k with k <= 8: at most 1/256 of a large tensor
 WEYL = 0x9E3779B9          # round(2^32 / golden ratio): the run offsets' low-discrepancy step
 
 _GATHER_BLOCKS = 4096      # runs gathered per NumPy fancy-index call on the CPU (an 8 MiB index)

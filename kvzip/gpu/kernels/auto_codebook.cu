@@ -9,7 +9,7 @@
 
 #define AUTO_RUN 256        // values a run (auto_codebook.RUN_LENGTH): one a thread
 #define AUTO_ALIGN 16       // run starts are multiples of 16 values (ALIGN)
-#define AUTO_MAX_SHIFT 5    // blocks of AUTO_RUN << k values, k <= 5 (MAX_SHIFT)
+#define AUTO_MAX_SHIFT 8    // blocks of AUTO_RUN << k values, k <= 8 (MAX_SHIFT)
 #define AUTO_FULL_BITS 21   // bit_length(FULL_READ_BELOW = 2^20)
 #define AUTO_WEYL 0x9E3779B9u
 #define AUTO_LUT_BYTES 256  // a tensor's LUT row in luts (2^E <= 256)
@@ -78,23 +78,24 @@ __global__ void __launch_bounds__(AUTO_RUN) kvz_auto_codebook(const EncodeJob* _
     // their distance to it; each thread ranks its exponents against all 2^E, in parallel.
     __shared__ u32 c[BINS];
     __shared__ u32 rank[BINS];
-    __shared__ int mode, seen;
-    if (threadIdx.x == 0) { mode = 0; seen = 0; }
-    for (int i = threadIdx.x; i < BINS; i += blockDim.x) c[i] = *reinterpret_cast<volatile u32*>(&th[i]);
-    __syncthreads();
-    for (int e = threadIdx.x; e < BINS; e += blockDim.x) {
-        if (c[e] == 0) continue;
+    __shared__ int mode;
+    static_assert(BINS <= AUTO_RUN, "a thread an exponent");
+    const int e = threadIdx.x;
+    if (e == 0) mode = 0;
+    if (e < BINS) c[e] = *reinterpret_cast<volatile u32*>(&th[e]);
+    const u32 seen = (u32)__syncthreads_count(e < BINS && c[e] != 0);
+    if (e < BINS && c[e] != 0) {
         u32 r = 0;
+#pragma unroll 16
         for (int f = 0; f < BINS; f++) r += c[f] > c[e] || (c[f] == c[e] && f < e);
         rank[e] = r;
         if (r == 0) mode = e;  // the one seen exponent of rank 0
-        atomicAdd(&seen, 1);
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < BINS; e += blockDim.x) {
-        if (c[e] != 0) continue;
+    if (e < BINS && c[e] == 0) {
         const int d = abs(e - mode);
-        u32 r = (u32)seen;
+        u32 r = seen;
+#pragma unroll 16
         for (int f = 0; f < BINS; f++) {
             const int df = abs(f - mode);
             r += c[f] == 0 && (df < d || (df == d && f < e));
@@ -104,13 +105,11 @@ __global__ void __launch_bounds__(AUTO_RUN) kvz_auto_codebook(const EncodeJob* _
     __syncthreads();
     const bool zero_out = rank[0] >= 16;  // exponent 0 takes code 15 from the exponent ranked 16th
     __syncthreads();
-    if (zero_out)
-        for (int e = threadIdx.x; e < BINS; e += blockDim.x)
-            rank[e] = e == 0 ? 15u : rank[e] == 15 ? (u32)BINS : rank[e];
+    if (zero_out && e < BINS) rank[e] = e == 0 ? 15u : rank[e] == 15 ? (u32)BINS : rank[e];
     __syncthreads();
     u8* __restrict__ lut = luts + (long long)t * AUTO_LUT_BYTES;
     u8* __restrict__ book = books + (long long)t * 16;
-    for (int e = threadIdx.x; e < BINS; e += blockDim.x) {
+    if (e < BINS) {
         const u32 r = rank[e];
         lut[e] = r < 16 ? (u8)r : (u8)ESC_FLAG;
         if (r < 16) book[r] = (u8)e;
