@@ -108,6 +108,46 @@ def survey_layers(files: dict, stride: int) -> list[dict]:
     return rows
 
 
+def e5m2_of(bits: np.ndarray) -> np.ndarray:
+    """A BF16 tensor's bits quantized to E5M2 by QuantizeFP8 (one scale for the tensor), as uint8."""
+    from kvzip import stages as S
+    from kvzip.backends import get_backend
+    from kvzip.frame import Frame
+
+    flat = np.ascontiguousarray(bits.reshape(-1))
+    frame = Frame(get_backend("cpu"), {"data": flat}, {"dtype": "bfloat16", "shape": [flat.size], "n": flat.size,
+                                                        "format": "bf16"})
+    return S.QuantizeFP8("e5m2").encode(frame).streams["data"]
+
+
+def survey_e5m2(files: dict) -> list[dict]:
+    """Each layer tensor quantized to E5M2 (as an FP8 KV cache would hold it), compressed alone
+    with the shipped e5m2-kv codebook, its own Top-16 and the auto rule's."""
+    rows = []
+    for fname, tensors in files.items():
+        for key, bits in tensors.items():
+            q = e5m2_of(bits)
+            row = {"file": fname, "tensor": key, "values": int(q.size)}
+            own = kvzip.Codebook(choose_exponents(exponent_histogram(q, "e5m2")), "e5m2")
+            for label, cb in (("default", None), ("own", own), ("auto", "auto")):
+                info = kvzip.info(kvzip.compress(q, codebook=cb, dtype="e5m2"))
+                row[f"ratio_{label}"] = info["ratio"]
+            rows.append(row)
+    return rows
+
+
+def summary_e5m2(rows: list[dict]) -> list[dict]:
+    out = []
+    for fam in sorted({family(r["file"]) for r in rows}):
+        sel = [r for r in rows if family(r["file"]) == fam]
+        entry = {"family": fam, "tensors": len(sel)}
+        for label in ("default", "own", "auto"):
+            entry[f"{label}_min"] = round(min(r[f"ratio_{label}"] for r in sel), 4)
+            entry[f"{label}_median"] = round(statistics.median(r[f"ratio_{label}"] for r in sel), 4)
+        out.append(entry)
+    return out
+
+
 LARGE_LABELS = ("default", "own", "auto", "fixed", "auto/256", "auto/2048")
 
 
@@ -227,7 +267,8 @@ def main(argv=None) -> int:
     files = {path.name: load(path) for path in sorted(Path(args.data).glob("*.safetensors"))}
     rows = survey_layers(files, args.stride)
     large = survey_large(files)
-    table, table_large = summary(rows), summary_large(large)
+    e5m2 = survey_e5m2(files)
+    table, table_large, table_e5m2 = summary(rows), summary_large(large), summary_e5m2(e5m2)
     import torch
 
     rule = {k: getattr(auto, k) for k in ("RUN_LENGTH", "ALIGN", "FULL_READ_BELOW", "MAX_SHIFT", "WEYL")}
@@ -239,7 +280,8 @@ def main(argv=None) -> int:
               "versions": {"kvzip": kvzip.__version__, "numpy": np.__version__, "torch": torch.__version__,
                            "python": platform.python_version()},
               "data": args.data, "stride": args.stride, "auto_rule": rule,
-              "summary": table, "summary_large": table_large, "rows": rows, "rows_large": large}
+              "summary": table, "summary_large": table_large, "summary_e5m2": table_e5m2, "rows": rows,
+              "rows_large": large, "rows_e5m2": e5m2}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "codebook-survey-cpu.json").write_text(json.dumps(record, indent=1))
@@ -252,6 +294,11 @@ def main(argv=None) -> int:
               f"| {e['own_min']} / {e['own_median']} | {e['sampled_min']} / {e['sampled_median']} "
               f"| {e['auto_min']} / {e['auto_median']} | {e['sampled_vs_own_worst']} | {pct(e['auto_gap_worst'])} "
               f"| {e['default_escapes_median']:.2%} / {e['own_escapes_median']:.2%} |")
+    print("\nE5M2 layer tensors (QuantizeFP8, one scale a tensor), ratio min / median")
+    print("| family | tensors | shipped e5m2-kv | own | auto |\n|---|---|---|---|---|")
+    for e in table_e5m2:
+        print(f"| {e['family']} | {e['tensors']} | {e['default_min']} / {e['default_median']} "
+              f"| {e['own_min']} / {e['own_median']} | {e['auto_min']} / {e['auto_median']} |")
     print("\nLarge tensors: gap to the own codebook's ratio, worst / median (how many tensors got the own exponent set)")
     print("| family | variant | layout | tensors | own min | default min | auto | fixed offset | auto/256 | auto/2048 |")
     print("|---|---|---|---|---|---|---|---|---|---|")
