@@ -304,3 +304,30 @@ def test_layouts_are_noted_and_guessed_from_several_threads():
         sys.setswitchinterval(interval)
     layout_cache.forget()
     assert errors == []
+
+
+def test_compact_layouts_take_each_blobs_codebook_and_guesses_follow_the_latest():
+    """Auto codebooks vary between blobs of one layout: the match puts each blob's own codebook
+    in its job row (the layout's key holds none), single and batched alike, and the layout's
+    guesses then expect the latest blob's codebook."""
+    layout_cache.forget()
+    bits = real_bits()
+    a = kvzip.compress(bits, dtype="bf16", codebook="auto")
+    b = kvzip.compress(kt.scale_pow2(bits, 2), dtype="bf16", codebook="auto")
+    assert bytes(a[48:64]) != bytes(b[48:64]) and len(a) == len(b)
+    remember_blob(a)
+    (layout,) = layout_cache._layouts.values()
+    assert layout.expect[48:64] == bytes(a[48:64])
+    hit = layout_cache.match(head_of(b), b.shape[0])
+    assert hit is not None
+    got, row = hit
+    assert row[0, 10:12].view(np.uint8).tobytes() == bytes(b[48:64])  # DecodeJob's dlo, dhi
+    assert got.expect[48:64] == bytes(b[48:64]) and layout_cache.guess(b.shape[0]) is got
+    block = np.zeros((2, 4096), np.uint8)
+    for i, blob in enumerate((a, b)):
+        block[i, :blob.shape[0]] = np.asarray(blob)[:4096]
+    groups, rest = layout_cache.match_many(block, [a.shape[0], b.shape[0]])
+    assert rest == [] and len(groups) == 1
+    _, pos, jobs = groups[0]
+    assert [jobs[j, 10:12].view(np.uint8).tobytes() for j in range(2)] == [bytes(a[48:64]), bytes(b[48:64])]
+    layout_cache.forget()

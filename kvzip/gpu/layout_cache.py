@@ -32,6 +32,7 @@ the same layout goes straight to the program, with none of the import, guess or 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import struct
 import threading
 from collections import OrderedDict
@@ -301,13 +302,32 @@ def match(head: bytes, nbytes: int) -> tuple[Layout, np.ndarray] | None:
         return None
     if pos_at != layout.esc_pos_offset or not blob_layout.escapes_laid_out(payload, entries):
         return None  # laid out otherwise than layout.escape_layout would: the general path decides
+    if compact:  # the blob's own codebook (the layout's key holds none); later guesses expect it
+        layout = _expecting(layout, head[_CODEBOOK])
     row = layout.row.copy()
-    if compact:  # the blob's own codebook (the layout's key holds none)
-        row[0, _DLUT] = np.frombuffer(head[_CODEBOOK], "<u8")
     row[0, _ESCAPE_STREAMS] = (h + pos_at, h + exp_at, h + high_at)
     row[0, _ESCAPE_LENGTHS] = (exp_nb, high_nb)  # escapes; high-exponent bytes
     _note(layout)
     return layout, row
+
+
+def _expecting(layout: Layout, codebook: bytes) -> Layout:
+    """layout, or where its guesses expect another compact codebook, the layout with this one in
+    its place (expect and the job row's dlo/dhi), remembered instead: a guess checks the codebook
+    (the early chunks of a guessed decode run before the header is read), so blobs of a layout
+    whose codebook changed (auto) go back to guessed decodes from the second one on."""
+    codebook = bytes(codebook)
+    if layout.expect[_CODEBOOK] == codebook:
+        return layout
+    expect = bytearray(layout.expect)
+    expect[_CODEBOOK] = codebook
+    row = layout.row.copy()
+    row[:, _DLUT] = np.frombuffer(codebook, "<u8")
+    new = dataclasses.replace(layout, expect=bytes(expect), row=row)
+    with _lock:
+        if _layouts.get(layout.key) is layout:
+            _layouts[layout.key] = new
+    return new
 
 
 def head_checks(block: np.ndarray, nbytes) -> np.ndarray:
@@ -409,6 +429,8 @@ def _match_rows(b: np.ndarray, pos, checks, h: int, at: int | None, taken, nbyte
             js, c = js[ok], c[ok]
         if not js.size:
             continue
+        if books is not None:  # later guesses expect the last blob's codebook
+            layout = _expecting(layout, books[js[-1]].tobytes())
         jobs = np.repeat(layout.row, js.size, axis=0)
         if books is not None:
             jobs[:, _DLUT] = books[js]
