@@ -102,12 +102,14 @@ def pack(blobs):
     cuda = get_backend("cuda").xp.cuda
     with origin.stream_context():  # the caller's device and stream: ordered after the writers of the blobs
         buffer = origin.results(total)   # memory of the caller's framework (torch's allocator for torch)
-        buffer.array[:len(head)].set(np.frombuffer(head, np.uint8))  # the one host-to-device copy
-        stream = cuda.get_current_stream().ptr
+        stream = cuda.get_current_stream()
+        # The one host-to-device copy, in stream order (the memory may be torch's, freed by work
+        # still queued there); from pageable memory, so CUDA has staged it when set() returns.
+        buffer.array[:len(head)].set(np.frombuffer(head, np.uint8), stream=stream)
         at = len(head)
         for m, n in zip(members, lengths):
             if n:
-                cuda.runtime.memcpyAsync(buffer.ptr + at, m.data.ptr, n, _MEMCPY_DEVICE_TO_DEVICE, stream)
+                cuda.runtime.memcpyAsync(buffer.ptr + at, m.data.ptr, n, _MEMCPY_DEVICE_TO_DEVICE, stream.ptr)
             at += n
         return buffer.blobs([0], [total])[0]
 
