@@ -4,6 +4,8 @@ out from the spec, independently of kvzip/packed.py; every forged header is rese
 right again), so what stops it is the check of the field forged, and the message says which."""
 from __future__ import annotations
 
+import pathlib
+import re
 import struct
 import zlib
 
@@ -87,6 +89,17 @@ def packed(blobs) -> bytes:
 
 
 # ----------------------------------------------------------------------------- writing
+def test_the_worked_example_of_the_spec():
+    """docs/format.md 14.2's example header, byte for byte."""
+    doc = pathlib.Path(__file__).resolve().parents[1] / "docs" / "format.md"
+    if not doc.is_file():
+        pytest.skip("no docs/format.md next to the tests (an installed copy of the tests)")
+    block = re.search(r"Example: members of 80 and 96 bytes.*?```\n(.*?)```", doc.read_text(), flags=re.S).group(1)
+    want = bytes.fromhex(" ".join(line.split("    ")[0] for line in block.splitlines()))
+    got = bytes(kvzip.pack([np.zeros(80, np.uint8), np.zeros(96, np.uint8)]))
+    assert len(want) == 64 and got[:64] == want and len(got) == 240 and got[64:] == bytes(176)
+
+
 def test_pack_writes_the_spec_bytes(blobs):
     got = kvzip.pack(blobs)
     assert type(got) is np.ndarray and got.dtype == np.uint8 and got.ndim == 1
