@@ -150,7 +150,7 @@ def test_bytes_and_numpy_members_mix(blobs, packed):
 
 def test_torch_cpu_round_trip(blobs, packed):
     torch = pytest.importorskip("torch")
-    tensors = [torch.from_numpy(np.asarray(t).view(np.uint16).copy()).view(torch.bfloat16) for t in bf16_layers(4)]
+    tensors = [torch.from_numpy(np.asarray(t).view(np.int16).copy()).view(torch.bfloat16) for t in bf16_layers(4)]
     tblobs = kvzip.compress_many(tensors)
     got = kvzip.pack(tblobs)
     assert isinstance(got, torch.Tensor) and got.dtype == torch.uint8 and got.device.type == "cpu"
