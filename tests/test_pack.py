@@ -121,6 +121,21 @@ def test_member_counts_round_trip(count):
     assert all(same_bits(t, back) for t, back in zip(tensors, kvzip.decompress_many(packed)))
 
 
+def test_a_header_longer_than_the_first_read():
+    """300 members: a 4832-byte header, past the 4096 bytes a reader fetches first from a GPU
+    (packed.READ_AHEAD), so the table is read again in full (the same logic runs on the CPU)."""
+    from kvzip import packed as packing
+
+    tensors = [np.full(8, k, np.float16) for k in range(300)]
+    packed = kvzip.compress_many(tensors, packed=True)
+    assert struct.unpack_from("<I", bytes(packed), 16)[0] == 32 + 16 * 300 > packing.READ_AHEAD
+    assert all(same_bits(t, back) for t, back in zip(tensors, kvzip.decompress_many(packed)))
+    bad = bytearray(packed)
+    struct.pack_into("<Q", bad, 32 + 16 * 299, 0)  # the last entry, past the first read
+    with pytest.raises(FormatError, match="member 299: offset 0 is not where"):
+        kvzip.unpack(reseal(bad))
+
+
 def test_an_empty_pack_is_its_32_byte_prefix():
     got = kvzip.pack([])
     assert bytes(got) == spec_pack([]) and got.shape == (32,)
