@@ -7,9 +7,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import arrays, container, execution
+from . import arrays, container, execution, packed as packing
 from .backends import get_backend
 from .codebook import Codebook
+from .errors import FormatError
 from .pipeline import Pipeline
 from .stages import EscapeStream, ExponentSplit, Serialize, Top16Pack
 from .stages.serialize import frame_from_header
@@ -41,19 +42,62 @@ def compress(x, codebook=None, *, checksum: bool = False, chunk: int = DEFAULT_C
 
 def decompress(blob, *, backend: str | None = None):
     """Decode any kvzip blob; returns the original dtype and shape in the blob's framework.
-    Raises kvzip.FormatError if the blob is malformed or (with a checksum) corrupted."""
-    return execution.decode(_default(None, False, DEFAULT_CHUNK), blob, backend=backend)
+    Raises kvzip.FormatError if the blob is malformed or (with a checksum) corrupted, or is a
+    packed container (kvzip.pack), which decompress_many decodes."""
+    try:
+        return execution.decode(_default(None, False, DEFAULT_CHUNK), blob, backend=backend)
+    except FormatError:
+        # Asked only once decoding failed (on a GPU it reads 8 bytes back): a packed container
+        # never decodes as a blob, its magic differs.
+        if packing.is_packed(blob):
+            raise FormatError("this is a packed container of kvzip blobs (kvzip.pack), not a blob: decode it with "
+                              "kvzip.decompress_many(packed), or take its blobs with kvzip.unpack(packed)") from None
+        raise
 
 
 def compress_many(xs, codebook=None, *, checksum: bool = False, chunk: int = DEFAULT_CHUNK, dtype=None,
-                  backend: str | None = None) -> list:
-    """compress() for a list of tensors; on a GPU all of them share one set of kernel launches."""
-    return execution.encode_many(_default(codebook, checksum, chunk), xs, dtype=dtype, backend=backend)
+                  backend: str | None = None, packed: bool = False):
+    """compress() for a list of tensors; on a GPU all of them share one set of kernel launches.
+    packed=True: the blobs as one packed container, kvzip.pack(the list) (the tensors then must
+    all be of one framework and device)."""
+    if type(packed) is not bool:
+        raise TypeError(f"packed must be True or False, got {packed!r}")
+    blobs = execution.encode_many(_default(codebook, checksum, chunk), xs, dtype=dtype, backend=backend)
+    return packing.pack(blobs) if packed else blobs
 
 
 def decompress_many(blobs, *, backend: str | None = None) -> list:
-    """decompress() for a list of blobs; on a GPU one header read-back and one decode launch per group."""
-    return execution.decode_many(_default(None, False, DEFAULT_CHUNK), blobs, backend=backend)
+    """decompress() for a list of blobs, or for the blobs of one packed container (kvzip.pack)
+    passed alone; on a GPU one header read-back and one decode launch per group.  A malformed
+    member of a packed container raises kvzip.FormatError naming the member."""
+    pipe = _default(None, False, DEFAULT_CHUNK)
+    if not _one_buffer(blobs):
+        return execution.decode_many(pipe, blobs, backend=backend)
+    members = packing.unpack(blobs)  # FormatError for anything but a valid packed container
+    try:
+        return execution.decode_many(pipe, members, backend=backend)
+    except FormatError as e:
+        failed = e
+    # The error path only: decode the members one at a time to name the one that fails (each is
+    # judged by its own bytes alone, so it fails alone as it failed in the batch).
+    for k, member in enumerate(members):
+        try:
+            execution.decode(pipe, member, backend=backend)
+        except FormatError as e:
+            raise FormatError(f"packed member {k} of {len(members)}: {e}") from e
+    raise FormatError(f"packed container: {failed}") from failed
+
+
+def _one_buffer(x) -> bool:
+    """Whether decompress_many was handed one buffer (a bytes-like or a 1-D uint8 array: a packed
+    container) rather than a list of blobs.  Lists, tuples, other iterables and arrays of other
+    shapes or dtypes are lists of blobs, as they always were."""
+    if isinstance(x, (list, tuple)):
+        return False
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return True
+    return arrays.framework_of(x) is not None and getattr(x, "ndim", None) == 1 \
+        and str(getattr(x, "dtype", "")).removeprefix("torch.") == "uint8"
 
 
 @lru_cache(maxsize=64)
@@ -84,7 +128,8 @@ def _default(codebook, checksum, chunk) -> Pipeline:
 def info(blob) -> dict:
     """What a blob holds: dtype, shape, sizes, ratio, escapes, pipeline.  It accepts exactly the
     blobs decompress accepts (it decodes the blob and drops the values: some checks, such as
-    escape positions, are made only while decoding) and raises kvzip.FormatError for the rest."""
+    escape positions, are made only while decoding) and raises kvzip.FormatError for the rest, a
+    packed container included (take its blobs with kvzip.unpack and ask info of each)."""
     decompress(blob)
     u8, origin = arrays.import_bytes(blob)
     be = get_backend(origin.backend_name)
