@@ -59,7 +59,8 @@ class Field:
         return f"Field({self.name!r}, {self.offset}, {self.size}, {self.code!r})"
 
 
-def _fields(spec) -> tuple:
+def consecutive_fields(spec) -> tuple:
+    """Fields (name, size, struct code) laid back to back from offset 0."""
     out, at = [], 0
     for name, size, code in spec:
         out.append(Field(name, at, size, code))
@@ -67,7 +68,7 @@ def _fields(spec) -> tuple:
     return tuple(out)
 
 
-PREFIX_FIELDS = _fields((
+PREFIX_FIELDS = consecutive_fields((
     ("magic", 8, "8s"),
     ("version", 2, "H"),
     ("flags", 2, "H"),
@@ -230,7 +231,7 @@ VARYING = (PAYLOAD_LEN, HEADER_CRC)
 # magic, version, flags, header length, checksum and CRC at their version-1 offsets, so a
 # reader finds the payload (and checks the CRC) before it looks at the version.
 COMPACT_VERSION = 2
-COMPACT_FIELDS = _fields((
+COMPACT_FIELDS = consecutive_fields((
     ("magic", 8, "8s"),
     ("version", 2, "H"),
     ("flags", 2, "H"),

@@ -32,7 +32,7 @@ import numpy as np
 from . import arrays
 from .backends import get_backend
 from .errors import FormatError
-from .layout import ALIGN, MAGIC as BLOB_MAGIC, Field, align
+from .layout import ALIGN, MAGIC as BLOB_MAGIC, align, consecutive_fields
 
 __all__ = ["pack", "unpack", "is_packed", "parse_table", "PACK_MAGIC", "PACK_VERSION"]
 
@@ -41,15 +41,7 @@ PACK_VERSION = 1
 PACK_FLAGS = 0      # no flag is defined: a reader rejects any set bit
 
 
-def _fields(spec) -> tuple:
-    out, at = [], 0
-    for name, size, code in spec:
-        out.append(Field(name, at, size, code))
-        at += size
-    return tuple(out)
-
-
-PACK_FIELDS = _fields((
+PACK_FIELDS = consecutive_fields((
     ("magic", 8, "8s"),
     ("version", 2, "H"),
     ("flags", 2, "H"),
