@@ -453,14 +453,18 @@ def versions():
     import safetensors
     import torch
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = None
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+        except OSError:
+            return None
+
+    me = Path(__file__).name
     return {"python": sys.version.split()[0], "numpy": np.__version__, "torch": torch.__version__,
             "ml_dtypes": ml_dtypes.__version__, "safetensors": safetensors.__version__,
-            "kvzip": kvzip.__version__, "git_head": commit}
+            "kvzip": kvzip.__version__, "git_head": git("rev-parse", "HEAD"),
+            "script_commit": git("log", "-1", "--format=%H", "--", me),  # the last commit of this script
+            "script_modified": bool(git("status", "--porcelain", "--", me))}
 
 
 def main():
