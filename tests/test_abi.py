@@ -121,3 +121,22 @@ def test_kernel_arguments_by_name():
     assert type(args[0]) is Region and args[1].dtype == np.int32 and args[2].dtype == np.uint64 and args[2] == 7
     with pytest.raises(TypeError, match="missing.*span"):
         abi.CHECK_HEADS_ARGS(heads=0, checks=0)
+
+
+def test_auto_codebook_kernel_constants_are_the_rules():
+    """kernels/auto_codebook.cu restates kvzip/auto_codebook.py's constants and programs.py's
+    sizes of its launch: they must agree (the GPU's codebooks are the CPU reference's only then)."""
+    import re
+
+    from kvzip import auto_codebook
+    from kvzip.gpu import loader, programs
+
+    text = (loader.kernels_dir() / "auto_codebook.cu").read_text()
+    defined = {k: int(v, 0) for k, v in re.findall(r"#define (AUTO_\w+) (0x[0-9A-Fa-f]+|\d+)", text)}
+    assert defined["AUTO_RUN"] == auto_codebook.RUN_LENGTH
+    assert defined["AUTO_ALIGN"] == auto_codebook.ALIGN
+    assert defined["AUTO_MAX_SHIFT"] == auto_codebook.MAX_SHIFT
+    assert defined["AUTO_FULL_BITS"] == auto_codebook.FULL_READ_BELOW.bit_length()
+    assert defined["AUTO_WEYL"] == auto_codebook.WEYL
+    assert defined["AUTO_LUT_BYTES"] == programs.AUTO_LUT_BYTES
+    assert defined["AUTO_UNROLL"] == programs.AUTO_UNROLL
