@@ -158,7 +158,11 @@ def auto_codebook(bits: np.ndarray, fmt) -> Codebook:
     no name; its ``coverage`` is the sample's (the fraction of sampled values given a code).
     """
     fmt = _as_format(fmt)
-    hist = sample_histogram(bits, fmt)
+    return _chosen(sample_histogram(bits, fmt), fmt)
+
+
+def _chosen(hist: np.ndarray, fmt) -> Codebook:
+    """The codebook of a sample's exponent histogram (rule 3); its coverage is the sample's."""
     exps = choose_exponents(hist, (0,))
     total = int(hist.sum())
     coverage = int(hist[list(exps)].sum()) / total if total else 1.0
@@ -176,17 +180,11 @@ def auto_codebook_on(backend, flat, fmt, exponents: bool = False) -> Codebook:
     n = int(flat.shape[0])
     if backend.name == "cpu" and not exponents:
         return auto_codebook(flat, fmt)
-    plan = sample_plan(n)
-    if plan.block == plan.run_length:
-        sample = backend.to_numpy(flat)
-    else:
-        xp = backend.xp
-        starts = backend.from_numpy(run_starts(n))
-        idx = (starts[:, None] + xp.arange(RUN_LENGTH, dtype=xp.int64)[None, :]).reshape(-1)
-        sample = backend.to_numpy(flat[idx[idx < n]])
-    field = sample.astype(np.int64) if exponents else (sample.astype(np.int64) >> fmt.mant_bits) & ((1 << fmt.exp_bits) - 1)
-    hist = np.bincount(field, minlength=1 << fmt.exp_bits)[:1 << fmt.exp_bits]
-    return Codebook(choose_exponents(hist, (0,)), fmt, name=None)
+    whole = sample_plan(n).block == RUN_LENGTH
+    sample = backend.to_numpy(flat if whole else flat[backend.from_numpy(sample_indices(n))])
+    if exponents:
+        return _chosen(np.bincount(sample, minlength=1 << fmt.exp_bits)[:1 << fmt.exp_bits], fmt)
+    return _chosen(exponent_histogram(sample, fmt), fmt)
 
 
 def _check_n(n) -> int:
