@@ -175,9 +175,8 @@ def escapes_laid_out(payload_len: int, escapes: tuple) -> bool:
     """Whether the escape streams' entries (offset, bytes of esc_pos, esc_exp, exp_high) are as
     escape_layout places them (esc_pos ESC_POS_BYTES an escape) and close a payload of
     payload_len bytes.  (kernels/header.cuh's head_facts checks the same on the GPU.)"""
-    pos_at, pos_nb, exp_at, exp_nb, high_at, high_nb = escapes
-    return pos_nb == ESC_POS_BYTES * exp_nb and escape_layout(pos_at, exp_nb, high_nb) == (
-        pos_at, exp_at, high_at, payload_len)
+    pos_at, _, _, exp_nb, _, high_nb = escapes
+    return escape_entries(pos_at, exp_nb, high_nb) == (tuple(escapes), payload_len)
 
 
 # ----------------------------------------------------------------------------- header checks
