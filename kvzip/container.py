@@ -179,7 +179,7 @@ def _parse_compact(head: bytes, blob_len: int) -> Header:
         if chunk_log2 or escapes or high_bytes or source or any(exponents):
             raise FormatError("a stored-raw version-2 header has chunk, escape, codebook fields set")
         meta["pipeline"] = [serialize]
-        table = [("data", _STREAM_DTYPE_OF_WIDTH[fmt.itemsize], n * fmt.itemsize)]
+        table = [("data", STREAM_DTYPE_NAMES[np.dtype(fmt.uint_dtype)], n * fmt.itemsize)]
     else:
         if not 3 <= chunk_log2 <= 16 or source >= len(_layout.CODEBOOK_SOURCES):
             raise FormatError(f"bad chunk (2**{chunk_log2}) or codebook source ({source})")
@@ -200,9 +200,6 @@ def _parse_compact(head: bytes, blob_len: int) -> Header:
         raise FormatError(f"payload of {payload_len} bytes; the header's streams take {need}")
     return Header(flags, header_len, payload_len, checksum, meta,
                   [(name, dt, off, nb) for (name, dt, nb), off in zip(table, offsets)])
-
-
-_STREAM_DTYPE_OF_WIDTH = {1: "uint8", 2: "uint16", 4: "uint32"}
 
 
 def _check_sums(head: bytes, header_len: int, flags: int, checksum: int) -> bytearray:
@@ -384,19 +381,21 @@ def assemble(backend, header: bytes, arrays: list, payload_len: int, offsets: li
     return blob
 
 
+def first_bytes(backend, u8, nbytes: int) -> bytes:
+    """The first nbytes of a 1-D uint8 array on backend, as bytes (from a GPU: one read-back)."""
+    if backend.name == "cuda":
+        return backend.read_bytes(u8, nbytes)
+    return backend.to_numpy(u8[:nbytes]).tobytes()
+
+
 def read_head(backend, blob) -> bytes:
     """The header bytes of a blob on any backend, fetching no more than needed from a GPU."""
-    def fetch(nbytes):
-        if backend.name == "cuda":
-            return backend.read_bytes(blob, nbytes)
-        return backend.to_numpy(blob[:nbytes]).tobytes()
-
     want = min(blob.shape[0], 4096)
-    head = fetch(want)
+    head = first_bytes(backend, blob, want)
     if len(head) >= PREFIX.size:
         header_len = _HEADER_LEN.read(head)
         if want < header_len <= min(MAX_HEADER, blob.shape[0]):
-            head = fetch(header_len)
+            head = first_bytes(backend, blob, header_len)
     return head
 
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from . import arrays
 from .backends import get_backend
+from .container import first_bytes
 from .errors import FormatError
 from .layout import ALIGN, MAGIC as BLOB_MAGIC, align, consecutive_fields
 
@@ -180,18 +181,12 @@ def read_table(u8, origin: arrays.Origin) -> list[tuple[int, int]]:
     with origin.stream_context():
         be = get_backend(origin.backend_name)
         total = int(u8.shape[0])
-        head = _fetch(be, u8, min(total, READ_AHEAD))
+        head = first_bytes(be, u8, min(total, READ_AHEAD))
         if len(head) >= PACK_PREFIX_SIZE and head[:len(PACK_MAGIC)] == PACK_MAGIC:
             want = header_len(_COUNT.read(head))
             if len(head) < want <= total:
-                head = _fetch(be, u8, want)
+                head = first_bytes(be, u8, want)
         return parse_table(head, total)
-
-
-def _fetch(be, u8, nbytes: int) -> bytes:
-    if be.name == "cuda":
-        return be.read_bytes(u8, nbytes)
-    return u8[:nbytes].tobytes()
 
 
 def is_packed(blob) -> bool:
@@ -201,7 +196,7 @@ def is_packed(blob) -> bool:
     if u8.shape[0] < len(PACK_MAGIC):
         return False
     with origin.stream_context():
-        return _fetch(get_backend(origin.backend_name), u8, len(PACK_MAGIC)) == PACK_MAGIC
+        return first_bytes(get_backend(origin.backend_name), u8, len(PACK_MAGIC)) == PACK_MAGIC
 
 
 def parse_table(head: bytes, total_len: int) -> list[tuple[int, int]]:
