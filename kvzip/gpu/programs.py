@@ -91,11 +91,9 @@ def _sm_count(device_id: int) -> int:
 @lru_cache(maxsize=None)
 def _grid_cap(name: str, device_id: int) -> int:
     """Blocks that keep every multiprocessor full (the dense kernels loop over chunks)."""
-    import cupy
-
     k = _kernel(name, device_id)
     per_sm = max(1, min(8, 65536 // max(1, k.num_regs * THREADS)))
-    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"] * per_sm
+    return _sm_count(device_id) * per_sm
 
 
 tuning.on_change(lambda: (_kernels.clear(), _grid_cap.cache_clear()))
@@ -480,6 +478,7 @@ class _Unpublished(Exception):
     """A stream finished without kvz_encode publishing a tensor's totals."""
 
 
+@lru_cache(maxsize=None)
 def auto_placeholder(fmt):
     """The codebook an auto plan's header template holds until kvz_auto_codebook's replaces it."""
     from kvzip.codebook import Codebook
