@@ -71,9 +71,9 @@ Why these constants:
   the tensor's own Top-16 exactly; above, the sample never drops under 2^19 values in 2048 runs,
   so a tensor of 2^20 values is not chosen from 2^15 of them.
 * ``MAX_SHIFT = 8``: at most 2^20 values read below 2^28, 1/256 of a tensor beyond; the GPU
-  reads the sample in latency-bound steps, so every halving of it comes off each encode (a
-  first rule stopped at 1/32 and cost 13 % of a 2^28 BF16 encode on an H200, benchmarks/NOTES.md
-  a3).  The survey found 1/256 blocks as good as the full histogram on every tensor it has (a2).
+  reads the sample in latency-bound steps, so every halving of it comes off each encode
+  (benchmarks/NOTES.md a3 has the figures).  The survey found 1/256 blocks as good as the full
+  histogram on every tensor it has (a2).
 """
 from __future__ import annotations
 
