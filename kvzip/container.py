@@ -146,18 +146,19 @@ def _format_name(dtype) -> str | None:
     return fmt.name if fmt is not None and fmt.name in _layout.DTYPE_CODES else None
 
 
-def _parse_compact(head: bytes, blob_len: int) -> Header:
+def _parse_compact(head: bytes, blob_len: int | None) -> Header:
     """A version-2 header (docs/format.md section 13) as the Header a version-1 one parses to:
-    the metadata and stream table it stands for."""
+    the metadata and stream table it stands for.  blob_len None: the blob is as long as its
+    header's streams say (claimed_length)."""
     from .bitpack import groups
     from .formats import FORMATS
 
     (_, _, flags, header_len, sides, checksum, escapes, high_bytes, _, dtype, chunk_log2, ndim, source,
      exponents) = _layout.COMPACT.unpack_from(head)
-    if header_len != _layout.COMPACT_SIZE or blob_len < header_len:
+    if header_len != _layout.COMPACT_SIZE or (blob_len is not None and blob_len < header_len):
         raise FormatError(f"bad header length {header_len} for a version-2 blob of {blob_len} bytes")
-    payload_len = blob_len - header_len
-    if payload_len % ALIGN:
+    payload_len = blob_len - header_len if blob_len is not None else None
+    if payload_len is not None and payload_len % ALIGN:
         raise FormatError(f"payload of {payload_len} bytes is not a multiple of {ALIGN}")
     _check_sums(head, header_len, flags, checksum)
     fmt_name = _FORMAT_OF_CODE.get(dtype)
@@ -196,6 +197,8 @@ def _parse_compact(head: bytes, blob_len: int) -> Header:
                  high_bytes)
         table = [(name, dt, nb) for (name, dt), nb in zip(_layout.FUSED_STREAMS, sizes)]
     offsets, need = layout([nb for _, _, nb in table])
+    if payload_len is None:
+        payload_len = need
     if need != payload_len:
         raise FormatError(f"payload of {payload_len} bytes; the header's streams take {need}")
     return Header(flags, header_len, payload_len, checksum, meta,
@@ -305,6 +308,21 @@ def parse_header(head: bytes, blob_len: int) -> Header:
     hit = _parsed.get(key) if key is not None else None
     hdr = hit if hit is not None else _parse_header(head, blob_len)
     return dataclasses.replace(hdr, meta=dict(hdr.meta))
+
+
+def claimed_length(head: bytes) -> int:
+    """The length of the blob whose header starts head (its first bytes: at least the header),
+    as the header says: what decompress_into reads of a buffer holding a blob at its start.
+    FormatError where head is no valid header."""
+    if len(head) < PREFIX.size:
+        raise FormatError(f"{len(head)} bytes are too short to hold a kvzip header")
+    magic, version, _, header_len, payload_len = PREFIX.unpack_from(head)[:5]
+    if magic == MAGIC and version == _layout.COMPACT_VERSION and len(head) >= _layout.COMPACT_SIZE:
+        hdr = _parse_compact(head, None)
+        return hdr.header_len + hdr.payload_len
+    length = header_len + payload_len
+    parse_header(head, length)  # every check of a version-1 header (or the error a bad one gets)
+    return length
 
 
 def remember_header(head: bytes, blob_len: int, hdr: Header) -> None:

@@ -140,3 +140,16 @@ def test_auto_codebook_kernel_constants_are_the_rules():
     assert defined["AUTO_WEYL"] == auto_codebook.WEYL
     assert defined["AUTO_LUT_BYTES"] == programs.AUTO_LUT_BYTES
     assert defined["AUTO_UNROLL"] == programs.AUTO_UNROLL
+
+
+def test_guess_constants_are_the_hosts():
+    """abi.cuh's guess constants, which programs.py restates for the job rows it stages."""
+    import re
+
+    from kvzip.gpu import loader, programs
+
+    text = (loader.kernels_dir() / "abi.cuh").read_text()
+    assert int(re.search(r"#define GUESS_MISSED (\d+)", text).group(1)) == programs.GUESS_MISSED
+    assert re.search(r"#define GUESS_PENDING \(-1ll\)", text) and programs.GUESS_PENDING == np.uint64(2**64 - 1)
+    assert 1 << int(re.search(r"#define HEAD_LEN_CAPACITY \(1ull << (\d+)\)", text).group(1)) == \
+        programs.HEAD_LEN_CAPACITY

@@ -104,6 +104,11 @@ def test_every_name_expression_compiles():
     for u in loader.units():
         text, lowered = ptx.compile_ptx(u["code"], u["options"], u["names"])
         assert set(lowered) == set(u["names"]) and all(f".entry {s}(" in text for s in lowered.values())
+    from kvzip.gpu import graphs  # the call shapes' own kernels: staging, and the into calls' first and last nodes
+
+    for code, names in ((graphs._STAGE_SOURCE, ["kvz_stage"]), (graphs._INTO_SOURCE, ["kvz_into_start", "kvz_into_result"])):
+        text, lowered = ptx.compile_ptx(code, ["-std=c++17"], names)
+        assert all(f".entry {s}(" in text for s in lowered.values())
     # without the loader's -D options the fused module refuses to build
     with pytest.raises(RuntimeError, match="tuning.py"):
         ptx.compile_ptx(loader.sources()[loader.FUSED], [f"-I{loader.kernels_dir()}", "-std=c++17"], [])

@@ -97,6 +97,37 @@ extern "C" __global__ void kvz_stage(const uint4* __restrict__ src, uint4* __res
     }
 }
 """
+
+# An into call (kvzip/gpu/into.py) takes no staging: it may be captured in the caller's CUDA graph,
+# which replays with whatever a pinned buffer holds then.  Its first node builds the job tables
+# from a template in device memory, adding the call's addresses (kernel arguments, so a captured
+# node keeps its own) to the words a patch list names, and zeroes the work region; its last node
+# writes the call's result (a blob's size, a decode's status) to the caller's memory.
+_INTO_SOURCE = r"""
+extern "C" __global__ void kvz_into_start(const unsigned long long* __restrict__ tmpl, unsigned long long* __restrict__ jobs,
+                                          long long nwords, const unsigned int* __restrict__ patch, int npatch,
+                                          unsigned long long a, unsigned long long b, unsigned long long c,
+                                          uint4* __restrict__ zero, long long nz) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    for (long long i = threadIdx.x; i < nwords; i += blockDim.x) jobs[i] = tmpl[i];
+    for (long long i = threadIdx.x; i < nz; i += blockDim.x) zero[i] = make_uint4(0u, 0u, 0u, 0u);
+    __syncthreads();  // one block: every template word is down before the patched ones go over it
+    for (int i = threadIdx.x; i < npatch; i += blockDim.x) {
+        const unsigned int word = patch[2 * i], which = patch[2 * i + 1];
+        jobs[word] = tmpl[word] + (which == 0 ? a : which == 1 ? b : c);
+    }
+}
+
+extern "C" __global__ void kvz_into_result(const long long* __restrict__ src, long long add, long long* __restrict__ dst) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    if (threadIdx.x == 0) dst[0] = src[0] + add;
+}
+"""
 STAGE_THREADS = 256
 STAGE_MAX_BLOCKS = 64  # 1 MiB a round; the tables are a few KiB
 
@@ -106,6 +137,16 @@ def _stage_kernel():
     import cupy
 
     return cupy.RawKernel(_STAGE_SOURCE, "kvz_stage")
+
+
+@lru_cache(maxsize=None)
+def into_kernels(device: int) -> tuple:
+    """(kvz_into_start, kvz_into_result) on device."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        module = cupy.RawModule(code=_INTO_SOURCE)
+        return module.get_function("kvz_into_start"), module.get_function("kvz_into_result")
 
 
 def _stage_grid(n16: int) -> tuple:
@@ -278,11 +319,24 @@ class CallShape:
         except Exception:
             pass
 
-    def _issue(self, stream) -> None:
+    def issue_into(self, stream, device: int, start: tuple, result: tuple) -> None:
+        """Issue the call on stream as an into call: no staging, no download, nothing the host
+        waits for, so it may be captured in the caller's graph.  start: (template address, patch
+        list address, patch count, a, b, c) for kvz_into_start; result: (source address, addend,
+        destination address) for kvz_into_result."""
+        self._issue(stream, (device, start, result))
+
+    def _issue(self, stream, into=None) -> None:
         # A kernel that awaits its predecessor may start early only after a kernel node (a
         # programmatic edge joins two kernels; after a memset it is an ordinary launch).
         after_kernel, early = False, dependent_launch.usable()
-        for op in self.ops:
+        ops = self.ops
+        if into is not None:
+            assert not any(op[0] in ("download", "early") for op in ops), "an into call downloads nothing"
+            start_kernel, result_kernel = into_kernels(into[0])
+            ops += (("dependent", result_kernel, (1,), (32,), tuple(np.uint64(v) if i != 1 else np.int64(v)
+                                                                    for i, v in enumerate(into[2]))),)
+        for op in ops:
             kind = op[0]
             if kind == "zero":
                 self.cupy.cuda.runtime.memsetAsync(self.ptr(op[1]), 0, self.sizes[op[1]], stream.ptr)
@@ -297,9 +351,15 @@ class CallShape:
                 n16 = -(-self.up_bytes // 16)
                 z16 = -(-self.sizes[self.zeroed] // 16) if self.zeroed is not None else 0
                 zero = self.ptr(self.zeroed) if self.zeroed is not None else 0
-                kernel, grid, block = _stage_kernel(), _stage_grid(max(n16, z16)), (STAGE_THREADS,)
-                args = (np.uint64(self.host_up.ctypes.data), np.uint64(self.base), np.int64(n16),
-                        np.uint64(zero), np.int64(z16), np.uint64(0), np.uint64(0))
+                if into is not None:
+                    tmpl, patch, npatch, a, b, c = into[1]
+                    kernel, grid, block = start_kernel, (1,), (STAGE_THREADS,)
+                    args = (np.uint64(tmpl), np.uint64(self.base), np.int64(2 * n16), np.uint64(patch),
+                            np.int32(npatch), np.uint64(a), np.uint64(b), np.uint64(c), np.uint64(zero), np.int64(z16))
+                else:
+                    kernel, grid, block = _stage_kernel(), _stage_grid(max(n16, z16)), (STAGE_THREADS,)
+                    args = (np.uint64(self.host_up.ctypes.data), np.uint64(self.base), np.int64(n16),
+                            np.uint64(zero), np.int64(z16), np.uint64(0), np.uint64(0))
             else:  # download: a dependent, one block (its flag follows the block's words)
                 kernel, grid, block = _stage_kernel(), (1,), (STAGE_THREADS,)
                 args = (np.uint64(self.ptr(op[1])), np.uint64(self.host_down.ctypes.data), np.int64(-(-op[2] // 16)),
@@ -318,18 +378,36 @@ class CallShape:
         return np.uint64((self.early64.ctypes.data, self.early_done.ctypes.data, self.base + self.runs_at + 128)[a])
 
     def _capture(self) -> None:
-        """Record the sequence into a CUDA graph on a private stream (relaxed capture mode, so
-        allocations on other threads stay legal meanwhile)."""
-        side = self.cupy.cuda.Stream(non_blocking=True)
+        self.graph = capture(self._issue)
+
+    def capture_into(self, device: int, start: tuple, result: tuple):
+        """An into call (issue_into's arguments) as a CUDA graph of its own, or False."""
+        return capture(lambda stream: self._issue(stream, (device, start, result)))
+
+
+def capture(issue):
+    """issue(stream) recorded into a CUDA graph on a private stream (relaxed capture mode, so
+    allocations on other threads stay legal meanwhile), or False where capture is unsupported
+    (the caller then stays eager)."""
+    import cupy
+
+    side = cupy.cuda.Stream(non_blocking=True)
+    try:
+        side.begin_capture()
         try:
-            side.begin_capture()
-            try:
-                self._issue(side)
-            finally:
-                graph = side.end_capture()
-            self.graph = graph
-        except (self.cupy.cuda.runtime.CUDARuntimeError, self.cupy.cuda.driver.CUDADriverError):
-            self.graph = False  # capture unsupported here: stay eager
+            issue(side)
+        finally:
+            graph = side.end_capture()
+        return graph
+    except (cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverError):
+        return False
+
+
+def capturing(stream) -> bool:
+    """Whether stream is capturing a graph now."""
+    import cupy
+
+    return cupy.cuda.runtime.streamIsCapturing(stream.ptr) != 0
 
 
 def cached(key, build):

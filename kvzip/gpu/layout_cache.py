@@ -193,6 +193,18 @@ def remember(head: bytes, nbytes: int, opened: Frame, stages: list) -> None:
     _note(layout)
 
 
+def planned(plan, fmt, shape: tuple, chunk: int, codebook) -> Layout:
+    """The layout of every blob an encode plan (programs._Plan of a fused-only pipeline, without
+    a checksum) writes with this codebook: its header template is a blob's header with no
+    escapes.  What decompress_into expects of a blob, with no blob decoded yet."""
+    h = len(plan.header)
+    key = _read(plan.header, h + plan.off["esc_pos"])[0]
+    dlo, dhi = programs.dlut_words(codebook)
+    row = DECODE.row(codes=h + plan.off["codes"], rest=h + plan.off["rest"], esc_count=h + plan.off["esc_count"],
+                     n=plan.n, dlo=dlo, dhi=dhi)
+    return Layout(fmt, fmt, tuple(shape), plan.n, chunk, h, plan.off["esc_pos"], row, key, _expect(plan.header, key))
+
+
 _lock = threading.Lock()  # _recent, _stamps and _table change together (decodes on several threads)
 
 

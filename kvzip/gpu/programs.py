@@ -273,6 +273,7 @@ def _config_key(config) -> str:
 
 
 ENCODE_COLUMNS = ENCODE.columns  # EncodeJob's 8-byte fields (kvzip/gpu/abi.py)
+ENCODE_SIZES_REGION = 4  # an encode program's workspace region where the scan writes each blob's SIZES row
 AUTO_LUT_BYTES = 256     # a tensor's LUT row for kvz_auto_codebook (2^E <= 256; kernels/auto_codebook.cu)
 AUTO_UNROLL = 8          # runs a kvz_auto_codebook thread reads a step (AUTO_UNROLL there)
 AUTO_BLOCKS_PER_SM = 4   # kvz_auto_codebook's blocks a launch: few and fat (each adds its histogram
@@ -294,9 +295,12 @@ class _EncodeProgram:
     quantize_kernels, the table kernel writing the blob's scales stream, then the quantizing
     instances of kvz_encode and kvz_scan."""
 
-    def __init__(self, plans: tuple, fmt, cb, chunk: int, device: int, quantize: str | None = None):
+    def __init__(self, plans: tuple, fmt, cb, chunk: int, device: int, quantize: str | None = None,
+                 into: bool = False):
         """cb: the batch's codebook, or None: each tensor's own, chosen on the device first
-        (kvz_auto_codebook; the plans' headers are then compact, their codebook filled in)."""
+        (kvz_auto_codebook; the plans' headers are then compact, their codebook filled in).
+        into: for kvzip/gpu/into.py, which issues the program itself: nothing is published to
+        or downloaded for the host."""
         k = len(plans)
         if quantize and k != 1:
             raise ValueError("a quantizing encode program takes one tensor")
@@ -346,11 +350,13 @@ class _EncodeProgram:
         if total_chunks:
             ops.append(_launch(enc, device, _chunk_grid(enc, device, total_chunks),
                                ENCODE_ARGS(jobs=R(0), njobs=k, total_chunks=total_chunks, chunk=chunk, slot=slot,
-                                           work=R(3), queue_at=1 + k + total_sb, ready=self.ready.ctypes.data)))
-        ops += [_launch(scan, device, k + total_sb,  # k blocks finish the blobs (headers)
-                        SCAN_ARGS(jobs=R(0), njobs=k, chunk=chunk, slot=slot, work=R(3), chunk_off=0, fin=R(1),
-                                  sizes=R(4), heads=0, expect=0, span=0, down=0, flag=0, runs=0)),
-                ("download", 4, self.sizes_nb)]
+                                           work=R(3), queue_at=1 + k + total_sb,
+                                           ready=0 if into else self.ready.ctypes.data)))
+        ops.append(_launch(scan, device, k + total_sb,  # k blocks finish the blobs (headers)
+                           SCAN_ARGS(jobs=R(0), njobs=k, chunk=chunk, slot=slot, work=R(3), chunk_off=0, fin=R(1),
+                                     sizes=R(ENCODE_SIZES_REGION), heads=0, expect=0, span=0, down=0, flag=0, runs=0)))
+        if not into:
+            ops.append(("download", ENCODE_SIZES_REGION, self.sizes_nb))
         # Regions: encode jobs | finish jobs | templates | zeroed work | sizes | escape slots |
         # (quantize) amax, table | (auto) LUT rows, codebooks.
         ws = self.shape = graphs.CallShape(regions, tuple(ops))
@@ -656,6 +662,7 @@ _BASES = DECODE.span("chunk_base", "sb_base")
 _HEAD_PTR, _HEAD_LEN = HEADS.col("ptr"), HEADS.col("len")
 GUESS_MISSED = 255  # the guess's error for a blob whose header isn't the guessed layout's (abi.cuh)
 GUESS_PENDING = np.uint64(2**64 - 1)  # n_high of a guessed row until the GPU's guess is in
+HEAD_LEN_CAPACITY = 1 << 63  # a heads row's length with this bit: the buffer's capacity (abi.cuh)
 
 
 def _decode_split(fmt, chunks: int, warps: int) -> tuple:
@@ -689,7 +696,9 @@ class _DecodeProgram:
     fields of its row."""
 
     def __init__(self, fmt, chunk: int, ns: tuple, device: int, dequantize: tuple | None = None,
-                 expect: tuple | None = None):
+                 expect: tuple | None = None, into: bool = False):
+        """into: for kvzip/gpu/into.py, which issues the program itself: no verdict is
+        downloaded for the host (the status stays in the work region)."""
         k = len(ns)
         out_at, chunk_base, sb_base, fixed = 0, 0, 0, []
         self.ns, self.offsets = ns, []  # values of each blob, and the byte offset of its output
@@ -713,6 +722,7 @@ class _DecodeProgram:
         guess = expect is not None
         sizes = [DECODE.nbytes * k] + ([HEADS.nbytes * k] if guess else [])
         jobs, heads, work, offs = R(0), R(1), R(len(sizes)), R(len(sizes) + 1)
+        self.work_region = work  # its words: the scan's ticket, each blob's error, ...
         queue_at = _decode_status_at(k) + sb_base  # work ends with kvz_decode's chunk queues
         sizes += [8 * (queue_at + QUEUE_WORDS), 8 * chunk_base]
         ops = [("upload", work), ("zero", work)]
@@ -724,7 +734,7 @@ class _DecodeProgram:
                         DEQUANT_TABLES_ARGS(addrs=jobs, word=DQ_SCALE, stride=DECODE_COLUMNS, single=0, tables=R(len(sizes)))))
             sizes.append(512 * k)
         # The scan's verdict (every check but those it deferred), sent by its last block.
-        self.early = bool(chunk_base and tuning_for(fmt.name).early_verdict)
+        self.early = bool(chunk_base and tuning_for(fmt.name).early_verdict) and not into
         verdict = dict(down=graphs.EARLY_DOWN, flag=graphs.EARLY_FLAG, runs=graphs.EARLY_RUNS) if self.early else \
             dict(down=0, flag=0, runs=0)
         scan_blocks = sb_base + (k if guess else 0)  # on guessed layouts the first k check the headers
@@ -742,7 +752,9 @@ class _DecodeProgram:
             ops.append(_launch(dec, device, grid,
                                DECODE_ARGS(jobs=jobs, njobs=k, units=units, chunk=chunk, chunk_off=offs, work=work,
                                            queue_at=queue_at, scan_blocks=scan_blocks, split_at=split_at, part_shift=shift)))
-        self.shape = graphs.CallShape(tuple(sizes), tuple(ops) + (("download", work, self.errors_nb),))
+        if not into:
+            ops.append(("download", work, self.errors_nb))
+        self.shape = graphs.CallShape(tuple(sizes), tuple(ops))
         self.heads_at = self.shape.offsets[1] // 8 if guess else None  # heads' first word in the staging
         self.head_at = (self.heads_at + _HEAD_PTR, self.heads_at + _HEAD_LEN) if guess else None  # run_one's
         self.staged_row = None  # the layout row run_one last staged whole (None after a run)

@@ -62,6 +62,9 @@ struct FinishJob {  // all 8-byte fields: uint64 array (ntensors, 14)
 
 #define GUESS_MISSED 255
 #define GUESS_PENDING (-1ll)
+// A heads row's length word with this bit set holds the capacity of the buffer the blob starts
+// (decompress_into): guess_head takes the blob's length from its header, if that fits.
+#define HEAD_LEN_CAPACITY (1ull << 63)
 
 __host__ __device__ constexpr long long offsets_ready_at(int njobs) { return (3ll + njobs + 15) & ~15ll; }
 __host__ __device__ constexpr long long decode_status_at(int njobs) { return offsets_ready_at(njobs) + 16; }

@@ -169,7 +169,7 @@ __device__ void finish_blob(const FinishJob& J, u64 totals, int hb, u64* __restr
 __device__ __forceinline__ long long stage_head(const u64* heads, int t, int span, u8* head, u32 crc_table[4][256],
                                                 const u8*& b, long long& len) {
     b = reinterpret_cast<const u8*>(heads[2 * t]);
-    len = (long long)heads[2 * t + 1];
+    len = (long long)(heads[2 * t + 1] & ~HEAD_LEN_CAPACITY);
     const long long staged = min((long long)span, len) / 16 * 16;
     for (long long i = threadIdx.x; i < staged / 16; i += blockDim.x)
         reinterpret_cast<uint4*>(head)[i] = reinterpret_cast<const uint4*>(b)[i];
@@ -216,6 +216,27 @@ __device__ void head_facts(const u8* b, long long len, int span, const u8* head,
 }
 
 // ------------------------------------------------------------------ guessed layouts (decode)
+// The length the staged header claims for its blob, given a buffer of `capacity` bytes whose
+// esc_pos lies `esc_pos_at` bytes in (where the guessed layout puts it): a version-1 header's
+// length plus payload length; a compact one's length plus the payload its escape counts close
+// (finish_blob's arithmetic).  0 where the claim does not fit the buffer (the guess then misses).
+__device__ __forceinline__ long long claimed_length(const u8* head, long long capacity, long long esc_pos_at) {
+    if (capacity < KVZ_PREFIX_SIZE) return 0;
+    const u32* w = reinterpret_cast<const u32*>(head);
+    const long long h = w[KVZ_HEADER_LEN_AT / 4];
+    long long claim;
+    if (compact_head(head)) {
+        const long long ne = w[KVZ_COMPACT_ESCAPES_AT / 4], nh = w[KVZ_COMPACT_HIGH_BYTES_AT / 4];
+        const long long var = esc_pos_at - h;
+        const long long high_at = align16(align16(var + KVZ_ESC_POS_BYTES * ne) + ne);
+        claim = var < 0 ? -1 : h + align16(high_at + nh);
+    } else {
+        const u64 payload = reinterpret_cast<const u64*>(head)[KVZ_PAYLOAD_LEN_AT / 8];
+        claim = payload < (1ull << 48) ? h + (long long)payload : -1;
+    }
+    return claim >= h && claim <= capacity ? claim : 0;
+}
+
 // A decode launched on guessed layouts (layout_cache.guess) starts its scan with one block a blob
 // doing this: blob t's header must hang together (as kvz_check_heads says), equal expect's row t
 // once the fields that follow the escape count are blanked (payload length, CRC, escape entries),
@@ -231,6 +252,7 @@ __device__ void guess_head(const u64* heads, int t, int span, const u8* expect, 
     long long len;
     const long long staged = stage_head(heads, t, span, head, crc_table, b, len);
     const u32* w = reinterpret_cast<const u32*>(head);
+    if (heads[2 * t + 1] & HEAD_LEN_CAPACITY) len = claimed_length(head, len, reinterpret_cast<const u8*>(J.esc_pos) - b);
     const bool prefix = len >= KVZ_PREFIX_SIZE;
     const bool compact = prefix && compact_head(head);
     const long long h = prefix ? w[KVZ_HEADER_LEN_AT / 4] : 0;
