@@ -7,7 +7,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import arrays, container, execution, packed as packing
+from . import arrays, container, execution, into, packed as packing
 from .backends import get_backend
 from .codebook import Codebook
 from .errors import FormatError
@@ -64,6 +64,43 @@ def compress_many(xs, codebook=None, *, checksum: bool = False, chunk: int = DEF
         raise TypeError(f"packed must be True or False, got {packed!r}")
     blobs = execution.encode_many(_default(codebook, checksum, chunk), xs, dtype=dtype, backend=backend)
     return packing.pack(blobs) if packed else blobs
+
+
+def compress_bound(x, codebook=None, *, chunk: int = DEFAULT_CHUNK, dtype=None) -> int:
+    """The most bytes compress_into's blob of x can take: the size its dst must have.  x: a
+    tensor, or a (shape, dtype) pair such as ((16, 8, 128), "bfloat16")."""
+    return into.bound(_default(codebook, False, chunk), x, dtype)
+
+
+def compress_into(x, dst, size_out, codebook=None, *, chunk: int = DEFAULT_CHUNK, dtype=None):
+    """compress() into the caller's memory: the blob at the start of dst (a 1-D uint8 array of at
+    least compress_bound(x) bytes, 16-byte aligned on a GPU) and its length in size_out[0] (a
+    1-D int64 array), both on x's device.  Returns size_out.
+
+    On a GPU (x a CuPy array or torch CUDA tensor, contiguous and 16-byte aligned) the call is
+    ordered on the caller's current stream and makes no host synchronisation and no allocation,
+    so it can be captured in a CUDA graph; the first call for a shape on a stream builds its
+    program (allocations), so make one before capturing or let the capture do it (docs/guide.md,
+    "Into the caller's buffers").  The blob decodes like compress()'s; it is never stored raw (that
+    choice needs the host), so an incompressible tensor's blob may be larger than its values,
+    never larger than compress_bound(x).  No checksum: the checksum is summed on the host."""
+    return into.compress_into(_default(codebook, False, chunk), x, dst, size_out, dtype)
+
+
+def decompress_into(blob, out, status_out=None, codebook=None, *, chunk: int = DEFAULT_CHUNK, dtype=None):
+    """decompress() into the caller's tensor: the blob at the start of blob (a 1-D uint8 buffer,
+    which may be longer: compress_into's dst) decoded into out, a contiguous tensor of the blob's
+    dtype and shape on blob's device.  Returns out.
+
+    status_out (a 1-D int64 array on that device) given: on a GPU the call makes no host
+    synchronisation and can be captured in a CUDA graph; status_out[0] becomes 0 once decoded,
+    else an error code (kvzip.status_text) and out's contents are undefined.  That way decodes
+    blobs of one layout: the default pipeline with codebook (None: the shipped default) for out's
+    dtype and shape, as compress() and compress_into() write them, not stored raw.  Without
+    status_out any blob of out's dtype and shape decodes, and errors raise kvzip.FormatError (on
+    a GPU the call then waits for the status).  dtype: the format of out when out holds raw bits
+    (a CuPy uint8 array for float8 values, say), as compress()'s dtype."""
+    return into.decompress_into(_default(codebook, False, chunk), blob, out, status_out, dtype)
 
 
 def decompress_many(blobs, *, backend: str | None = None) -> list:

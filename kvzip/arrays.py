@@ -573,6 +573,25 @@ def _has_array_protocol(x) -> bool:
                                          "__cuda_array_interface__"))
 
 
+def format_of_dtype(dtype) -> FloatFormat:
+    """The format a dtype names (a format name, or a NumPy/ml_dtypes/JAX/torch dtype)."""
+    return _format_of(dtype)
+
+
+def borrow_writable(x, what: str) -> tuple[object, str, Origin]:
+    """``(arr, dtype name, origin)``: x as a NumPy or CuPy array over x's own memory, which the
+    caller will write (compress_into's destination): a TypeError names `what` where that needs
+    a copy (not contiguous, read-only, a lazily negated torch tensor) or x is no array."""
+    if framework_of(x) is None and not _has_array_protocol(x):
+        raise TypeError(f"{what} must be an array (NumPy, CuPy, torch), got {type(x).__name__}")
+    if framework_of(x) == "torch" and (x.is_neg() or x.is_conj() or not x.is_contiguous()):
+        raise TypeError(f"{what} must be a contiguous torch tensor without a lazy negative or conjugate bit")
+    arr, name, origin = _borrow(x)
+    if not _c_contiguous(arr) or (isinstance(arr, np.ndarray) and not arr.flags.writeable):
+        raise TypeError(f"{what} must be contiguous and writable: the call writes into its memory")
+    return arr, name, origin
+
+
 def _format_of(dtype) -> FloatFormat:
     """The format a ``dtype=`` argument names: a format name, or a NumPy/ml_dtypes/JAX/torch dtype."""
     if isinstance(dtype, (FloatFormat, str)):
