@@ -3,10 +3,14 @@
 Measures on the real KV sample that ships with kvzip, tiled to 2^28 values (512 MiB of BF16):
 the device-copy roofline; kvzip BF16, E5M2, float16, float32 and QuantizeFP8+E5M2 encode/decode
 with ratio and a lossless check (float16 / float32: the BF16 sample converted); latency at 1, 8
-and 64 MiB; the batch API on 64 x 8 MiB; and nvCOMP's codecs on the same bytes when
+and 64 MiB; the batch API on 64 x 8 MiB; the auto codebook; an escape sweep (0 to 3 % of the
+values scaled out of the default codebook, and two KV variants whose escapes cluster); 32 KiB
+blocks alone and packed; compress_into / decompress_into called eagerly and captured in CUDA
+graphs; with --kv, every real KV file in a folder; and nvCOMP's codecs on the same bytes when
 `nvidia.nvcomp` is importable.  Throughput is uncompressed bytes over wall time (CUDA events,
 median of --repeat runs after warm-up), including every launch and the host synchronisation
-inside the call.  Writes <out>/<gpu>.json and <out>/<gpu>.png.
+inside the call (the into calls have none: there it is GPU stream time).  Writes
+<out>/<gpu>.json and <out>/<gpu>.png.
 """
 from __future__ import annotations
 
@@ -165,7 +169,172 @@ def bench_nvcomp(cupy, timeit, x16):
     return out, getattr(nvcomp, "__version__", "?")
 
 
-def run(values_log2=28, repeat=20, out_dir="benchmarks/results", quick=False):
+ESCAPE_RATES = (0.0, 0.001, 0.003, 0.01, 0.03)  # the escape_sweep's added shares of values
+
+
+def with_escapes(cupy, x, rate: float, seed: int = 0):
+    """x (BF16 bits, CuPy) with a share `rate` of its values, at pseudo-random positions, times
+    2^12 (their exponent field +12; zeros, subnormals and values that would overflow untouched):
+    escapes of the default codebook spread over every chunk."""
+    if not rate:
+        return x
+    e = (x >> 7) & 0xFF
+    pick = (cupy.random.default_rng(seed).random(x.shape[0], dtype=cupy.float32) < rate) & (e > 0) & (e < 255 - 12)
+    return cupy.where(pick, x + cupy.uint16(12 << 7), x)
+
+
+def bench_escape_sweep(cupy, timeit, host, x):
+    """Speed and ratio against the escape rate: the sample with escapes added (with_escapes), and
+    two KV variants whose escapes cluster in chunks (kvzip.testing.kv_variant)."""
+    from kvzip import testing
+
+    rows = []
+    for rate in ESCAPE_RATES:
+        y = with_escapes(cupy, x, rate)
+        row = {"data": f"sample + {100 * rate:g} % scaled", "added_rate": rate, **bench_kvzip(cupy, timeit, y, "bf16")}
+        rows.append(row)
+        print("escape_sweep", row, flush=True)
+        del y
+    for variant, layer in (("chan-scaled", 0), ("layer-scaled", 6)):
+        y = cupy.asarray(testing.kv_variant(host.reshape(-1, 64), variant, layer=layer).reshape(-1))
+        row = {"data": f"sample {variant}" + (f" (layer {layer}: x2^{layer % 7 - 3})" if variant == "layer-scaled" else ""),
+               **bench_kvzip(cupy, timeit, y, "bf16")}
+        rows.append(row)
+        print("escape_sweep", row, flush=True)
+        del y
+    return {"rows": rows, "targets_GBps": {"escapes<=1%": {"encode": 1800, "decode": 1900},
+                                           "escapes<=3%": {"encode": 1500, "decode": 1500}}}
+
+
+BLOCK_VALUES = 16 * 8 * 128  # a paged KV block: 16 tokens x 8 heads x 128 channels of BF16 (32 KiB)
+
+
+def bench_small_blocks(cupy, timeit, x, k: int = 64):
+    """k 32 KiB blocks of the sample: ratio alone and in one packed container, per-blob overhead,
+    and the speed of compress_many(..., packed=True) / decompress_many of the container."""
+    import kvzip
+    from kvzip import container
+
+    blocks = [x[i * BLOCK_VALUES:(i + 1) * BLOCK_VALUES] for i in range(k)]
+    raw = sum(int(b.nbytes) for b in blocks)
+    alone = kvzip.compress_many(blocks, dtype="bf16")
+    t_enc, packed = timeit(lambda: kvzip.compress_many(blocks, dtype="bf16", packed=True))
+    t_dec, backs = timeit(lambda: kvzip.decompress_many(packed))
+    lossless = all(bool(cupy.array_equal(a, b.reshape(-1).view(a.dtype))) for a, b in zip(blocks, backs))
+    head = container.parse_header(bytes(cupy.asnumpy(alone[0][:4096])), int(alone[0].nbytes))
+    return {"block_bytes": 2 * BLOCK_VALUES, "blocks": k,
+            "ratio_alone": round(raw / sum(int(b.nbytes) for b in alone), 5),
+            "ratio_packed": round(raw / int(packed.nbytes), 5), "header_bytes": head.header_len,
+            "packed_overhead_bytes_per_block": round((int(packed.nbytes) - sum(int(b.nbytes) for b in alone)) / k, 1),
+            "packed_encode_GBps": round(raw / t_enc / 1e9, 1), "packed_decode_GBps": round(raw / t_dec / 1e9, 1),
+            "lossless": lossless, "targets": {"ratio_alone": 1.31, "ratio_packed": 1.325, "header_bytes": 64}}
+
+
+BRANCHES = 4  # bench_into's streams in one graph
+
+
+def bench_into(cupy, timeit, x, k: int = 64):
+    """compress_into / decompress_into of 8 MiB tensors: called eagerly, one call captured in a
+    CUDA graph, 100 calls in one graph (per call), and k different tensors in one graph, on one
+    stream and on BRANCHES streams."""
+    import kvzip
+
+    parts = batch_parts(x, k)
+    bound = kvzip.compress_bound(parts[0], dtype="bf16")
+    dst = cupy.zeros(k * bound, np.uint8)
+    sizes, status = cupy.zeros(k, np.int64), cupy.full(k, -1, np.int64)
+    outs = cupy.zeros((k, parts[0].shape[0]), np.uint16)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    res = {"tensor_MiB": parts[0].nbytes / MiB, "bound_bytes": bound}
+
+    def enc(i):
+        kvzip.compress_into(parts[i], dst[i * bound:(i + 1) * bound], sizes[i:i + 1], dtype="bf16")
+
+    def dec(i):
+        kvzip.decompress_into(dst[i * bound:(i + 1) * bound], outs[i], status[i:i + 1], dtype="bf16")
+
+    def graph_of(calls):
+        stream.begin_capture(cupy.cuda.runtime.streamCaptureModeGlobal)
+        try:
+            calls()
+        finally:
+            graph = stream.end_capture()
+        return graph
+
+    branches = [cupy.cuda.Stream(non_blocking=True) for _ in range(BRANCHES)]
+    fork, joins = cupy.cuda.Event(), [cupy.cuda.Event() for _ in branches]
+
+    def forked(call):
+        """The k calls on BRANCHES streams forked from the capturing one and joined back (each
+        stream has a workspace of its own, so the branches overlap in the graph)."""
+        fork.record(stream)
+        for j, (branch, join) in enumerate(zip(branches, joins)):
+            branch.wait_event(fork)
+            with branch:
+                for i in range(j, k, len(branches)):
+                    call(i)
+            join.record(branch)
+            stream.wait_event(join)
+
+    with stream:
+        for name, call in (("encode", enc), ("decode", dec)):
+            t_eager, _ = timeit(lambda: call(0))
+            one = graph_of(lambda: call(0))
+            t_one, _ = timeit(lambda: one.launch(stream))
+            hundred = graph_of(lambda: [call(0) for _ in range(100)])
+            t_hundred, _ = timeit(lambda: hundred.launch(stream))
+            many = graph_of(lambda: [call(i) for i in range(k)])
+            t_many, _ = timeit(lambda: many.launch(stream))
+            wide = graph_of(lambda: forked(call))
+            t_wide, _ = timeit(lambda: wide.launch(stream))
+            res[name] = {"eager_call_us": round(t_eager * 1e6, 1), "graph_of_1_us": round(t_one * 1e6, 1),
+                         "graph_of_100_per_call_us": round(t_hundred * 1e4, 2),
+                         f"graph_of_{k}_GBps": round(k * parts[0].nbytes / t_many / 1e9, 1),
+                         f"graph_of_{k}_on_{BRANCHES}_streams_GBps": round(k * parts[0].nbytes / t_wide / 1e9, 1)}
+            print("into", name, res[name], flush=True)
+        stream.synchronize()
+    lengths = [int(b.nbytes) for b in kvzip.compress_many(parts, dtype="bf16")]
+    res["sizes_match_compress"] = sizes.get().tolist() == lengths
+    res["lossless"] = bool((status == 0).all()) and all(bool(cupy.array_equal(outs[i], parts[i])) for i in range(k))
+    res["targets"] = {"graph_call_us": 12, f"graph_of_{k}_GBps": 1500}
+    return res
+
+
+def kv_files(directory):
+    """{name: BF16 bits (NumPy, 1-D)} of the real KV files in directory (.safetensors, .npz)."""
+    import glob
+
+    found = {}
+    for path in sorted(glob.glob(os.path.join(directory, "*.safetensors")) + glob.glob(os.path.join(directory, "*.npz"))):
+        if path.endswith(".npz"):
+            with np.load(path) as f:
+                tensors = [f[key] for key in sorted(f.files)]
+        else:
+            import ml_dtypes  # noqa: F401  (safetensors.numpy needs NumPy's bfloat16)
+            from safetensors.numpy import load_file
+
+            tensors = [v for _, v in sorted(load_file(path).items())]
+        found[os.path.basename(path)] = np.concatenate([t.view(np.uint16).ravel() for t in tensors])
+    return found
+
+
+def bench_families(cupy, timeit, directory, n):
+    """BF16 encode/decode of each real KV file in directory, tiled to n values, with the default
+    and the auto codebook."""
+    import kvzip
+
+    rows = {}
+    for name, bits in kv_files(directory).items():
+        y = cupy.asarray(np.resize(bits, n))
+        for codebook in (None, "auto"):
+            row = bench_kvzip(cupy, timeit, y, "bf16", pipe=kvzip.splitzip_pipeline(codebook))
+            rows[f"{name} {codebook or 'default'}"] = row
+            print("family", name, codebook, row, flush=True)
+        del y
+    return rows
+
+
+def run(values_log2=28, repeat=20, out_dir="benchmarks/results", quick=False, kv_dir=None):
     import cupy
 
     import kvzip
@@ -199,6 +368,8 @@ def run(values_log2=28, repeat=20, out_dir="benchmarks/results", quick=False):
     k["quantize_e5m2"] = bench_kvzip(cupy, timeit, x, "bf16", pipe=qpipe, ref=ref.reshape(-1))
     k["quantize_e5m2"]["note"] = "lossless = decode equals QuantizeFP8 alone; GB/s of BF16 input"
     print("quantize_e5m2", k["quantize_e5m2"], flush=True)
+    k["bf16_auto"] = bench_kvzip(cupy, timeit, x, "bf16", pipe=kvzip.splitzip_pipeline("auto"))
+    print("bf16_auto", k["bf16_auto"], flush=True)
 
     programs.ENABLED = False  # the Numba-CUDA kernels, for the record (benchmarks/NOTES.md)
     try:
@@ -227,6 +398,13 @@ def run(values_log2=28, repeat=20, out_dir="benchmarks/results", quick=False):
     b["decode_vs_large"] = round(b["decode_GBps"] / k["bf16"]["decode_GBps"], 3)
     print("batch", b, flush=True)
 
+    res["escape_sweep"] = bench_escape_sweep(cupy, timeit, host, x)
+    res["small_blocks"] = bench_small_blocks(cupy, timeit, x)
+    print("small_blocks", res["small_blocks"], flush=True)
+    res["into"] = bench_into(cupy, timeit, x)
+    if kv_dir:
+        res["families"] = bench_families(cupy, timeit, kv_dir, n)
+
     if not quick:
         res["nvcomp"], res["versions"]["nvcomp"] = bench_nvcomp(cupy, _timer(cupy, max(5, repeat // 4), 1), x)
         print("nvcomp", res["nvcomp"], flush=True)
@@ -253,6 +431,15 @@ def print_table(res):
     print(f"{'kvzip batch 64x8MiB':<28}{b['ratio']:>8}{b['encode_GBps']:>10}{b['decode_GBps']:>10}  {b['lossless']}")
     for size, v in res["latency_us"].items():
         print(f"latency {size:>6}: encode {v['encode']} us, decode {v['decode']} us")
+    for row in res.get("escape_sweep", {}).get("rows", []):
+        print(f"escapes {100 * row['escape_rate']:6.2f} % ({row['data']}): ratio {row['ratio']}, "
+              f"encode {row['encode_GBps']} GB/s, decode {row['decode_GBps']} GB/s, lossless {row['lossless']}")
+    if "small_blocks" in res:
+        b = res["small_blocks"]
+        print(f"32 KiB blocks: alone {b['ratio_alone']}x, packed {b['ratio_packed']}x, header {b['header_bytes']} B")
+    if "into" in res:
+        for name in ("encode", "decode"):
+            print(f"into {name}: {res['into'][name]}")
 
 
 def plot(res, path):
@@ -296,6 +483,7 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true", help="skip nvCOMP")
+    ap.add_argument("--kv", metavar="DIR", help="also measure each real KV file (.safetensors, .npz) in DIR")
     ap.add_argument("--replot", metavar="JSON", help="only redraw the plot of an existing results file")
     a = ap.parse_args(argv)
     if a.replot:
@@ -309,7 +497,7 @@ def main(argv=None):
         print(f"kvzip bench needs a CUDA GPU and CuPy: {e}", file=sys.stderr)
         return 2
     t = time.time()
-    run(a.values_log2, a.repeat, a.out, a.quick)
+    run(a.values_log2, a.repeat, a.out, a.quick, a.kv)
     print(f"bench took {time.time() - t:.0f} s")
     return 0
 
