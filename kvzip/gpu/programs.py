@@ -64,9 +64,9 @@ QUEUE_WORDS = 128       # work words of the dense kernels' chunk queues (common.
 
 
 def slot_size(chunk: int, fmt_name: str | None = None) -> int:
-    """Escapes kvz_encode keeps per chunk for kvz_scan to place (3 % of the chunk, at least 128:
-    far more than the shipped real KV's chunks hold); a chunk with more is collected again from
-    the input by one warp, a tail in the scan."""
+    """Escapes kvz_encode keeps per chunk for kvz_scan to place (1/16 of the chunk, at least 128:
+    room for 3 % of escapes and their spread; the shipped real KV's chunks hold 3-4); a chunk
+    with more is collected again from the input by one warp, a tail in the scan."""
     t = tuning_for(fmt_name)
     return max(t.slot_min, chunk // t.slot_share)
 

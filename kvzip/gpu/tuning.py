@@ -51,6 +51,9 @@ class Tuning:
     # kvz_decode's whole E5M2 chunks a lane per quad of groups (decode_e5m2_quads); 0: a lane per
     # group, as every other format (benchmarks/e5m2_decode_ab.py; decode.cu).
     e5m2_quads: int = field(default=1, metadata=_to("macro", "KVZ_E5M2_QUADS"))
+    # kvz_decode patches a whole chunk of this many escapes or more in memory after storing it,
+    # a lane an escape (decode.cu, patch_escapes), instead of in registers a broadcast an escape.
+    scatter_min: int = field(default=16, metadata=_to("macro", "KVZ_SCATTER_MIN"))
     # kvz_decode's tail: the last round of chunks dealt as 2^split_shift parts each (0: whole).
     split_shift: int = field(default=0, metadata=_to("host"))
     # Encode calls return once their blobs are built, the scan finishing them in stream order.
@@ -59,7 +62,7 @@ class Tuning:
     early_verdict: bool = field(default=True, metadata=_to("host"))
     # Escapes kvz_encode keeps per chunk: max(slot_min, chunk // slot_share) (programs.slot_size).
     slot_min: int = field(default=128, metadata=_to("host"))
-    slot_share: int = field(default=32, metadata=_to("host"))
+    slot_share: int = field(default=16, metadata=_to("host"))
 
     def macros(self) -> tuple:
         """The -D options of the macro fields, in field order."""
