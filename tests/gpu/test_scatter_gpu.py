@@ -15,7 +15,7 @@ from kvzip.backends import get_backend
 from kvzip.data import load_sample
 from kvzip.gpu import tuning
 
-WAYS = {"registers": 1 << 30, "memory, every chunk": 1, "memory from 16": 16}
+WAYS = {"registers (shipped)": 1 << 16, "memory, every chunk": 1, "memory from 16": 16}
 
 
 def real_bf16(n, roll=0):
