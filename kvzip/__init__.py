@@ -30,10 +30,10 @@ from .formats import FORMATS, FloatFormat, get_format  # noqa: F401,E402
 from .codebook import Codebook  # noqa: F401,E402
 from .calibrate import calibrate  # noqa: F401,E402
 from .pipeline import Pipeline  # noqa: F401,E402
-from .api import compress, compress_many, decompress, decompress_many, info, splitzip_pipeline  # noqa: F401,E402
+from .api import compress, compress_many, decompress, decompress_many, info, ratio_pipeline, splitzip_pipeline  # noqa: F401,E402,E501
 from .packed import pack, unpack  # noqa: F401,E402
 from . import stages  # noqa: F401,E402  (kvzip.stages: the stage classes)
 
 from .version import __version__  # noqa: E402
 __all__ = ["compress", "decompress", "compress_many", "decompress_many", "info", "pack", "unpack", "calibrate", "Codebook", "Pipeline", "FormatError", "stages",
-           "splitzip_pipeline", "FloatFormat", "get_format", "FORMATS"]
+           "splitzip_pipeline", "ratio_pipeline", "FloatFormat", "get_format", "FORMATS"]

@@ -1,0 +1,328 @@
+"""ChannelPack's CPU kernels: the two-level channel code, chunks in parallel threads, GIL released.
+
+The bytes are docs/format.md section 15's for any number of threads, because every chunk's
+output lies at a position known in advance or is moved there by a serial pass:
+
+* encode: chunk c's codes and rest lie at 3 g and R g of its groups g, always.  Its second-level
+  indices go to a slot of its own (3 bytes a group: a whole chunk of second-level hits fits),
+  its escapes to slot c * cap (cap = the most a listed chunk of C values may hold), a
+  plane-coded chunk's high exponent bits to (E - 3) bytes a group of its own; ``_compact`` then
+  moves every chunk's run to the front in chunk order.  Moving forward is safe: no chunk's run is
+  longer than its slot.
+* decode: a serial pass over the two uint16 counts a chunk (``_decode_offsets``) finds where each
+  chunk's second-level indices, escapes and high bits start and checks the counts against the
+  stream lengths; the threads then decode chunk ranges, checking the second-level count against
+  the chunk's code-7 values and the escapes' positions and exponents.  The error reported is the
+  one a serial decoder meets first: the lowest chunk's, its count error before its value errors,
+  the stream totals last.
+
+Kernels are specialised per (E, M) (closures over ints: kvzip/jit.py's cache rules) and work a
+group of 8 values at a time, the unit whose code bytes (3), rest bytes (R) and plane bytes
+(E - 3) start on byte boundaries.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from kvzip import cpu_parallel
+from kvzip.bitlogic import CPU, PLANE
+from kvzip.channel_codebook import PRIMARY, TABLE_WIDTH
+from kvzip.jit import cpu_jit
+
+# The shared helpers as globals of this module: cached kernels call them by global name (kvzip/jit.py).
+value_exponent, value_rest, join_value, patch_exponent = (CPU.value_exponent, CPU.value_rest, CPU.join_value,
+                                                          CPU.patch_exponent)
+
+CODE_BITS = 3    # a code of the code plane; also the width of a second-level index
+SECOND = PRIMARY  # the code that says "a second-level index follows"
+
+_jit = cpu_jit(nogil=True)
+
+
+@lru_cache(maxsize=None)
+def kernels(E: int, M: int):
+    """(encode_range, decode_range) for the format with E exponent and M mantissa bits."""
+    R = M + 1          # rest bits a value = rest bytes a group
+    HB = E - CODE_BITS  # exponent bits a plane-coded chunk keeps in exp_high
+    EMASK = (1 << E) - 1
+    HMASK = (1 << HB) - 1
+
+    @_jit
+    def encode_range(src, n, D, lut, C, c0, c1, codes, rest, esc_count, sec_count, sec_slots, esc_pos, esc_exp,
+                     high_slots):
+        """Chunks c0..c1: codes, rest and the two counts in place, the variable runs in their slots."""
+        G = (n + 7) // 8
+        gpc = C // 8
+        full_cap = (HB * gpc) // 3
+        DM = D - 1
+        for c in range(c0, c1):
+            g0 = c * gpc
+            g1 = min(g0 + gpc, G)
+            plane_bytes = HB * (g1 - g0)
+            cap = plane_bytes // 3
+            eslot = c * full_cap
+            sout = c * CODE_BITS * gpc
+            sacc = 0
+            sn = 0
+            esc = 0
+            sec = 0
+            for g in range(g0, g1):
+                word = 0
+                acc = 0
+                nacc = 0
+                out = g * R
+                for j in range(8):
+                    i = g * 8 + j
+                    code = 0
+                    r = 0
+                    if i < n:
+                        v = int(src[i])
+                        r = value_rest(v, E, M)
+                        e = value_exponent(v, E, M)
+                        k = int(lut[((i & DM) << E) | e])
+                        if k < SECOND:
+                            code = k
+                        elif k < TABLE_WIDTH:
+                            code = SECOND
+                            sacc |= (k - SECOND) << sn
+                            sn += CODE_BITS
+                            if sn >= 8:
+                                sec_slots[sout] = sacc & 0xFF
+                                sout += 1
+                                sacc >>= 8
+                                sn -= 8
+                            sec += 1
+                        else:  # an escape: code 0, listed while the chunk may still list it
+                            if esc < cap:
+                                esc_pos[eslot + esc] = i - g0 * 8
+                                esc_exp[eslot + esc] = e
+                            esc += 1
+                    word |= code << (CODE_BITS * j)
+                    acc |= r << nacc
+                    nacc += R
+                    while nacc >= 8:
+                        rest[out] = acc & 0xFF
+                        out += 1
+                        acc >>= 8
+                        nacc -= 8
+                codes[3 * g] = word & 0xFF
+                codes[3 * g + 1] = (word >> 8) & 0xFF
+                codes[3 * g + 2] = (word >> 16) & 0xFF
+            if sn > 0:
+                sec_slots[sout] = sacc & 0xFF
+            if (CODE_BITS * sec + 7) // 8 + 3 * esc > plane_bytes:  # plane coding is smaller
+                esc_count[c] = PLANE
+                sec_count[c] = 0
+                hoff = g0 * HB
+                for g in range(g0, g1):
+                    word = 0
+                    high = 0
+                    for j in range(8):
+                        i = g * 8 + j
+                        if i < n:
+                            e = value_exponent(int(src[i]), E, M)
+                            word |= (e & 7) << (CODE_BITS * j)
+                            high |= (e >> CODE_BITS) << (HB * j)
+                    codes[3 * g] = word & 0xFF
+                    codes[3 * g + 1] = (word >> 8) & 0xFF
+                    codes[3 * g + 2] = (word >> 16) & 0xFF
+                    for k in range(HB):
+                        high_slots[hoff + k] = (high >> (8 * k)) & 0xFF
+                    hoff += HB
+            else:
+                esc_count[c] = esc
+                sec_count[c] = sec
+
+    @_jit
+    def decode_range(codes, rest, tables, D, esc_count, sec_count, esc_off, sec_off, plane_off, esc_pos, esc_exp,
+                     exp_high, sec_codes, n, C, c0, c1, dst):
+        """Decode chunks c0..c1 into dst; returns 8 * chunk + error code of the first bad chunk, or -1."""
+        G = (n + 7) // 8
+        gpc = C // 8
+        DM = D - 1
+        for c in range(c0, c1):
+            g0 = c * gpc
+            g1 = min(g0 + gpc, G)
+            plane = int(esc_count[c]) == PLANE
+            hoff = plane_off[c]
+            sin = sec_off[c]
+            want = int(sec_count[c])
+            hits = 0
+            sacc = 0
+            sn = 0
+            for g in range(g0, g1):
+                word = int(codes[3 * g]) | (int(codes[3 * g + 1]) << 8) | (int(codes[3 * g + 2]) << 16)
+                high = 0
+                if plane:
+                    for k in range(HB):
+                        high |= int(exp_high[hoff + k]) << (8 * k)
+                    hoff += HB
+                acc = 0
+                nacc = 0
+                inp = g * R
+                for j in range(8):
+                    while nacc < R:
+                        acc |= int(rest[inp]) << nacc
+                        inp += 1
+                        nacc += 8
+                    r = acc & ((1 << R) - 1)
+                    acc >>= R
+                    nacc -= R
+                    i = g * 8 + j
+                    if i >= n:
+                        continue
+                    code = (word >> (CODE_BITS * j)) & 7
+                    if plane:
+                        e = code | (((high >> (HB * j)) & HMASK) << CODE_BITS)
+                    elif code < SECOND:
+                        e = int(tables[(i & DM) * TABLE_WIDTH + code])
+                    else:
+                        if hits == want:  # more code-7 values than the chunk's count
+                            return 8 * c + 6
+                        if sn < CODE_BITS:
+                            sacc |= int(sec_codes[sin]) << sn
+                            sin += 1
+                            sn += 8
+                        e = int(tables[(i & DM) * TABLE_WIDTH + SECOND + (sacc & 7)])
+                        sacc >>= CODE_BITS
+                        sn -= CODE_BITS
+                        hits += 1
+                    dst[i] = join_value(e, r, E, M)
+            if hits != want:
+                return 8 * c + 6
+            if plane:
+                continue
+            length = min(C, n - c * C)
+            prev = -1
+            k0 = esc_off[c]
+            for k in range(k0, k0 + int(esc_count[c])):
+                pos = int(esc_pos[k])
+                e = int(esc_exp[k])
+                if pos >= length or pos <= prev:
+                    return 8 * c + 3
+                prev = pos
+                if e > EMASK:
+                    return 8 * c + 4
+                patch_exponent(dst, c * C + pos, e, E, M)
+        return -1
+
+    return encode_range, decode_range
+
+
+@_jit
+def _compact(esc_count, sec_count, n, C, HB, sec_slots, esc_pos, esc_exp, high_slots):
+    """Move each chunk's second-level, escape and exp_high runs to the front, in chunk order;
+    returns their totals (bytes, escapes, bytes)."""
+    G = (n + 7) // 8
+    gpc = C // 8
+    full_cap = (HB * gpc) // 3
+    ns = 0
+    ne = 0
+    nh = 0
+    for c in range(esc_count.shape[0]):
+        cnt = int(esc_count[c])
+        if cnt == PLANE:
+            nbytes = HB * min(gpc, G - c * gpc)
+            at = c * gpc * HB
+            for k in range(nbytes):
+                high_slots[nh + k] = high_slots[at + k]
+            nh += nbytes
+            continue
+        nbytes = (CODE_BITS * int(sec_count[c]) + 7) // 8
+        at = c * CODE_BITS * gpc
+        for k in range(nbytes):
+            sec_slots[ns + k] = sec_slots[at + k]
+        ns += nbytes
+        at = c * full_cap
+        for k in range(cnt):
+            esc_pos[ne + k] = esc_pos[at + k]
+            esc_exp[ne + k] = esc_exp[at + k]
+        ne += cnt
+    return ns, ne, nh
+
+
+@_jit
+def _decode_offsets(esc_count, sec_count, n, C, HB, n_sec, n_pos, n_high, sec_off, esc_off, plane_off):
+    """Where each chunk's runs start, checking the counts against the streams' lengths.
+    Returns (the chunks that may be decoded, 8 * chunk + error code, or -1 for no count error)."""
+    G = (n + 7) // 8
+    gpc = C // 8
+    ns = 0
+    ne = 0
+    nh = 0
+    nchunks = esc_count.shape[0]
+    for c in range(nchunks):
+        ng = min(gpc, G - c * gpc)
+        cnt = int(esc_count[c])
+        sec = int(sec_count[c])
+        sec_off[c] = ns
+        esc_off[c] = ne
+        plane_off[c] = nh
+        if cnt == PLANE:
+            if sec != 0:
+                return c, 8 * c + 6
+            if nh + HB * ng > n_high:
+                return c, 8 * c + 5
+            nh += HB * ng
+            continue
+        if sec > min(C, n - c * C) or (CODE_BITS * sec + 7) // 8 + 3 * cnt > HB * ng:
+            return c, 8 * c + 1
+        if ne + cnt > n_pos:
+            return c, 8 * c + 2
+        if ns + (CODE_BITS * sec + 7) // 8 > n_sec:
+            return c, 8 * c + 6
+        ne += cnt
+        ns += (CODE_BITS * sec + 7) // 8
+    if ns != n_sec:
+        return nchunks, 8 * nchunks + 6
+    if ne != n_pos:
+        return nchunks, 8 * nchunks + 2
+    if nh != n_high:
+        return nchunks, 8 * nchunks + 5
+    return nchunks, -1
+
+
+def encode(src, n, fmt, channels, lut, C, codes, rest, esc_count, sec_count):
+    """Fill codes, rest, esc_count and sec_count (sized for n values in chunks of C); returns
+    the variable streams (sec_codes, esc_pos, esc_exp, exp_high) as new arrays."""
+    E, M = fmt.exp_bits, fmt.mant_bits
+    HB = E - CODE_BITS
+    encode_range, _ = kernels(E, M)
+    nchunks = esc_count.shape[0]
+    G = (n + 7) // 8
+    cap = (HB * (C // 8)) // 3
+    sec_slots = np.empty(CODE_BITS * G, np.uint8)
+    esc_pos, esc_exp = np.empty(cap * nchunks, np.uint16), np.empty(cap * nchunks, np.uint8)
+    high_slots = np.empty(HB * G, np.uint8)
+
+    def work(c0, c1):
+        encode_range(src, n, channels, lut, C, c0, c1, codes, rest, esc_count, sec_count, sec_slots, esc_pos,
+                     esc_exp, high_slots)
+
+    cpu_parallel.run_ranges(work, cpu_parallel.split(nchunks, C * src.itemsize))
+    ns, ne, nh = _compact(esc_count, sec_count, n, C, HB, sec_slots, esc_pos, esc_exp, high_slots)
+    return sec_slots[:ns].copy(), esc_pos[:ne].copy(), esc_exp[:ne].copy(), high_slots[:nh].copy()
+
+
+def decode(codes, rest, tables, channels, esc_count, sec_count, sec_codes, esc_pos, esc_exp, exp_high, n, fmt, C,
+           dst) -> int:
+    """Rebuild the n values into dst; returns 0 or the error code (kvzip.errors.CHANNEL_DECODE_ERRORS)
+    a serial decoder meets first.  The callers have checked every stream's dtype and the lengths
+    that follow from n (codes, rest, tables, the counts)."""
+    E, M = fmt.exp_bits, fmt.mant_bits
+    _, decode_range = kernels(E, M)
+    nchunks = esc_count.shape[0]
+    sec_off, esc_off, plane_off = (np.empty(nchunks, np.int64) for _ in range(3))
+    stop, count_error = _decode_offsets(esc_count, sec_count, n, C, E - CODE_BITS, sec_codes.shape[0],
+                                        esc_pos.shape[0], exp_high.shape[0], sec_off, esc_off, plane_off)
+
+    def work(c0, c1):
+        return decode_range(codes, rest, tables, channels, esc_count, sec_count, esc_off, sec_off, plane_off,
+                            esc_pos, esc_exp, exp_high, sec_codes, n, C, c0, c1, dst)
+
+    errors = [e for e in cpu_parallel.run_ranges(work, cpu_parallel.split(stop, C * dst.itemsize)) if e >= 0]
+    if count_error >= 0:
+        errors.append(count_error)
+    return min(errors) % 8 if errors else 0
