@@ -41,6 +41,7 @@ import numpy as np
 from .auto_codebook import FULL_READ_BELOW, sample_indices
 from .errors import FormatError
 
+CODE_BITS = 3        # a value's code in the code plane; also the width of a second-level index
 PRIMARY = 7          # codes 0..6: the channel's 7 most frequent exponents
 SECONDARY = 8        # code 7 + a 3-bit index: the next 8
 TABLE_WIDTH = PRIMARY + SECONDARY

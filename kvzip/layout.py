@@ -265,6 +265,39 @@ COMPACT_VARYING = (COMPACT_FIELD["escapes"], COMPACT_FIELD["high_bytes"], HEADER
 VERSION_AT = FIELD["version"]
 
 
+# ----------------------------------------------------------------------------- version 3: the ratio header
+# The compact header of the ratio mode's blobs (ChannelPack then Serialize: docs/format.md
+# section 15.6): version 2's fields up to the ndim byte at version 2's offsets, then the one
+# count the ratio streams add; no codebook (the tables are a stream).
+RATIO_VERSION = 3
+RATIO_FIELDS = consecutive_fields((
+    ("magic", 8, "8s"),
+    ("version", 2, "H"),
+    ("flags", 2, "H"),
+    ("header_len", 4, "I"),      # COMPACT_SIZE
+    ("shape", 8, "8s"),          # as version 2
+    ("checksum", 8, "Q"),
+    ("escapes", 4, "I"),         # E: esc_pos holds 2E bytes, esc_exp E
+    ("high_bytes", 4, "I"),      # exp_high's bytes
+    ("header_crc", 4, "I"),
+    ("dtype", 1, "B"),           # DTYPE_CODES
+    ("chunk_log2", 1, "B"),
+    ("ndim", 1, "B"),
+    ("reserved", 1, "B"),        # 0
+    ("second_bytes", 4, "I"),    # sec_codes's bytes
+    ("tail", 12, "12s"),         # zero
+))
+RATIO_FIELD = {f.name: f for f in RATIO_FIELDS}
+RATIO = struct.Struct("<" + "".join(f.code for f in RATIO_FIELDS))
+# The ratio mode's streams (name, dtype) in payload order (canonical_order's of their names).
+RATIO_STREAMS = (("codes", "uint8"), ("rest", "uint8"), ("esc_count", "uint16"), ("esc_pos", "uint16"),
+                 ("esc_exp", "uint8"), ("exp_high", "uint8"), ("sec_codes", "uint8"), ("sec_count", "uint16"),
+                 ("tables", "uint8"))
+assert RATIO.size == COMPACT_SIZE
+for _f in RATIO_FIELDS[:RATIO_FIELDS.index(RATIO_FIELD["reserved"])]:
+    assert (COMPACT_FIELD[_f.name].offset, COMPACT_FIELD[_f.name].size) == (_f.offset, _f.size), _f.name
+
+
 def version_of(head) -> int:
     """The container version a header's prefix claims (0 when head is too short to say)."""
     return VERSION_AT.read(head) if len(head) >= VERSION_AT.end else 0

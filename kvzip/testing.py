@@ -535,14 +535,14 @@ def reseal(blob) -> bytes:
 def with_metadata_text(blob, text: bytes) -> bytes:
     """The blob with its metadata JSON replaced by ``text`` verbatim (even text build_header
     would refuse to write: deep, duplicate keys, not JSON), the header resized and resealed.
-    A compact (version-2) blob is first given its version-1 header (version1)."""
+    A compact (version-2 or -3) blob is first given its version-1 header (version1)."""
     import struct
 
     from . import container
-    from .layout import COMPACT_VERSION, version_of
+    from .layout import VERSION, version_of
 
     blob = bytes(blob)
-    if version_of(blob) == COMPACT_VERSION:
+    if version_of(blob) != VERSION:
         blob = version1(blob)
     (_, _, _, H, P, checksum, J, S, _) = container.PREFIX.unpack_from(blob)
     table = blob[48:48 + 16 * S]

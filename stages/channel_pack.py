@@ -20,13 +20,12 @@ from __future__ import annotations
 import numpy as np
 
 from kvzip.bitpack import groups
-from kvzip.channel_codebook import TABLE_WIDTH, channels_of, check_tables, encode_lut, tables_of
+from kvzip.channel_codebook import CODE_BITS, TABLE_WIDTH, channels_of, check_tables, encode_lut, tables_of
 from kvzip.errors import CHANNEL_DECODE_ERRORS, FormatError
 from kvzip.frame import Frame
 
 from . import channel_pack_cpu
 from .base import CHANNEL_CODED, TENSOR, Stage, register
-from .channel_pack_cpu import CODE_BITS
 
 MIN_CHUNK, MAX_CHUNK = 8, 32768  # a chunk's second-level count is a uint16: at most 32768 values
 VARIABLE_STREAMS = (("sec_codes", np.uint8), ("esc_pos", np.uint16), ("esc_exp", np.uint8), ("exp_high", np.uint8))

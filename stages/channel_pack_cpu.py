@@ -28,14 +28,13 @@ import numpy as np
 
 from kvzip import cpu_parallel
 from kvzip.bitlogic import CPU, PLANE
-from kvzip.channel_codebook import PRIMARY, TABLE_WIDTH
+from kvzip.channel_codebook import CODE_BITS, PRIMARY, TABLE_WIDTH
 from kvzip.jit import cpu_jit
 
 # The shared helpers as globals of this module: cached kernels call them by global name (kvzip/jit.py).
 value_exponent, value_rest, join_value, patch_exponent = (CPU.value_exponent, CPU.value_rest, CPU.join_value,
                                                           CPU.patch_exponent)
 
-CODE_BITS = 3    # a code of the code plane; also the width of a second-level index
 SECOND = PRIMARY  # the code that says "a second-level index follows"
 
 _jit = cpu_jit(nogil=True)
