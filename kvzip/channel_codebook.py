@@ -56,8 +56,9 @@ def channels_of(shape) -> int:
 
 
 def channel_histogram(bits: np.ndarray, fmt, channels: int) -> np.ndarray:
-    """int64[channels, 2**E]: exponent counts of the sampled values of each channel.
-    bits: the tensor's raw bits, flat, in the format's unsigned dtype."""
+    """int64[channels, 2**E]: exponent counts of the sampled values of each channel (the
+    reference; ChannelPack counts with stages/channel_pack_cpu.py's compiled pass).  bits: the
+    tensor's raw bits, flat, in the format's unsigned dtype."""
     n = bits.shape[0]
     E, M = fmt.exp_bits, fmt.mant_bits
     if n < FULL_READ_BELOW:
@@ -84,7 +85,8 @@ def rank_tables(hist: np.ndarray) -> np.ndarray:
 
 
 def tables_of(bits: np.ndarray, fmt, channels: int) -> np.ndarray:
-    """The tables stream of a tensor: uint8[channels * TABLE_WIDTH], channel 0's table first."""
+    """The tables stream of a tensor: uint8[channels * TABLE_WIDTH], channel 0's table first (the
+    reference composition of the two steps above)."""
     return rank_tables(channel_histogram(bits, fmt, channels)).reshape(-1)
 
 

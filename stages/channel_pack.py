@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvzip.bitpack import groups
-from kvzip.channel_codebook import CODE_BITS, TABLE_WIDTH, channels_of, check_tables, encode_lut, tables_of
+from kvzip.channel_codebook import CODE_BITS, TABLE_WIDTH, channels_of, check_tables, encode_lut, rank_tables
 from kvzip.errors import CHANNEL_DECODE_ERRORS, FormatError
 from kvzip.frame import Frame
 
@@ -55,7 +55,7 @@ class ChannelPack(Stage):
         fmt, backend, n, C = frame.format, frame.backend, frame.n, self.chunk
         src = backend.to_numpy(frame.expect("data", fmt.uint_dtype, n))
         channels = channels_of(frame.meta["shape"])
-        tables = tables_of(src, fmt, channels)
+        tables = rank_tables(channel_pack_cpu.histogram(src, fmt, channels)).reshape(-1)
         G, nchunks = groups(n), -(-n // C)
         codes, rest = np.empty(CODE_BITS * G, np.uint8), np.empty(fmt.rest_bits * G, np.uint8)
         esc_count, sec_count = np.empty(nchunks, np.uint16), np.empty(nchunks, np.uint16)

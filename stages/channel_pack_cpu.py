@@ -27,6 +27,7 @@ from functools import lru_cache
 import numpy as np
 
 from kvzip import cpu_parallel
+from kvzip.auto_codebook import RUN_LENGTH, run_starts
 from kvzip.bitlogic import CPU, PLANE
 from kvzip.channel_codebook import CODE_BITS, PRIMARY, TABLE_WIDTH
 from kvzip.jit import cpu_jit
@@ -208,6 +209,24 @@ def kernels(E: int, M: int):
         return -1
 
     return encode_range, decode_range
+
+
+@_jit
+def _count_runs(src, n, starts, L, DM, E, M, hist):
+    """hist[(channel << E) | exponent] += 1 for every value of the runs [start, start + L) cut at n."""
+    EMASK = (1 << E) - 1
+    for s in starts:
+        for i in range(s, min(s + L, n)):
+            hist[((i & DM) << E) | ((int(src[i]) >> M) & EMASK)] += 1
+
+
+def histogram(src, fmt, channels):
+    """kvzip.channel_codebook.channel_histogram of src (flat raw bits) in one compiled pass over
+    the sample's runs."""
+    E = fmt.exp_bits
+    hist = np.zeros(channels << E, np.int64)
+    _count_runs(src, src.shape[0], run_starts(src.shape[0]), RUN_LENGTH, channels - 1, E, fmt.mant_bits, hist)
+    return hist.reshape(channels, 1 << E)
 
 
 @_jit
