@@ -222,11 +222,17 @@ def _count_runs(src, n, starts, L, DM, E, M, hist):
 
 def histogram(src, fmt, channels):
     """kvzip.channel_codebook.channel_histogram of src (flat raw bits) in one compiled pass over
-    the sample's runs."""
-    E = fmt.exp_bits
-    hist = np.zeros(channels << E, np.int64)
-    _count_runs(src, src.shape[0], run_starts(src.shape[0]), RUN_LENGTH, channels - 1, E, fmt.mant_bits, hist)
-    return hist.reshape(channels, 1 << E)
+    the sample's runs (ranges of runs in threads, each counting into its own histogram)."""
+    E, n = fmt.exp_bits, src.shape[0]
+    starts = run_starts(n)
+
+    def work(r0, r1):
+        hist = np.zeros(channels << E, np.int64)
+        _count_runs(src, n, starts[r0:r1], RUN_LENGTH, channels - 1, E, fmt.mant_bits, hist)
+        return hist
+
+    parts = cpu_parallel.run_ranges(work, cpu_parallel.split(starts.shape[0], RUN_LENGTH * src.itemsize))
+    return sum(parts[1:], parts[0]).reshape(channels, 1 << E)
 
 
 @_jit
