@@ -230,7 +230,8 @@ VARYING = (PAYLOAD_LEN, HEADER_CRC)
 # magic, version, flags, header length, checksum and CRC at their version-1 offsets, so a
 # reader finds the payload (and checks the CRC) before it looks at the version.
 COMPACT_VERSION = 2
-COMPACT_FIELDS = consecutive_fields((
+# The first 47 bytes, which the ratio mode's version-3 header shares (RATIO_FIELDS below).
+_COMPACT_COMMON = (
     ("magic", 8, "8s"),
     ("version", 2, "H"),
     ("flags", 2, "H"),
@@ -243,6 +244,8 @@ COMPACT_FIELDS = consecutive_fields((
     ("dtype", 1, "B"),           # DTYPE_CODES
     ("chunk_log2", 1, "B"),      # 0 when stored raw
     ("ndim", 1, "B"),
+)
+COMPACT_FIELDS = consecutive_fields(_COMPACT_COMMON + (
     ("codebook_source", 1, "B"),  # CODEBOOK_SOURCES
     ("codebook", 16, "16s"),     # code c <-> exponent byte c; zero when stored raw
 ))
@@ -267,22 +270,10 @@ VERSION_AT = FIELD["version"]
 
 # ----------------------------------------------------------------------------- version 3: the ratio header
 # The compact header of the ratio mode's blobs (ChannelPack then Serialize: docs/format.md
-# section 15.6): version 2's fields up to the ndim byte at version 2's offsets, then the one
-# count the ratio streams add; no codebook (the tables are a stream).
+# section 15.6): version 2's fields up to the ndim byte (chunk_log2 never 0: no stored raw),
+# then the one count the ratio streams add; no codebook (the tables are a stream).
 RATIO_VERSION = 3
-RATIO_FIELDS = consecutive_fields((
-    ("magic", 8, "8s"),
-    ("version", 2, "H"),
-    ("flags", 2, "H"),
-    ("header_len", 4, "I"),      # COMPACT_SIZE
-    ("shape", 8, "8s"),          # as version 2
-    ("checksum", 8, "Q"),
-    ("escapes", 4, "I"),         # E: esc_pos holds 2E bytes, esc_exp E
-    ("high_bytes", 4, "I"),      # exp_high's bytes
-    ("header_crc", 4, "I"),
-    ("dtype", 1, "B"),           # DTYPE_CODES
-    ("chunk_log2", 1, "B"),
-    ("ndim", 1, "B"),
+RATIO_FIELDS = consecutive_fields(_COMPACT_COMMON + (
     ("reserved", 1, "B"),        # 0
     ("second_bytes", 4, "I"),    # sec_codes's bytes
     ("tail", 12, "12s"),         # zero
@@ -294,8 +285,6 @@ RATIO_STREAMS = (("codes", "uint8"), ("rest", "uint8"), ("esc_count", "uint16"),
                  ("esc_exp", "uint8"), ("exp_high", "uint8"), ("sec_codes", "uint8"), ("sec_count", "uint16"),
                  ("tables", "uint8"))
 assert RATIO.size == COMPACT_SIZE
-for _f in RATIO_FIELDS[:RATIO_FIELDS.index(RATIO_FIELD["reserved"])]:
-    assert (COMPACT_FIELD[_f.name].offset, COMPACT_FIELD[_f.name].size) == (_f.offset, _f.size), _f.name
 
 
 def version_of(head) -> int:

@@ -26,15 +26,10 @@ from kvzip.frame import Frame
 
 from . import channel_pack_cpu
 from .base import CHANNEL_CODED, TENSOR, Stage, register
+from .escape_stream import check_chunk
 
-MIN_CHUNK, MAX_CHUNK = 8, 32768  # a chunk's second-level count is a uint16: at most 32768 values
+MAX_CHUNK = 32768  # a chunk's second-level count is a uint16: at most 32768 values
 VARIABLE_STREAMS = (("sec_codes", np.uint8), ("esc_pos", np.uint16), ("esc_exp", np.uint8), ("exp_high", np.uint8))
-
-
-def check_chunk(chunk) -> int:
-    if type(chunk) is not int or chunk & (chunk - 1) or not MIN_CHUNK <= chunk <= MAX_CHUNK:
-        raise ValueError(f"chunk must be a power of two in [{MIN_CHUNK}, {MAX_CHUNK}], got {chunk!r}")
-    return chunk
 
 
 @register
@@ -46,7 +41,7 @@ class ChannelPack(Stage):
     produces = ("tables", "codes", "rest", "esc_count", "sec_count") + tuple(name for name, _ in VARIABLE_STREAMS)
 
     def __init__(self, chunk: int = 4096):
-        self.chunk = check_chunk(chunk)
+        self.chunk = check_chunk(chunk, MAX_CHUNK)
 
     def get_config(self):
         return {"id": self.id, "chunk": self.chunk}
