@@ -89,11 +89,12 @@ _COMPACT_CODEBOOK = _layout.COMPACT_FIELD["codebook"]
 
 
 def compact_header(meta: dict, streams: list[tuple[str, str, int]], flags: int, checksum: int = 0) -> bytes | None:
-    """The version-2 header of a blob with this metadata and these streams [(name, dtype name,
-    nbytes)], or None where it cannot hold them exactly: a pipeline other than the preset one
-    (or its stored-raw fallback), a codebook name other than the shipped default's, n >= 2**32,
-    a shape whose LEB128 takes more than 8 bytes.  Exactly: a reader's metadata and streams of
-    it are these (compared here), so choosing it loses nothing."""
+    """The compact header of a blob with this metadata and these streams [(name, dtype name,
+    nbytes)]: version 3 for the ratio mode's (ChannelPack then Serialize), version 2 for the
+    others; or None where neither holds them exactly: a pipeline other than the preset ones (or
+    their stored-raw fallback), a codebook name other than the shipped default's, n >= 2**32, a
+    shape whose LEB128 takes more than 8 bytes.  Exactly: a reader's metadata and streams of it
+    are these (compared here), so choosing it loses nothing."""
     fmt = _format_name(meta.get("dtype"))
     shape = meta.get("shape")
     if fmt is None or type(shape) is not list or len(shape) > 255 or meta.get("format") != fmt \
@@ -104,18 +105,49 @@ def compact_header(meta: dict, streams: list[tuple[str, str, int]], flags: int, 
     if len(sides) > _layout.COMPACT_SHAPE_BYTES:
         return None
     names = {name: nb for name, _, nb in streams}
-    stored = bool(flags & FLAG_STORED)
+    pipeline = meta.get("pipeline")
+    if not flags & FLAG_STORED and type(pipeline) is list and len(pipeline) == 2 and type(pipeline[0]) is dict \
+            and pipeline[0].get("id") == "channel_pack":
+        chunk_log2 = _chunk_log2(pipeline[0])
+        head = None if chunk_log2 is None else _layout.RATIO.pack(
+            MAGIC, _layout.RATIO_VERSION, flags, _layout.COMPACT_SIZE, sides, checksum, names.get("esc_exp", 0),
+            names.get("exp_high", 0), 0, _layout.DTYPE_CODES[fmt], chunk_log2, len(shape), 0,
+            names.get("sec_codes", 0), bytes(_layout.RATIO_FIELD["tail"].size))
+    else:
+        head = _preset_head(meta, fmt, sides, len(shape), names, flags, checksum)
+    if head is None:
+        return None
+    head = bytearray(head)
+    _layout.seal(head)
+    try:
+        hdr = _parse_compact(bytes(head), _layout.COMPACT_SIZE + layout([nb for _, _, nb in streams])[1])
+    except FormatError:
+        return None
+    if hdr.meta != meta or [s[:2] + (s[3],) for s in hdr.streams] != [tuple(s) for s in streams]:
+        return None
+    return bytes(head)
+
+
+def _chunk_log2(config: dict) -> int | None:
+    """log2 of a stage config's chunk, or None where it is not a power of two."""
+    chunk = config.get("chunk")
+    if type(chunk) is not int or chunk <= 0 or chunk & (chunk - 1):
+        return None
+    return chunk.bit_length() - 1
+
+
+def _preset_head(meta: dict, fmt: str, sides: bytes, ndim: int, names: dict, flags: int, checksum: int) -> bytes | None:
+    """compact_header's version-2 fields (the CRC still 0), or None where they cannot hold meta."""
     chunk_log2 = source = 0
     exponents = bytes(16)
-    if not stored:
+    if not flags & FLAG_STORED:
         pipeline, codebook = meta.get("pipeline"), meta.get("codebook")
         if not (type(pipeline) is list and len(pipeline) == 4 and type(pipeline[2]) is dict
-                and type(pipeline[2].get("chunk")) is int and type(codebook) is dict):
+                and type(codebook) is dict):
             return None
-        chunk = pipeline[2]["chunk"]
-        if chunk <= 0 or chunk & (chunk - 1):
+        chunk_log2 = _chunk_log2(pipeline[2])
+        if chunk_log2 is None:
             return None
-        chunk_log2 = chunk.bit_length() - 1
         given = pipeline[1].get("codebook") if type(pipeline[1]) is dict else None
         source = _SOURCE_CODE["default" if given is None else "auto" if given == "auto" else
                               "named" if codebook.get("name") else "given"]
@@ -125,17 +157,9 @@ def compact_header(meta: dict, streams: list[tuple[str, str, int]], flags: int, 
             return None
         if len(exponents) != 16:
             return None
-    head = bytearray(_layout.COMPACT.pack(MAGIC, _layout.COMPACT_VERSION, flags, _layout.COMPACT_SIZE, sides, checksum,
-                                          names.get("esc_exp", 0), names.get("exp_high", 0), 0, _layout.DTYPE_CODES[fmt],
-                                          chunk_log2, len(shape), source, exponents))
-    _layout.seal(head)
-    try:
-        hdr = _parse_compact(bytes(head), _layout.COMPACT_SIZE + layout([nb for _, _, nb in streams])[1])
-    except FormatError:
-        return None
-    if hdr.meta != meta or [s[:2] + (s[3],) for s in hdr.streams] != [tuple(s) for s in streams]:
-        return None
-    return bytes(head)
+    return _layout.COMPACT.pack(MAGIC, _layout.COMPACT_VERSION, flags, _layout.COMPACT_SIZE, sides, checksum,
+                                names.get("esc_exp", 0), names.get("exp_high", 0), 0, _layout.DTYPE_CODES[fmt],
+                                chunk_log2, ndim, source, exponents)
 
 
 def _format_name(dtype) -> str | None:
@@ -147,16 +171,18 @@ def _format_name(dtype) -> str | None:
 
 
 def _parse_compact(head: bytes, blob_len: int | None) -> Header:
-    """A version-2 header (docs/format.md section 13) as the Header a version-1 one parses to:
-    the metadata and stream table it stands for.  blob_len None: the blob is as long as its
-    header's streams say (claimed_length)."""
+    """A compact header, version 2 (docs/format.md section 13) or 3 (section 15.6), as the Header
+    a version-1 one parses to: the metadata and stream table it stands for.  blob_len None: the
+    blob is as long as its header's streams say (claimed_length)."""
     from .bitpack import groups
+    from .channel_codebook import CODE_BITS, TABLE_WIDTH, channels_of
     from .formats import FORMATS
 
     (_, _, flags, header_len, sides, checksum, escapes, high_bytes, _, dtype, chunk_log2, ndim, source,
      exponents) = _layout.COMPACT.unpack_from(head)
+    version = _layout.version_of(head)
     if header_len != _layout.COMPACT_SIZE or (blob_len is not None and blob_len < header_len):
-        raise FormatError(f"bad header length {header_len} for a version-2 blob of {blob_len} bytes")
+        raise FormatError(f"bad header length {header_len} for a version-{version} blob of {blob_len} bytes")
     payload_len = blob_len - header_len if blob_len is not None else None
     if payload_len is not None and payload_len % ALIGN:
         raise FormatError(f"payload of {payload_len} bytes is not a multiple of {ALIGN}")
@@ -173,10 +199,22 @@ def _parse_compact(head: bytes, blob_len: int | None) -> Header:
     for d in shape:
         n *= d
     if n >= _layout.COMPACT_MAX_N:
-        raise FormatError(f"shape {shape} holds {n} values; a version-2 header holds fewer than 2**32")
+        raise FormatError(f"shape {shape} holds {n} values; a version-{version} header holds fewer than 2**32")
     meta = {"dtype": fmt.dtype_name, "shape": shape, "n": n, "format": fmt_name}
     serialize = {"id": "serialize", "checksum": bool(flags & FLAG_CHECKSUM)}
-    if flags & FLAG_STORED:
+    G = groups(n)
+    if version == _layout.RATIO_VERSION:
+        second_bytes, tail = _layout.RATIO.unpack_from(head)[-2:]
+        if flags & FLAG_STORED or source or any(tail):
+            raise FormatError("a version-3 header has the stored-raw flag or a reserved byte set")
+        if not 3 <= chunk_log2 <= 15:
+            raise FormatError(f"bad chunk (2**{chunk_log2}) for the ratio mode")
+        meta["pipeline"] = [{"id": "channel_pack", "chunk": 1 << chunk_log2}, serialize]
+        nchunks = -(-n // (1 << chunk_log2))
+        sizes = (CODE_BITS * G, fmt.rest_bits * G, 2 * nchunks, _layout.ESC_POS_BYTES * escapes, escapes, high_bytes,
+                 second_bytes, 2 * nchunks, TABLE_WIDTH * channels_of(shape))
+        table = [(name, dt, nb) for (name, dt), nb in zip(_layout.RATIO_STREAMS, sizes)]
+    elif flags & FLAG_STORED:
         if chunk_log2 or escapes or high_bytes or source or any(exponents):
             raise FormatError("a stored-raw version-2 header has chunk, escape, codebook fields set")
         meta["pipeline"] = [serialize]
@@ -192,7 +230,6 @@ def _parse_compact(head: bytes, blob_len: int | None) -> Header:
                             {"id": "top16_pack", "codebook": dict(recorded) if recorded is codebook else recorded},
                             {"id": "escape_stream", "chunk": 1 << chunk_log2}, serialize]
         meta["codebook"] = codebook
-        G = groups(n)
         sizes = (4 * G, fmt.rest_bits * G, 2 * -(-n // (1 << chunk_log2)), _layout.ESC_POS_BYTES * escapes, escapes,
                  high_bytes)
         table = [(name, dt, nb) for (name, dt), nb in zip(_layout.FUSED_STREAMS, sizes)]
@@ -317,7 +354,7 @@ def claimed_length(head: bytes) -> int:
     if len(head) < PREFIX.size:
         raise FormatError(f"{len(head)} bytes are too short to hold a kvzip header")
     magic, version, _, header_len, payload_len = PREFIX.unpack_from(head)[:5]
-    if magic == MAGIC and version == _layout.COMPACT_VERSION and len(head) >= _layout.COMPACT_SIZE:
+    if magic == MAGIC and version in (_layout.COMPACT_VERSION, _layout.RATIO_VERSION) and len(head) >= _layout.COMPACT_SIZE:
         hdr = _parse_compact(head, None)
         return hdr.header_len + hdr.payload_len
     length = header_len + payload_len
@@ -349,14 +386,14 @@ def _parse_header(head: bytes, blob_len: int) -> Header:
     magic, version, flags, header_len, payload_len, checksum, meta_len, nstreams, _ = PREFIX.unpack_from(head)
     if magic != MAGIC:
         raise FormatError("not a kvzip blob (bad magic)")
-    if version not in (VERSION, _layout.COMPACT_VERSION):
-        raise FormatError(f"unsupported container version {version} (this kvzip reads versions {VERSION} and "
-                          f"{_layout.COMPACT_VERSION})")
+    if version not in (VERSION, _layout.COMPACT_VERSION, _layout.RATIO_VERSION):
+        raise FormatError(f"unsupported container version {version} (this kvzip reads versions {VERSION}, "
+                          f"{_layout.COMPACT_VERSION} and {_layout.RATIO_VERSION})")
     if flags & ~KNOWN_FLAGS:
         raise FormatError(f"unknown flags 0x{flags:04x}")
-    if version == _layout.COMPACT_VERSION:
+    if version != VERSION:  # the compact headers, 64 bytes
         if len(head) < _layout.COMPACT_SIZE or blob_len < _layout.COMPACT_SIZE:
-            raise FormatError(f"blob of {blob_len} bytes is too short for a version-2 header")
+            raise FormatError(f"blob of {blob_len} bytes is too short for a version-{version} header")
         return _parse_compact(head, blob_len)
     if not _layout.header_fits(header_len, blob_len):
         raise FormatError(f"bad header length {header_len} for a blob of {blob_len} bytes")

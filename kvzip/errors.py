@@ -19,6 +19,17 @@ DECODE_ERRORS = {
 }
 
 
+# The decode error codes of ChannelPack (the ratio mode), as its CPU kernels return them.
+CHANNEL_DECODE_ERRORS = {
+    1: "a chunk claims more escapes and second-level codes than a listed chunk may hold",
+    2: "escape counts disagree with the length of the escape streams",
+    3: "an escape position lies outside its chunk or breaks increasing order",
+    4: "an escaped exponent is out of range for the format",
+    5: "plane-coded chunks disagree with the length of the exp_high stream",
+    6: "second-level counts disagree with the chunks' codes or the length of the sec_codes stream",
+}
+
+
 def decode_error_text(code: int) -> str:
     """What a decode error code means."""
     return DECODE_ERRORS.get(code, f"decode error {code}")

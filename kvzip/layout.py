@@ -230,7 +230,8 @@ VARYING = (PAYLOAD_LEN, HEADER_CRC)
 # magic, version, flags, header length, checksum and CRC at their version-1 offsets, so a
 # reader finds the payload (and checks the CRC) before it looks at the version.
 COMPACT_VERSION = 2
-COMPACT_FIELDS = consecutive_fields((
+# The first 47 bytes, which the ratio mode's version-3 header shares (RATIO_FIELDS below).
+_COMPACT_COMMON = (
     ("magic", 8, "8s"),
     ("version", 2, "H"),
     ("flags", 2, "H"),
@@ -243,6 +244,8 @@ COMPACT_FIELDS = consecutive_fields((
     ("dtype", 1, "B"),           # DTYPE_CODES
     ("chunk_log2", 1, "B"),      # 0 when stored raw
     ("ndim", 1, "B"),
+)
+COMPACT_FIELDS = consecutive_fields(_COMPACT_COMMON + (
     ("codebook_source", 1, "B"),  # CODEBOOK_SOURCES
     ("codebook", 16, "16s"),     # code c <-> exponent byte c; zero when stored raw
 ))
@@ -263,6 +266,25 @@ for _name in ("magic", "version", "flags", "header_len", "checksum", "header_crc
 assert COMPACT_SIZE == 64 and COMPACT_SIZE % ALIGN == 0
 COMPACT_VARYING = (COMPACT_FIELD["escapes"], COMPACT_FIELD["high_bytes"], HEADER_CRC)
 VERSION_AT = FIELD["version"]
+
+
+# ----------------------------------------------------------------------------- version 3: the ratio header
+# The compact header of the ratio mode's blobs (ChannelPack then Serialize: docs/format.md
+# section 15.6): version 2's fields up to the ndim byte (chunk_log2 never 0: no stored raw),
+# then the one count the ratio streams add; no codebook (the tables are a stream).
+RATIO_VERSION = 3
+RATIO_FIELDS = consecutive_fields(_COMPACT_COMMON + (
+    ("reserved", 1, "B"),        # 0
+    ("second_bytes", 4, "I"),    # sec_codes's bytes
+    ("tail", 12, "12s"),         # zero
+))
+RATIO_FIELD = {f.name: f for f in RATIO_FIELDS}
+RATIO = struct.Struct("<" + "".join(f.code for f in RATIO_FIELDS))
+# The ratio mode's streams (name, dtype) in payload order (canonical_order's of their names).
+RATIO_STREAMS = (("codes", "uint8"), ("rest", "uint8"), ("esc_count", "uint16"), ("esc_pos", "uint16"),
+                 ("esc_exp", "uint8"), ("exp_high", "uint8"), ("sec_codes", "uint8"), ("sec_count", "uint16"),
+                 ("tables", "uint8"))
+assert RATIO.size == COMPACT_SIZE
 
 
 def version_of(head) -> int:

@@ -4,8 +4,9 @@ reference every fast path is tested against.
 Where ExponentSplit, Top16Pack and EscapeStream follow each other in a pipeline that fuses
 (``Pipeline.fuse``), they run as one step, FusedSplitPackEscape (stages/fused.py: a CPU twin and
 Numba-CUDA kernels), which writes the same bytes.  On the CPU a pipeline whose fused step comes
-last writes the container directly (FusedSplitPackEscape.encode_blob).  Encoding falls back to
-storing the values raw (flagged) when the split streams would be larger than the values.
+last writes the container directly (FusedSplitPackEscape.encode_blob).  The ratio mode's
+ChannelPack (stages/channel_pack.py) is one step of its own.  Encoding falls back to storing the
+values raw (flagged) when the split or channel-coded streams would be larger than the values.
 kvzip/execution.py decides when this executor runs; kvzip/trace.py records which path did.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 from . import container, trace
 from .errors import FormatError
 from .frame import Frame
-from .stages import ExponentSplit, FusedSplitPackEscape, Serialize
+from .stages import ChannelPack, ExponentSplit, FusedSplitPackEscape, Serialize
 from .stages.serialize import frame_from_header
 
 
@@ -52,6 +53,10 @@ def encode(pipe, bits, fmt, shape, backend, origin):
     return origin.export_bytes(to_origin(blob, origin))
 
 
+# The steps that take the values apart (after them the size fallback can store the values raw).
+SPLITTING = (ExponentSplit, FusedSplitPackEscape, ChannelPack)
+
+
 def encode_frame(pipe, frame: Frame, start: int = 0) -> Frame:
     """Tensor frame -> blob frame.  start: the index in pipe.body_steps to run from (frame is
     the output of the steps before it; the fused GPU executor hands over its fallbacks so)."""
@@ -61,7 +66,7 @@ def encode_frame(pipe, frame: Frame, start: int = 0) -> Frame:
     before_split = None
     for i in range(start, len(steps)):
         step = steps[i]
-        if isinstance(step, (ExponentSplit, FusedSplitPackEscape)):
+        if isinstance(step, SPLITTING):
             before_split = frame
         if isinstance(step, FusedSplitPackEscape):
             trace.note("fused")
@@ -78,7 +83,7 @@ def encode_frame(pipe, frame: Frame, start: int = 0) -> Frame:
 
 def stored(pipe, before_split: Frame) -> Frame:
     """The values raw (after any stages ahead of the split), flagged as the size fallback."""
-    split_at = next(i for i, s in enumerate(pipe.stages) if isinstance(s, ExponentSplit))
+    split_at = next(i for i, s in enumerate(pipe.stages) if isinstance(s, SPLITTING))
     serialize = pipe.stages[-1]
     before_split.meta["pipeline"] = [s.get_config() for s in (*pipe.stages[:split_at], serialize)]
     trace.note("stored")

@@ -312,6 +312,7 @@ def pipelines(fmt=None, *, lossy: bool = True, fuse=None):
     * ``[ExponentSplit, Serialize]``;
     * ``[ExponentSplit, Top16Pack(cb), EscapeStream(chunk), Serialize(checksum)]`` (SplitZip),
       with ``cb`` None (shipped default), a shipped name, or a random codebook of ``fmt``;
+    * ``[ChannelPack(chunk), Serialize(checksum)]`` (the ratio mode);
     * with ``lossy`` and QuantizeFP8 available: ``[QuantizeFP8(e5m2|e4m3, tensor|channel), ...]``
       in front of any of the above (for bf16/fp16/fp32 input; the codebook then is of the FP8 format).
 
@@ -332,11 +333,13 @@ def pipelines(fmt=None, *, lossy: bool = True, fuse=None):
             front = [Q(qfmt, draw(st.sampled_from(["tensor", "channel"])))]
             data_fmt = FORMATS[qfmt]
         ser = S.Serialize(draw(st.booleans()))
-        kind = draw(st.sampled_from(["splitzip", "splitzip", "splitzip", "stored", "split"]))
+        kind = draw(st.sampled_from(["splitzip", "splitzip", "splitzip", "stored", "split", "ratio"]))
         if kind == "stored":
             body = []
         elif kind == "split":
             body = [S.ExponentSplit()]
+        elif kind == "ratio":
+            body = [S.ChannelPack(draw(chunk_sizes().filter(lambda c: c <= S.channel_pack.MAX_CHUNK)))]
         else:
             choices = [st.none()]
             if data_fmt is not None:
@@ -535,14 +538,14 @@ def reseal(blob) -> bytes:
 def with_metadata_text(blob, text: bytes) -> bytes:
     """The blob with its metadata JSON replaced by ``text`` verbatim (even text build_header
     would refuse to write: deep, duplicate keys, not JSON), the header resized and resealed.
-    A compact (version-2) blob is first given its version-1 header (version1)."""
+    A compact (version-2 or -3) blob is first given its version-1 header (version1)."""
     import struct
 
     from . import container
-    from .layout import COMPACT_VERSION, version_of
+    from .layout import VERSION, version_of
 
     blob = bytes(blob)
-    if version_of(blob) == COMPACT_VERSION:
+    if version_of(blob) != VERSION:
         blob = version1(blob)
     (_, _, _, H, P, checksum, J, S, _) = container.PREFIX.unpack_from(blob)
     table = blob[48:48 + 16 * S]

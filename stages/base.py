@@ -10,6 +10,7 @@ TENSOR = "tensor"    # stream "data": one value's bits per element
 SPLIT = "split"      # streams "exponent" (uint8 per element) and "rest" (sign+mantissa per element)
 PACKED = "packed"    # "codes" + packed "rest", exponents outside the codebook still pending
 ESCAPED = "escaped"  # PACKED plus the escape streams: everything needed to rebuild the values
+CHANNEL_CODED = "channel_coded"  # ChannelPack's streams: everything needed to rebuild the values
 BYTES = "bytes"      # one uint8 blob
 
 REGISTRY: dict[str, type["Stage"]] = {}

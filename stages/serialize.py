@@ -14,7 +14,7 @@ from kvzip.checksum import sum64
 from kvzip.errors import FormatError
 from kvzip.frame import Frame
 
-from .base import BYTES, ESCAPED, SPLIT, TENSOR, Stage, register
+from .base import BYTES, CHANNEL_CODED, ESCAPED, SPLIT, TENSOR, Stage, register
 
 MAX_DIMS = 64  # NumPy's limit on array dimensions
 MAX_SPAN = 2**63 - 1  # bytes a shape may span (NumPy's limit), its zero sides counted as 1
@@ -23,7 +23,7 @@ MAX_SPAN = 2**63 - 1  # bytes a shape may span (NumPy's limit), its zero sides c
 @register
 class Serialize(Stage):
     id = "serialize"
-    input_kind = (TENSOR, SPLIT, ESCAPED)
+    input_kind = (TENSOR, SPLIT, ESCAPED, CHANNEL_CODED)
     output_kind = BYTES
 
     def __init__(self, checksum: bool = False):

@@ -36,7 +36,8 @@ TIMEOUT_S = 120  # for one blob, four decodes
 
 def _base_blobs() -> list[bytes]:
     """Real blobs of every kind a decoder meets: each format, split and stored, with and without
-    a checksum, small chunks, escapes, 0-d and empty tensors, and QuantizeFP8 in front."""
+    a checksum, small chunks, escapes, 0-d and empty tensors, the ratio mode, and QuantizeFP8 in
+    front."""
     rng = np.random.default_rng(26)
 
     def kv(n, dtype):
@@ -44,6 +45,9 @@ def _base_blobs() -> list[bytes]:
 
     esc = kv(600, np.float16)
     esc[::7] = 30000.0
+    ratio_kv = kv(8192, ml_dtypes.bfloat16)  # escapes, and random bits that plane-code a chunk
+    ratio_kv[::50] = rng.integers(0, 1 << 16, 164, dtype=np.uint16).view(ml_dtypes.bfloat16)
+    ratio_kv[2048:3072] = rng.integers(0, 1 << 16, 1024, dtype=np.uint16).view(ml_dtypes.bfloat16)
     blobs = [
         kvzip.compress(kv(600, ml_dtypes.bfloat16)),
         kvzip.compress(kv(600, ml_dtypes.bfloat16), checksum=True, chunk=64),
@@ -55,6 +59,9 @@ def _base_blobs() -> list[bytes]:
         kvzip.compress(np.float32(1.5)),
         kvzip.compress(np.zeros((0, 3), ml_dtypes.bfloat16)),
         kvzip.Pipeline([S.ExponentSplit(), S.Serialize()]).encode(kv(100, np.float16)),
+        kvzip.compress(ratio_kv.reshape(128, 64), mode="ratio", chunk=1024),
+        kvzip.compress(esc.reshape(20, 30), mode="ratio", chunk=64, checksum=True),
+        kvzip.compress(kv(4096, ml_dtypes.float8_e4m3fn).reshape(128, 32), mode="ratio", chunk=512),
     ]
     Q = kt.quantize_fp8_available()
     if Q is not None:

@@ -12,7 +12,7 @@ in its shape), ``NAME.kvz`` (the blob) and, for a lossy pipeline, ``NAME.output.
 the blob decodes to).  ``manifest.json`` lists each case's format, shape and pipeline config
 (codebooks spelled out, so a recalibrated shipped codebook does not change them, except in
 ``bf16_default_codebook``, whose config says ``codebook: null``: it pins the shipped default).
-Where today's blob has the compact (version-2) header, ``NAME.v1.kvz`` holds the same blob with
+Where today's blob has a compact (version-2 or, for the ratio mode, version-3) header, ``NAME.v1.kvz`` holds the same blob with
 its version-1 header (kvzip.testing.version1), the bytes kvzip wrote before version 2: they were
 committed then, and a regeneration that changes them is a format change too.
 
@@ -77,6 +77,17 @@ def cases():
     # Edge shapes.
     yield "fp16_empty", np.zeros((0, 5), np.uint16), splitzip(cb("fp16-kv"), 4096)
     yield "bf16_scalar", np.array(0x3FC0, np.uint16), splitzip(cb("bf16-kv"), 4096)
+    # The ratio mode (ChannelPack): real KV with escapes, second-level codes and one plane-coded
+    # chunk of random bits; FP8 as QuantizeFP8 gives it (one scale a tensor).
+    x = bits(prose["prose/layer03.k"][:, :32, :]).copy()
+    x.reshape(-1)[2048:3072] = np.random.default_rng(2).integers(0, 1 << 16, 1024, dtype=np.uint64).astype(np.uint16)
+    yield "bf16_ratio", x, kvzip.Pipeline([S.ChannelPack(1024), S.Serialize()])
+    v = f32(html["html/layer08.v"][:, :32, :])
+    yield "e5m2_ratio", bits((v / (np.abs(v).max() / 57344.0)).astype(ml_dtypes.float8_e5m2)), \
+        kvzip.Pipeline([S.ChannelPack(4096), S.Serialize(True)])
+    v = f32(code["code/layer09.v"])
+    yield "e4m3_ratio", bits((v / (np.abs(v).max() / 448.0)).astype(ml_dtypes.float8_e4m3fn)), \
+        kvzip.Pipeline([S.ChannelPack(2048), S.Serialize()])
     # Lossy: QuantizeFP8 (per channel) in front of the lossless stages.
     Q = getattr(S, "QuantizeFP8", None)
     if Q is not None:

@@ -1,0 +1,99 @@
+"""ChannelPack: the ratio mode's lossless code, tensor -> streams in one step.
+
+Each value's exponent is coded through its channel's two-level table (kvzip/channel_codebook.py:
+the channels, and the tables chosen from the tensor itself): a fixed 3-bit code a value, codes
+0..6 the channel's 7 most frequent exponents, code 7 "a 3-bit second-level index follows" for
+the next 8; any other exponent is an escape (a uint16 position in its chunk and the exponent
+byte, as EscapeStream lists them).  The sign+mantissa bits (the "rest") stay raw, packed as
+Top16Pack packs them.  Values are cut into chunks of ``chunk`` values that decode independently;
+a chunk whose second-level indices and escapes would take more bytes than its exponents' high
+bits is plane-coded instead (as EscapeStream does): its codes hold each exponent's low 3 bits,
+exp_high the other E - 3.
+
+Streams (docs/format.md section 15 is their normative description): tables, codes, rest,
+esc_count, sec_count, sec_codes, esc_pos, esc_exp, exp_high.  The CPU kernels are in
+stages/channel_pack_cpu.py; on a GPU backend the stage runs them on the host (no CUDA kernels
+yet: the fused GPU executor does not take this pipeline, kvzip/gpu/executor.py ``takes``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kvzip.bitpack import groups
+from kvzip.channel_codebook import CODE_BITS, TABLE_WIDTH, channels_of, check_tables, encode_lut, rank_tables
+from kvzip.errors import CHANNEL_DECODE_ERRORS, FormatError
+from kvzip.frame import Frame
+
+from . import channel_pack_cpu
+from .base import CHANNEL_CODED, TENSOR, Stage, register
+from .escape_stream import check_chunk
+
+MAX_CHUNK = 32768  # a chunk's second-level count is a uint16: at most 32768 values
+VARIABLE_STREAMS = (("sec_codes", np.uint8), ("esc_pos", np.uint16), ("esc_exp", np.uint8), ("exp_high", np.uint8))
+
+
+@register
+class ChannelPack(Stage):
+    id = "channel_pack"
+    input_kind = (TENSOR,)
+    output_kind = CHANNEL_CODED
+    consumes = ("data",)
+    produces = ("tables", "codes", "rest", "esc_count", "sec_count") + tuple(name for name, _ in VARIABLE_STREAMS)
+
+    def __init__(self, chunk: int = 4096):
+        self.chunk = check_chunk(chunk, MAX_CHUNK)
+
+    def get_config(self):
+        return {"id": self.id, "chunk": self.chunk}
+
+    def encode(self, frame: Frame) -> Frame:
+        fmt, backend, n, C = frame.format, frame.backend, frame.n, self.chunk
+        src = backend.to_numpy(frame.expect("data", fmt.uint_dtype, n))
+        channels = channels_of(frame.meta["shape"])
+        tables = rank_tables(channel_pack_cpu.histogram(src, fmt, channels)).reshape(-1)
+        G, nchunks = groups(n), -(-n // C)
+        codes, rest = np.empty(CODE_BITS * G, np.uint8), np.empty(fmt.rest_bits * G, np.uint8)
+        esc_count, sec_count = np.empty(nchunks, np.uint16), np.empty(nchunks, np.uint16)
+        variable = channel_pack_cpu.encode(src, n, fmt, channels, encode_lut(tables, fmt), C, codes, rest,
+                                           esc_count, sec_count)
+        streams = dict(tables=tables, codes=codes, rest=rest, esc_count=esc_count, sec_count=sec_count,
+                       **{name: a for (name, _), a in zip(VARIABLE_STREAMS, variable)})
+        if backend.name != "cpu":
+            streams = {name: backend.from_numpy(a) for name, a in streams.items()}
+        return frame.replace(drop=("data",), **streams)
+
+    def check(self, frame: Frame) -> dict:
+        """The streams as NumPy arrays, after checking their dtypes, the lengths n implies and the
+        tables (the per-chunk counts are checked by the decode kernels)."""
+        fmt, n = frame.format, frame.n
+        to_numpy = frame.backend.to_numpy
+        G = groups(n)
+        # The codes stream's length bounds n by the blob's size: checked before anything is sized by n.
+        out = {"codes": to_numpy(frame.expect("codes", np.uint8, CODE_BITS * G))}
+        channels = channels_of(frame.meta["shape"])
+        out["rest"] = to_numpy(frame.expect("rest", np.uint8, fmt.rest_bits * G))
+        out["tables"] = to_numpy(frame.expect("tables", np.uint8, channels * TABLE_WIDTH))
+        nchunks = -(-n // self.chunk)
+        for name in ("esc_count", "sec_count"):
+            out[name] = to_numpy(frame.expect(name, np.uint16, nchunks))
+        frame.require(*(name for name, _ in VARIABLE_STREAMS))
+        for name, dtype in VARIABLE_STREAMS:
+            a = frame.streams[name]
+            if a.ndim != 1 or a.dtype != dtype:
+                raise FormatError(f"stream {name!r} must be 1-D {np.dtype(dtype)}, got {a.dtype} {tuple(a.shape)}")
+            out[name] = to_numpy(a)
+        if out["esc_pos"].shape[0] != out["esc_exp"].shape[0]:
+            raise FormatError("esc_pos and esc_exp differ in length")
+        check_tables(out["tables"], fmt)
+        return out
+
+    def decode(self, frame: Frame) -> Frame:
+        fmt, backend, n = frame.format, frame.backend, frame.n
+        s = self.check(frame)
+        dst = np.empty(n, fmt.uint_dtype)
+        code = channel_pack_cpu.decode(s["codes"], s["rest"], s["tables"], channels_of(frame.meta["shape"]),
+                                       s["esc_count"], s["sec_count"], s["sec_codes"], s["esc_pos"], s["esc_exp"],
+                                       s["exp_high"], n, fmt, self.chunk, dst)
+        if code:
+            raise FormatError(CHANNEL_DECODE_ERRORS[code])
+        return frame.replace(drop=self.produces, data=dst if backend.name == "cpu" else backend.from_numpy(dst))
