@@ -21,6 +21,7 @@ from . import arrays, container, execution
 from .backends import get_backend
 from .errors import FormatError, decode_error_text
 from .frame import Frame
+from .gpu import into as gpu_into
 from .gpu import programs
 from .stages import FusedSplitPackEscape
 
@@ -58,9 +59,8 @@ def compress_into(pipe, x, dst, size_out, dtype=None):
     lane = _lane(pipe, fmt, shape)
     with origin.stream_context():
         stream = cupy.cuda.get_current_stream()
-        from .gpu import into
-
-        into.encoder(lane, cupy.cuda.runtime.getDevice(), stream).launch(src, dst_u8.data.ptr, sizes.data.ptr, stream)
+        gpu_into.encoder(lane, cupy.cuda.runtime.getDevice(), stream).launch(src, dst_u8.data.ptr, sizes.data.ptr,
+                                                                              stream)
     return size_out
 
 
@@ -86,8 +86,6 @@ def decompress_into(pipe, blob, out, status_out=None, dtype=None):
               *((("status_out", status.data.ptr, 8),) if status is not None else ()))
     top16 = pipe.body_steps[-1].top16
     lane = _lane(pipe, fmt, shape)
-    from .gpu import into
-
     layout = None if top16.auto else _layout(lane, shape)
     if status is not None and layout is None:
         raise ValueError("decompress_into with status_out decodes blobs of one fixed codebook; codebook='auto' "
@@ -106,7 +104,7 @@ def decompress_into(pipe, blob, out, status_out=None, dtype=None):
             status.fill(programs.GUESS_MISSED)
             return out
         stream = cupy.cuda.get_current_stream()
-        program = into.decoder(layout, cupy.cuda.runtime.getDevice(), stream)
+        program = gpu_into.decoder(layout, cupy.cuda.runtime.getDevice(), stream)
         where = status.data.ptr if status is not None else program.status.data.ptr
         program.launch(u8.data.ptr, u8.nbytes, dst, where, stream)
         if status is not None:
@@ -178,9 +176,7 @@ _layouts: OrderedDict = OrderedDict()  # id(lane) -> (lane, layout_cache.Layout)
 def _layout(lane, shape):
     hit = _layouts.get(id(lane))
     if hit is None or hit[0] is not lane:
-        from .gpu import into
-
-        hit = _layouts[id(lane)] = (lane, into.planned_layout(lane, shape))
+        hit = _layouts[id(lane)] = (lane, gpu_into.planned_layout(lane, shape))
         if len(_layouts) > MAX_LANES:
             _layouts.popitem(last=False)
     return hit[1]
