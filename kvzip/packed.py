@@ -2,20 +2,22 @@
 is the normative text of these bytes).
 
     offset    size  field
-    0         8     magic b"KVZPACK\\n" (a blob's is b"KVZIP\\x00\\r\\n": the two never mix up)
-    8         2     version (uint16) = 1
+    0         8     magic b"KVZPACK\n" (a blob's is b"KVZIP\x00\r\n": the two never mix up)
+    8         2     version (uint16): 2 (version 1 is still read)
     10        2     flags (uint16) = 0; a reader rejects any set bit
     12        4     K, member count (uint32); 0 allowed
-    16        4     H, header length (uint32) = align(32 + 16K)
+    16        4     H, header length (uint32) = align(32 + E*K), E = 4 (version 2) or 16 (version 1)
     20        4     header_crc (uint32): CRC-32 of [0, H) with these 4 bytes zeroed
     24        8     L, total length (uint64): the container's length
-    32        16*K  member table: per member (offset from the container's start, length), uint64 each
-    32+16K          zero padding up to H
+    32        E*K   member table: version 2, each member's length / 16 (uint32); version 1, each
+                    member's (offset from the container's start, length), uint64 each
+    32+E*K          zero padding up to H
     H               the members in table order, back to back
 
-All integers little-endian.  Member k sits at offset_0 = H, offset_{k+1} = align(offset_k +
-length_k), and every length is a multiple of ALIGN (a blob's always is), so the align is the
-identity and the members follow each other with no padding; the last ends at L.
+All integers little-endian.  Member k sits at offset_0 = H, offset_{k+1} = offset_k + length_k
+(every length is a multiple of ALIGN, as a blob's always is), and the last ends at L.  Version 2
+stores only what the layout leaves open, the lengths, so a page of 16 tokens pays 4 bytes of
+table, not 16; version 1 is written only for a member of 2^36 bytes or more.
 
 pack() builds the header on the host and copies the members into one buffer of their framework
 and device (on a GPU device to device, never through the host); unpack() checks the whole header
@@ -38,7 +40,7 @@ from .layout import ALIGN, MAGIC as BLOB_MAGIC, align, consecutive_fields
 __all__ = ["pack", "unpack", "is_packed", "parse_table", "PACK_MAGIC", "PACK_VERSION"]
 
 PACK_MAGIC = b"KVZPACK\n"
-PACK_VERSION = 1
+PACK_VERSION = 2    # what pack() writes (version 1 for a member of 2^36 bytes or more)
 PACK_FLAGS = 0      # no flag is defined: a reader rejects any set bit
 
 
@@ -55,10 +57,13 @@ PACK_FIELD = {f.name: f for f in PACK_FIELDS}
 PACK_PREFIX = struct.Struct("<" + "".join(f.code for f in PACK_FIELDS))  # "<8sHHIIIQ", 32 bytes
 PACK_PREFIX_SIZE = PACK_PREFIX.size
 PACK_TABLE_AT = PACK_PREFIX_SIZE      # the member table follows the prefix
-PACK_ENTRY = struct.Struct("<QQ")     # a member's (offset from the container's start, length)
+PACK_ENTRY = struct.Struct("<QQ")     # version 1: a member's (offset from the container's start, length)
 PACK_ENTRY_SIZE = PACK_ENTRY.size
+ENTRY_SIZES = {1: PACK_ENTRY_SIZE, 2: 4}  # a table entry's bytes by version (2: uint32 length / ALIGN)
+MAX_UNITS = (1 << 32) - 1             # version 2's largest length, in ALIGN units
 _CRC = PACK_FIELD["header_crc"]
 _COUNT = PACK_FIELD["count"]
+_VERSION = PACK_FIELD["version"]
 # The header bytes a reader fetches first from a GPU: the whole header of up to 254 members, so
 # a usual container costs one read-back (a longer header, a second one of exactly H bytes).
 READ_AHEAD = 4096
@@ -68,9 +73,9 @@ assert PACK_PREFIX_SIZE == 32 and PACK_PREFIX_SIZE % ALIGN == 0 and PACK_ENTRY_S
 assert PACK_MAGIC != BLOB_MAGIC and len(PACK_MAGIC) == len(BLOB_MAGIC)
 
 
-def header_len(count: int) -> int:
+def header_len(count: int, version: int = PACK_VERSION) -> int:
     """H of a container of count members: the prefix and the table, padded to ALIGN."""
-    return align(PACK_TABLE_AT + PACK_ENTRY_SIZE * count)
+    return align(PACK_TABLE_AT + ENTRY_SIZES[version] * count)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -81,7 +86,7 @@ def pack(blobs):
     count as one: NumPy), each a 1-D uint8 array or bytes-like of a multiple of 16 bytes.
     Returns a 1-D uint8 array of that framework on that device (NumPy for an empty list: there is
     no blob to take a framework from).  On a GPU it is ordered on the caller's current stream,
-    the members copied device to device; only the header (32 + 16 bytes a member) is built on the
+    the members copied device to device; only the header (32 + 4 bytes a member) is built on the
     host.  The members are not decoded or checked here: decoding them does that."""
     members, origin = _import_members(blobs)
     lengths = [int(m.shape[0]) for m in members]
@@ -145,16 +150,21 @@ def _header(lengths: list[int]) -> tuple[bytearray, int]:
     count = len(lengths)
     if count >= 1 << 32:
         raise ValueError(f"kvzip.pack: {count} members; a packed container holds fewer than 2**32")
-    H = header_len(count)
-    table = np.empty((count, 2), "<u8")
+    version = 2 if max(lengths, default=0) // ALIGN <= MAX_UNITS else 1
+    H = header_len(count, version)
     ends = np.cumsum(np.asarray(lengths, np.uint64), dtype=np.uint64) + np.uint64(H)
-    table[:, 1] = lengths
-    table[:1, 0] = H
-    table[1:, 0] = ends[:-1]        # offset_{k+1} = offset_k + length_k (lengths are ALIGN multiples)
+    if version == 2:
+        table = np.asarray(lengths, np.uint64) // np.uint64(ALIGN)
+        table = table.astype("<u4")
+    else:
+        table = np.empty((count, 2), "<u8")
+        table[:, 1] = lengths
+        table[:1, 0] = H
+        table[1:, 0] = ends[:-1]    # offset_{k+1} = offset_k + length_k (lengths are ALIGN multiples)
     total = int(ends[-1]) if count else H
     head = bytearray(H)
-    PACK_PREFIX.pack_into(head, 0, PACK_MAGIC, PACK_VERSION, PACK_FLAGS, count, H, 0, total)
-    head[PACK_TABLE_AT:PACK_TABLE_AT + PACK_ENTRY_SIZE * count] = table.tobytes()
+    PACK_PREFIX.pack_into(head, 0, PACK_MAGIC, version, PACK_FLAGS, count, H, 0, total)
+    head[PACK_TABLE_AT:PACK_TABLE_AT + table.nbytes] = table.tobytes()
     struct.pack_into("<I", head, _CRC.offset, zlib.crc32(head))  # the CRC field is zero while it is computed
     return head, total
 
@@ -183,7 +193,8 @@ def read_table(u8, origin: arrays.Origin) -> list[tuple[int, int]]:
         total = int(u8.shape[0])
         head = first_bytes(be, u8, min(total, READ_AHEAD))
         if len(head) >= PACK_PREFIX_SIZE and head[:len(PACK_MAGIC)] == PACK_MAGIC:
-            want = header_len(_COUNT.read(head))
+            version = _VERSION.read(head)
+            want = header_len(_COUNT.read(head), version) if version in ENTRY_SIZES else 0
             if len(head) < want <= total:
                 head = first_bytes(be, u8, want)
         return parse_table(head, total)
@@ -211,17 +222,18 @@ def parse_table(head: bytes, total_len: int) -> list[tuple[int, int]]:
     if total_len < PACK_PREFIX_SIZE or len(head) < PACK_PREFIX_SIZE:
         raise FormatError(f"packed container of {total_len} bytes is too short for its {PACK_PREFIX_SIZE}-byte prefix")
     _, version, flags, count, H, _, claimed = PACK_PREFIX.unpack_from(head)
-    if version != PACK_VERSION:
-        raise FormatError(f"unsupported packed container version {version} (this kvzip reads version {PACK_VERSION})")
+    if version not in ENTRY_SIZES:
+        raise FormatError(f"unsupported packed container version {version} (this kvzip reads versions 1 and 2)")
     if flags:
         raise FormatError(f"unknown packed container flags 0x{flags:04x}")
     if claimed != total_len:
         raise FormatError(f"packed container claims {claimed} bytes but is {total_len} (truncated or extended)")
     # K is bounded by the container's own length before anything is sized by it.
-    if PACK_TABLE_AT + PACK_ENTRY_SIZE * count > total_len:
+    table_end = PACK_TABLE_AT + ENTRY_SIZES[version] * count
+    if table_end > total_len:
         raise FormatError(f"member count {count} does not fit a packed container of {total_len} bytes")
-    if H != header_len(count) or H > total_len:
-        raise FormatError(f"bad packed header length {H} for {count} members (it must be {header_len(count)})")
+    if H != header_len(count, version) or H > total_len:
+        raise FormatError(f"bad packed header length {H} for {count} members (it must be {header_len(count, version)})")
     if len(head) < H:
         raise FormatError("packed container header truncated")
     raw = bytearray(head[:H])
@@ -229,11 +241,21 @@ def parse_table(head: bytes, total_len: int) -> list[tuple[int, int]]:
     raw[_CRC.span] = bytes(_CRC.size)
     if zlib.crc32(raw) != stored:
         raise FormatError("packed container header CRC mismatch (corrupted header)")
-    return _spans(np.frombuffer(raw, "<u8", 2 * count, PACK_TABLE_AT).reshape(count, 2), H, total_len)
+    if any(raw[table_end:H]):
+        raise FormatError("packed container header padding is not zero")
+    if version == 1:
+        return _spans(np.frombuffer(raw, "<u8", 2 * count, PACK_TABLE_AT).reshape(count, 2), H, total_len)
+    lengths = np.frombuffer(raw, "<u4", count, PACK_TABLE_AT).astype(np.uint64) * np.uint64(ALIGN)
+    ends = np.cumsum(lengths, dtype=np.uint64) + np.uint64(H)  # below 2^32 * 2^36 + H: no wrap-around
+    end = int(ends[-1]) if count else H
+    if end != total_len:
+        raise FormatError(f"the packed members end at {end}, not at the container's end ({total_len})")
+    starts = np.concatenate([np.array([H], np.uint64), ends[:-1]]) if count else ends
+    return list(zip(starts.tolist(), lengths.tolist()))
 
 
 def _spans(table: np.ndarray, H: int, total_len: int) -> list[tuple[int, int]]:
-    """The table's entries once each is where the layout rule puts it: offset_0 = H, offset_{k+1}
+    """A version-1 table's entries once each is where the layout rule puts it: offset_0 = H, offset_{k+1}
     = offset_k + length_k, lengths ALIGN multiples, the last ending at total_len (which with the
     chain puts every member inside the container, in order, without overlap)."""
     count = table.shape[0]

@@ -21,7 +21,9 @@ from kvzip.errors import FormatError
 from conftest import examples
 
 PREFIX = struct.Struct("<8sHHIIIQ")  # magic, version, flags, K, H, CRC, L: docs/format.md 14.1
-ENTRY = struct.Struct("<QQ")
+ENTRY = struct.Struct("<QQ")         # version 1's (offset, length)
+UNITS = struct.Struct("<I")          # version 2's length / 16
+ENTRY_BYTES = {1: 16, 2: 4}
 MAGIC = b"KVZPACK\n"
 
 
@@ -29,15 +31,15 @@ def align16(x: int) -> int:
     return (x + 15) // 16 * 16
 
 
-def spec_pack(members: list[bytes]) -> bytes:
+def spec_pack(members: list[bytes], version: int = 2) -> bytes:
     """A packed container written from the spec alone."""
     K = len(members)
-    H = align16(32 + 16 * K)
+    H = align16(32 + ENTRY_BYTES[version] * K)
     table, at = b"", H
     for m in members:
-        table += ENTRY.pack(at, len(m))
+        table += ENTRY.pack(at, len(m)) if version == 1 else UNITS.pack(len(m) // 16)
         at = align16(at + len(m))
-    head = bytearray(PREFIX.pack(MAGIC, 1, 0, K, H, 0, at) + table)
+    head = bytearray(PREFIX.pack(MAGIC, version, 0, K, H, 0, at) + table)
     head += bytes(H - len(head))
     body = b""
     for m in members:
@@ -97,7 +99,7 @@ def test_the_worked_example_of_the_spec():
     block = re.search(r"Example: members of 80 and 96 bytes.*?```\n(.*?)```", doc.read_text(), flags=re.S).group(1)
     want = bytes.fromhex(" ".join(line.split("    ")[0] for line in block.splitlines()))
     got = bytes(kvzip.pack([np.zeros(80, np.uint8), np.zeros(96, np.uint8)]))
-    assert len(want) == 64 and got[:64] == want and len(got) == 240 and got[64:] == bytes(176)
+    assert len(want) == 48 and got[:48] == want and len(got) == 224 and got[48:] == bytes(176)
 
 
 def test_pack_writes_the_spec_bytes(blobs):
@@ -105,8 +107,9 @@ def test_pack_writes_the_spec_bytes(blobs):
     assert type(got) is np.ndarray and got.dtype == np.uint8 and got.ndim == 1
     assert bytes(got) == spec_pack([bytes(b) for b in blobs])
     magic, version, flags, K, H, crc, L = PREFIX.unpack_from(bytes(got))
-    assert (magic, version, flags, K, H, L) == (MAGIC, 1, 0, 4, align16(32 + 64), got.shape[0])
-    assert H == 96 and got[32 + 16 * K:H].tobytes() == bytes(H - 32 - 16 * K)  # zero padding
+    assert (magic, version, flags, K, H, L) == (MAGIC, 2, 0, 4, align16(32 + 16), got.shape[0])
+    assert H == 48 and [UNITS.unpack_from(bytes(got), 32 + 4 * k)[0] * 16 for k in range(K)] == \
+        [b.shape[0] for b in blobs]
     assert crc == zlib.crc32(bytes(got[:20]) + bytes(4) + bytes(got[24:H]))
 
 
@@ -122,17 +125,17 @@ def test_member_counts_round_trip(count):
 
 
 def test_a_header_longer_than_the_first_read():
-    """300 members: a 4832-byte header, past the 4096 bytes a reader fetches first from a GPU
+    """1100 members: a 4432-byte header, past the 4096 bytes a reader fetches first from a GPU
     (packed.READ_AHEAD), so the table is read again in full (the same logic runs on the CPU)."""
     from kvzip import packed as packing
 
-    tensors = [np.full(8, k, np.float16) for k in range(300)]
+    tensors = [np.full(8, k % 251, np.float16) for k in range(1100)]
     packed = kvzip.compress_many(tensors, packed=True)
-    assert struct.unpack_from("<I", bytes(packed), 16)[0] == 32 + 16 * 300 > packing.READ_AHEAD
+    assert struct.unpack_from("<I", bytes(packed), 16)[0] == 32 + 4 * 1100 > packing.READ_AHEAD
     assert all(same_bits(t, back) for t, back in zip(tensors, kvzip.decompress_many(packed)))
     bad = bytearray(packed)
-    struct.pack_into("<Q", bad, 32 + 16 * 299, 0)  # the last entry, past the first read
-    with pytest.raises(FormatError, match="member 299: offset 0 is not where"):
+    struct.pack_into("<I", bad, 32 + 4 * 1099, 0)  # the last entry, past the first read
+    with pytest.raises(FormatError, match="members end at .*, not at the container's end"):
         kvzip.unpack(reseal(bad))
 
 
@@ -186,8 +189,16 @@ def address(a: np.ndarray) -> int:
 
 
 def table_of(raw: bytes) -> list[tuple[int, int]]:
-    K = struct.unpack_from("<I", raw, 12)[0]
-    return [ENTRY.unpack_from(raw, 32 + 16 * k) for k in range(K)]
+    """Each member's (offset, length): version 1 stores them, version 2 its lengths only."""
+    _, version, _, K, H, _, _ = PREFIX.unpack_from(raw)
+    if version == 1:
+        return [ENTRY.unpack_from(raw, 32 + 16 * k) for k in range(K)]
+    spans, at = [], H
+    for k in range(K):
+        n = 16 * UNITS.unpack_from(raw, 32 + 4 * k)[0]
+        spans.append((at, n))
+        at += n
+    return spans
 
 
 def test_compress_many_packed_is_pack_of_compress_many():
@@ -268,15 +279,16 @@ FIELD_FORGERIES = [  # (struct code, offset, value, what the reader says)
     ("<8s", 0, b"KVZPACK\x00", "bad magic"),
     ("<8s", 0, b"KVZIP\x00\r\n", "a kvzip blob, not a packed container"),
     ("<H", 8, 0, "unsupported packed container version 0"),
-    ("<H", 8, 2, "unsupported packed container version 2"),
+    ("<H", 8, 3, "unsupported packed container version 3"),
+    ("<H", 8, 1, "bad packed header length 48 for 4 members"),  # version 1's entries need H = 96
     ("<H", 10, 1, "unknown packed container flags 0x0001"),
     ("<H", 10, 0x8000, "unknown packed container flags 0x8000"),
-    ("<I", 12, 3, "bad packed header length 96 for 3 members"),
-    ("<I", 12, 5, "bad packed header length 96 for 5 members"),
+    ("<I", 12, 3, "padding is not zero"),  # H = 48 still, the 4th length now padding
+    ("<I", 12, 5, "bad packed header length 48 for 5 members"),
     ("<I", 12, 0xFFFFFFFF, "member count 4294967295 does not fit"),
-    ("<I", 16, 80, "bad packed header length 80 for 4 members"),
-    ("<I", 16, 112, "bad packed header length 112 for 4 members"),
-    ("<I", 16, 97, "bad packed header length 97"),
+    ("<I", 16, 32, "bad packed header length 32 for 4 members"),
+    ("<I", 16, 64, "bad packed header length 64 for 4 members"),
+    ("<I", 16, 49, "bad packed header length 49"),
     ("<Q", 24, None, "claims"),  # L - 16, filled in below
     ("<Q", 24, 1 << 63, "claims 9223372036854775808 bytes"),
 ]
@@ -310,7 +322,7 @@ def test_the_crc_covers_the_whole_header(packed):
 def test_huge_member_count_is_refused_before_any_allocation():
     small = bytes(kvzip.pack([]))
     for K in (1, 2, 1 << 20, 0xFFFFFFFF):
-        bad = forged(forged(small, "<I", 12, K), "<I", 16, align16(32 + 16 * K) & 0xFFFFFFFF)
+        bad = forged(forged(small, "<I", 12, K), "<I", 16, align16(32 + 4 * K) & 0xFFFFFFFF)
         with pytest.raises(FormatError, match=f"member count {K} does not fit"):
             kvzip.unpack(bad)
 
@@ -331,7 +343,32 @@ def entry(k: int, field: int) -> int:
     return 32 + 16 * k + 8 * field
 
 
-def test_entries_must_be_where_the_layout_puts_them(packed):
+def test_version_2_lengths_must_close_the_container(blobs, packed):
+    """Version 2 stores lengths only: whatever they say places every member, so the one check
+    is that they end at L (and that the header's padding is zero)."""
+    L = len(packed)
+    for k, delta, end in ((0, 1, L + 16), (3, -1, L - 16), (2, 1 << 31, None)):
+        bad = bytearray(packed)
+        units = UNITS.unpack_from(bad, 32 + 4 * k)[0]
+        UNITS.pack_into(bad, 32 + 4 * k, (units + delta) % (1 << 32))
+        says = f"members end at {end}," if end is not None else "members end at .*, not at the container's end"
+        with pytest.raises(FormatError, match=says):
+            kvzip.unpack(reseal(bad))
+    three = bytearray(kvzip.pack(blobs[:3]))  # 12 bytes of table, 4 of padding
+    three[44] = 1
+    with pytest.raises(FormatError, match="padding is not zero"):
+        kvzip.unpack(reseal(three))
+
+
+def test_version_1_is_read(blobs, packed):
+    old = spec_pack([bytes(b) for b in blobs], version=1)
+    assert struct.unpack_from("<H", old, 8)[0] == 1 and len(old) == len(packed) + 48
+    assert all(same_bits(m, b) for m, b in zip(kvzip.unpack(old), blobs))
+    assert all(same_bits(a, b) for a, b in zip(kvzip.decompress_many(old), kvzip.decompress_many(packed)))
+
+
+def test_version_1_entries_must_be_where_the_layout_puts_them(blobs):
+    packed = spec_pack([bytes(b) for b in blobs], version=1)
     (a0, n0), (a1, n1), (a2, n2), (a3, n3) = table_of(packed)
     L = len(packed)
     cases = [  # (forgeries [(k, field, value)], what the reader says)
@@ -367,19 +404,25 @@ def test_the_last_member_may_not_leave_bytes_at_the_end(packed):
 
 
 def reference_spans(raw: bytes):
-    """Section 14.2's checks written out plainly: the members' spans, or None for a bad container."""
+    """Section 14.3's checks written out plainly: the members' spans, or None for a bad container."""
     if len(raw) < 32 or raw[:8] != MAGIC:
         return None
     _, version, flags, K, H, crc, L = PREFIX.unpack_from(raw)
-    if version != 1 or flags or L != len(raw) or 32 + 16 * K > L or H != align16(32 + 16 * K) or H > L:
+    if version not in ENTRY_BYTES or flags or L != len(raw):
         return None
-    if zlib.crc32(raw[:20] + bytes(4) + raw[24:H]) != crc:
+    E = ENTRY_BYTES[version]
+    if 32 + E * K > L or H != align16(32 + E * K) or H > L:
+        return None
+    if zlib.crc32(raw[:20] + bytes(4) + raw[24:H]) != crc or any(raw[32 + E * K:H]):
         return None
     spans, at = [], H
     for k in range(K):
-        offset, length = ENTRY.unpack_from(raw, 32 + 16 * k)
-        if offset != at or length % 16 or offset + length > L:
-            return None
+        if version == 1:
+            offset, length = ENTRY.unpack_from(raw, 32 + 16 * k)
+            if offset != at or length % 16 or offset + length > L:
+                return None
+        else:
+            offset, length = at, 16 * UNITS.unpack_from(raw, 32 + 4 * k)[0]
         spans.append((offset, length))
         at = align16(offset + length)
     return spans if at == L else None
@@ -390,9 +433,10 @@ def reference_spans(raw: bytes):
 def test_random_tables_are_judged_as_the_spec_says(data):
     """Random member tables (resealed, L set to cover what they claim) against the reference above:
     accepted exactly when it accepts them, with the same spans."""
+    version = data.draw(st.sampled_from([1, 2]))
     K = data.draw(st.integers(0, 5))
     lengths = data.draw(st.lists(st.sampled_from([0, 16, 32, 48, 64, 8, 24]), min_size=K, max_size=K))
-    H = align16(32 + 16 * K)
+    H = align16(32 + ENTRY_BYTES[version] * K)
     entries, at = [], H
     for n in lengths:
         entries.append([at, n])
@@ -403,9 +447,14 @@ def test_random_tables_are_judged_as_the_spec_says(data):
             entries[k][f] = max(0, entries[k][f] + data.draw(st.sampled_from([-16, -8, -1, 1, 8, 16])))
     L = max([H] + [a + n for a, n in entries]) + data.draw(st.sampled_from([0, 0, 0, 16, 1]))
     raw = bytearray(L)
-    PREFIX.pack_into(raw, 0, MAGIC, 1, 0, K, H, 0, L)
+    PREFIX.pack_into(raw, 0, MAGIC, version, 0, K, H, 0, L)
     for k, (a, n) in enumerate(entries):
-        ENTRY.pack_into(raw, 32 + 16 * k, a, n)
+        if version == 1:
+            ENTRY.pack_into(raw, 32 + 16 * k, a, n)
+        else:  # a length only (rounded down to 16-byte units: the nudges above move it)
+            UNITS.pack_into(raw, 32 + 4 * k, n // 16)
+    if version == 2 and K and data.draw(st.booleans()):
+        raw[32 + 4 * K:H] = bytes([data.draw(st.integers(0, 1))]) * (H - 32 - 4 * K)  # padding, zero or not
     raw = reseal(raw)
     want = reference_spans(raw)
     if want is None:
