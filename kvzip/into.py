@@ -20,6 +20,7 @@ import numpy as np
 from . import arrays, container, execution
 from .backends import get_backend
 from .errors import FormatError, decode_error_text
+from .formats import get_format
 from .frame import Frame
 from .gpu import into as gpu_into
 from .gpu import programs
@@ -231,8 +232,15 @@ def _decode_copy(pipe, u8, bits, fmt, shape, origin) -> None:
     length = container.claimed_length(head)
     if length > u8.shape[0]:
         raise FormatError(f"the blob's header claims {length} bytes; the buffer holds {u8.shape[0]}")
-    meta = container.parse_header(head, length).meta
-    if meta.get("dtype") != fmt.dtype_name or tuple(meta.get("shape", ())) != tuple(shape):
-        raise ValueError(f"the blob holds a {meta.get('dtype')} tensor of shape {tuple(meta.get('shape', ()))}; "
+    got = execution.decode(pipe, u8[:length])  # every check of the blob first (FormatError)
+    got_bits, got_fmt, got_shape, _ = arrays.import_tensor(got, _recorded_format(container.parse_header(head, length)))
+    if got_fmt.name != fmt.name or tuple(got_shape) != tuple(shape):
+        raise ValueError(f"the blob holds a {got_fmt.dtype_name} tensor of shape {tuple(got_shape)}; "
                          f"out is {fmt.dtype_name} of shape {tuple(shape)}")
-    bits[...] = arrays.import_tensor(execution.decode(pipe, u8[:length]), fmt)[0]
+    bits[...] = got_bits
+
+
+def _recorded_format(hdr):
+    """The format of the values a decoded blob holds: its metadata's dtype (which decoding has
+    accepted, aliases included), so that raw bits (a CuPy array of float8 codes) import as it."""
+    return get_format(hdr.meta["dtype"])
