@@ -279,3 +279,16 @@ def test_cuda_kernels_match_cpu_on_real_kv_variants(variant):
     gpu = kvzip.compress(bits, dtype="bf16", chunk=256, backend="cuda")
     np.testing.assert_array_equal(np.asarray(gpu), kvzip.compress(bits, dtype="bf16", chunk=256, backend="cpu"))
     np.testing.assert_array_equal(np.asarray(kvzip.decompress(gpu, backend="cuda")).view(np.uint16), bits)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "e5m2", "e4m3"])
+def test_ratio_mode_on_the_cuda_backend(fmt):
+    """mode="ratio" (ChannelPack, no CUDA kernels yet) on backend="cuda": its streams go to the
+    host and back, and the blob is the CPU backend's byte for byte; either backend decodes it."""
+    bits = kt.kv_like_bits(fmt, 3 * 64 * 40, escape_rate=0.01, seed=5).reshape(3, 40, 64)
+    cpu = bytes(kvzip.compress(bits, dtype=fmt, mode="ratio", backend="cpu"))
+    gpu = kvzip.compress(bits, dtype=fmt, mode="ratio", backend="cuda")
+    assert bytes(np.asarray(gpu)) == cpu
+    for backend in ("cpu", "cuda"):
+        back = np.asarray(kvzip.decompress(np.frombuffer(cpu, np.uint8), backend=backend))
+        np.testing.assert_array_equal(back.reshape(-1).view(bits.dtype), bits.reshape(-1))
