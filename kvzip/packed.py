@@ -2,7 +2,7 @@
 is the normative text of these bytes).
 
     offset    size  field
-    0         8     magic b"KVZPACK\n" (a blob's is b"KVZIP\x00\r\n": the two never mix up)
+    0         8     magic b"KVZPACK\\n" (a blob's is b"KVZIP\\x00\\r\\n": the two never mix up)
     8         2     version (uint16): 2 (version 1 is still read)
     10        2     flags (uint16) = 0; a reader rejects any set bit
     12        4     K, member count (uint32); 0 allowed
@@ -246,7 +246,11 @@ def parse_table(head: bytes, total_len: int) -> list[tuple[int, int]]:
     if version == 1:
         return _spans(np.frombuffer(raw, "<u8", 2 * count, PACK_TABLE_AT).reshape(count, 2), H, total_len)
     lengths = np.frombuffer(raw, "<u4", count, PACK_TABLE_AT).astype(np.uint64) * np.uint64(ALIGN)
-    ends = np.cumsum(lengths, dtype=np.uint64) + np.uint64(H)  # below 2^32 * 2^36 + H: no wrap-around
+    ends = np.cumsum(lengths, dtype=np.uint64) + np.uint64(H)
+    # Each length is below 2^36, but a forged table of many can carry the sum past 2^64: a
+    # running end that falls is one that wrapped.
+    if count > 1 and bool((ends[1:] < ends[:-1]).any()):
+        raise FormatError("the packed members' lengths add up past 2**64 (a forged table)")
     end = int(ends[-1]) if count else H
     if end != total_len:
         raise FormatError(f"the packed members end at {end}, not at the container's end ({total_len})")
