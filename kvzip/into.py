@@ -28,36 +28,37 @@ from .stages import FusedSplitPackEscape
 
 ALIGN = 16        # dst, blob and out must start on 16-byte boundaries (the kernels' vector accesses)
 MAX_LANES = 256   # plans kept (the oldest dropped first)
-_lanes: OrderedDict = OrderedDict()  # (pipeline key, format, shape) -> programs.EncodeLane
+# (pipeline key, format, shape) -> [programs.EncodeLane, its layout_cache.Layout once asked for]
+_lanes: OrderedDict = OrderedDict()
 
 
 def bound(pipe, x, dtype=None) -> int:
     """The most bytes pipe's blob of x (a tensor, or a (shape, dtype) pair) can take."""
     fmt, shape = _format_and_shape(x, dtype)
-    return _lane(pipe, fmt, shape).plan.blob_bytes
+    return _planned(pipe, fmt, shape)[0].plan.blob_bytes
 
 
 def compress_into(pipe, x, dst, size_out, dtype=None):
     """Write pipe's blob of x at the start of dst and its length (int64) into size_out[0]."""
     _check_pipeline(pipe, "compress_into")
     bits, fmt, shape, origin = arrays.import_tensor(x, dtype)
-    need = _lane(pipe, fmt, shape).plan.blob_bytes
+    lane = _planned(pipe, fmt, shape)[0]
+    need = lane.plan.blob_bytes
     if origin.device != "cuda":
-        dst_u8 = _target(dst, "dst", origin, (np.uint8,), need)
+        dst_u8 = _target(dst, "dst", origin, (np.uint8,), need, bound=True)
         sizes = _target(size_out, "size_out", origin, (np.int64,), 8)
         blob = arrays.import_bytes(execution.encode(pipe, x, dtype=dtype))[0]
         dst_u8[:blob.shape[0]] = blob
         sizes[0] = blob.shape[0]
         return size_out
     src = _in_place(x, origin, "x")
-    dst_u8 = _target(dst, "dst", origin, (np.uint8,), need)
+    dst_u8 = _target(dst, "dst", origin, (np.uint8,), need, aligned=True, bound=True)
     sizes = _target(size_out, "size_out", origin, (np.int64,), 8)
     _disjoint(("x", src, bits.nbytes), ("dst", dst_u8.data.ptr, need), ("size_out", sizes.data.ptr, 8))
     if not programs.applicable(get_backend("cuda"), bits.shape[0]):
         raise ValueError("compress_into needs the fast GPU kernels (on a real GPU, with fewer than 2**33 values)")
     import cupy
 
-    lane = _lane(pipe, fmt, shape)
     with origin.stream_context():
         stream = cupy.cuda.get_current_stream()
         gpu_into.encoder(lane, cupy.cuda.runtime.getDevice(), stream).launch(src, dst_u8.data.ptr, sizes.data.ptr,
@@ -81,22 +82,21 @@ def decompress_into(pipe, blob, out, status_out=None, dtype=None):
             status[0] = 0
         return out
     dst = _in_place(out, origin, "out")
-    u8 = _target(blob, "blob", origin, (np.uint8,), 1)
+    u8 = _target(blob, "blob", origin, (np.uint8,), 1, aligned=True)
     status = _target(status_out, "status_out", origin, (np.int64,), 8) if status_out is not None else None
     _disjoint(("blob", u8.data.ptr, u8.nbytes), ("out", dst, bits.nbytes),
               *((("status_out", status.data.ptr, 8),) if status is not None else ()))
-    top16 = pipe.body_steps[-1].top16
-    lane = _lane(pipe, fmt, shape)
-    layout = None if top16.auto else _layout(lane, shape)
+    layout = None if pipe.body_steps[-1].top16.auto else _layout(_planned(pipe, fmt, shape), shape)
     if status is not None and layout is None:
         raise ValueError("decompress_into with status_out decodes blobs of one fixed codebook; codebook='auto' "
                          "gives each blob its own: decode those without status_out (checked on the host)")
     short = layout is not None and u8.nbytes < layout.fixed_bytes  # shorter than any blob of the layout
-    if status is None and (layout is None or short or not programs.applicable(get_backend("cuda"), bits.shape[0])):
+    fast = programs.applicable(get_backend("cuda"), bits.shape[0])
+    if status is None and (layout is None or short or not fast):
         with origin.stream_context():
             _decode_copy(pipe, u8, bits, fmt, shape, origin)
         return out
-    if not programs.applicable(get_backend("cuda"), bits.shape[0]):
+    if not fast:
         raise ValueError("decompress_into with status_out needs the fast GPU kernels (a real GPU, fewer than 2**33 values)")
     import cupy
 
@@ -147,13 +147,14 @@ def _format_and_shape(x, dtype):
     return fmt, tuple(shape)
 
 
-def _lane(pipe, fmt, shape: tuple):
-    """The encode plan (programs.EncodeLane) of pipe's blobs of tensors of fmt and shape."""
+def _planned(pipe, fmt, shape: tuple) -> list:
+    """[encode plan (programs.EncodeLane), its layout or None] of pipe's blobs of tensors of fmt
+    and shape (_layout fills the second in)."""
     key = (pipe.key, fmt.name, shape)
-    lane = _lanes.get(key)
-    if lane is not None:
+    hit = _lanes.get(key)
+    if hit is not None:
         _lanes.move_to_end(key)
-        return lane
+        return hit
     fused = pipe.body_steps[-1]
     n = math.prod(shape)
     data = np.broadcast_to(np.zeros((), fmt.uint_dtype), (n,))  # the plan reads sizes only
@@ -165,22 +166,17 @@ def _lane(pipe, fmt, shape: tuple):
         raise ValueError(f"a tensor of shape {shape} needs a version-1 header, which the into calls do not write "
                          "(2**32 values or more, or a long shape); use compress")
     (plan,), cb = planned
-    lane = _lanes[key] = programs.EncodeLane(plan, fmt, cb, fused.chunk)
+    hit = _lanes[key] = [programs.EncodeLane(plan, fmt, cb, fused.chunk), None]
     if len(_lanes) > MAX_LANES:
         _lanes.popitem(last=False)
-    return lane
+    return hit
 
 
-_layouts: OrderedDict = OrderedDict()  # id(lane) -> (lane, layout_cache.Layout)
-
-
-def _layout(lane, shape):
-    hit = _layouts.get(id(lane))
-    if hit is None or hit[0] is not lane:
-        hit = _layouts[id(lane)] = (lane, gpu_into.planned_layout(lane, shape))
-        if len(_layouts) > MAX_LANES:
-            _layouts.popitem(last=False)
-    return hit[1]
+def _layout(planned: list, shape):
+    """The layout every blob of _planned's entry has (what decompress_into's kernels expect)."""
+    if planned[1] is None:
+        planned[1] = gpu_into.planned_layout(planned[0], shape)
+    return planned[1]
 
 
 def _in_place(x, origin, what: str) -> int:
@@ -194,9 +190,10 @@ def _in_place(x, origin, what: str) -> int:
     return ptr
 
 
-def _target(x, what: str, origin, dtypes, least: int):
+def _target(x, what: str, origin, dtypes, least: int, aligned: bool = False, bound: bool = False):
     """x as a writable 1-D view of its own memory (NumPy or CuPy) on origin's device, of one of
-    dtypes and at least `least` bytes; ValueError or TypeError otherwise."""
+    dtypes and at least `least` bytes (bound: that is compress_bound's figure), on a GPU starting
+    on an ALIGN boundary where aligned; ValueError or TypeError otherwise."""
     if x is None:
         raise TypeError(f"{what} is required")
     arr, name, x_origin = arrays.borrow_writable(x, what)
@@ -207,8 +204,8 @@ def _target(x, what: str, origin, dtypes, least: int):
         raise ValueError(f"{what} must be a 1-D {want} array, got {name} of shape {tuple(arr.shape)}")
     if arr.nbytes < least:
         raise ValueError(f"{what} holds {arr.nbytes} bytes; the call needs {least}"
-                         + (" (kvzip.compress_bound)" if what == "dst" else ""))
-    if origin.device == "cuda" and what in ("dst", "blob") and arr.data.ptr % ALIGN:
+                         + (" (kvzip.compress_bound)" if bound else ""))
+    if aligned and origin.device == "cuda" and arr.data.ptr % ALIGN:
         raise ValueError(f"{what}: its address is not a multiple of {ALIGN} bytes")
     return arr
 

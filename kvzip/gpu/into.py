@@ -43,6 +43,16 @@ class _IntoProgram:
 
     MAX_GRAPHS = 32
 
+    def __init__(self, program, patches: list, device: int):
+        """program: the fast path's program built with into=True, its staged tables as every
+        call starts from them; patches: (staged word, _PATCH_*) of the words a call adds to."""
+        import cupy
+
+        graphs.into_kernels(device)  # compiled and loaded here, never inside a capture
+        self.program, self.device, self.graphs = program, device, OrderedDict()
+        self.template = cupy.asarray(program.shape.staged.copy())  # kvz_into_start's template
+        self.patch = cupy.asarray(np.array(patches, np.uint32))
+
     def _run(self, stream, call: tuple, result: tuple) -> None:
         """Issue a call on stream: call (a, b, c) for kvz_into_start, result for kvz_into_result."""
         start = (self.template.data.ptr, self.patch.data.ptr, self.patch.shape[0], *call)
@@ -70,19 +80,10 @@ class _IntoEncode(_IntoProgram):
     """compress_into's program for one plan (a fused-only pipeline's tensor layout)."""
 
     def __init__(self, lane, device: int):
-        import cupy
-
-        graphs.into_kernels(device)  # compiled and loaded here, never inside a capture
-        self.graphs = OrderedDict()
-        self.program = prog = programs._EncodeProgram((lane.plan,), lane.fmt, lane.codebook, lane.chunk, device,
-                                                       into=True)
-        shape = prog.shape
-        self.template = _template(shape)
-        patches = [(programs._SRC, _PATCH_A)] + [(int(at), _PATCH_B) for at in prog.out_at]
-        self.patch = cupy.asarray(np.array(patches, np.uint32))
-        self.payload_at = shape.ptr(programs.ENCODE_SIZES_REGION) + 8 * programs._PAYLOAD  # its SIZES row's payload
+        prog = programs._EncodeProgram((lane.plan,), lane.fmt, lane.codebook, lane.chunk, device, into=True)
+        super().__init__(prog, [(programs._SRC, _PATCH_A)] + [(int(at), _PATCH_B) for at in prog.out_at], device)
+        self.payload_at = prog.shape.ptr(programs.ENCODE_SIZES_REGION) + 8 * programs._PAYLOAD  # its SIZES row's payload
         self.header_len = len(lane.plan.header)
-        self.device = device
 
     def launch(self, src: int, dst: int, size_out: int, stream) -> None:
         """Encode the tensor at src into the blob buffer at dst; its length goes to size_out (int64)."""
@@ -95,38 +96,24 @@ class _IntoDecode(_IntoProgram):
     def __init__(self, layout, device: int):
         import cupy
 
-        self.layout = layout
-        graphs.into_kernels(device)  # compiled and loaded here, never inside a capture
-        self.graphs = OrderedDict()
-        self.program = prog = programs._DecodeProgram(layout.fmt, layout.chunk, (layout.n,), device,
-                                                      expect=(layout.expect,), into=True)
-        shape = prog.shape
-        staged = shape.staged
+        prog = programs._DecodeProgram(layout.fmt, layout.chunk, (layout.n,), device, expect=(layout.expect,),
+                                       into=True)
+        staged, heads_at = prog.shape.staged, prog.heads_at
         staged[:programs.DECODE_COLUMNS] = layout.guess_row[0]
         staged[programs._BASES] = prog.fixed[0, 1:3]
-        heads_at = prog.heads_at
         staged[heads_at + programs._HEAD_PTR] = 0
         staged[heads_at + programs._HEAD_LEN] = programs.HEAD_LEN_CAPACITY
-        self.template = _template(shape)
         streams = range(programs._STREAMS.start, programs._STREAMS.stop)
-        patches = [(at, _PATCH_A) for at in streams] + [(programs._DST, _PATCH_B), (heads_at + programs._HEAD_PTR, _PATCH_A),
-                                                         (heads_at + programs._HEAD_LEN, _PATCH_C)]
-        self.patch = cupy.asarray(np.array(patches, np.uint32))
-        self.error_at = shape.ptr(prog.work_region) + 8  # the work counter, then the blob's error
+        super().__init__(prog, [(at, _PATCH_A) for at in streams] +
+                         [(programs._DST, _PATCH_B), (heads_at + programs._HEAD_PTR, _PATCH_A),
+                          (heads_at + programs._HEAD_LEN, _PATCH_C)], device)
+        self.error_at = prog.shape.ptr(prog.work_region) + 8  # the work counter, then the blob's error
         self.status = cupy.zeros(1, np.int64)  # where a call without status_out has its status
-        self.device = device
 
     def launch(self, blob: int, capacity: int, out: int, status: int, stream) -> None:
         """Decode the blob at the start of the buffer at blob (capacity bytes) into out; its
         status (0, or a decode error code) goes to status (int64)."""
         self._run(stream, (blob, out, capacity), (self.error_at, 0, status))
-
-
-def _template(shape):
-    """The staged job tables of shape as they stand, in device memory (kvz_into_start's template)."""
-    import cupy
-
-    return cupy.asarray(shape.staged.copy())
 
 
 def encoder(lane, device: int, stream) -> _IntoEncode:
