@@ -24,8 +24,6 @@ import numpy as np
 
 VARIANTS = {
     "shipped": {},
-    "escapes in registers": {"scatter_min": 1 << 30},
-    "memory patch from 32": {"scatter_min": 32},
     "slots 128": {"slot_share": 32},
     "decode scan checks all": {"check_max": 1 << 20},
 }

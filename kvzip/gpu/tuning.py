@@ -51,11 +51,6 @@ class Tuning:
     # kvz_decode's whole E5M2 chunks a lane per quad of groups (decode_e5m2_quads); 0: a lane per
     # group, as every other format (benchmarks/e5m2_decode_ab.py; decode.cu).
     e5m2_quads: int = field(default=1, metadata=_to("macro", "KVZ_E5M2_QUADS"))
-    # kvz_decode patches a whole chunk of this many escapes or more in memory after storing it,
-    # a lane an escape (decode.cu, patch_escapes), instead of in registers a broadcast an escape.
-    # Off as shipped: 2^16, which no chunk lists, so the branch compiles away.  At 16 it doubles
-    # decode speed on data with 3 % escapes but costs common KV 5-8 % (benchmarks/NOTES.md, e1).
-    scatter_min: int = field(default=1 << 16, metadata=_to("macro", "KVZ_SCATTER_MIN"))
     # kvz_decode's tail: the last round of chunks dealt as 2^split_shift parts each (0: whole).
     split_shift: int = field(default=0, metadata=_to("host"))
     # Encode calls return once their blobs are built, the scan finishing them in stream order.

@@ -9,10 +9,9 @@
 //   KVZ_CHECK_MAX        escapes of a block the decode scan checks itself (escapes.cuh)
 //   KVZ_CHECK_BATCH      escapes a decode-scan thread checks a round (escapes.cuh)
 //   KVZ_E5M2_QUADS       whole E5M2 chunks decoded a lane per quad (decode_e5m2_quads; decode.cu)
-//   KVZ_SCATTER_MIN      escapes from which kvz_decode patches a chunk in memory (patch_escapes; decode.cu)
 #pragma once
 
 #if !defined(KVZ_QUEUES) || !defined(KVZ_PENDING) || !defined(KVZ_POLL_NS) || !defined(KVZ_DECODE_PREFETCH) || \
-    !defined(KVZ_CHECK_MAX) || !defined(KVZ_CHECK_BATCH) || !defined(KVZ_E5M2_QUADS) || !defined(KVZ_SCATTER_MIN)
+    !defined(KVZ_CHECK_MAX) || !defined(KVZ_CHECK_BATCH) || !defined(KVZ_E5M2_QUADS)
 #error "the fused kernels' tunables come from kvzip/gpu/tuning.py through kvzip/gpu/loader.py's -D options"
 #endif
