@@ -183,8 +183,7 @@ def remember(head: bytes, nbytes: int, opened: Frame, stages: list) -> None:
             return
         meta = {k: opened.meta[k] for k in ("dtype", "shape", "n", "format", "quantize_fp8")}
         dequantize = (stages[0], meta, at["scales"])
-    dlo, dhi = programs.dlut_words(frame_codebook(opened))
-    row = DECODE.row(codes=at["codes"], rest=at["rest"], esc_count=at["esc_count"], n=opened.n, dlo=dlo, dhi=dhi)
+    row = _fixed_row(at, opened.n, frame_codebook(opened))
     if len(_layouts) >= MAX_LAYOUTS:
         forget()
     layout = _layouts[read[0]] = Layout(opened.format, opened.dtype_format, tuple(opened.meta["shape"]), opened.n,
@@ -199,10 +198,15 @@ def planned(plan, fmt, shape: tuple, chunk: int, codebook) -> Layout:
     escapes.  What decompress_into expects of a blob, with no blob decoded yet."""
     h = len(plan.header)
     key = _read(plan.header, h + plan.off["esc_pos"])[0]
-    dlo, dhi = programs.dlut_words(codebook)
-    row = DECODE.row(codes=h + plan.off["codes"], rest=h + plan.off["rest"], esc_count=h + plan.off["esc_count"],
-                     n=plan.n, dlo=dlo, dhi=dhi)
+    row = _fixed_row({name: h + at for name, at in plan.off.items()}, plan.n, codebook)
     return Layout(fmt, fmt, tuple(shape), plan.n, chunk, h, plan.off["esc_pos"], row, key, _expect(plan.header, key))
+
+
+def _fixed_row(at: dict, n: int, codebook) -> np.ndarray:
+    """A layout's job row: the fixed streams' blob offsets (at: stream name -> offset from the
+    blob's start), n, and the codebook's decode words; the escape fields are each blob's."""
+    dlo, dhi = programs.dlut_words(codebook)
+    return DECODE.row(codes=at["codes"], rest=at["rest"], esc_count=at["esc_count"], n=n, dlo=dlo, dhi=dhi)
 
 
 _lock = threading.Lock()  # _recent, _stamps and _table change together (decodes on several threads)
