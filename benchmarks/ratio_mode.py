@@ -22,7 +22,6 @@ and prints the markdown tables of benchmarks/NOTES.md section r1.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -36,7 +35,7 @@ from kvzip.testing import KV_VARIANTS, kv_variant
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ratio_mode_survey import FMT, TARGETS, WIDTH, contexts, family_of, fixed_code_size, histogram, load, lut_of, \
-    quantize, ranked, split, text_of  # noqa: E402
+    quantize, ranked, split, text_of, write_result  # noqa: E402
 
 ALIGN_SLACK = 15  # bytes of padding the container may add after each stream
 STREAMS = 9       # a ratio blob's streams
@@ -196,12 +195,7 @@ def main():
     result = {"benchmark": "ratio_mode", **env, "data": str(args.data), "repeat": args.repeat,
               "targets": {f"{k[0]}/{k[1]}": v for k, v in TARGETS.items()}, "summary": table, "variants": variants,
               "speed": speeds, "markdown": md, "rows": rows, "runtime_s": round(time.time() - t0, 1)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "ratio-mode-cpu.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    log(f"wrote {path}")
-    print()
-    print(md)
+    write_result(args.out / "ratio-mode-cpu.json", result, md, log)
 
 
 if __name__ == "__main__":

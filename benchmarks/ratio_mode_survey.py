@@ -516,13 +516,17 @@ def main():
         "self_check": checks, "summary": table, "markdown": md, "rows": rows,
         "runtime_s": round(time.time() - t0, 1),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "ratio-mode-survey-cpu.json"
+    write_result(args.out / "ratio-mode-survey-cpu.json", result, md, log)
+
+
+
+def write_result(path: Path, result: dict, md: str, log) -> None:
+    """Write a survey's result JSON at path (its folder made) and print its markdown table."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     log(f"wrote {path}")
     print()
     print(md)
-
 
 if __name__ == "__main__":
     main()
