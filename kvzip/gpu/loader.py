@@ -2,8 +2,9 @@
 (the headers' folder, the tuning's -D macros, a digest of every kernel file) and the name
 expressions, and caches one CuPy RawModule per (device, options, names).
 
-Two top-level sources: fused.cu (kvz_encode, kvz_scan, kvz_decode and the header kernels, which
-include the .cuh headers) and quantize.cu (QuantizeFP8 per tensor).  CuPy's compile cache keys a
+Three top-level sources: fused.cu (kvz_encode, kvz_scan, kvz_decode and the header kernels, which
+include the .cuh headers), quantize.cu (QuantizeFP8 per tensor) and weights.cu (the weights'
+decode+GEMM and decode, self-contained).  CuPy's compile cache keys a
 module by its top-level text and options only, so the digest of all kernel files
 (-DKVZ_SOURCES=...) goes into the options: an edited header is a new key.
 
@@ -22,7 +23,8 @@ from kvzip.formats import FORMATS
 from . import tuning
 
 BASE_OPTIONS = ("-std=c++17", "-lineinfo")
-FUSED, QUANTIZE = "fused.cu", "quantize.cu"
+FUSED, QUANTIZE, WEIGHTS = "fused.cu", "quantize.cu", "weights.cu"
+TOP_LEVEL = (FUSED, QUANTIZE, WEIGHTS)  # the sources modules are built from; the rest are headers they include
 HEAD_KERNELS = ("kvz_gather_heads", "kvz_check_heads")
 TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
 
@@ -137,6 +139,15 @@ def quantize_kernel(name: str, names: tuple, device_id: int):
     return _module(device_id, QUANTIZE, options(), names).get_function(name)
 
 
+WEIGHT_N_TILES = (1, 2, 4, 8)  # kvz_w_gemm's instances: N <= 8 x tiles columns of x
+WEIGHT_NAMES = tuple(f"kvz_w_gemm<{t}>" for t in WEIGHT_N_TILES) + ("kvz_w_decode", "kvz_w_patch")
+
+
+def weights_kernel(name: str, device_id: int):
+    """A kernel of weights.cu's module (kvzip/gpu/weights.py launches them)."""
+    return _module(device_id, WEIGHTS, options(), WEIGHT_NAMES).get_function(name)
+
+
 QUANTIZE_SOURCES = ("bf16", "fp16")  # the 16-bit formats quantize.cu's kernels read
 QUANTIZE_TARGETS = {"e5m2": "false", "e4m3": "true"}  # FP8 format -> finite-only ("fn") flag of the kernels
 
@@ -167,6 +178,8 @@ def units() -> list:
             "names": list(names)} for i, (macros, names) in enumerate(fused_units())]
     out.append({"unit": "quantize", "code": sources()[QUANTIZE], "options": list(options()),
                 "names": list(quantize_names())})
+    out.append({"unit": "weights", "code": sources()[WEIGHTS], "options": list(options()),
+                "names": list(WEIGHT_NAMES)})
     return out
 
 

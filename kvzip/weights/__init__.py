@@ -1,2 +1,14 @@
-"""Lossless BF16 model weights (the ZipServ half of kvzip): weight formats, the fused
-decode+GEMM, ZipLinear and the checkpoint command."""
+"""Lossless BF16 model weights (the ZipServ half of kvzip): the tiled layout and its fused
+decode+GEMM (ZipLinear, compress_model).
+
+    import kvzip.weights as kw
+    zl = kw.ZipLinear.from_linear(linear)   # nn.Linear -> compressed, same forward
+    model = kw.compress_model(model)        # every eligible Linear replaced
+    w = zl.decompress_weight()              # bit-identical to linear.weight
+
+docs/weights.md is the guide, docs/weights-format.md the byte layouts.
+"""
+from .linear import ZipLinear, compress_model, tiled_linear
+from .tiled import TiledWeight
+
+__all__ = ["TiledWeight", "ZipLinear", "compress_model", "tiled_linear"]

@@ -1,0 +1,203 @@
+"""The tiled layout: a BF16 weight matrix as kvzip's 12-bit split (a 4-bit exponent code and the
+raw sign+mantissa byte per weight), re-tiled into the order in which tensor cores consume it.
+
+This module is the layout's one definition and its reference: ``encode`` and ``decode`` are
+integer torch operations, so the same code runs on the CPU and on a GPU and writes the same
+bytes, and the CUDA kernels (kvzip/gpu/kernels/weights.cu) are tested against it.
+docs/weights-format.md ("The tiled layout") specifies the bytes; in short:
+
+* W (M x K) is padded with zeros to ``bands`` of 16 rows and ``chunks`` of 64 columns.
+* Block (band, chunk), 1536 bytes, holds the 1024 weights of rows 16 band.. and columns
+  64 chunk..: lane l (g = l // 4, q = l % 4) of a warp owns 32 of them, in the order of the
+  mma.m16n8k16 A fragment of its four 16-column steps s: weight j of step s (t = 8 s + j) is
+  row g + 8 ((j >> 1) & 1), column 16 s + 8 (j >> 2) + 2 q + (j & 1).  Bytes 16 l.. hold its
+  32 codes (two a byte, the lower t in the low nibble); bytes 512 + 512 h + 16 l.. its
+  sign+mantissa bytes (sign << 7 | mantissa) of steps 2 h and 2 h + 1.
+* Code 0 is exponent 0 (zeros, subnormals); codes 1-15 the 15 most frequent other exponents
+  (ascending; unused codes repeat 0).  Any other weight is an escape: code 0 and byte 0 in its
+  block (it decodes to +0) and its BF16 value in the escape list, per band, ordered by
+  position p = 16 column + row-in-band.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import FormatError
+
+BAND, CHUNK, BLOCK_BYTES = 16, 64, 1536
+CODES = 16
+
+
+def _bits(w: torch.Tensor) -> torch.Tensor:
+    """BF16 tensor -> its 16-bit patterns as int32 (0..65535)."""
+    return w.view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def grid(shape) -> tuple[int, int]:
+    """(bands, chunks) of an M x K matrix."""
+    m, k = shape
+    return -(-m // BAND), -(-k // CHUNK)
+
+
+def choose_codebook(exponents: torch.Tensor) -> torch.Tensor:
+    """The 16 exponents codes 0-15 stand for (int32): 0, then the 15 most frequent nonzero
+    exponents of ``exponents``, ties to the smaller exponent, in ascending order; unused codes 0."""
+    hist = torch.bincount(exponents.reshape(-1), minlength=256)[1:].to(torch.int64)
+    key = hist * 256 + (255 - torch.arange(1, 256, device=hist.device))  # counts first, then smaller exponent
+    top = torch.topk(key, 15).indices
+    chosen = torch.sort((top + 1)[hist[top] > 0]).values
+    book = torch.zeros(CODES, dtype=torch.int32, device=exponents.device)
+    book[1:1 + chosen.numel()] = chosen.to(torch.int32)
+    return book
+
+
+# The permutation between a band x chunk grid of 16 x 64 weights and the blocks' lane order:
+# (band, h_r, g, chunk, s, h_c, q, e) with row = 8 h_r + g, column = 16 s + 8 h_c + 2 q + e, to
+# (band, chunk, g, q, s, h_c, h_r, e), whose last five axes are (lane, t) with j = 4 h_c + 2 h_r + e.
+_TO_BLOCKS = (0, 3, 2, 6, 4, 5, 1, 7)
+_FROM_BLOCKS = tuple(_TO_BLOCKS.index(i) for i in range(8))
+
+
+def _to_blocks(a: torch.Tensor, bands: int, chunks: int) -> torch.Tensor:
+    """(16 bands, 64 chunks) -> (bands, chunks, 32 lanes, 32 weights), in lane order."""
+    return a.reshape(bands, 2, 8, chunks, 4, 2, 4, 2).permute(*_TO_BLOCKS).reshape(bands, chunks, 32, 32)
+
+
+def _from_blocks(a: torch.Tensor, bands: int, chunks: int) -> torch.Tensor:
+    return a.reshape(bands, chunks, 8, 4, 4, 2, 2, 2).permute(*_FROM_BLOCKS).reshape(bands * BAND, chunks * CHUNK)
+
+
+@dataclass(frozen=True)
+class TiledWeight:
+    """A weight matrix in the tiled layout; every array on one device.
+
+    blocks    uint8 (bands, chunks, 1536)
+    codebook  uint8 (16,): the exponent of each code (codebook[0] == 0)
+    esc_off   int32 (bands + 1,): band b's escapes are esc_pos/esc_val[esc_off[b]:esc_off[b + 1]]
+    esc_pos   int32 (escapes,): 16 column + row in band, increasing within a band
+    esc_val   int16 (escapes,): the escaped weights' BF16 bits
+    """
+
+    shape: tuple
+    blocks: torch.Tensor
+    codebook: torch.Tensor
+    esc_off: torch.Tensor
+    esc_pos: torch.Tensor
+    esc_val: torch.Tensor
+
+    @property
+    def escapes(self) -> int:
+        return self.esc_pos.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the layout holds: blocks, codebook and escape lists."""
+        return sum(a.numel() * a.element_size() for a in (self.blocks, self.codebook, self.esc_off,
+                                                          self.esc_pos, self.esc_val))
+
+    @property
+    def ratio(self) -> float:
+        m, k = self.shape
+        return 2 * m * k / self.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    def to(self, device) -> "TiledWeight":
+        return TiledWeight(self.shape, *(a.to(device) for a in self.arrays()))
+
+    def arrays(self) -> tuple:
+        return self.blocks, self.codebook, self.esc_off, self.esc_pos, self.esc_val
+
+    def validate(self) -> "TiledWeight":
+        """Check every size, offset and position against the shape (FormatError): what a kernel
+        indexes with these arrays then stays inside W.  A pure function of the arrays."""
+        m, k = self.shape
+        if not (isinstance(m, int) and isinstance(k, int) and m > 0 and k > 0):
+            raise FormatError(f"a tiled weight needs a positive 2-D shape, got {self.shape}")
+        bands, chunks = grid(self.shape)
+        want = {"blocks": ((bands, chunks, BLOCK_BYTES), torch.uint8), "codebook": ((CODES,), torch.uint8),
+                "esc_off": ((bands + 1,), torch.int32)}
+        for name, (shape, dtype) in want.items():
+            a = getattr(self, name)
+            if tuple(a.shape) != shape or a.dtype != dtype:
+                raise FormatError(f"{name} must be {dtype} of shape {shape}, got {a.dtype} {tuple(a.shape)}")
+        n = self.esc_pos.numel()
+        if self.esc_pos.dtype != torch.int32 or self.esc_val.dtype != torch.int16 or self.esc_val.numel() != n \
+                or self.esc_pos.dim() != 1 or self.esc_val.dim() != 1:
+            raise FormatError("esc_pos (int32) and esc_val (int16) must be 1-D lists of one length")
+        if int(self.codebook[0]) != 0:
+            raise FormatError("code 0 must stand for exponent 0")
+        off = self.esc_off.to(torch.int64)
+        if int(off[0]) != 0 or int(off[-1]) != n or bool((off[1:] < off[:-1]).any()):
+            raise FormatError("esc_off must rise from 0 to the number of escapes")
+        if n:
+            pos = self.esc_pos.to(torch.int64)
+            band = torch.repeat_interleave(torch.arange(bands, device=pos.device), off[1:] - off[:-1])
+            row, col = band * BAND + (pos & 15), pos >> 4
+            if bool((pos < 0).any() | (row >= m).any() | (col >= k).any()):
+                raise FormatError("an escape lies outside the matrix")
+            key = band * (16 * chunks * CHUNK) + pos
+            if bool((key[1:] <= key[:-1]).any()):
+                raise FormatError("escape positions must increase within a band")
+        return self
+
+
+def encode(w: torch.Tensor) -> TiledWeight:
+    """A 2-D BF16 tensor in the tiled layout, on its device."""
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.dim() != 2 or w.numel() == 0:
+        raise ValueError(f"the tiled layout takes a non-empty 2-D bfloat16 tensor, got "
+                         f"{getattr(w, 'dtype', type(w).__name__)} of shape {tuple(getattr(w, 'shape', ()))}")
+    m, k = w.shape
+    bands, chunks = grid(w.shape)
+    bits = torch.zeros(bands * BAND, chunks * CHUNK, dtype=torch.int32, device=w.device)
+    bits[:m, :k] = _bits(w.contiguous())
+    exps = (bits >> 7) & 0xFF
+    book = choose_codebook(exps)
+    code_of = torch.zeros(256, dtype=torch.int32, device=w.device)
+    code_of[book[1:]] = torch.arange(1, CODES, dtype=torch.int32, device=w.device)
+    code_of[0] = 0  # unused codes repeat exponent 0: code 0 keeps it
+    codes = code_of[exps]
+    escape = (codes == 0) & (exps != 0)
+    sm = ((bits >> 8) & 0x80) | (bits & 0x7F)
+    sm = torch.where(escape, 0, sm)
+
+    lanes_codes = _to_blocks(codes, bands, chunks)
+    code_bytes = (lanes_codes[..., 0::2] | (lanes_codes[..., 1::2] << 4)).reshape(bands, chunks, 512)
+    sm_bytes = _to_blocks(sm, bands, chunks).reshape(bands, chunks, 32, 2, 16).transpose(2, 3)
+    blocks = torch.cat([code_bytes, sm_bytes.reshape(bands, chunks, 1024)], dim=2).to(torch.uint8)
+
+    row, col = torch.nonzero(escape, as_tuple=True)
+    band = row // BAND
+    pos = col * BAND + row % BAND
+    order = torch.argsort(band * (BAND * chunks * CHUNK) + pos)
+    counts = torch.bincount(band, minlength=bands)
+    esc_off = torch.zeros(bands + 1, dtype=torch.int32, device=w.device)
+    esc_off[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    esc_val = bits[row[order], col[order]].to(torch.int16)  # wraps 0x8000.. to negative int16: the same bits
+    return TiledWeight((int(m), int(k)), blocks.contiguous(), book.to(torch.uint8), esc_off,
+                       pos[order].to(torch.int32).contiguous(), esc_val.contiguous())
+
+
+def decode(tw: TiledWeight) -> torch.Tensor:
+    """The BF16 matrix back, bit for bit (the reference decoder; kvzip.weights.decompress picks
+    the CUDA kernels on a GPU)."""
+    m, k = tw.shape
+    bands, chunks = grid(tw.shape)
+    blocks = tw.blocks.to(torch.int32)
+    code_bytes = blocks[..., :512].reshape(bands, chunks, 32, 16)
+    codes = torch.stack([code_bytes & 15, code_bytes >> 4], dim=-1).reshape(bands, chunks, 32, 32)
+    sm = blocks[..., 512:].reshape(bands, chunks, 2, 32, 16).transpose(2, 3).reshape(bands, chunks, 32, 32)
+    exps = tw.codebook.to(torch.int32)[codes]
+    bits = ((sm & 0x80) << 8) | (exps << 7) | (sm & 0x7F)
+    full = _from_blocks(bits, bands, chunks)
+    if tw.escapes:
+        off = tw.esc_off.to(torch.int64)
+        band = torch.repeat_interleave(torch.arange(bands, device=full.device), off[1:] - off[:-1])
+        pos = tw.esc_pos.to(torch.int64)
+        full[band * BAND + (pos & 15), pos >> 4] = tw.esc_val.to(torch.int32) & 0xFFFF
+    out = full[:m, :k].to(torch.int16)  # 32768.. wrap to the same 16 bits
+    return out.contiguous().view(torch.bfloat16)
