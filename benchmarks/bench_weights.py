@@ -131,9 +131,8 @@ def bench_shape(m, k, seed, progress):
 
 def _decode_into(z, out):
     from kvzip.gpu import weights as gpu
-    from kvzip.weights.linear import _stream
 
-    gpu.decode(z.tiled, out, _stream(out.device.index))
+    gpu.decode(z.tiled, out, tiled.cuda_stream(out.device.index))
 
 
 def _cycle(items, count):
@@ -226,7 +225,18 @@ def main(argv=None):
     ap.add_argument("--real", type=Path, help="a .safetensors of real BF16 weights: the layout's ratio on them")
     ap.add_argument("--shapes", default="all", help="'all', or a comma list like 4096x4096,1024x4096")
     ap.add_argument("--tag", default="h200")
+    ap.add_argument("--profile", metavar="MxK", help="run the fused kernel once for each N of --ns (eagerly, for "
+                    "ncu) and the decoder once, then stop")
+    ap.add_argument("--ns", default="1,16,64")
     args = ap.parse_args(argv)
+    if args.profile:
+        m, k = (int(v) for v in args.profile.split("x"))
+        zl = kw.ZipLinear(tiled.encode(synthetic(m, k, 0)))
+        for n in (int(v) for v in args.ns.split(",")):
+            zl(torch.randn(n, k, device="cuda").to(torch.bfloat16))
+        zl.decompress_weight()
+        torch.cuda.synchronize()
+        return
     progress = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     result = {"environment": environment(), "targets": TARGETS}
     if args.real:

@@ -93,12 +93,12 @@ def test_rows_by_name():
 
 
 def kernel_params(kernel: str) -> list[tuple[str, str]]:
-    """(name, kind) of each parameter of the __global__ kernel in kernels/*.cu: "ptr" for a
-    pointer, "i32" for int, "i64" for long long / i64."""
-    sources = "\n".join(p.read_text() for p in sorted(KERNELS.glob("*.cu")))
+    """(name, kind) of each parameter of the __global__ kernel in kernels/ (.cu or .cuh): "ptr"
+    for a pointer, "i32" for int, "i64" for long long / i64."""
+    sources = "\n".join(p.read_text() for p in sorted(KERNELS.iterdir()) if p.suffix in (".cu", ".cuh"))
     sources = re.sub(r"/\*.*?\*/", "", sources, flags=re.S)
     m = re.search(r"__global__[^;{]*?\b" + kernel + r"\s*\(([^)]*)\)\s*\{", sources, re.S)
-    assert m, f"no __global__ {kernel} in kernels/*.cu"
+    assert m, f"no __global__ {kernel} in kernels/"
     out = []
     for param in m.group(1).split(","):
         param = " ".join(param.split())

@@ -1,9 +1,9 @@
 """Launches of the weights' kernels (kernels/weights.cu) on a stream the caller gives (a CuPy
-stream object): the fused decode+GEMM for small N, the standalone decode and its escape patch.
+stream object): the fused decode+GEMM for small N, the decoder and the encoder.
 
-Everything here is handed arrays kvzip.weights has checked (device, dtype, shape, alignment),
-read only through their data_ptr(): the launches make no host synchronisation and no allocation,
-so a caller can capture them in a CUDA graph.
+Everything here is handed arrays kvzip.weights has allocated and checked (device, dtype, shape,
+alignment), read only through their data_ptr(): the launches make no host synchronisation and
+no allocation, so a caller can capture them in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -11,30 +11,45 @@ from functools import lru_cache
 
 from . import abi, loader
 
-BAND, CHUNK = 16, 64             # rows and columns of a block (kvzip/weights/tiled.py, W_CHUNK)
-WARPS = 8                       # W_WARPS of weights.cu
+BAND, CHUNK = 16, 64            # rows and columns of a block (kvzip/weights/tiled.py; W_CHUNK)
+WARPS = 8                       # W_WARPS of weights.cu: threads per block 256, bands per work item 8
+BLOCK_BYTES = 1536
 TABLE_BYTES = 256 * 32 * 4      # the per-lane pair table
-TILE_BYTES = WARPS * 16 * 36 * 4  # kvz_w_decode's tiles
+GEMM_STAGES, DECODE_STAGES = 6, 4  # W_GEMM_STAGES, W_DECODE_STAGES: each warp's ring of blocks
+TILE_BYTES = WARPS * 16 * 33 * 4  # kvz_w_decode's tiles (W_TILE_WORDS = 33)
 N_TILES = loader.WEIGHT_N_TILES
 MAX_N = 8 * N_TILES[-1]         # the fused kernel's widest x
-GEMM = "kvz_w_gemm"
-
-
-
-@lru_cache(maxsize=None)
-def kernel(name: str, device_id: int):
-    import cupy
-
-    with cupy.cuda.Device(device_id):
-        fn = loader.weights_kernel(name, device_id)
-    shared = TABLE_BYTES + (TILE_BYTES if name == "kvz_w_decode" else 0)
-    fn.max_dynamic_shared_size_bytes = shared
-    return fn, shared
+REGISTERS, SHARED_PER_SM, THREADS_PER_SM = 65536, 228 * 1024, 2048  # sm_90's limits per multiprocessor
 
 
 def grid(shape) -> tuple[int, int]:
     """(bands, chunks) of an M x K matrix."""
     return -(-shape[0] // BAND), -(-shape[1] // CHUNK)
+
+
+def _shared(name: str) -> int:
+    """Dynamic shared memory of a kernel: the pair table, the warps' rings (and tiles)."""
+    if name.startswith("kvz_w_gemm<"):
+        return TABLE_BYTES + WARPS * GEMM_STAGES * BLOCK_BYTES
+    if name == "kvz_w_decode":
+        return TABLE_BYTES + WARPS * DECODE_STAGES * BLOCK_BYTES + TILE_BYTES
+    return 0
+
+
+@lru_cache(maxsize=None)
+def kernel(name: str, device_id: int):
+    """(kernel, dynamic shared bytes, resident thread blocks per multiprocessor)."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        fn = loader.weights_kernel(name, device_id)
+    shared = _shared(name)
+    if shared:
+        fn.max_dynamic_shared_size_bytes = shared
+    regs = -(-max(fn.num_regs, 1) // 8) * 8
+    resident = min(REGISTERS // (regs * WARPS * 32), SHARED_PER_SM // (shared + fn.shared_size_bytes + 1024),
+                   THREADS_PER_SM // (WARPS * 32))
+    return fn, shared, max(1, resident)
 
 
 @lru_cache(maxsize=None)
@@ -45,34 +60,47 @@ def multiprocessors(device_id: int) -> int:
 
 
 def n_tiles(n: int) -> int:
-    """The kvz_w_gemm instance for N columns (N <= MAX_N)."""
+    """The kvz_w_gemm instance for N columns of x (N <= MAX_N)."""
     return next(t for t in N_TILES if n <= 8 * t)
 
 
-def split_plan(shape, device_id: int) -> tuple[int, int]:
-    """(splits, chunks per split) of kvz_w_gemm: K split until bands x splits blocks fill the GPU
-    about four times over, each split a whole number of chunks per warp.  The grid shape alone
-    decides it, so a band's sum is the same in every call (and the summation order with it)."""
+@lru_cache(maxsize=4096)
+def gemm_plan(shape, n: int, device_id: int) -> tuple[int, int, int, int]:
+    """(splits, chunks per split, work items, thread blocks) of kvz_w_gemm for an M x K weight
+    and N columns.  A work item is a band's split, one warp's work; the warps of resident thread
+    blocks take items in turn, so the time is about rounds x (chunks per split + a fixed cost)
+    with rounds = ceil(items / warps): the split count minimising that wins, the smaller on a
+    tie.  The plan depends on the shape and the GPU only, so a weight's sums are the same in
+    every call."""
     bands, chunks = grid(shape)
-    want = max(1, -(-4 * multiprocessors(device_id) // bands))
-    per_split = max(WARPS, -(-chunks // want // WARPS) * WARPS)
-    return -(-chunks // per_split), per_split
+    _, _, resident = kernel(f"kvz_w_gemm<{n_tiles(n)}>", device_id)
+    warps = resident * multiprocessors(device_id) * WARPS
+    best = None
+    for want in range(1, chunks + 1):
+        per_split = -(-chunks // want)
+        splits = -(-chunks // per_split)
+        items = bands * splits
+        cost = -(-items // warps) * (per_split + 4)
+        if best is None or cost < best[0]:
+            best = (cost, splits, per_split, items)
+    _, splits, per_split, items = best
+    return splits, per_split, items, min(-(-items // WARPS), warps // WARPS)
 
 
-def gemm(tw, x, bias, y, partial, tickets, splits: int, per_split: int, stream) -> None:
-    """y (N x M, rows ldy apart) = x (N x K, rows ldx apart) W^T + bias, for N <= MAX_N.
-    partial: float32, at least bands x splits x 16 x N (when splits > 1); tickets: int32
-    (bands,), zero (and zero again after the kernel)."""
+def gemm(tw, x, bias, y, partial, tickets, plan, stream) -> None:
+    """y (N x M, rows ldy apart) = x (N x K, rows ldx apart) W^T + bias, for N <= MAX_N, by
+    gemm_plan's plan.  partial: float32, bands x splits x 16 x N (when splits > 1); tickets:
+    int32 (bands,), zero (and zero again after the kernel)."""
     n, k = x.shape
-    m = tw.shape[0]
-    bands, chunks = grid(tw.shape)
-    fn, shared = kernel(f"{GEMM}<{n_tiles(n)}>", x.device.index)
-    args = abi.W_GEMM_ARGS(blocks=tw.blocks.data_ptr(), codebook=tw.codebook.data_ptr(), esc_off=tw.esc_off.data_ptr(),
-                     esc_pos=tw.esc_pos.data_ptr(), esc_val=tw.esc_val.data_ptr(), x=x.data_ptr(), ldx=x.stride(0),
-                     bias=0 if bias is None else bias.data_ptr(), y=y.data_ptr(), ldy=y.stride(0),
-                     partial=partial.data_ptr(), tickets=tickets.data_ptr(), M=m, K=k, N=n, chunks=chunks,
-                     per_split=per_split)
-    fn((bands, splits), (WARPS * 32,), args, shared_mem=shared, stream=stream)
+    _, chunks = grid(tw.shape)
+    splits, per_split, items, blocks = plan
+    fn, shared, _ = kernel(f"kvz_w_gemm<{n_tiles(n)}>", x.device.index)
+    args = abi.W_GEMM_ARGS(blocks=tw.blocks.data_ptr(), codebook=tw.codebook.data_ptr(),
+                           esc_off=tw.esc_off.data_ptr(), esc_pos=tw.esc_pos.data_ptr(), esc_val=tw.esc_val.data_ptr(),
+                           x=x.data_ptr(), ldx=x.stride(0), bias=0 if bias is None else bias.data_ptr(),
+                           y=y.data_ptr(), ldy=y.stride(0), partial=partial.data_ptr(), tickets=tickets.data_ptr(),
+                           M=tw.shape[0], K=k, N=n, chunks=chunks, splits=splits, per_split=per_split, items=items)
+    fn((blocks,), (WARPS * 32,), args, shared_mem=shared, stream=stream)
 
 
 def decode(tw, out, stream) -> None:
@@ -80,14 +108,48 @@ def decode(tw, out, stream) -> None:
     m, k = tw.shape
     bands, chunks = grid(tw.shape)
     device = out.device.index
-    fn, shared = kernel("kvz_w_decode", device)
-    blocks = min(bands * chunks // WARPS + 1, 8 * multiprocessors(device))
+    fn, shared, resident = kernel("kvz_w_decode", device)
+    blocks = min(-(-bands * chunks // WARPS), resident * multiprocessors(device))
     fn((blocks,), (WARPS * 32,), abi.W_DECODE_ARGS(blocks=tw.blocks.data_ptr(), codebook=tw.codebook.data_ptr(),
-                                              out=out.data_ptr(), M=m, K=k, bands=bands, chunks=chunks),
+                                                    out=out.data_ptr(), M=m, K=k, bands=bands, chunks=chunks),
        shared_mem=shared, stream=stream)
     if tw.escapes:
-        fn, _ = kernel("kvz_w_patch", device)
-        fn((-(-tw.escapes // 256),), (256,), abi.W_PATCH_ARGS(esc_off=tw.esc_off.data_ptr(), esc_pos=tw.esc_pos.data_ptr(),
-                                                        esc_val=tw.esc_val.data_ptr(), bands=bands,
-                                                        out=out.data_ptr(), K=k), stream=stream)
+        fn, _, _ = kernel("kvz_w_patch", device)
+        fn((-(-tw.escapes // 256),), (256,), abi.W_PATCH_ARGS(esc_off=tw.esc_off.data_ptr(),
+                                                              esc_pos=tw.esc_pos.data_ptr(), esc_val=tw.esc_val.data_ptr(),
+                                                              bands=bands, out=out.data_ptr(), K=k), stream=stream)
 
+
+def _spread(work: int, kernel_name: str, device: int) -> int:
+    """Thread blocks for ``work`` warp tasks: enough to fill the GPU, no more than there is work."""
+    _, _, resident = kernel(kernel_name, device)
+    return max(1, min(-(-work // WARPS), resident * multiprocessors(device)))
+
+
+def histogram(w, hist, stream) -> None:
+    """hist (256 uint32, zeroed) += the exponent histogram of w (contiguous BF16, 16-byte aligned)."""
+    device = w.device.index
+    fn, _, _ = kernel("kvz_w_histogram", device)
+    fn((_spread(-(-w.numel() // 256), "kvz_w_histogram", device),), (WARPS * 32,),  # a warp task: 256 values
+       abi.W_HISTOGRAM_ARGS(w=w.data_ptr(), n=w.numel(), hist=hist.data_ptr()), stream=stream)
+
+
+def encode_blocks(w, code_of, blocks, counts, stream) -> None:
+    """The blocks of W (contiguous M x K BF16) and counts[block] = its escapes."""
+    (m, k), device = w.shape, w.device.index
+    bands, chunks = grid(w.shape)
+    fn, _, _ = kernel("kvz_w_encode", device)
+    fn((_spread(bands * chunks, "kvz_w_encode", device),), (WARPS * 32,),
+       abi.W_ENCODE_ARGS(w=w.data_ptr(), M=m, K=k, code_of=code_of.data_ptr(), blocks=blocks.data_ptr(),
+                         counts=counts.data_ptr(), bands=bands, chunks=chunks), stream=stream)
+
+
+def encode_escapes(w, code_of, counts, starts, esc_pos, esc_val, stream) -> None:
+    """The escape lists: block b's at esc_pos/esc_val[starts[b] ..] (starts: exclusive sums of counts)."""
+    (m, k), device = w.shape, w.device.index
+    bands, chunks = grid(w.shape)
+    fn, _, _ = kernel("kvz_w_escapes", device)
+    fn((_spread(bands * chunks, "kvz_w_escapes", device),), (WARPS * 32,),
+       abi.W_ESCAPES_ARGS(w=w.data_ptr(), M=m, K=k, code_of=code_of.data_ptr(), counts=counts.data_ptr(),
+                          starts=starts.data_ptr(), esc_pos=esc_pos.data_ptr(), esc_val=esc_val.data_ptr(),
+                          bands=bands, chunks=chunks), stream=stream)

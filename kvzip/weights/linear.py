@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import arrays
 from . import tiled
 from .tiled import TiledWeight
 
@@ -30,21 +29,20 @@ _ARRAYS = ("blocks", "codebook", "esc_off", "esc_pos", "esc_val")
 def tiled_linear(x: torch.Tensor, blocks: torch.Tensor, codebook: torch.Tensor, esc_off: torch.Tensor,
                  esc_pos: torch.Tensor, esc_val: torch.Tensor, bias: torch.Tensor | None, tickets: torch.Tensor,
                  m: int, k: int) -> torch.Tensor:
-    """y = x W^T + bias by kvz_w_gemm: x (N x K, N <= 64) contiguous BF16 on W's GPU, K even.
+    """y = x W^T + bias by kvz_w_gemm: x (N x K, N <= 64) contiguous BF16 on W's GPU, 16-byte
+    aligned, K % 16 == 0.
     tickets: the device's split counters (int32, zero before and after)."""
     from ..gpu import weights as gpu
 
+    if x.data_ptr() % 16:  # the kernel reads x 16 bytes at a time
+        x = x.clone()
     tw = TiledWeight((m, k), blocks, codebook, esc_off, esc_pos, esc_val)
-    splits, per_split = gpu.split_plan((m, k), x.device.index)
+    plan = gpu.gemm_plan((m, k), x.shape[0], x.device.index)
     y = torch.empty((x.shape[0], m), dtype=torch.bfloat16, device=x.device)
+    splits = plan[0]
     partial = _partials(x, splits * tiled.grid((m, k))[0] * 16 * x.shape[0]) if splits > 1 else tickets
-    gpu.gemm(tw, x, bias, y, partial, tickets, splits, per_split, _stream(x.device.index))
+    gpu.gemm(tw, x, bias, y, partial, tickets, plan, tiled.cuda_stream(x.device.index))
     return y
-
-
-def _stream(device_index: int):
-    """CuPy's object for the caller's current torch stream on the device."""
-    return arrays._cupy_stream(arrays._torch_stream_ptr(device_index), device_index)
 
 
 @tiled_linear.register_fake
@@ -113,7 +111,7 @@ class ZipLinear(nn.Module):
         from ..gpu import weights as gpu
 
         out = torch.empty(tw.shape, dtype=torch.bfloat16, device=tw.device)
-        gpu.decode(tw, out, _stream(tw.device.index))
+        gpu.decode(tw, out, tiled.cuda_stream(tw.device.index))
         return out
 
     # ------------------------------------------------------------------ forward
@@ -127,10 +125,9 @@ class ZipLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         n = x2.shape[0]
-        if x.device.type == "cuda" and 0 < n <= self.route_n and self.in_features % 2 == 0:
-            x2 = x2.contiguous()
-            y = tiled_linear(x2, self.blocks, self.codebook, self.esc_off, self.esc_pos, self.esc_val, self.bias,
-                             self.tickets, self.out_features, self.in_features)
+        if x.device.type == "cuda" and 0 < n <= self.route_n and self.in_features % 16 == 0:
+            y = tiled_linear(x2.contiguous(), self.blocks, self.codebook, self.esc_off, self.esc_pos, self.esc_val,
+                             self.bias, self.tickets, self.out_features, self.in_features)
         else:
             y = F.linear(x2, self.decompress_weight(), self.bias)
         return y.reshape(*lead, self.out_features)

@@ -8,11 +8,13 @@ docs/weights-format.md ("The tiled layout") specifies the bytes; in short:
 
 * W (M x K) is padded with zeros to ``bands`` of 16 rows and ``chunks`` of 64 columns.
 * Block (band, chunk), 1536 bytes, holds the 1024 weights of rows 16 band.. and columns
-  64 chunk..: lane l (g = l // 4, q = l % 4) of a warp owns 32 of them, in the order of the
-  mma.m16n8k16 A fragment of its four 16-column steps s: weight j of step s (t = 8 s + j) is
-  row g + 8 ((j >> 1) & 1), column 16 s + 8 (j >> 2) + 2 q + (j & 1).  Bytes 16 l.. hold its
-  32 codes (two a byte, the lower t in the low nibble); bytes 512 + 512 h + 16 l.. its
-  sign+mantissa bytes (sign << 7 | mantissa) of steps 2 h and 2 h + 1.
+  64 chunk..: lane l (g = l // 4, q = l % 4) of a warp owns rows g and g + 8 of columns
+  16 q .. 16 q + 15, as the mma.m16n8k16 A fragments of four steps s: weight j of step s
+  (t = 8 s + j) is row g + 8 ((j >> 1) & 1), column 16 q + 4 s + 2 (j >> 2) + (j & 1).  (The
+  mma's k order within a step is a permutation of the block's columns, which a sum over k
+  does not see; this one gives each lane x from 32 contiguous bytes of a row.)  Bytes 16 l..
+  hold its 32 codes (two a byte, the lower t in the low nibble); bytes 512 + 512 h + 16 l..
+  its sign+mantissa bytes (sign << 7 | mantissa) of steps 2 h and 2 h + 1.
 * Code 0 is exponent 0 (zeros, subnormals); codes 1-15 the 15 most frequent other exponents
   (ascending; unused codes repeat 0).  Any other weight is an escape: code 0 and byte 0 in its
   block (it decodes to +0) and its BF16 value in the escape list, per band, ordered by
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import arrays
 from ..errors import FormatError
 
 BAND, CHUNK, BLOCK_BYTES = 16, 64, 1536
@@ -41,32 +44,48 @@ def grid(shape) -> tuple[int, int]:
     return -(-m // BAND), -(-k // CHUNK)
 
 
-def choose_codebook(exponents: torch.Tensor) -> torch.Tensor:
-    """The 16 exponents codes 0-15 stand for (int32): 0, then the 15 most frequent nonzero
-    exponents of ``exponents``, ties to the smaller exponent, in ascending order; unused codes 0."""
-    hist = torch.bincount(exponents.reshape(-1), minlength=256)[1:].to(torch.int64)
+def choose_codebook(histogram: torch.Tensor) -> torch.Tensor:
+    """The 16 exponents codes 0-15 stand for (int32), from the 256-bin exponent histogram: 0,
+    then the 15 most frequent nonzero exponents, ties to the smaller exponent, in ascending
+    order; unused codes 0.  Integer operations only, on the histogram's device, no host sync."""
+    hist = histogram[1:].to(torch.int64)
     key = hist * 256 + (255 - torch.arange(1, 256, device=hist.device))  # counts first, then smaller exponent
     top = torch.topk(key, 15).indices
-    chosen = torch.sort((top + 1)[hist[top] > 0]).values
-    book = torch.zeros(CODES, dtype=torch.int32, device=exponents.device)
-    book[1:1 + chosen.numel()] = chosen.to(torch.int32)
+    chosen = torch.sort(torch.where(hist[top] > 0, top + 1, 256)).values  # 256: unused, sorted last
+    book = torch.zeros(CODES, dtype=torch.int32, device=hist.device)
+    book[1:] = torch.where(chosen == 256, 0, chosen).to(torch.int32)
     return book
 
 
+def _code_of(book: torch.Tensor) -> torch.Tensor:
+    """The code of each of the 256 exponents (int32): its place in the codebook, 0 for exponent 0
+    and for the escapes."""
+    code_of = torch.zeros(256, dtype=torch.int32, device=book.device)
+    code_of[book[1:]] = torch.arange(1, CODES, dtype=torch.int32, device=book.device)
+    code_of[0] = 0  # unused codes repeat exponent 0: code 0 keeps it
+    return code_of
+
+
 # The permutation between a band x chunk grid of 16 x 64 weights and the blocks' lane order:
-# (band, h_r, g, chunk, s, h_c, q, e) with row = 8 h_r + g, column = 16 s + 8 h_c + 2 q + e, to
-# (band, chunk, g, q, s, h_c, h_r, e), whose last five axes are (lane, t) with j = 4 h_c + 2 h_r + e.
-_TO_BLOCKS = (0, 3, 2, 6, 4, 5, 1, 7)
+# axes (band, h_r, g, chunk, q, s, h_c, e) with row = 8 h_r + g, column = 16 q + 4 s + 2 h_c + e,
+# to (band, chunk, g, q, s, h_c, h_r, e), whose last six axes are (lane, t) with
+# j = 4 h_c + 2 h_r + e.
+_GRID_AXES = (2, 8, 4, 4, 2, 2)  # h_r, g | q, s, h_c, e
+_TO_BLOCKS = (0, 3, 2, 4, 5, 6, 1, 7)
 _FROM_BLOCKS = tuple(_TO_BLOCKS.index(i) for i in range(8))
 
 
 def _to_blocks(a: torch.Tensor, bands: int, chunks: int) -> torch.Tensor:
     """(16 bands, 64 chunks) -> (bands, chunks, 32 lanes, 32 weights), in lane order."""
-    return a.reshape(bands, 2, 8, chunks, 4, 2, 4, 2).permute(*_TO_BLOCKS).reshape(bands, chunks, 32, 32)
+    h_r, g, q, s, h_c, e = _GRID_AXES
+    grid_view = a.reshape(bands, h_r, g, chunks, q, s, h_c, e)
+    return grid_view.permute(*_TO_BLOCKS).reshape(bands, chunks, 32, 32)
 
 
 def _from_blocks(a: torch.Tensor, bands: int, chunks: int) -> torch.Tensor:
-    return a.reshape(bands, chunks, 8, 4, 4, 2, 2, 2).permute(*_FROM_BLOCKS).reshape(bands * BAND, chunks * CHUNK)
+    h_r, g, q, s, h_c, e = _GRID_AXES
+    lane_view = a.reshape(bands, chunks, g, q, s, h_c, h_r, e)
+    return lane_view.permute(*_FROM_BLOCKS).reshape(bands * BAND, chunks * CHUNK)
 
 
 @dataclass(frozen=True)
@@ -147,20 +166,25 @@ class TiledWeight:
 
 
 def encode(w: torch.Tensor) -> TiledWeight:
-    """A 2-D BF16 tensor in the tiled layout, on its device."""
+    """A 2-D BF16 tensor in the tiled layout, on its device (by the CUDA kernels on a GPU,
+    which write the reference's bytes)."""
     if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.dim() != 2 or w.numel() == 0:
         raise ValueError(f"the tiled layout takes a non-empty 2-D bfloat16 tensor, got "
                          f"{getattr(w, 'dtype', type(w).__name__)} of shape {tuple(getattr(w, 'shape', ()))}")
+    if w.device.type == "cuda":
+        return _encode_cuda(w)
+    return encode_reference(w)
+
+
+def encode_reference(w: torch.Tensor) -> TiledWeight:
+    """encode() by integer torch operations, on any device: the definition of the bytes."""
     m, k = w.shape
     bands, chunks = grid(w.shape)
     bits = torch.zeros(bands * BAND, chunks * CHUNK, dtype=torch.int32, device=w.device)
     bits[:m, :k] = _bits(w.contiguous())
     exps = (bits >> 7) & 0xFF
-    book = choose_codebook(exps)
-    code_of = torch.zeros(256, dtype=torch.int32, device=w.device)
-    code_of[book[1:]] = torch.arange(1, CODES, dtype=torch.int32, device=w.device)
-    code_of[0] = 0  # unused codes repeat exponent 0: code 0 keeps it
-    codes = code_of[exps]
+    book = choose_codebook(torch.bincount(exps.reshape(-1), minlength=256))
+    codes = _code_of(book)[exps]
     escape = (codes == 0) & (exps != 0)
     sm = ((bits >> 8) & 0x80) | (bits & 0x7F)
     sm = torch.where(escape, 0, sm)
@@ -180,6 +204,37 @@ def encode(w: torch.Tensor) -> TiledWeight:
     esc_val = bits[row[order], col[order]].to(torch.int16)  # wraps 0x8000.. to negative int16: the same bits
     return TiledWeight((int(m), int(k)), blocks.contiguous(), book.to(torch.uint8), esc_off,
                        pos[order].to(torch.int32).contiguous(), esc_val.contiguous())
+
+
+def _encode_cuda(w: torch.Tensor) -> TiledWeight:
+    from ..gpu import weights as gpu
+
+    w = w.contiguous()
+    if w.data_ptr() % 16:
+        w = w.clone()
+    stream = cuda_stream(w.device.index)
+    bands, chunks = grid(w.shape)
+    hist = torch.zeros(256, dtype=torch.int32, device=w.device)
+    gpu.histogram(w, hist, stream)
+    book = choose_codebook(hist)
+    code_of = _code_of(book).to(torch.uint8)
+    blocks = torch.empty(bands, chunks, BLOCK_BYTES, dtype=torch.uint8, device=w.device)
+    counts = torch.empty(bands * chunks, dtype=torch.int32, device=w.device)
+    gpu.encode_blocks(w, code_of, blocks, counts, stream)
+    ends = torch.cumsum(counts, 0, dtype=torch.int64)
+    total = int(ends[-1])  # the one host sync: the escape lists' length
+    esc_pos = torch.empty(total, dtype=torch.int32, device=w.device)
+    esc_val = torch.empty(total, dtype=torch.int16, device=w.device)
+    if total:
+        gpu.encode_escapes(w, code_of, counts, (ends - counts).to(torch.int32), esc_pos, esc_val, stream)
+    esc_off = torch.zeros(bands + 1, dtype=torch.int32, device=w.device)
+    esc_off[1:] = torch.cumsum(counts.view(bands, chunks).sum(1), 0).to(torch.int32)
+    return TiledWeight((int(w.shape[0]), int(w.shape[1])), blocks, book.to(torch.uint8), esc_off, esc_pos, esc_val)
+
+
+def cuda_stream(device_index: int):
+    """CuPy's object for the caller's current torch stream on a GPU (the kernels' stream)."""
+    return arrays._cupy_stream(arrays._torch_stream_ptr(device_index), device_index)
 
 
 def decode(tw: TiledWeight) -> torch.Tensor:

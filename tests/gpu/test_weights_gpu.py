@@ -4,6 +4,7 @@ kvz_w_gemm (ZipLinear's fused forward) agrees with an FP32 product within BF16 r
 same in every call, in CUDA graphs too, with the split counters left at zero."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 import cupy  # noqa: F401  (tests/conftest.py collects tests/gpu only where CuPy sees a GPU)
 
@@ -39,7 +40,7 @@ def test_gpu_encoder_writes_the_cpu_bytes(shape):
 def test_decode_kernel_is_exact(shape, spread):
     w = weights(*shape, seed=1, spread=spread, zeros=0.01)
     zl = kw.ZipLinear(tiled.encode(w.to(CUDA)))
-    assert spread == 1.0 or zl.tiled.escapes > 0
+    assert spread == 1.0 or shape[0] * shape[1] < 1000 or zl.tiled.escapes > 0
     got = zl.decompress_weight()
     assert torch.equal(got.view(torch.int16).cpu(), w.view(torch.int16))
 
@@ -63,7 +64,7 @@ def assert_close_to_fp32(y, x, w, bias=None):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 9, 16, 17, 31, 32, 33, 64])
-@pytest.mark.parametrize("shape", [(4096, 1024), (1024, 4096), (300, 770), (16, 64)])
+@pytest.mark.parametrize("shape", [(4096, 1024), (1024, 4096), (300, 770), (304, 784), (16, 64)])
 def test_fused_gemm_against_fp32(n, shape):
     m, k = shape
     w = weights(m, k, seed=n, spread=4.0)
@@ -77,7 +78,10 @@ def test_fused_gemm_against_fp32(n, shape):
     x = torch.randn(n, k).to(torch.bfloat16).to(CUDA)
     y = zl(x)
     assert y.dtype == torch.bfloat16 and y.shape == (n, m)
-    assert_close_to_fp32(y, x, w, bias)
+    if k % 16:  # W decoded, then torch's own product: exactly nn.Linear's
+        assert torch.equal(y, F.linear(x, w.to(CUDA), bias.to(CUDA)))
+    else:
+        assert_close_to_fp32(y, x, w, bias)
     assert torch.equal(zl(x), y)  # the same bits every call (the split sums in a fixed order)
     assert int(zl.tickets.abs().sum()) == 0
 
@@ -90,7 +94,10 @@ def test_leading_dimensions_and_wide_x_route_to_cublas():
         x = torch.randn(*shape).to(torch.bfloat16).to(CUDA)
         y = zl(x)
         assert y.shape == (*shape[:-1], m)
-        assert_close_to_fp32(y.reshape(-1, m), x.reshape(-1, k), w)
+        if x.numel() // k > zl.route_n:
+            assert torch.equal(y, F.linear(x, w.to(CUDA)))
+        else:
+            assert_close_to_fp32(y.reshape(-1, m), x.reshape(-1, k), w)
 
 
 def test_graph_capture_replays_the_eager_result():
@@ -120,7 +127,7 @@ def test_odd_k_takes_the_decoding_path():
     w = weights(40, 77, seed=9)
     zl = kw.ZipLinear(tiled.encode(w)).to(CUDA)
     x = torch.randn(3, 77).to(torch.bfloat16).to(CUDA)
-    assert_close_to_fp32(zl(x), x, w)  # K odd: W decoded, then torch's matmul
+    assert torch.equal(zl(x), F.linear(x, w.to(CUDA)))  # K odd: W decoded, then torch's product
 
 
 def test_torch_compile_sees_the_custom_op():

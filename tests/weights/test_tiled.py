@@ -56,7 +56,7 @@ def test_block_order_is_the_fragment_order():
         for s in range(4):
             for j in range(8):
                 t = 8 * s + j
-                r, c = g + 8 * ((j >> 1) & 1), 16 * s + 8 * (j >> 2) + 2 * q + (j & 1)
+                r, c = g + 8 * ((j >> 1) & 1), 16 * q + 4 * s + 2 * (j >> 2) + (j & 1)
                 nibble = (block[16 * lane + t // 2] >> (4 * (t % 2))) & 15
                 byte = block[512 + 512 * (s // 2) + 16 * lane + 8 * (s % 2) + j]
                 assert nibble == code[r, c] and byte == sm[r, c], (lane, s, j)

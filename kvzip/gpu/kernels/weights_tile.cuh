@@ -1,0 +1,101 @@
+// What every weights kernel shares: the word types, the tiled layout's constants, loads, the
+// per-lane pair table and the decoding of one lane's 16-column step.
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+#define W_CHUNK 64             // columns of a block
+#define W_BLOCK_U4 96          // 16-byte words of a block (1536 bytes)
+#define W_WARPS 8              // warps of a thread block of every kernel here
+#define W_LUT_WORDS (256 * 32) // the pair table, one copy per lane (see build_pair_table)
+#define W_TILE_WORDS 33        // a row of 64 BF16 in shared memory, 32 words + 1: lane (g, q)'s word
+                               // 8 q + c of row g + const is bank g + 8 q + const (no conflicts)
+
+// Streams read once bypass L1, which keeps x (read by every band) there.
+__device__ __forceinline__ uint4 load_once(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float bf16_value(u32 bits) { return __uint_as_float(bits << 16); }
+
+// FP32 to BF16, rounding to nearest even; NaN stays a (quiet) NaN of the same sign.
+__device__ __forceinline__ u16 bf16_bits(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u16)((u >> 16) | 0x40u);
+    return (u16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The pair table: entry b (a byte holding two codes, low nibble first) is both weights' exponent
+// fields in place, (E[b & 15] << 7) | (E[b >> 4] << 23).  Each lane reads its own copy (word
+// 32 b + lane, always bank `lane`), so the random lookups never conflict.
+__device__ __forceinline__ void build_pair_table(u32* table, const u8* __restrict__ codebook) {
+    for (int i = threadIdx.x; i < W_LUT_WORDS; i += blockDim.x) {
+        const int b = i >> 5;
+        table[i] = ((u32)__ldg(codebook + (b & 15)) << 7) | ((u32)__ldg(codebook + (b >> 4)) << 23);
+    }
+}
+
+// One 16-column step of a lane: four words of two BF16 each (the mma A registers a0a1, a2a3,
+// a4a5, a6a7) from a word of four code bytes and two words of sign+mantissa bytes.  A byte s is
+// copied into both bytes of its half (byte_perm); mask 0x807F keeps its sign at bit 15 and its
+// mantissa at bits 0-6, and the table fills bits 7-14.
+__device__ __forceinline__ void decode_step(const u32* lane_table, u32 codes, u32 sm01, u32 sm23, u32 a[4]) {
+    a[0] = (__byte_perm(sm01, 0, 0x1100) & 0x807F807Fu) | lane_table[(codes & 0xFFu) << 5];
+    a[1] = (__byte_perm(sm01, 0, 0x3322) & 0x807F807Fu) | lane_table[((codes >> 8) & 0xFFu) << 5];
+    a[2] = (__byte_perm(sm23, 0, 0x1100) & 0x807F807Fu) | lane_table[((codes >> 16) & 0xFFu) << 5];
+    a[3] = (__byte_perm(sm23, 0, 0x3322) & 0x807F807Fu) | lane_table[(codes >> 24) << 5];
+}
+
+__device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+struct Block {
+    uint4 codes, sm01, sm23;  // this lane's words: codes; sign+mantissa of steps 0-1; of steps 2-3
+};
+
+__device__ __forceinline__ Block load_block(const uint4* __restrict__ block, int lane) {
+    return Block{load_once(block + lane), load_once(block + 32 + lane), load_once(block + 64 + lane)};
+}
+
+
+// ------------------------------------------------------------------ the per-warp block ring
+// A warp streams its blocks through a ring of STAGES slots in shared memory with cp.async (L2
+// to shared, no registers held), STAGES - 1 blocks ahead of the one it works on.  A lane copies
+// and later reads only its own three 16-byte pieces of a block, so the ring needs no
+// synchronisation beyond each thread's own cp.async.wait_group.  Every issue commits one group,
+// empty past the end, so the block issued STAGES - 1 issues ago is complete after
+// wait_group(STAGES - 2).  A slot is refilled one issue after it was taken, once the values
+// taken from it have been used.
+#define W_GEMM_STAGES 6
+#define W_DECODE_STAGES 4
+
+__device__ __forceinline__ void copy16_async(uint4* smem_dst, const uint4* src) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem_dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void ring_issue(uint4* ring, int slot, const uint4* __restrict__ block, bool real, int lane) {
+    if (real) {
+        uint4* dst = ring + slot * W_BLOCK_U4;
+        copy16_async(dst + lane, block + lane);
+        copy16_async(dst + 32 + lane, block + 32 + lane);
+        copy16_async(dst + 64 + lane, block + 64 + lane);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int STAGES>
+__device__ __forceinline__ Block ring_take(const uint4* ring, int slot, int lane) {
+    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+    const uint4* src = ring + slot * W_BLOCK_U4;
+    return Block{src[lane], src[32 + lane], src[64 + lane]};
+}
