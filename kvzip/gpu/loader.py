@@ -23,6 +23,8 @@ from . import tuning
 
 BASE_OPTIONS = ("-std=c++17", "-lineinfo")
 FUSED, QUANTIZE = "fused.cu", "quantize.cu"
+TCA_TBE = "tca_tbe.cu"  # the weights' TCA-TBE decoder: self-contained, compiled by kvzip/weights/tca_tbe_gpu.py
+TOP_LEVEL = (FUSED, QUANTIZE, TCA_TBE)
 HEAD_KERNELS = ("kvz_gather_heads", "kvz_check_heads")
 TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
 
