@@ -4,7 +4,6 @@ bit, the writer's choices are the spec's, MiniLM's real weights cost what ZipSer
 from __future__ import annotations
 
 import struct
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import examples
-from kvzip.checksum import sum64
+from forgery import reseal
 from kvzip.errors import FormatError
 from kvzip.weights import samples, tca_tbe
 
@@ -23,16 +22,6 @@ ZIPSERV_MINILM_BITS = 11.35  # the data's README: ZipServ's layout, measured wit
 
 def shapes(max_side=150):
     return st.tuples(st.integers(0, max_side), st.integers(0, max_side))
-
-
-def reseal(blob: bytearray) -> bytes:
-    """A blob with its payload sum64 and header CRC-32 recomputed, as docs/weights-format.md
-    defines them: forgeries that only the format's structure can catch."""
-    blob = bytearray(blob)
-    blob[40:48] = struct.pack("<Q", sum64(np, np.frombuffer(bytes(blob[64:]), np.uint8)))
-    blob[48:52] = bytes(4)
-    blob[48:52] = struct.pack("<I", zlib.crc32(bytes(blob[:64])))
-    return bytes(blob)
 
 
 def window_counts(w: np.ndarray) -> np.ndarray:
