@@ -41,7 +41,7 @@ def timed(fn, repeat: int) -> float:
 
 def git(*cmd):
     try:
-        return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
     except OSError:
         return None
 
