@@ -251,3 +251,14 @@ def test_encode_refuses_what_it_cannot_hold():
             tca_tbe.encode(bad)
     with pytest.raises(ValueError):
         tca_tbe.bits_per_weight(tca_tbe.encode(np.zeros((0, 3), np.uint16)))
+
+
+def test_gpu_launcher_imports_without_cupy():
+    """kvzip/weights/tca_tbe_gpu.py imports CuPy only when it decodes; its kernel source ships."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['cupy'] = None; from kvzip.weights import tca_tbe_gpu; "
+            "assert tca_tbe_gpu.KERNEL in tca_tbe_gpu.source()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
