@@ -9,9 +9,11 @@
 //      must lie inside their streams, before anything else is read (a forged blob gets an error
 //      flag, never an out-of-range access);
 //   3. the block copies the tile's sign-mantissa and fallback runs into shared memory, 16 bytes a
-//      thread at a time (each run starts 16-byte aligned: the offsets are checked for it);
+//      thread at a time (each run starts 16-byte aligned: the offsets are checked for it), and
+//      checks the zeros that close each run;
 //   4. each thread rebuilds 4 rows of 8 weights (one row of one small tile each) and stores each as
-//      one 16-byte store; a warp's 32 stores cover 4 whole 128-byte rows of the tile.
+//      one 16-byte store; a warp's 32 stores cover 4 whole 128-byte rows of the tile.  Padding
+//      weights are not stored: each must be the filler.
 // Nothing is read twice from global memory: bitmaps, offsets and runs once each, per tile.
 
 #define TBE_THREADS 128
