@@ -92,8 +92,8 @@ def _nvrtc():
         return None
 
 
-@pytest.mark.skipif(_nvrtc() is None, reason="NVRTC not importable (cuda-bindings with libnvrtc)")
-def test_every_name_expression_compiles():
+def _ptx_tools():
+    """benchmarks/ptx_identity.py: compile_ptx through NVRTC, for compute_90."""
     import importlib.util
     from pathlib import Path
 
@@ -101,6 +101,22 @@ def test_every_name_expression_compiles():
         "ptx_identity", Path(__file__).resolve().parents[1] / "benchmarks" / "ptx_identity.py")
     ptx = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ptx)
+    return ptx
+
+
+@pytest.mark.skipif(_nvrtc() is None, reason="NVRTC not importable (cuda-bindings with libnvrtc)")
+def test_tca_tbe_decoder_compiles():
+    """The weights' decoder compiles alone, as tca_tbe_gpu.py compiles it, with 16-byte loads and stores."""
+    from kvzip.weights import tca_tbe_gpu
+
+    text, _ = _ptx_tools().compile_ptx(tca_tbe_gpu.source(), ["-std=c++17"], [])
+    assert f".entry {tca_tbe_gpu.KERNEL}(" in text
+    assert "ld.global.nc.v4.u32" in text and "st.global.v4.u32" in text
+
+
+@pytest.mark.skipif(_nvrtc() is None, reason="NVRTC not importable (cuda-bindings with libnvrtc)")
+def test_every_name_expression_compiles():
+    ptx = _ptx_tools()
     for u in loader.units():
         text, lowered = ptx.compile_ptx(u["code"], u["options"], u["names"])
         assert set(lowered) == set(u["names"]) and all(f".entry {s}(" in text for s in lowered.values())

@@ -24,7 +24,8 @@ from . import tuning
 
 BASE_OPTIONS = ("-std=c++17", "-lineinfo")
 FUSED, QUANTIZE, WEIGHTS = "fused.cu", "quantize.cu", "weights.cu"
-TOP_LEVEL = (FUSED, QUANTIZE, WEIGHTS)  # the sources modules are built from; the rest are headers they include
+TCA_TBE = "tca_tbe.cu"  # the weights' TCA-TBE decoder: self-contained, compiled by kvzip/weights/tca_tbe_gpu.py
+TOP_LEVEL = (FUSED, QUANTIZE, WEIGHTS, TCA_TBE)  # the sources modules are built from; the rest are headers
 HEAD_KERNELS = ("kvz_gather_heads", "kvz_check_heads")
 TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
 
