@@ -26,6 +26,8 @@ from bench_weights import environment  # noqa: E402
 
 import kvzip.weights as kw  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def build(args):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -35,9 +37,14 @@ def build(args):
                          max_position_embeddings=args.prompt + args.steps + 8, rope_theta=500000.0,
                          tie_word_embeddings=False)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     return model.eval(), config
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def linear_bytes(model) -> int:
@@ -55,21 +62,23 @@ def decode_rate(model, config, batch, prompt_len, steps, graphs=True):
     """(tokens/s, greedy tokens (batch x steps), how it was timed)."""
     from transformers import StaticCache
 
-    g = torch.Generator(device="cuda").manual_seed(1)
-    prompt = torch.randint(0, config.vocab_size, (batch, prompt_len), device="cuda", generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    prompt = torch.randint(0, config.vocab_size, (batch, prompt_len), device=DEVICE, generator=g)
     cache = StaticCache(config=config, max_cache_len=prompt_len + steps + 1)
     out = model(input_ids=prompt, past_key_values=cache, use_cache=True,
-                cache_position=torch.arange(prompt_len, device="cuda"))
+                cache_position=torch.arange(prompt_len, device=DEVICE))
     token = out.logits[:, -1].argmax(-1, keepdim=True)
-    ids = torch.empty(batch, 1, dtype=torch.long, device="cuda")
-    pos = torch.empty(1, dtype=torch.long, device="cuda")
+    ids = torch.empty(batch, 1, dtype=torch.long, device=DEVICE)
+    pos = torch.empty(1, dtype=torch.long, device=DEVICE)
 
     def step():
         return model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=pos).logits[:, -1]
 
     how = "cuda graph of one decode step, replayed"
     graph = None
-    if graphs:
+    if DEVICE == "cpu":
+        how = "eager, on the CPU (a smoke run)"
+    elif graphs:
         try:
             ids.copy_(token)
             pos.fill_(prompt_len)
@@ -82,10 +91,12 @@ def decode_rate(model, config, batch, prompt_len, steps, graphs=True):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 logits = step()
+            for layer in cache.layers:  # the warm-up steps advanced the cache's own write position
+                layer.cumulative_length.fill_(prompt_len)
         except Exception as e:  # noqa: BLE001 (reported, then timed eagerly)
             graph, how = None, f"eager (graph capture failed: {type(e).__name__}: {e})"[:300]
     tokens = []
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     for i in range(steps):
         ids.copy_(token)
@@ -97,7 +108,7 @@ def decode_rate(model, config, batch, prompt_len, steps, graphs=True):
             nxt = step().argmax(-1, keepdim=True)
         tokens.append(nxt)
         token = nxt
-    torch.cuda.synchronize()
+    _sync()
     elapsed = time.perf_counter() - t0
     return batch * steps / elapsed, torch.cat(tokens, 1).cpu(), how
 
@@ -131,7 +142,7 @@ def main(argv=None):
         result["runs"][f"linear_b{b}"] = {"tokens_per_s": rate, "timing": how}
     t0 = time.perf_counter()
     kw.compress_model(model)
-    torch.cuda.synchronize()
+    _sync()
     result["compress_s"] = time.perf_counter() - t0
     zip_bytes = linear_bytes(model)
     result["linear_bytes"] = {"nn.Linear": dense_bytes, "ZipLinear": zip_bytes, "ratio": dense_bytes / zip_bytes}

@@ -174,7 +174,7 @@ DEQUANT_TABLES_ARGS = KernelArgs("kvz_dequant_tables", "addrs:ptr word:i32 strid
 DEQUANTIZE_ARGS = KernelArgs("kvz_dequantize", "codes:ptr n:i64 scale:ptr out:ptr")
 W_GEMM_ARGS = KernelArgs("kvz_w_gemm", "blocks:ptr codebook:ptr esc_off:ptr esc_pos:ptr esc_val:ptr x:ptr ldx:i32 "
                                        "bias:ptr y:ptr ldy:i32 partial:ptr tickets:ptr M:i32 K:i32 N:i32 chunks:i32 "
-                                       "splits:i32 per_split:i32 items:i32")
+                                       "per_split:i32")
 W_DECODE_ARGS = KernelArgs("kvz_w_decode", "blocks:ptr codebook:ptr out:ptr M:i32 K:i32 bands:i32 chunks:i32")
 W_PATCH_ARGS = KernelArgs("kvz_w_patch", "esc_off:ptr esc_pos:ptr esc_val:ptr bands:i32 out:ptr K:i32")
 W_HISTOGRAM_ARGS = KernelArgs("kvz_w_histogram", "w:ptr n:i64 hist:ptr")

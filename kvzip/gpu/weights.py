@@ -15,11 +15,12 @@ BAND, CHUNK = 16, 64            # rows and columns of a block (kvzip/weights/til
 WARPS = 8                       # W_WARPS of weights.cu: threads per block 256, bands per work item 8
 BLOCK_BYTES = 1536
 TABLE_BYTES = 256 * 32 * 4      # the per-lane pair table
-GEMM_STAGES, DECODE_STAGES = 6, 4  # W_GEMM_STAGES, W_DECODE_STAGES: each warp's ring of blocks
+DECODE_STAGES = 4               # W_DECODE_STAGES: kvz_w_decode's ring of blocks a warp
 TILE_BYTES = WARPS * 16 * 33 * 4  # kvz_w_decode's tiles (W_TILE_WORDS = 33)
 N_TILES = loader.WEIGHT_N_TILES
 MAX_N = 8 * N_TILES[-1]         # the fused kernel's widest x
 REGISTERS, SHARED_PER_SM, THREADS_PER_SM = 65536, 228 * 1024, 2048  # sm_90's limits per multiprocessor
+BLOCK_COST = 4                  # a kvz_w_gemm block's fixed cost (pair table, sums), in chunks a warp
 
 
 def grid(shape) -> tuple[int, int]:
@@ -30,7 +31,7 @@ def grid(shape) -> tuple[int, int]:
 def _shared(name: str) -> int:
     """Dynamic shared memory of a kernel: the pair table, the warps' rings (and tiles)."""
     if name.startswith("kvz_w_gemm<"):
-        return TABLE_BYTES + WARPS * GEMM_STAGES * BLOCK_BYTES
+        return TABLE_BYTES
     if name == "kvz_w_decode":
         return TABLE_BYTES + WARPS * DECODE_STAGES * BLOCK_BYTES + TILE_BYTES
     return 0
@@ -65,26 +66,24 @@ def n_tiles(n: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def gemm_plan(shape, n: int, device_id: int) -> tuple[int, int, int, int]:
-    """(splits, chunks per split, work items, thread blocks) of kvz_w_gemm for an M x K weight
-    and N columns.  A work item is a band's split, one warp's work; the warps of resident thread
-    blocks take items in turn, so the time is about rounds x (chunks per split + a fixed cost)
-    with rounds = ceil(items / warps): the split count minimising that wins, the smaller on a
-    tie.  The plan depends on the shape and the GPU only, so a weight's sums are the same in
-    every call."""
+def gemm_plan(shape, n: int, device_id: int) -> tuple[int, int]:
+    """(splits, chunks per split) of kvz_w_gemm for an M x K weight and N columns.  A thread
+    block per band and split; with `slots` blocks resident the time is about
+    waves x (chunks per split + a block's fixed cost), waves = ceil(bands x splits / slots), so
+    the split count minimising that wins (the smaller on a tie): it fills the last wave, or makes
+    it a small part of many.  The plan depends on the shape and the GPU only, so a weight's sums
+    are the same in every call."""
     bands, chunks = grid(shape)
     _, _, resident = kernel(f"kvz_w_gemm<{n_tiles(n)}>", device_id)
-    warps = resident * multiprocessors(device_id) * WARPS
+    slots = resident * multiprocessors(device_id)
     best = None
-    for want in range(1, chunks + 1):
+    for want in range(1, max(1, chunks // WARPS) + 1):  # at least a chunk per warp
         per_split = -(-chunks // want)
         splits = -(-chunks // per_split)
-        items = bands * splits
-        cost = -(-items // warps) * (per_split + 4)
+        cost = -(-bands * splits // slots) * (per_split + BLOCK_COST)
         if best is None or cost < best[0]:
-            best = (cost, splits, per_split, items)
-    _, splits, per_split, items = best
-    return splits, per_split, items, min(-(-items // WARPS), warps // WARPS)
+            best = (cost, splits, per_split)
+    return best[1], best[2]
 
 
 def gemm(tw, x, bias, y, partial, tickets, plan, stream) -> None:
@@ -92,15 +91,15 @@ def gemm(tw, x, bias, y, partial, tickets, plan, stream) -> None:
     gemm_plan's plan.  partial: float32, bands x splits x 16 x N (when splits > 1); tickets:
     int32 (bands,), zero (and zero again after the kernel)."""
     n, k = x.shape
-    _, chunks = grid(tw.shape)
-    splits, per_split, items, blocks = plan
+    bands, chunks = grid(tw.shape)
+    splits, per_split = plan
     fn, shared, _ = kernel(f"kvz_w_gemm<{n_tiles(n)}>", x.device.index)
     args = abi.W_GEMM_ARGS(blocks=tw.blocks.data_ptr(), codebook=tw.codebook.data_ptr(),
                            esc_off=tw.esc_off.data_ptr(), esc_pos=tw.esc_pos.data_ptr(), esc_val=tw.esc_val.data_ptr(),
                            x=x.data_ptr(), ldx=x.stride(0), bias=0 if bias is None else bias.data_ptr(),
                            y=y.data_ptr(), ldy=y.stride(0), partial=partial.data_ptr(), tickets=tickets.data_ptr(),
-                           M=tw.shape[0], K=k, N=n, chunks=chunks, splits=splits, per_split=per_split, items=items)
-    fn((blocks,), (WARPS * 32,), args, shared_mem=shared, stream=stream)
+                           M=tw.shape[0], K=k, N=n, chunks=chunks, per_split=per_split)
+    fn((bands, splits), (WARPS * 32,), args, shared_mem=shared, stream=stream)
 
 
 def decode(tw, out, stream) -> None:

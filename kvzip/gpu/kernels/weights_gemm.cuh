@@ -66,122 +66,115 @@ __device__ __forceinline__ void multiply_block(const u32* lane_table, const Bloc
     }
 }
 
-// The escapes, the bias and the rounding of one band: the lane's outputs are v[t][i] at row
-// g + 8 (i >> 1), column 8 t + 2 q + (i & 1).  Escapes are added in list order, each to the
-// outputs of its row.
+// Grid (bands, splits): a thread block multiplies one band over its split's chunks, warp w
+// taking chunks w, w + W_WARPS, ... with the next two blocks' loads in flight in registers (as
+// many warps as fit stay resident: the blocks in flight are what keeps HBM busy).  The warps'
+// sums meet in shared memory and are added in warp order.  With splits > 1 each thread block
+// leaves its sums in partial[band][split] and the last of a band's blocks to finish (a ticket)
+// adds them in split order: the result does not depend on which block ran when.  That block
+// then adds the band's escapes in list order and the bias, rounds to BF16 and resets the
+// ticket, so tickets are all zero again between calls.  K % 16 == 0; x 16-byte aligned,
+// ldx % 8 == 0.
 template <int NT>
-__device__ __forceinline__ void finish_band(float v[NT][4], int band, int g, int q, const u32* __restrict__ esc_off,
-                                            const u32* __restrict__ esc_pos, const u16* __restrict__ esc_val,
-                                            const u16* __restrict__ x, int ldx, const u16* __restrict__ bias,
-                                            u16* __restrict__ y, int ldy, int M, int N) {
-    const u32 e1 = __ldg(esc_off + band + 1);
-    for (u32 e = __ldg(esc_off + band); e < e1; ++e) {
-        const u32 p = __ldg(esc_pos + e);
-        const int r = p & 15u;
-        if (r != g && r != g + 8) continue;
-        const float w = bf16_value(__ldg(esc_val + e));
-        const bool upper = r == g;  // rows g (outputs 0, 1) or g + 8 (outputs 2, 3)
-#pragma unroll
-        for (int t = 0; t < NT; ++t)
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int n = 8 * t + 2 * q + i;
-                if (n >= N) continue;
-                const float add = w * bf16_value(__ldg(x + (size_t)n * ldx + (p >> 4)));
-                if (upper) v[t][i] += add; else v[t][2 + i] += add;
-            }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int m = band * 16 + g + 8 * h;
-        if (m >= M) continue;
-        const float b = bias ? bf16_value(__ldg(bias + m)) : 0.f;
-#pragma unroll
-        for (int t = 0; t < NT; ++t)
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int n = 8 * t + 2 * q + i;
-                if (n < N) y[(size_t)n * ldy + m] = bf16_bits(v[t][2 * h + i] + b);
-            }
-    }
-}
-
-// Work items are (band, split of the chunks), items = bands x splits, band = item / splits.
-// Every warp works alone: warp w of the grid takes items w, w + warps, ... (thread blocks stay
-// resident, so the pair table is built once a block) and streams its item's blocks through its
-// ring (W_GEMM_STAGES - 1 in flight).  A band with splits > 1 leaves each split's sums in
-// partial[band][split] (16 x N) and the last of its warps to finish (a ticket) adds them in
-// split order, so the sums, and y, do not depend on which split ran when; it resets the ticket
-// (tickets are zero between calls).  K % 16 == 0; x 16-byte aligned, ldx % 8 == 0.
-template <int NT>
-__global__ void __launch_bounds__(W_WARPS * 32) kvz_w_gemm(
+__global__ void __launch_bounds__(W_WARPS * 32, NT == 1 ? 4 : 2) kvz_w_gemm(
         const uint4* __restrict__ blocks, const u8* __restrict__ codebook, const u32* __restrict__ esc_off,
         const u32* __restrict__ esc_pos, const u16* __restrict__ esc_val, const u16* __restrict__ x, int ldx,
         const u16* __restrict__ bias, u16* __restrict__ y, int ldy, float* __restrict__ partial,
-        u32* __restrict__ tickets, int M, int K, int N, int chunks, int splits, int per_split, int items) {
-    extern __shared__ uint4 smem[];  // the pair table, then each warp's ring
+        u32* __restrict__ tickets, int M, int K, int N, int chunks, int per_split) {
+    extern __shared__ uint4 smem[];  // the pair table; after the loop, the warps' tiles
     u32* table = reinterpret_cast<u32*>(smem);
+    float* tiles = reinterpret_cast<float*>(smem);  // [W_WARPS][16][8 NT]
+    static_assert(W_WARPS * 16 * 8 * NT <= W_LUT_WORDS, "the warps' tiles must fit where the table was");
+    __shared__ int last;
     build_pair_table(table, codebook);
     __syncthreads();
 
+    const int band = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
     const u32* lane_table = table + lane;
-    uint4* ring = smem + W_LUT_WORDS / 4 + warp * W_GEMM_STAGES * W_BLOCK_U4;
-    const int warps = gridDim.x * W_WARPS;
-    for (int item = blockIdx.x * W_WARPS + warp; item < items; item += warps) {
-        const int band = item / splits, split = item % splits;
-        const int c0 = split * per_split, c1 = min(chunks, c0 + per_split);
-        const uint4* mine = blocks + (size_t)band * chunks * W_BLOCK_U4;
-        float acc[NT][4];
-#pragma unroll
-        for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+    const uint4* mine = blocks + (size_t)band * chunks * W_BLOCK_U4;
+    const int c_end = min(chunks, (split + 1) * per_split);
 
+    float acc[NT][4];
 #pragma unroll
-        for (int i = 0; i < W_GEMM_STAGES - 1; ++i)
-            ring_issue(ring, i, mine + (size_t)(c0 + i) * W_BLOCK_U4, c0 + i < c1, lane);
-        XChunk<NT> xc;
-        if constexpr (NT <= 2) load_x<NT>(xc, x, ldx, N, K, c0, g, q);
-        for (int c = c0, slot = 0; c < c1; ++c) {
-            const Block cur = ring_take<W_GEMM_STAGES>(ring, slot, lane);
-            const int ahead = c + W_GEMM_STAGES - 1;
-            ring_issue(ring, slot == 0 ? W_GEMM_STAGES - 1 : slot - 1, mine + (size_t)ahead * W_BLOCK_U4, ahead < c1,
-                       lane);
-            XChunk<NT> xn;
-            if constexpr (NT <= 2)
-                if (c + 1 < c1) load_x<NT>(xn, x, ldx, N, K, c + 1, g, q);
-            multiply_block<NT>(lane_table, cur, xc, x, ldx, N, K, c, g, q, acc);
-            if constexpr (NT <= 2) xc = xn;
-            slot = slot + 1 == W_GEMM_STAGES ? 0 : slot + 1;
-        }
+    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+    int c = split * per_split + warp;
+    Block cur, nxt;
+    XChunk<NT> xc;
+    if (c < c_end) {
+        cur = load_block(mine + (size_t)c * W_BLOCK_U4, lane);
+        if constexpr (NT <= 2) load_x<NT>(xc, x, ldx, N, K, c, g, q);
+    }
+    if (c + W_WARPS < c_end) nxt = load_block(mine + (size_t)(c + W_WARPS) * W_BLOCK_U4, lane);
+    for (; c < c_end; c += W_WARPS) {
+        Block later;
+        XChunk<NT> xn;
+        if (c + 2 * W_WARPS < c_end) later = load_block(mine + (size_t)(c + 2 * W_WARPS) * W_BLOCK_U4, lane);
+        if constexpr (NT <= 2)
+            if (c + W_WARPS < c_end) load_x<NT>(xn, x, ldx, N, K, c + W_WARPS, g, q);
+        multiply_block<NT>(lane_table, cur, xc, x, ldx, N, K, c, g, q, acc);
+        cur = nxt;
+        nxt = later;
+        if constexpr (NT <= 2) xc = xn;
+    }
 
-        if (splits > 1) {
-            float* sums = partial + ((size_t)band * splits + split) * 16 * N;
+    __syncthreads();  // every warp is done with the table
+    // c0 c1: row g, columns 2q, 2q+1 of the n tile; c2 c3: row g + 8.
+    float* tile = tiles + warp * 16 * 8 * NT;
 #pragma unroll
-            for (int t = 0; t < NT; ++t)
+    for (int t = 0; t < NT; ++t)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int r = g + 8 * (i >> 1), n = 8 * t + 2 * q + (i & 1);
-                    if (n < N) sums[r * N + n] = acc[t][i];
-                }
-            __threadfence();
-            __syncwarp();
-            u32 ticket = 0;
-            if (lane == 0) ticket = atomicAdd(tickets + band, 1u);
-            if (__shfl_sync(0xffffffffu, ticket, 0) != (u32)(splits - 1)) continue;
-            __threadfence();
-            const float* all = partial + (size_t)band * splits * 16 * N;
+        for (int i = 0; i < 4; ++i) tile[(g + 8 * (i >> 1)) * 8 * NT + t * 8 + 2 * q + (i & 1)] = acc[t][i];
+    __syncthreads();
+
+    constexpr int PER_THREAD = (16 * 8 * NT + W_WARPS * 32 - 1) / (W_WARPS * 32);
+    const int outputs = 16 * N;  // output i: row i % 16, column i / 16
+    float sums[PER_THREAD];
 #pragma unroll
-            for (int t = 0; t < NT; ++t)
+    for (int j = 0; j < PER_THREAD; ++j) {
+        const int i = threadIdx.x + j * W_WARPS * 32;
+        float v = 0.f;
+        if (i < outputs)
+            for (int w = 0; w < W_WARPS; ++w) v += tiles[w * 16 * 8 * NT + (i % 16) * 8 * NT + i / 16];
+        sums[j] = v;
+    }
+    if (splits > 1) {
+        float* own = partial + ((size_t)band * splits + split) * outputs;
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int r = g + 8 * (i >> 1), n = 8 * t + 2 * q + (i & 1);
-                    float v = 0.f;
-                    if (n < N)
-                        for (int sp = 0; sp < splits; ++sp) v += __ldcg(all + ((size_t)sp * 16 + r) * N + n);
-                    acc[t][i] = v;
-                }
-            if (lane == 0) tickets[band] = 0;
+        for (int j = 0; j < PER_THREAD; ++j) {
+            const int i = threadIdx.x + j * W_WARPS * 32;
+            if (i < outputs) own[i] = sums[j];
         }
-        finish_band<NT>(acc, band, g, q, esc_off, esc_pos, esc_val, x, ldx, bias, y, ldy, M, N);
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) last = atomicAdd(tickets + band, 1u) == (u32)(splits - 1);
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        const float* all = partial + (size_t)band * splits * outputs;
+#pragma unroll
+        for (int j = 0; j < PER_THREAD; ++j) {
+            const int i = threadIdx.x + j * W_WARPS * 32;
+            float v = 0.f;
+            if (i < outputs)
+                for (int sp = 0; sp < splits; ++sp) v += __ldcg(all + (size_t)sp * outputs + i);
+            sums[j] = v;
+        }
+        if (threadIdx.x == 0) tickets[band] = 0;
+    }
+
+    const u32 e0 = __ldg(esc_off + band), e1 = __ldg(esc_off + band + 1);
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+        const int i = threadIdx.x + j * W_WARPS * 32;
+        const int r = i % 16, n = i / 16, m = band * 16 + r;
+        if (i >= outputs || m >= M) continue;
+        float v = sums[j];
+        for (u32 e = e0; e < e1; ++e) {  // the band's escapes in list order, those of row r
+            const u32 p = __ldg(esc_pos + e);
+            if ((int)(p & 15u) == r) v += bf16_value(__ldg(esc_val + e)) * bf16_value(__ldg(x + (size_t)n * ldx + (p >> 4)));
+        }
+        if (bias) v += bf16_value(__ldg(bias + m));
+        y[(size_t)n * ldy + m] = bf16_bits(v);
     }
 }

@@ -32,11 +32,16 @@ __device__ __forceinline__ u16 bf16_bits(float f) {
 
 // The pair table: entry b (a byte holding two codes, low nibble first) is both weights' exponent
 // fields in place, (E[b & 15] << 7) | (E[b >> 4] << 23).  Each lane reads its own copy (word
-// 32 b + lane, always bank `lane`), so the random lookups never conflict.
+// 32 b + lane, always bank `lane`), so the random lookups never conflict.  Thread t of the first
+// 256 computes entry t once and writes its 32 copies, copy (i + t) % 32 at store i, so that a
+// warp's 32 stores of one round fall in 32 banks.
 __device__ __forceinline__ void build_pair_table(u32* table, const u8* __restrict__ codebook) {
-    for (int i = threadIdx.x; i < W_LUT_WORDS; i += blockDim.x) {
-        const int b = i >> 5;
-        table[i] = ((u32)__ldg(codebook + (b & 15)) << 7) | ((u32)__ldg(codebook + (b >> 4)) << 23);
+    const int t = threadIdx.x;
+    if (t < 256) {
+        const u32 entry = ((u32)__ldg(codebook + (t & 15)) << 7) | ((u32)__ldg(codebook + (t >> 4)) << 23);
+        u32* row = table + t * 32;
+#pragma unroll 8
+        for (int i = 0; i < 32; ++i) row[(i + t) & 31] = entry;
     }
 }
 
@@ -75,7 +80,6 @@ __device__ __forceinline__ Block load_block(const uint4* __restrict__ block, int
 // empty past the end, so the block issued STAGES - 1 issues ago is complete after
 // wait_group(STAGES - 2).  A slot is refilled one issue after it was taken, once the values
 // taken from it have been used.
-#define W_GEMM_STAGES 6
 #define W_DECODE_STAGES 4
 
 __device__ __forceinline__ void copy16_async(uint4* smem_dst, const uint4* src) {
