@@ -28,7 +28,7 @@ import numpy as np
 from .. import files
 from ..errors import FormatError
 from . import storage
-from .index import find_index, shard_paths
+from .index import check_shard_tensors, find_index, read_index, shards
 
 FORMAT_KEY, HEADER_KEY, SHA256_KEY = "kvzip.weights", "kvzip.weights.header", "kvzip.weights.sha256"
 LAYOUT_VERSION = "1"
@@ -245,9 +245,12 @@ def load_compressed(path, device="cpu") -> dict:
     import torch
 
     index = find_index(Path(path))
+    doc = read_index(index)[0] if index else None
     out = {}
-    for shard in (shard_paths(index) if index else [Path(path)]):
-        c = read_compressed(shard)
+    for shard in (shards(doc) if doc else [Path(path)]):
+        c = read_compressed(index.parent / shard if doc else shard)
+        if doc:
+            check_shard_tensors(doc, shard, c.original.entries)
         for name, e in c.original.entries.items():
             dtype, data = getattr(torch, TORCH_DTYPES[e["dtype"]]), c.decode(name)
             # the decoded bytes become the tensor, no copy (torch cannot view an empty array)

@@ -22,7 +22,7 @@ from .. import files
 from ..cli import (EXIT_CODES, EXIT_CORRUPT, EXIT_FAILED, EXIT_NO_FILE, EXIT_OK, CommandError,
                    _Errors as LibraryErrors, _fail as fail, _progress as progress_bar)  # kvzip's own, shared
 from . import checkpoint, sharded
-from .index import find_index, read_index, shard_paths, shards
+from .index import find_index, read_index, shards
 
 SOURCE_HELP = "a .safetensors file, or a sharded checkpoint: its *.safetensors.index.json or its folder"
 
@@ -184,7 +184,8 @@ def run_verify(args) -> int:
     index = _source(args.file)
     if args.against is not None and not args.against.exists():
         raise CommandError(EXIT_NO_FILE, f"no such file: {args.against}")
-    total = sum(p.stat().st_size for p in ([args.file] if index is None else shard_paths(index)))
+    total = sum(p.stat().st_size for p in ([args.file] if index is None else
+                                           [index.parent / s for s in shards(read_index(index)[0])]))
     with progress_bar(total, "verify", args.quiet) as bar:
         def step(fraction):
             bar.update(int(fraction * total) - bar.n)

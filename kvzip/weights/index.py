@@ -47,5 +47,9 @@ def shards(doc: dict) -> list[str]:
     return list(dict.fromkeys(doc["weight_map"].values()))
 
 
-def shard_paths(index: Path) -> list[Path]:
-    return [Path(index).parent / s for s in shards(read_index(index)[0])]
+def check_shard_tensors(doc: dict, shard: str, names) -> None:
+    """FormatError unless the shard holds exactly the tensors the index puts in it."""
+    listed = {t for t, s in doc["weight_map"].items() if s == shard}
+    if listed != set(names):
+        raise FormatError(f"shard {shard} holds {len(set(names))} tensors, the index lists {len(listed)} other or "
+                          "different ones")

@@ -18,7 +18,7 @@ from pathlib import Path
 from .. import files
 from ..errors import FormatError
 from . import checkpoint
-from .index import find_index, read_index, shards
+from .index import check_shard_tensors, find_index, read_index, shards
 
 INDEX_KEY = "kvzip.weights.index"
 
@@ -32,13 +32,6 @@ def _weighted(progress, sizes: list[int]):
         before += size
 
 
-def _shard_names_match(doc: dict, shard: str, names) -> None:
-    listed = {t for t, s in doc["weight_map"].items() if s == shard}
-    if listed != set(names):
-        raise FormatError(f"shard {shard} holds {len(set(names))} tensors, the index lists {len(listed)} other or "
-                          "different ones")
-
-
 def compress_index(index: Path, out_dir: Path, progress=checkpoint.ignore_progress) -> dict:
     """Compress the index's shards into out_dir and write the compressed index there."""
     doc, text = read_index(index)
@@ -47,7 +40,7 @@ def compress_index(index: Path, out_dir: Path, progress=checkpoint.ignore_progre
     out_dir.mkdir(parents=True, exist_ok=True)
     done = {"tensors": 0, "raw_bytes": 0, "bytes": 0}
     for shard, src, step in zip(names, sources, _weighted(progress, [p.stat().st_size for p in sources])):
-        _shard_names_match(doc, shard, checkpoint.read_original(src)[0].entries)
+        check_shard_tensors(doc, shard, checkpoint.read_original(src)[0].entries)
         result = checkpoint.compress_file(src, out_dir / shard, step)
         done = {k: done[k] + result[k] for k in done}
     stored = sum(checkpoint.describe_file(out_dir / s)["stored_bytes"] for s in names)
@@ -83,7 +76,7 @@ def decompress_index(index: Path, out_dir: Path, progress=checkpoint.ignore_prog
     out_dir.mkdir(parents=True, exist_ok=True)
     done = {"tensors": 0, "raw_bytes": 0, "bytes": 0}
     for shard, src, step in zip(names, sources, _weighted(progress, [p.stat().st_size for p in sources])):
-        _shard_names_match(original, shard, checkpoint.read_compressed(src).original.entries)
+        check_shard_tensors(original, shard, checkpoint.read_compressed(src).original.entries)
         result = checkpoint.decompress_file(src, out_dir / shard, step)
         done = {k: done[k] + result[k] for k in done}
     files.write_atomic(out_dir / Path(index).name, [text.encode("utf-8")])
@@ -113,6 +106,7 @@ def verify_index(index: Path, against: Path | None = None, progress=checkpoint.i
             report["mismatch"].append(f"{theirs} is not the recorded original index")
     sources = [Path(index).parent / s for s in names]
     for shard, src, step in zip(names, sources, _weighted(progress, [p.stat().st_size for p in sources])):
+        check_shard_tensors(original, shard, checkpoint.read_compressed(src).original.entries)
         part = checkpoint.verify_file(src, theirs.parent / shard if theirs else None, step)
         report["tensors"] += part["tensors"]
         for key in ("corrupt", "mismatch", "notes"):

@@ -51,6 +51,7 @@ VERSION = 1
 CHUNK = 1 << 14            # values a chunk: independently decodable units
 MAX_CODE_LENGTH = 12       # a decode table of 4096 entries (8 KiB) fits L1 and a GPU's shared memory
 MAX_NDIM = 64
+MAX_VALUES = 1 << 62       # so that a reader's 64-bit arithmetic on counts and offsets cannot wrap
 RAW, EXPONENT_CODE = 0, 1
 CODINGS = {RAW: "raw", EXPONENT_CODE: "exponent-huffman"}
 
@@ -303,8 +304,8 @@ def _checked_input(dtype: str, shape, data) -> tuple[tuple, np.ndarray]:
     if dtype not in ITEMSIZE:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     shape = tuple(int(d) for d in shape)
-    if len(shape) > MAX_NDIM or any(d < 0 for d in shape):
-        raise ValueError(f"bad shape {list(shape)} (at most {MAX_NDIM} dimensions, none negative)")
+    if len(shape) > MAX_NDIM or any(d < 0 for d in shape) or _count(shape) > MAX_VALUES:
+        raise ValueError(f"bad shape {list(shape)} (at most {MAX_NDIM} dimensions, none negative, 2**62 values)")
     data = np.asarray(data)
     if data.dtype != np.uint8 or data.ndim != 1:
         raise TypeError(f"data must be the tensor's bytes as a 1-D uint8 array, got {data.dtype} {data.shape}")
@@ -410,6 +411,8 @@ def read_header(blob: np.ndarray) -> Header:
         raise FormatError("weights blob truncated in its shape")
     shape = tuple(int(d) for d in blob[24:24 + 8 * ndim].view("<u8"))
     n, itemsize = _count(shape), ITEMSIZE[dtype]
+    if n > MAX_VALUES:
+        raise FormatError(f"shape {list(shape)} has more than 2**62 values")
     if coding == EXPONENT_CODE and n == 0:
         raise FormatError("an empty tensor is stored raw, never coded")
     head_len = _header_len(ndim, coding, n)

@@ -307,3 +307,14 @@ def test_hostile_index_is_refused(tmp_path):
     index.write_text("[]")
     with pytest.raises(files.WrongKind):
         sharded.compress_index(index, tmp_path / "out")
+
+
+def test_a_shard_swapped_for_another_is_refused(tmp_path):
+    write_sharded(tmp_path / "model")
+    sharded.compress_index(tmp_path / "model" / "model.safetensors.index.json", tmp_path / "packed")
+    first, second = sorted((tmp_path / "packed").glob("model-*.safetensors"))
+    second.write_bytes(first.read_bytes())
+    with pytest.raises(FormatError, match="index lists"):
+        checkpoint.load_compressed(tmp_path / "packed")
+    with pytest.raises(FormatError, match="index lists"):
+        sharded.verify_index(tmp_path / "packed" / "model.safetensors.index.json")
