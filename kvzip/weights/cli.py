@@ -124,7 +124,7 @@ def _run(args, what: str, single, many, names_of) -> int:
     for a sharded checkpoint; names_of(index) -> the shard names it will write."""
     index = _source(args.input)
     inputs = _outputs(args, index, names_of(index) if index else [])
-    total = sum(p.stat().st_size for p in inputs)
+    total = sum(p.stat().st_size for p in inputs if p != index)  # the checkpoint files' bytes
     t0 = time.perf_counter()
     with progress_bar(total, what, args.quiet) as bar:
         def step(fraction):
@@ -133,7 +133,7 @@ def _run(args, what: str, single, many, names_of) -> int:
         done = single(args.input, args.output, step) if index is None else many(index, args.output, step)
     if not args.quiet:
         seconds = time.perf_counter() - t0
-        raw, stored = (total, done["bytes"]) if what == "compress" else (done["bytes"], total)  # files' bytes
+        raw, stored = (total, done["bytes"]) if what == "compress" else (done["bytes"], total)
         shard_text = f" in {done['shards']} shards" if "shards" in done else ""
         print(f"{args.input} -> {args.output}: {done['tensors']} tensors{shard_text}, {raw / 1e6:.3f} MB raw, "
               f"{stored / 1e6:.3f} MB stored, ratio {raw / max(stored, 1):.4f}, {seconds:.2f} s "

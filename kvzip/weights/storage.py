@@ -8,7 +8,7 @@ mantissa as one raw byte a weight and codes the exponent with the tensor's own c
 Huffman code of at most MAX_CODE_LENGTH bits, in chunks of CHUNK weights that decode on their
 own (a table holds where each chunk's code ends), so decoders can run chunks in parallel.
 FP32 is coded the same way (exponent coded; sign, mantissa: three raw bytes); FP16 codes its
-high byte (sign, 5-bit exponent, 2 mantissa bits) and keeps the low byte raw.  Any other dtype,
+top byte (sign, 5-bit exponent, 2 mantissa bits) and keeps the low byte raw.  Any other dtype,
 and any tensor the code would not make smaller, is stored raw.
 
     offset       size   field
@@ -60,9 +60,10 @@ DTYPES = ("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "I16", "U16", "F16", "BF16",
           "I64", "U64", "F64")
 ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-# The dtypes with an exponent code -> whether the coded symbol is the exponent (bits 7..14 of the
-# top two bytes) or the whole top byte (FP16: sign, exponent, two mantissa bits).
-CODED = {"BF16": True, "F32": True, "F16": False}
+# The dtypes with an exponent code -> the lowest bit of the 8 coded ones in a value: the exponent
+# of BF16 and FP32, the top byte of FP16 (sign, exponent, two mantissa bits).
+CODED = {"BF16": 7, "F32": 23, "F16": 8}
+_WORDS = {2: np.uint16, 4: np.uint32}
 
 _FIXED = struct.Struct("<8sBBBBIQ")  # magic, version, dtype, coding, ndim, CRC, sum64
 _CRC_AT = 12
@@ -192,46 +193,34 @@ def _complete(lengths: np.ndarray) -> bool:
 
 
 # ---- kernels: a range of chunks each, c0 <= c < c1 --------------------------------------------
-# A value is `itemsize` bytes; its top byte is at `itemsize - 1`.  With `split_exponent` the
-# symbol is the exponent across the top two bytes and the top raw byte the sign with the 7
-# mantissa bits of the second byte; else the symbol is the top byte.  The lower bytes are raw.
+# They read or write the values as words (uint16 / uint32 for 2 / 4 bytes).  A value's symbol is
+# its 8 bits from bit `shift` up; its raw value the bits below them and, shifted down by 8, the
+# bits above them: r = itemsize - 1 bytes, little-endian, in the raw plane.
 
 @cpu_jit(nogil=True)
-def _count_chunks(data, itemsize, split_exponent, n, counts, c0, c1):
-    top = itemsize - 1
+def _count_chunks(values, shift, n, counts, c0, c1):
     for c in range(c0, c1):
         row = counts[c]
         for i in range(c * CHUNK, min(n, (c + 1) * CHUNK)):
-            hi = data[i * itemsize + top]
-            if split_exponent:
-                row[((hi & 0x7F) << 1) | (data[i * itemsize + top - 1] >> 7)] += 1
-            else:
-                row[hi] += 1
+            row[(np.int64(values[i]) >> shift) & 0xFF] += 1
 
 
 @cpu_jit(nogil=True)
-def _encode_chunks(data, itemsize, split_exponent, n, codes, lengths, chunk_ends, stream, raw, c0, c1):
+def _encode_chunks(values, r, shift, n, codes, lengths, chunk_ends, stream, raw, c0, c1):
     """Writes chunks c0..c1-1 of the code stream and the raw plane; returns 0, or c + 1 when chunk
     c does not fill exactly its planned bytes (the data changed since it was planned)."""
-    top = itemsize - 1
+    below = (1 << shift) - 1
     for c in range(c0, c1):
         j = chunk_ends[c - 1] if c > 0 else 0
         end = chunk_ends[c]
         acc = 0    # bits not yet written, first bit lowest; never more than 7 + MAX_CODE_LENGTH
         held = 0
         for i in range(c * CHUNK, min(n, (c + 1) * CHUNK)):
-            at, out = i * itemsize, i * top
-            hi = data[at + top]
-            if split_exponent:
-                lo = data[at + top - 1]
-                sym = ((hi & 0x7F) << 1) | (lo >> 7)
-                raw[out + top - 1] = (hi & 0x80) | (lo & 0x7F)
-                for b in range(top - 1):
-                    raw[out + b] = data[at + b]
-            else:
-                sym = hi
-                for b in range(top):
-                    raw[out + b] = data[at + b]
+            v = np.int64(values[i])
+            sym = (v >> shift) & 0xFF
+            rest = (v & below) | ((v >> (shift + 8)) << shift)
+            for b in range(r):
+                raw[i * r + b] = (rest >> (8 * b)) & 0xFF
             acc |= codes[sym] << held
             held += lengths[sym]
             while held >= 8:
@@ -252,12 +241,12 @@ def _encode_chunks(data, itemsize, split_exponent, n, codes, lengths, chunk_ends
 
 
 @cpu_jit(nogil=True)
-def _decode_chunks(stream, chunk_ends, table, raw, itemsize, split_exponent, n, out, c0, c1):
-    """Decodes chunks c0..c1-1 into out; returns 0, or c + 1 when chunk c's code does not end
+def _decode_chunks(stream, chunk_ends, table, raw, r, shift, n, values, c0, c1):
+    """Decodes chunks c0..c1-1 into values; returns 0, or c + 1 when chunk c's code does not end
     exactly at its recorded end with zero padding bits.  Reads only the chunk's own bytes (past
     them it reads zeros), so a forged chunk cannot read out of bounds."""
-    top = itemsize - 1
     mask = (1 << MAX_CODE_LENGTH) - 1
+    below = (1 << shift) - 1
     for c in range(c0, c1):
         start = chunk_ends[c - 1] if c > 0 else 0
         end = chunk_ends[c]
@@ -273,20 +262,12 @@ def _decode_chunks(stream, chunk_ends, table, raw, itemsize, split_exponent, n, 
                     held += 8
             entry = table[acc & mask]
             length = entry >> 8
-            sym = entry & 0xFF
             acc >>= length
             held -= length
-            at, src = i * itemsize, i * top
-            if split_exponent:
-                t = raw[src + top - 1]
-                out[at + top] = (t & 0x80) | (sym >> 1)
-                out[at + top - 1] = ((sym & 1) << 7) | (t & 0x7F)
-                for b in range(top - 1):
-                    out[at + b] = raw[src + b]
-            else:
-                out[at + top] = sym
-                for b in range(top):
-                    out[at + b] = raw[src + b]
+            rest = 0
+            for b in range(r):
+                rest |= np.int64(raw[i * r + b]) << (8 * b)
+            values[i] = (rest & below) | (np.int64(entry & 0xFF) << shift) | ((rest >> shift) << (shift + 8))
         used = (j - start) * 8 - held
         pad = (end - start) * 8 - used
         if pad < 0 or pad > 7 or acc & ((1 << pad) - 1):
@@ -296,6 +277,14 @@ def _decode_chunks(stream, chunk_ends, table, raw, itemsize, split_exponent, n, 
 
 def _chunk_ranges(k: int, itemsize: int):
     return cpu_parallel.split(k, CHUNK * itemsize)
+
+
+def _words(data: np.ndarray, itemsize: int) -> np.ndarray:
+    """The values of a coded dtype's bytes as words, copied first if they are not word-aligned
+    (a tensor in a .safetensors file need not be)."""
+    if data.ctypes.data % itemsize:
+        data = data.copy()
+    return data.view(_WORDS[itemsize])
 
 
 # ---- encode -----------------------------------------------------------------------------------
@@ -324,7 +313,8 @@ def plan(dtype: str, shape, data: np.ndarray) -> Plan:
         return raw
     k = -(-n // CHUNK)
     counts = np.zeros((k, SYMBOLS), np.uint16)  # a chunk holds at most 2**14 values
-    cpu_parallel.run_ranges(lambda c0, c1: _count_chunks(data, itemsize, CODED[dtype], n, counts, c0, c1),
+    values = _words(data, itemsize)
+    cpu_parallel.run_ranges(lambda c0, c1: _count_chunks(values, CODED[dtype], n, counts, c0, c1),
                             _chunk_ranges(k, itemsize))
     lengths = code_lengths(counts.sum(axis=0, dtype=np.int64))
     chunk_bits = counts.astype(np.int64) @ lengths.astype(np.int64)
@@ -350,9 +340,10 @@ def encode(p: Plan, data: np.ndarray) -> np.ndarray:
         stream, raw = blob[head_len:stream_end], blob[stream_end:]
         stream[code_end:] = 0
         codes, lengths, ends = canonical_codes(p.lengths), p.lengths.astype(np.int64), p.chunk_ends.astype(np.int64)
+        values = _words(data, itemsize)
         bad = cpu_parallel.run_ranges(
-            lambda c0, c1: _encode_chunks(data, itemsize, CODED[p.dtype], n, codes, lengths, ends, stream, raw, c0, c1),
-            _chunk_ranges(k, itemsize))
+            lambda c0, c1: _encode_chunks(values, itemsize - 1, CODED[p.dtype], n, codes, lengths, ends, stream, raw, c0,
+                                          c1), _chunk_ranges(k, itemsize))
         if any(bad):
             raise RuntimeError("the tensor changed between plan() and encode()")
         at = 24 + 8 * len(shape)
@@ -469,8 +460,9 @@ def decompress(blob: np.ndarray) -> tuple[str, tuple, np.ndarray]:
         raw = np.ascontiguousarray(body[h.stream_len:])
         table = decode_table(h.lengths)
         ends = h.chunk_ends.astype(np.int64)
+        values = out.view(_WORDS[itemsize])
         bad = cpu_parallel.run_ranges(
-            lambda c0, c1: _decode_chunks(stream, ends, table, raw, itemsize, CODED[h.dtype], n, out, c0, c1),
+            lambda c0, c1: _decode_chunks(stream, ends, table, raw, itemsize - 1, CODED[h.dtype], n, values, c0, c1),
             _chunk_ranges(ends.shape[0], itemsize))
         bad = [b for b in bad if b]
         if bad:

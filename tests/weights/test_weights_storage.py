@@ -60,10 +60,11 @@ def test_round_trip_is_byte_exact_and_bounded(dtype, shape, kind, seed):
     got_dtype, got_shape, back = S.decompress(blob)
     assert (got_dtype, got_shape) == (dtype, shape)
     assert back.dtype == np.uint8 and np.array_equal(back, data)
-    assert blob.nbytes <= data.nbytes + 24 + 8 * len(shape)  # raw and its header, at most
+    raw_blob = data.nbytes + 24 + 8 * len(shape)
+    assert blob.nbytes <= raw_blob  # the raw blob at most
     h = S.read_header(blob)
     if h.coding == S.EXPONENT_CODE:
-        assert blob.nbytes < data.nbytes
+        assert blob.nbytes < raw_blob
     elif dtype in S.CODED and kind != "random":
         assert data.nbytes < 20000  # weight-like values of this size always pay
 
@@ -291,3 +292,34 @@ def test_real_minilm_weights_reach_the_ratio():
         ratios.append(data.nbytes / blob.nbytes)
     assert len(ratios) == 38
     assert raw / stored >= 1.47 and min(ratios) >= 1.46
+
+
+def test_the_worked_example_of_the_format_doc():
+    """docs/weights-format.md 1.10, byte for byte (a coded blob of a tensor a writer would store raw)."""
+    values = np.array([0x3F80, 0xBF80, 0x3F00, 0x4000, 0x3FC0, 0xBF40], "<u2").view(np.uint8)
+    counts = np.bincount([127, 127, 126, 128, 127, 126], minlength=256)
+    p = S.Plan("BF16", (2, 3), S.EXPONENT_CODE, S.code_lengths(counts), np.array([2], np.uint64), 318)
+    lengths = bytearray(256)
+    lengths[126:129] = b"\x02\x01\x02"
+    want = bytes.fromhex("4b565a5754000d0a 01080102 df1d09f0 79595ed5cac5eb98"
+                         "0200000000000000 0300000000000000") + bytes(lengths) + \
+        bytes.fromhex("0200000000000000 b400000000000000 00 80 00 00 40 c0")
+    blob = S.encode(p, values)
+    assert blob.tobytes() == want
+    assert S.decompress(blob)[2].tobytes() == values.tobytes()
+    assert S.read_header(S.compress("BF16", (2, 3), values)).coding == S.RAW
+
+
+@pytest.mark.parametrize("dtype", sorted(S.CODED))
+def test_tensors_and_blobs_at_odd_addresses(dtype):
+    """A tensor or a blob inside a .safetensors file may start at any byte."""
+    def at_odd_address(a):
+        out = np.zeros(a.nbytes + 1, np.uint8)[1:]
+        out[:] = a
+        assert out.ctypes.data % 2
+        return out
+
+    data = tensor_bytes(dtype, 5000, "weights", 9)
+    blob = S.compress(dtype, (5000,), at_odd_address(data))
+    assert S.read_header(blob).coding == S.EXPONENT_CODE
+    assert np.array_equal(S.decompress(at_odd_address(blob))[2], data)
