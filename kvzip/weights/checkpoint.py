@@ -201,7 +201,7 @@ def read_compressed(path: Path) -> Compressed:
     try:
         header_text, digests = meta[HEADER_KEY], json.loads(meta[SHA256_KEY])
         doc = json.loads(header_text)
-    except (KeyError, TypeError, json.JSONDecodeError) as e:
+    except (KeyError, TypeError, RecursionError, json.JSONDecodeError) as e:
         raise FormatError(f"{path}: the compressed checkpoint's records are missing or not JSON ({e})") from None
     if not isinstance(doc, dict) or not isinstance(digests, dict):
         raise FormatError(f"{path}: the recorded header or digests are not JSON objects")

@@ -30,7 +30,7 @@ def read_index(index: Path) -> tuple[dict, str]:
     try:
         text = Path(index).read_text(encoding="utf-8")
         doc = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
         raise files.WrongKind(f"{index} is not a JSON index of shards ({e})") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:

@@ -61,7 +61,7 @@ def read_compressed_index(index: Path) -> tuple[dict, str]:
     text = meta[INDEX_KEY]
     try:
         original = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (RecursionError, json.JSONDecodeError) as e:
         raise FormatError(f"{index}: the recorded original index is not JSON ({e})") from None
     if not isinstance(original, dict) or original.get("weight_map") != doc["weight_map"]:
         raise FormatError(f"{index}: the recorded original index has another weight map")

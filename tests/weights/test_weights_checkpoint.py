@@ -161,6 +161,7 @@ def test_forged_records_are_refused(model, tmp_path):
         "layout": lambda m: m.__setitem__(checkpoint.FORMAT_KEY, "9"),
         "no header": lambda m: m.pop(checkpoint.HEADER_KEY),
         "header not JSON": lambda m: m.__setitem__(checkpoint.HEADER_KEY, "{"),
+        "header nested too deep": lambda m: m.__setitem__(checkpoint.HEADER_KEY, "[" * 10**5 + "]" * 10**5),
         "digests not JSON": lambda m: m.__setitem__(checkpoint.SHA256_KEY, "[1]"),
         "missing digest": lambda m: m.__setitem__(checkpoint.SHA256_KEY, json.dumps(
             {k: v for k, v in json.loads(m[checkpoint.SHA256_KEY]).items() if k != "flags"})),
