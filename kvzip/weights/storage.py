@@ -328,6 +328,8 @@ def plan(dtype: str, shape, data: np.ndarray) -> Plan:
 def encode(p: Plan, data: np.ndarray) -> np.ndarray:
     """The blob (uint8[p.nbytes]) of the tensor p was planned from."""
     shape, data = _checked_input(p.dtype, p.shape, data)
+    if data.ctypes.data % 8:  # one copy, aligned for the word and checksum kernels
+        data = data.copy()
     n, itemsize = _count(shape), ITEMSIZE[p.dtype]
     blob = np.empty(p.nbytes, np.uint8)
     head_len = _header_len(len(shape), p.coding, n)

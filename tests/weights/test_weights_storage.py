@@ -323,3 +323,13 @@ def test_tensors_and_blobs_at_odd_addresses(dtype):
     blob = S.compress(dtype, (5000,), at_odd_address(data))
     assert S.read_header(blob).coding == S.EXPONENT_CODE
     assert np.array_equal(S.decompress(at_odd_address(blob))[2], data)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 9, 1001])
+def test_checksum_is_sum64_of_the_zero_padded_bytes(nbytes):
+    from kvzip.checksum import sum64
+
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    padded = np.zeros(-(-nbytes // 8) * 8, np.uint8)
+    padded[:nbytes] = data
+    assert S.read_header(S.compress("U8", (nbytes,), data)).checksum == sum64(np, padded)
