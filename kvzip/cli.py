@@ -34,6 +34,7 @@ EXIT_CODES = (f"exit status: {EXIT_OK} done, {EXIT_FAILED} failed, {EXIT_USAGE} 
 DELEGATED: dict[str, tuple[str, str]] = {
     "pd-demo": ("prefill/decode demo: SmolLM2 streams its KV to a decode process over Mooncake, raw vs kvzip",
                 "kvzip.transfer.demo:main"),
+    "weights": ("compressed checkpoints of model weights: compress, decompress, info, verify", "kvzip.weights.cli:main"),
 }
 
 
