@@ -18,7 +18,7 @@ TABLE_BYTES = 256 * 32 * 4      # the per-lane pair table
 DECODE_STAGES = 4               # W_DECODE_STAGES: kvz_w_decode's ring of blocks a warp
 TILE_BYTES = WARPS * 16 * 33 * 4  # kvz_w_decode's tiles (W_TILE_WORDS = 33)
 N_TILES = loader.WEIGHT_N_TILES
-MAX_N = 8 * N_TILES[-1]         # the fused kernel's widest x
+MAX_N = 8 * N_TILES[-1]         # the fused kernel's widest x: ZipLinear.route_n
 REGISTERS, SHARED_PER_SM, THREADS_PER_SM = 65536, 228 * 1024, 2048  # sm_90's limits per multiprocessor
 BLOCK_COST = 4                  # a kvz_w_gemm block's fixed cost (pair table, sums), in chunks a warp
 

@@ -2,9 +2,10 @@
 decode+GEMM on the GPU; compress_model replaces every eligible nn.Linear of a model.
 
 Routing of a forward on CUDA, by N (the rows of x, all leading dimensions flattened):
-N <= route_n (default 64, the fused kernel's widest x) takes the fused kernel kvz_w_gemm, which
-reads the compressed weight once and never writes W; wider x decodes W into a temporary and calls
-cuBLAS (torch's matmul), where the multiply, not the read of W, is the cost.  On the CPU the
+N <= route_n (32, the fused kernel's widest x) takes the fused kernel kvz_w_gemm, which reads
+the compressed weight once and never writes W; wider x decodes W into a temporary and calls
+cuBLAS (torch's matmul).  At N = 64 a fused instance (8 n tiles) measured 2.5x slower than that
+(benchmarks/NOTES.md, w5), so there is none.  On the CPU the
 reference decoder runs and torch multiplies: correct, not fast.
 
 The fused path sums in FP32 like cuBLAS, in its own order (tensor-core tiles, warps, K splits in
@@ -29,7 +30,7 @@ _ARRAYS = ("blocks", "codebook", "esc_off", "esc_pos", "esc_val")
 def tiled_linear(x: torch.Tensor, blocks: torch.Tensor, codebook: torch.Tensor, esc_off: torch.Tensor,
                  esc_pos: torch.Tensor, esc_val: torch.Tensor, bias: torch.Tensor | None, tickets: torch.Tensor,
                  m: int, k: int) -> torch.Tensor:
-    """y = x W^T + bias by kvz_w_gemm: x (N x K, N <= 64) contiguous BF16 on W's GPU, 16-byte
+    """y = x W^T + bias by kvz_w_gemm: x (N x K, N <= 32) contiguous BF16 on W's GPU, 16-byte
     aligned, K % 16 == 0.
     tickets: the device's split counters (int32, zero before and after)."""
     from ..gpu import weights as gpu
@@ -64,7 +65,7 @@ class ZipLinear(nn.Module):
     module's device.
     """
 
-    route_n = 64  # widest x the fused kernel takes (kvzip.gpu.weights.MAX_N); wider goes to cuBLAS
+    route_n = 32  # widest x the fused kernel takes (kvzip.gpu.weights.MAX_N); wider goes to cuBLAS
 
     def __init__(self, tw: TiledWeight, bias: torch.Tensor | None = None):
         super().__init__()

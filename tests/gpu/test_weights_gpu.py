@@ -63,7 +63,7 @@ def assert_close_to_fp32(y, x, w, bias=None):
     assert bool((err <= tol).all()), float((err - tol).max())
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 8, 9, 16, 17, 31, 32, 33, 64])
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 9, 16, 17, 31, 32, 33, 64])  # 33, 64: decode + cuBLAS
 @pytest.mark.parametrize("shape", [(4096, 1024), (1024, 4096), (300, 770), (304, 784), (16, 64)])
 def test_fused_gemm_against_fp32(n, shape):
     m, k = shape
@@ -78,7 +78,7 @@ def test_fused_gemm_against_fp32(n, shape):
     x = torch.randn(n, k).to(torch.bfloat16).to(CUDA)
     y = zl(x)
     assert y.dtype == torch.bfloat16 and y.shape == (n, m)
-    if k % 16:  # W decoded, then torch's own product: exactly nn.Linear's
+    if k % 16 or n > zl.route_n:  # W decoded, then torch's own product: exactly nn.Linear's
         assert torch.equal(y, F.linear(x, w.to(CUDA), bias.to(CUDA)))
     else:
         assert_close_to_fp32(y, x, w, bias)
