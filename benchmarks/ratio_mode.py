@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 import kvzip
-from kvzip.bench_cpu import environment
+from kvzip.bench_cpu import environment, median_seconds
 from kvzip.testing import KV_VARIANTS, kv_variant
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,16 +50,6 @@ def survey_bytes(q: np.ndarray, fmt: str) -> int:
     return fixed_code_size(e, ctx, n_ctx, lut, 7, 8, E, R)["bytes"]
 
 
-def timed(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
-
-
 def roundtrip(q: np.ndarray, fmt: str, mode: str) -> int:
     blob = kvzip.compress(q, dtype=fmt, mode=mode)
     back = np.asarray(kvzip.decompress(blob)).view(q.dtype)
@@ -71,8 +61,8 @@ def roundtrip(q: np.ndarray, fmt: str, mode: str) -> int:
 def speed(q: np.ndarray, fmt: str, mode: str, repeat: int) -> dict:
     blob = kvzip.compress(q, dtype=fmt, mode=mode)
     raw = q.nbytes
-    enc = timed(lambda: kvzip.compress(q, dtype=fmt, mode=mode), repeat)
-    dec = timed(lambda: kvzip.decompress(blob), repeat)
+    enc = median_seconds(lambda: kvzip.compress(q, dtype=fmt, mode=mode), repeat)
+    dec = median_seconds(lambda: kvzip.decompress(blob), repeat)
     return {"raw_bytes": int(raw), "ratio": raw / blob.nbytes, "encode_s": enc, "decode_s": dec,
             "encode_GBps": raw / enc / 1e9, "decode_GBps": raw / dec / 1e9}
 
@@ -176,9 +166,9 @@ def main():
             s = speed(big, fmt, mode, args.repeat)
             speeds.append({"input": f"SmolLM2 prose, {len(one_file)} layer tensors stacked {list(big.shape)}",
                            "format": fmt, "mode": mode, **s})
-            enc = sum(timed(lambda q=q: kvzip.compress(q, dtype=fmt, mode=mode), args.repeat) for q in layers)
+            enc = sum(median_seconds(lambda q=q: kvzip.compress(q, dtype=fmt, mode=mode), args.repeat) for q in layers)
             blobs = [kvzip.compress(q, dtype=fmt, mode=mode) for q in layers]
-            dec = sum(timed(lambda b=b: kvzip.decompress(b), args.repeat) for b in blobs)
+            dec = sum(median_seconds(lambda b=b: kvzip.decompress(b), args.repeat) for b in blobs)
             raw = sum(q.nbytes for q in layers)
             speeds.append({"input": f"SmolLM2 prose, {len(layers)} calls of {list(layers[0].shape)}", "format": fmt,
                            "mode": mode, "raw_bytes": raw, "ratio": raw / sum(b.nbytes for b in blobs),

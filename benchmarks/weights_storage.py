@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 import kvzip
 from kvzip import files
-from kvzip.bench_cpu import environment
+from kvzip.bench_cpu import environment, median_seconds
 from kvzip.cpu_parallel import available_cores, threads
 from kvzip.weights import checkpoint, storage
 
@@ -44,16 +42,6 @@ def bf16_tensors(path: Path) -> dict:
             a, b = e["data_offsets"]
             out[name] = (tuple(e["shape"]), np.array(st.data[a:b]))
     return out
-
-
-def median_seconds(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def ratios(tensors: dict, dtype: str) -> dict:

@@ -22,21 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from kvzip.bench_cpu import environment
+from kvzip.bench_cpu import environment, median_seconds
 from kvzip.weights import samples, tca_tbe
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "weights" / "minilm-l6_weights_bf16.safetensors"
-
-
-def timed(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
 
 
 def git(*cmd):
@@ -49,8 +39,8 @@ def git(*cmd):
 def speed(matrices: list, repeat: int) -> dict:
     blobs = [tca_tbe.encode(w) for w in matrices]
     raw = sum(w.nbytes for w in matrices)
-    enc = timed(lambda: [tca_tbe.encode(w) for w in matrices], repeat)
-    dec = timed(lambda: [tca_tbe.decode(b) for b in blobs], repeat)
+    enc = median_seconds(lambda: [tca_tbe.encode(w) for w in matrices], repeat)
+    dec = median_seconds(lambda: [tca_tbe.decode(b) for b in blobs], repeat)
     return {"calls": len(matrices), "raw_bytes": raw, "encode_s": enc, "decode_s": dec,
             "encode_MBps": raw / enc / 1e6, "decode_MBps": raw / dec / 1e6}
 

@@ -102,6 +102,17 @@ def run(x: np.ndarray, repeat: int = 5, progress=None) -> list[dict]:
     return rows
 
 
+def median_seconds(fn, repeat: int) -> float:
+    """Median wall time of ``repeat`` calls of fn, after one untimed call (first-use costs)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def environment() -> dict:
     """Machine, versions and date, stored with every result."""
     from importlib import metadata
