@@ -5,8 +5,8 @@ Routing of a forward on CUDA, by N (the rows of x, all leading dimensions flatte
 N <= route_n (32, the fused kernel's widest x) takes the fused kernel kvz_w_gemm, which reads
 the compressed weight once and never writes W; wider x decodes W into a temporary and calls
 cuBLAS (torch's matmul).  At N = 64 a fused instance (8 n tiles) measured 2.5x slower than that
-(benchmarks/NOTES.md, w5), so there is none.  On the CPU the
-reference decoder runs and torch multiplies: correct, not fast.
+(benchmarks/NOTES.md, w5), so there is none.  On the CPU the reference decoder runs and torch
+multiplies: correct, not fast.
 
 The fused path sums in FP32 like cuBLAS, in its own order (tensor-core tiles, warps, K splits in
 a fixed order, then the escapes and the bias), so outputs agree with nn.Linear's within BF16
@@ -30,9 +30,8 @@ _ARRAYS = ("blocks", "codebook", "esc_off", "esc_pos", "esc_val")
 def tiled_linear(x: torch.Tensor, blocks: torch.Tensor, codebook: torch.Tensor, esc_off: torch.Tensor,
                  esc_pos: torch.Tensor, esc_val: torch.Tensor, bias: torch.Tensor | None, tickets: torch.Tensor,
                  m: int, k: int) -> torch.Tensor:
-    """y = x W^T + bias by kvz_w_gemm: x (N x K, N <= 32) contiguous BF16 on W's GPU, 16-byte
-    aligned, K % 16 == 0.
-    tickets: the device's split counters (int32, zero before and after)."""
+    """y = x W^T + bias by kvz_w_gemm: x (N x K, N <= 32) contiguous BF16 on W's GPU, K % 16 == 0.
+    tickets: the module's split counters, one a band (int32, zero before and after)."""
     from ..gpu import weights as gpu
 
     if x.data_ptr() % 16:  # the kernel reads x 16 bytes at a time
@@ -41,7 +40,7 @@ def tiled_linear(x: torch.Tensor, blocks: torch.Tensor, codebook: torch.Tensor, 
     plan = gpu.gemm_plan((m, k), x.shape[0], x.device.index)
     y = torch.empty((x.shape[0], m), dtype=torch.bfloat16, device=x.device)
     splits = plan[0]
-    partial = _partials(x, splits * tiled.grid((m, k))[0] * 16 * x.shape[0]) if splits > 1 else tickets
+    partial = _partials(x, splits * tiled.grid((m, k))[0] * 16 * x.shape[0]) if splits > 1 else tickets  # unused
     gpu.gemm(tw, x, bias, y, partial, tickets, plan, tiled.cuda_stream(x.device.index))
     return y
 
@@ -89,10 +88,9 @@ class ZipLinear(nn.Module):
         if w.dtype != torch.bfloat16:
             raise ValueError(f"ZipLinear holds BF16 weights; this Linear's are {w.dtype} (cast it with "
                              f".to(torch.bfloat16) first, or keep it: kvzip.compress handles FP16 and FP32 losslessly)")
-        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
         if linear.bias is not None and linear.bias.dtype != torch.bfloat16:
             raise ValueError(f"the bias is {linear.bias.dtype}; ZipLinear's bias is BF16 like its weight")
-        return cls(tiled.encode(w), bias)
+        return cls(tiled.encode(w), None if linear.bias is None else linear.bias.detach())
 
     # ------------------------------------------------------------------ the layout
     @property
