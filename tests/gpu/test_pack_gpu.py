@@ -113,7 +113,7 @@ def test_a_bad_member_and_a_bad_call_on_the_gpu():
     with pytest.raises(FormatError, match="packed member 2 of 4: "):
         kvzip.decompress_many(bad)
     forged = got.copy()
-    forged[8] = 2  # the version, CRC not resealed: either check stops it
+    forged[8] = 9  # an unknown version, CRC not resealed: either check stops it
     with pytest.raises(FormatError):
         kvzip.unpack(forged)
     with pytest.raises(FormatError, match="packed container.*decompress_many"):
