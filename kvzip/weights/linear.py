@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..gpu import weights as gpu
 from . import tiled
 from .tiled import TiledWeight
 
@@ -32,8 +33,6 @@ def tiled_linear(x: torch.Tensor, blocks: torch.Tensor, codebook: torch.Tensor, 
                  m: int, k: int) -> torch.Tensor:
     """y = x W^T + bias by kvz_w_gemm: x (N x K, N <= 32) contiguous BF16 on W's GPU, K % 16 == 0.
     tickets: the module's split counters, one a band (int32, zero before and after)."""
-    from ..gpu import weights as gpu
-
     if x.data_ptr() % 16:  # the kernel reads x 16 bytes at a time
         x = x.clone()
     tw = TiledWeight((m, k), blocks, codebook, esc_off, esc_pos, esc_val)
@@ -64,7 +63,7 @@ class ZipLinear(nn.Module):
     module's device.
     """
 
-    route_n = 32  # widest x the fused kernel takes (kvzip.gpu.weights.MAX_N); wider goes to cuBLAS
+    route_n = gpu.MAX_N  # widest x the fused kernel takes (32); wider goes to cuBLAS
 
     def __init__(self, tw: TiledWeight, bias: torch.Tensor | None = None):
         super().__init__()
@@ -107,8 +106,6 @@ class ZipLinear(nn.Module):
         tw = self.tiled
         if tw.device.type != "cuda":
             return tiled.decode(tw)
-        from ..gpu import weights as gpu
-
         out = torch.empty(tw.shape, dtype=torch.bfloat16, device=tw.device)
         gpu.decode(tw, out, tiled.cuda_stream(tw.device.index))
         return out
