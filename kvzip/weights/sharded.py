@@ -32,15 +32,31 @@ def _weighted(progress, sizes: list[int]):
         before += size
 
 
+def _checked_shards(doc: dict, index: Path, progress, entries_of):
+    """(name, path beside the index, progress callback) of each of doc's shards in turn, each
+    checked against doc's weight map (entries_of(path): the shard's tensor entries) first."""
+    names = shards(doc)
+    sources = [Path(index).parent / s for s in names]
+    for shard, src, step in zip(names, sources, _weighted(progress, [p.stat().st_size for p in sources])):
+        check_shard_tensors(doc, shard, entries_of(src))
+        yield shard, src, step
+
+
+def _original_entries(path: Path) -> dict:
+    return checkpoint.read_original(path)[0].entries
+
+
+def _compressed_entries(path: Path) -> dict:
+    return checkpoint.read_compressed(path).original.entries
+
+
 def compress_index(index: Path, out_dir: Path, progress=checkpoint.ignore_progress) -> dict:
     """Compress the index's shards into out_dir and write the compressed index there."""
     doc, text = read_index(index)
     names = shards(doc)
-    sources = [Path(index).parent / s for s in names]
     out_dir.mkdir(parents=True, exist_ok=True)
     done = {"tensors": 0, "raw_bytes": 0, "bytes": 0}
-    for shard, src, step in zip(names, sources, _weighted(progress, [p.stat().st_size for p in sources])):
-        check_shard_tensors(doc, shard, checkpoint.read_original(src)[0].entries)
+    for shard, src, step in _checked_shards(doc, index, progress, _original_entries):
         result = checkpoint.compress_file(src, out_dir / shard, step)
         done = {k: done[k] + result[k] for k in done}
     stored = sum(checkpoint.describe_file(out_dir / s)["stored_bytes"] for s in names)
@@ -72,11 +88,9 @@ def decompress_index(index: Path, out_dir: Path, progress=checkpoint.ignore_prog
     """Restore the shards of a compressed index into out_dir, then the original index."""
     original, text = read_compressed_index(index)
     names = shards(original)
-    sources = [Path(index).parent / s for s in names]
     out_dir.mkdir(parents=True, exist_ok=True)
     done = {"tensors": 0, "raw_bytes": 0, "bytes": 0}
-    for shard, src, step in zip(names, sources, _weighted(progress, [p.stat().st_size for p in sources])):
-        check_shard_tensors(original, shard, checkpoint.read_compressed(src).original.entries)
+    for shard, src, step in _checked_shards(original, index, progress, _compressed_entries):
         result = checkpoint.decompress_file(src, out_dir / shard, step)
         done = {k: done[k] + result[k] for k in done}
     files.write_atomic(out_dir / Path(index).name, [text.encode("utf-8")])
@@ -95,7 +109,6 @@ def verify_index(index: Path, against: Path | None = None, progress=checkpoint.i
     """verify_file of every shard (against the shard of the same name beside the original index),
     and the recorded original index against that one."""
     original, text = read_compressed_index(index)
-    names = shards(original)
     report = {"tensors": 0, "corrupt": [], "mismatch": [], "notes": []}
     theirs = None
     if against is not None:
@@ -104,9 +117,7 @@ def verify_index(index: Path, against: Path | None = None, progress=checkpoint.i
             raise files.WrongKind(f"--against {against}: a sharded checkpoint is checked against an index or its folder")
         if read_index(theirs)[1] != text:
             report["mismatch"].append(f"{theirs} is not the recorded original index")
-    sources = [Path(index).parent / s for s in names]
-    for shard, src, step in zip(names, sources, _weighted(progress, [p.stat().st_size for p in sources])):
-        check_shard_tensors(original, shard, checkpoint.read_compressed(src).original.entries)
+    for shard, src, step in _checked_shards(original, index, progress, _compressed_entries):
         part = checkpoint.verify_file(src, theirs.parent / shard if theirs else None, step)
         report["tensors"] += part["tensors"]
         for key in ("corrupt", "mismatch", "notes"):
