@@ -11,9 +11,9 @@ from functools import lru_cache
 
 from . import abi, loader
 
-BAND, CHUNK = 16, 64            # rows and columns of a block (kvzip/weights/tiled.py; W_CHUNK)
-WARPS = 8                       # W_WARPS of weights.cu: threads per block 256, bands per work item 8
-BLOCK_BYTES = 1536
+# The tiled layout's geometry (docs/weights-format.md §1; kvzip/weights/tiled.py takes it from here):
+BAND, CHUNK, BLOCK_BYTES = 16, 64, 1536  # rows, columns and bytes of a block (W_CHUNK, W_BLOCK_U4)
+WARPS = 8                       # W_WARPS of weights.cu: 256 threads a block
 TABLE_BYTES = 256 * 32 * 4      # the per-lane pair table
 DECODE_STAGES = 4               # W_DECODE_STAGES: kvz_w_decode's ring of blocks a warp
 TILE_BYTES = WARPS * 16 * 33 * 4  # kvz_w_decode's tiles (W_TILE_WORDS = 33)
@@ -29,7 +29,7 @@ def grid(shape) -> tuple[int, int]:
 
 
 def _shared(name: str) -> int:
-    """Dynamic shared memory of a kernel: the pair table, the warps' rings (and tiles)."""
+    """Dynamic shared memory of a kernel: the pair table (and kvz_w_decode's rings and tiles)."""
     if name.startswith("kvz_w_gemm<"):
         return TABLE_BYTES
     if name == "kvz_w_decode":

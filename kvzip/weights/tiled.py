@@ -1,10 +1,11 @@
 """The tiled layout: a BF16 weight matrix as kvzip's 12-bit split (a 4-bit exponent code and the
 raw sign+mantissa byte per weight), re-tiled into the order in which tensor cores consume it.
 
-This module is the layout's one definition and its reference: ``encode`` and ``decode`` are
-integer torch operations, so the same code runs on the CPU and on a GPU and writes the same
-bytes, and the CUDA kernels (kvzip/gpu/kernels/weights.cu) are tested against it.
-docs/weights-format.md ("The tiled layout") specifies the bytes; in short:
+This module is the layout's reference: ``encode_reference`` and ``decode`` are integer torch
+operations, so the same code runs on the CPU and on a GPU and writes the same bytes, and the
+CUDA kernels (kvzip/gpu/kernels/weights.cu) are tested against it; the block geometry (BAND,
+CHUNK, BLOCK_BYTES) comes from kvzip/gpu/weights.py, which the kernels are built with.
+docs/weights-format.md §1 specifies the bytes; in short:
 
 * W (M x K) is padded with zeros to ``bands`` of 16 rows and ``chunks`` of 64 columns.
 * Block (band, chunk), 1536 bytes, holds the 1024 weights of rows 16 band.. and columns
@@ -28,20 +29,14 @@ import torch
 
 from .. import arrays
 from ..errors import FormatError
+from ..gpu.weights import BAND, BLOCK_BYTES, CHUNK, grid  # the geometry the kernels are built for
 
-BAND, CHUNK, BLOCK_BYTES = 16, 64, 1536
 CODES = 16
 
 
 def _bits(w: torch.Tensor) -> torch.Tensor:
     """BF16 tensor -> its 16-bit patterns as int32 (0..65535)."""
     return w.view(torch.int16).to(torch.int32) & 0xFFFF
-
-
-def grid(shape) -> tuple[int, int]:
-    """(bands, chunks) of an M x K matrix."""
-    m, k = shape
-    return -(-m // BAND), -(-k // CHUNK)
 
 
 def choose_codebook(histogram: torch.Tensor) -> torch.Tensor:
@@ -113,8 +108,7 @@ class TiledWeight:
     @property
     def nbytes(self) -> int:
         """Bytes the layout holds: blocks, codebook and escape lists."""
-        return sum(a.numel() * a.element_size() for a in (self.blocks, self.codebook, self.esc_off,
-                                                          self.esc_pos, self.esc_val))
+        return sum(a.numel() * a.element_size() for a in self.arrays())
 
     @property
     def ratio(self) -> float:
@@ -130,6 +124,11 @@ class TiledWeight:
 
     def arrays(self) -> tuple:
         return self.blocks, self.codebook, self.esc_off, self.esc_pos, self.esc_val
+
+    def escape_bands(self) -> torch.Tensor:
+        """The band of each escape (int64), from esc_off."""
+        off = self.esc_off.to(torch.int64)
+        return torch.repeat_interleave(torch.arange(off.numel() - 1, device=off.device), off[1:] - off[:-1])
 
     def validate(self) -> "TiledWeight":
         """Check every size, offset and position against the shape (FormatError): what a kernel
@@ -155,7 +154,7 @@ class TiledWeight:
             raise FormatError("esc_off must rise from 0 to the number of escapes")
         if n:
             pos = self.esc_pos.to(torch.int64)
-            band = torch.repeat_interleave(torch.arange(bands, device=pos.device), off[1:] - off[:-1])
+            band = self.escape_bands()
             row, col = band * BAND + (pos & 15), pos >> 4
             if bool((pos < 0).any() | (row >= m).any() | (col >= k).any()):
                 raise FormatError("an escape lies outside the matrix")
@@ -228,7 +227,7 @@ def _encode_cuda(w: torch.Tensor) -> TiledWeight:
     if total:
         gpu.encode_escapes(w, code_of, counts, (ends - counts).to(torch.int32), esc_pos, esc_val, stream)
     esc_off = torch.zeros(bands + 1, dtype=torch.int32, device=w.device)
-    esc_off[1:] = torch.cumsum(counts.view(bands, chunks).sum(1), 0).to(torch.int32)
+    esc_off[1:] = ends.view(bands, chunks)[:, -1]  # escapes up to each band's end
     return TiledWeight((int(w.shape[0]), int(w.shape[1])), blocks, book.to(torch.uint8), esc_off, esc_pos, esc_val)
 
 
@@ -238,8 +237,8 @@ def cuda_stream(device_index: int):
 
 
 def decode(tw: TiledWeight) -> torch.Tensor:
-    """The BF16 matrix back, bit for bit (the reference decoder; kvzip.weights.decompress picks
-    the CUDA kernels on a GPU)."""
+    """The BF16 matrix back, bit for bit (the reference decoder; ZipLinear.decompress_weight
+    runs the CUDA kernels on a GPU)."""
     m, k = tw.shape
     bands, chunks = grid(tw.shape)
     blocks = tw.blocks.to(torch.int32)
@@ -250,9 +249,7 @@ def decode(tw: TiledWeight) -> torch.Tensor:
     bits = ((sm & 0x80) << 8) | (exps << 7) | (sm & 0x7F)
     full = _from_blocks(bits, bands, chunks)
     if tw.escapes:
-        off = tw.esc_off.to(torch.int64)
-        band = torch.repeat_interleave(torch.arange(bands, device=full.device), off[1:] - off[:-1])
-        pos = tw.esc_pos.to(torch.int64)
+        band, pos = tw.escape_bands(), tw.esc_pos.to(torch.int64)
         full[band * BAND + (pos & 15), pos >> 4] = tw.esc_val.to(torch.int32) & 0xFFFF
     out = full[:m, :k].to(torch.int16)  # 32768.. wrap to the same 16 bits
     return out.contiguous().view(torch.bfloat16)
