@@ -233,7 +233,35 @@ def model(stats: dict, link_gbps: float | None) -> dict:
             "predicted_ms": (enc + dec + (g - 1) * max(enc, wire, dec) + wire) * 1e3}
 
 
-def run_link(tx, peer, layers, want: str, link, link_gbps, codecs, reps, tag, log) -> list[dict]:
+# Segments of a group's way, between the perf_counter marks kvzip.transfer records (sender:
+# stats["timeline"], receiver: stats["receiver_timeline"]; one host, so one clock for both).
+# "tx to writer" is the wait for the encode's GPU work and for the writer to be free; "rx drain"
+# the receiver's stream synchronisation (its GPU work) and the digest's check.  On the CPU the
+# host times hold the copies themselves.
+SEGMENTS = {"tx slot wait": ("queued", "slot"), "tx codec (host)": ("slot", "coded"),
+            "tx pack+digest (host)": ("coded", "packed"), "tx to writer": ("packed", "encoded"),
+            "tx credit wait": ("encoded", "credit"), "tx engine write": ("credit", "written"),
+            "tx pacing": ("written", "arrival"), "tx notify": ("arrival", "notified"),
+            "rx control lag": ("notified", "received"), "rx queue": ("received", "decode_from"),
+            "rx unpack (host)": ("decode_from", "unpacked"), "rx drain": ("unpacked", "decoded")}
+
+
+def stage_breakdown(stats: dict) -> dict:
+    """Per segment, the median over the request's groups of its length in ms; plus the whole
+    request's span from the first group queued to the last decoded."""
+    tx, rx = stats.get("timeline") or [], stats.get("receiver_timeline") or []
+    groups = [{**a, **b} for a, b in zip(tx, rx)]
+    out = {}
+    for name, (a, b) in SEGMENTS.items():
+        spans = [g[b] - g[a] for g in groups if a in g and b in g]
+        if spans:
+            out[name] = round(statistics.median(spans) * 1e3, 4)
+    if groups and "queued" in groups[0] and "decoded" in groups[-1]:
+        out["first queued to last decoded"] = round((groups[-1]["decoded"] - groups[0]["queued"]) * 1e3, 4)
+    return out
+
+
+def run_link(tx, peer, layers, want: str, link, link_gbps, codecs, reps, tag, log, stages=False) -> list[dict]:
     rows = []
     for rep in range(reps):
         for c in codecs:
@@ -254,12 +282,15 @@ def run_link(tx, peer, layers, want: str, link, link_gbps, codecs, reps, tag, lo
             row = {"codec": c, "chosen": stats["codec"], "rep": rep, "seconds": dt, "exact": exact,
                    "raw_bytes": stats["raw_bytes"], "sent_bytes": stats["sent_bytes"], "groups": stats["groups"],
                    "ratio": stats["raw_bytes"] / max(stats["sent_bytes"], 1), "auto": stats.get("auto"),
-                   "effective_GBps": stats["raw_bytes"] / dt / 1e9, "model": model(stats, link_gbps)}
+                   "effective_GBps": stats["raw_bytes"] / dt / 1e9, "model": model(stats, link_gbps),
+                   "stages_ms": stage_breakdown(stats)}
             if link_gbps:
                 wire = stats["sent_bytes"] / (link_gbps * 1e9)
                 row["wire_s"] = wire
                 row["exposed_codec_s"] = dt - wire
             rows.append(row)
+            if stages and rep == reps - 1:
+                log(f"  {c:11s} per group, ms: " + ", ".join(f"{k} {v:.3f}" for k, v in row["stages_ms"].items()))
             if not exact:
                 log(f"  {c:11s} rep {rep}: NOT BIT-EXACT ({status} {got} vs {want})")
     return rows
@@ -332,11 +363,16 @@ def sender_main(args) -> int:
                         gib = sum(t.nbytes for l in layers for t in l) / 2**30
                         tag = f"{fam}-{shape}-{tokens}"
                         links = [None] if transport == "tcp" else [transport] + args.links
+                        # One untimed request per codec first: the engine's first write to a new
+                        # buffer, kernels' first launch and the allocators' first blocks of this
+                        # size would otherwise land in whichever codec is measured first.
+                        tx.set_link(None)
+                        run_link(tx, peer, layers, want, "warm-up", None, codecs, 1, tag, log)
                         for link in links:
                             gbps = link if isinstance(link, (int, float)) else None
                             tx.set_link(gbps)
                             label = f"{link}GBps" if isinstance(link, (int, float)) else transport
-                            rows = run_link(tx, peer, layers, want, label, gbps, codecs, args.reps, tag, log)
+                            rows = run_link(tx, peer, layers, want, label, gbps, codecs, args.reps, tag, log, args.stages)
                             summ = summarize(rows, codecs)
                             res["runs"].append({"family": fam, "shape": shape, "layers": n_layers, "tokens": tokens,
                                                 "GiB": gib, "link": label, "transport": transport,
@@ -365,7 +401,7 @@ def _versions() -> dict:
 
     import kvzip
 
-    v = {"kvzip": kvzip.__version__, "python": platform.python_version()}
+    v = {"kvzip": kvzip.__version__, "python": platform.python_version(), "commit": _commit()}
     for p in ("torch", "cupy-cuda13x", "numpy", "mooncake-transfer-engine-cuda13",
               "mooncake-transfer-engine-non-cuda", "nvidia-nvcomp-cu13"):
         try:
@@ -373,6 +409,17 @@ def _versions() -> dict:
         except PackageNotFoundError:
             pass
     return v
+
+
+def _commit() -> str | None:
+    """The code's commit: KVZIP_COMMIT when set (a copied tree's own git may be stale), else git's."""
+    if os.environ.get("KVZIP_COMMIT"):
+        return os.environ["KVZIP_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def _write(path, res) -> None:
@@ -415,6 +462,9 @@ def plot(json_path: str, png_path: str) -> None:
     res = json.load(open(json_path))
     runs = [r for r in res["runs"] if r["emulated"] and r["family"] == "smollm2"]
     sizes = sorted({(r["GiB"], r["shape"], r["tokens"]) for r in runs})
+    if not sizes:
+        print(f"no emulated links in {json_path}: no plot")
+        return
     fig, axes = plt.subplots(1, len(sizes), figsize=(3.2 * len(sizes), 3.4), sharey=True, squeeze=False)
     for ax, (gib, shape, tokens) in zip(axes[0], sizes):
         mine = sorted((float(r["link"].removesuffix("GBps")), r["summary"]) for r in runs
@@ -456,6 +506,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-nvcomp", action="store_true", help="leave nvCOMP ANS out")
     ap.add_argument("--minilm", default=None, help="MiniLM-L6 KV safetensors file: a second KV family")
     ap.add_argument("--max-seconds", type=float, default=420, help="stop starting new shapes after this")
+    ap.add_argument("--stages", action="store_true", help="print each codec's per-group stage times (last rep)")
     ap.add_argument("--quick", action="store_true", help="small CPU-sized run: 512 tokens, 10 and 25 GB/s")
     ap.add_argument("--no-mps", dest="mps", action="store_false",
                     help="let the GPU time-slice between the two processes instead of sharing it through MPS")

@@ -12,6 +12,8 @@ nogil Numba loop sums word ranges in threads instead (the array form makes four 
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from . import cpu_parallel
@@ -74,42 +76,47 @@ def sum64_finish(total, length: int) -> int:
         return int(mix(np, np.asarray([int(total) ^ length], dtype=np.uint64))[0])
 
 
-# One pass over the words on a GPU: each thread adds up mix(w_i + i * GOLDEN) for its share in a
-# register, a warp adds its threads' sums by shuffles and one atomic per warp adds that into the
-# total.  Addition mod 2**64 is associative and commutative, so the order of the additions
-# cannot change the result: it is the NumPy form's, bit for bit (tests/gpu/test_checksum_gpu.py).
-_SUM64_SOURCE = r"""
-extern "C" __global__ void kvz_sum64(const unsigned long long* __restrict__ w, unsigned long long n,
-                                     unsigned long long* total) {
-    const unsigned long long golden = 0x9E3779B97F4A7C15ull;
-    unsigned long long acc = 0;
-    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
-        unsigned long long z = w[i] + i * golden + golden;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        acc += z ^ (z >> 31);
-    }
-    for (int d = 16; d > 0; d >>= 1)
-        acc += __shfl_down_sync(0xffffffffu, acc, d);
-    if ((threadIdx.x & 31) == 0)
-        atomicAdd(total, acc);
-}
-"""
-_SUM64_KERNEL = None
+# On a GPU: kvz_sum64 and its fused forms, kvzip/gpu/kernels/sum64.cu (which states the
+# invariants: the same terms in any order give the NumPy form's bits).
 _THREADS = 256
 
 
-def _device_sum(words):
-    global _SUM64_KERNEL
+@lru_cache(maxsize=None)
+def device_kernel(name: str, device: int):
+    """kvz_sum64, kvz_gather_sum64 or kvz_scatter_sum64 on CUDA device ``device``."""
+    from importlib.resources import files
+
     import cupy
 
-    if _SUM64_KERNEL is None:
-        _SUM64_KERNEL = cupy.RawKernel(_SUM64_SOURCE, "kvz_sum64")
+    from .gpu import loader
+
+    source = files("kvzip.gpu").joinpath("kernels", loader.SUM64).read_text()
+    with cupy.cuda.Device(device):
+        return cupy.RawModule(code=source).get_function(name)
+
+
+@lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    """Device.attributes queries every attribute of the device, ~100 calls: once per device."""
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+
+
+def device_launch(name: str, n_words: int, *args):
+    """Launch one of sum64.cu's kernels over n_words words on the current CuPy device and
+    stream; returns the 0-d uint64 total it adds into (not waited for)."""
+    import cupy
+
     total = cupy.zeros((), dtype=cupy.uint64)
-    n = words.shape[0]
-    if n:
-        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        blocks = min(-(-n // _THREADS), 8 * sms)  # enough warps in flight to saturate memory
-        _SUM64_KERNEL((blocks,), (_THREADS,), (words, cupy.uint64(n), total))
+    if n_words:
+        device = cupy.cuda.Device().id
+        blocks = min(-(-n_words // _THREADS), 8 * _sm_count(device))  # enough warps to saturate memory
+        device_kernel(name, device)((blocks,), (_THREADS,), (*args, total))
     return total
+
+
+def _device_sum(words):
+    import cupy
+
+    return device_launch("kvz_sum64", words.shape[0], words, cupy.uint64(words.shape[0]))

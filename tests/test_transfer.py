@@ -507,3 +507,44 @@ def test_a_closed_sender_frees_its_window_before_close_returns():
             with transfer.Sender(rx.address, engine="loopback", codec="raw") as tx:
                 tx.send(f"r{i}", real_layers(1)).wait(timeout=30)
             assert len(rx.receive(f"r{i}")) == 1
+
+
+def test_message_layout_zero_padding_and_digest_on_the_cpu():
+    """Buffer.gather lays parts at their offsets with zeros between (whatever the slot held) and
+    returns sum64_start of exactly those bytes; scatter takes them back out; unpack checks the
+    digest before it decodes any blob, so a corrupted message fails as corrupted."""
+    from kvzip.checksum import sum64, sum64_finish
+    from kvzip.errors import FormatError
+    from kvzip.transfer import codec
+    from kvzip.transfer.buffers import Buffer
+
+    rng = np.random.default_rng(5)
+    parts, want, end = [], bytearray(), 0
+    for n in (5, 0, 256, 3, 1000):
+        a = rng.integers(0, 256, n, dtype=np.uint8)
+        parts.append((a, end))
+        want += bytes(a) + bytes(transfer.protocol.align(end + n) - end - n)
+        end = transfer.protocol.align(end + n)
+    buf = Buffer(end + 512, "cpu")
+    buf.view(0, end + 512, "numpy")[:] = 0xEE
+    total = buf.gather(256, end, parts)
+    assert bytes(buf.view(256, end, "numpy")) == bytes(want)
+    assert sum64_finish(total, end) == sum64(np, np.frombuffer(bytes(want), np.uint8))
+    outs = [np.zeros(a.shape[0], np.uint8) for a, _ in parts]
+    assert buf.scatter(256, end, [(o, at) for o, (_, at) in zip(outs, parts)]) == total
+    assert all(np.array_equal(o, a) for o, (a, _) in zip(outs, parts))
+
+    x = np.asarray(rng.standard_normal((4, 64)), dtype=ml_dtypes.bfloat16)
+    entries, n, total = codec.pack(buf, 0, [x], codec.encode(codec.get("kvzip"), [x]), "kvzip")
+    digest = sum64_finish(total, n)
+    buf.view(0, n, "numpy")[20] ^= 0x40  # inside the blob's header: its shape or sizes
+    seen = []
+
+    def verify(t):
+        seen.append(t)
+        if sum64_finish(t, n) != digest:
+            raise FormatError("corrupted")
+
+    with pytest.raises(FormatError, match="corrupted"):
+        codec.unpack(buf, 0, n, entries, "cpu", verify)
+    assert len(seen) == 1

@@ -25,7 +25,8 @@ from . import tuning
 BASE_OPTIONS = ("-std=c++17", "-lineinfo")
 FUSED, QUANTIZE, WEIGHTS = "fused.cu", "quantize.cu", "weights.cu"
 TCA_TBE = "tca_tbe.cu"  # the weights' TCA-TBE decoder: self-contained, compiled by kvzip/weights/tca_tbe_gpu.py
-TOP_LEVEL = (FUSED, QUANTIZE, WEIGHTS, TCA_TBE)  # the sources modules are built from; the rest are headers
+SUM64 = "sum64.cu"      # sum64 and transfer messages' gather/scatter: self-contained, compiled by kvzip/checksum.py
+TOP_LEVEL = (FUSED, QUANTIZE, WEIGHTS, TCA_TBE, SUM64)  # the sources modules are built from; the rest are headers
 HEAD_KERNELS = ("kvz_gather_heads", "kvz_check_heads")
 TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
 

@@ -78,16 +78,52 @@ class Buffer:
 
         return cupy.ndarray((n,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(self._mem, offset))
 
-    def digest_start(self, offset: int, n: int, stream=None):
-        """sum64_start of bytes [offset, offset + n), queued on ``stream`` (a torch stream) on a GPU."""
+    def gather(self, offset: int, n: int, parts, stream=None):
+        """Lay out a message of n bytes (a multiple of 8) at ``offset``: each part, (a 1-D uint8
+        array, its offset in the message: a multiple of 8, increasing), copied there and zeros in
+        between; returns the message's sum64_start.  On a GPU one kernel does it all, queued on
+        ``stream`` (a torch stream) and not waited for: the parts must stay alive in that
+        stream's order (torch's allocator sees to it for memory the stream's own work made)."""
         from ..checksum import sum64_start
 
         if self._np is not None:
-            return sum64_start(np, self._np[offset:offset + n])
+            msg = self._np[offset:offset + n]
+            end = 0
+            for src, at in parts:
+                msg[end:at] = 0
+                src = src.numpy() if framework(src) == "torch" else src
+                msg[at:at + src.shape[0]] = src
+                end = at + src.shape[0]
+            msg[end:] = 0
+            return sum64_start(np, msg)
+        return self._launch("kvz_gather_sum64", offset, n, [(data_ptr(src), at, src.shape[0]) for src, at in parts],
+                            stream)
+
+    def scatter(self, offset: int, n: int, parts, stream=None):
+        """The message of n bytes at ``offset``'s sum64_start, and each part, (a 1-D uint8 array
+        to fill, its offset in the message), filled from the message; queued on ``stream`` on a
+        GPU (one kernel) and not waited for."""
+        from ..checksum import sum64_start
+
+        if self._np is not None:
+            msg = self._np[offset:offset + n]
+            for dst, at in parts:
+                (dst.numpy() if framework(dst) == "torch" else dst)[...] = msg[at:at + dst.shape[0]]
+            return sum64_start(np, msg)
+        return self._launch("kvz_scatter_sum64", offset, n, [(data_ptr(dst), at, dst.shape[0]) for dst, at in parts],
+                            stream)
+
+    def _launch(self, kernel: str, offset: int, n: int, rows: list, stream):
         import cupy
 
+        from ..checksum import device_launch
+
+        if n % 8 or any(at % 8 for _, at, _ in rows):
+            raise ValueError("a message and its parts start and end on 8-byte words")
         with _cupy_stream(stream):
-            return sum64_start(cupy, self.array(offset, n))
+            table = cupy.asarray(np.asarray(rows, dtype=np.int64).reshape(-1, 3))
+            return device_launch(kernel, n // 8, table, np.int32(len(rows)), self.array(offset, n).view(cupy.uint64),
+                                 cupy.uint64(n // 8))
 
     def view(self, offset: int, n: int, fw: str = "torch"):
         """Bytes [offset, offset + n) as a uint8 array: torch on a GPU; on the CPU, NumPy or

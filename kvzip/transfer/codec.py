@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 
 from ..formats import BY_DTYPE_NAME
 from ..pipeline import Pipeline
@@ -100,48 +99,57 @@ def encode(wire: WireCodec | None, tensors) -> list:
             for t, b in zip(tensors, wire.encode(tensors))]
 
 
-def pack(buf, base: int, tensors, blobs, wire_name: str) -> tuple[list[dict], int]:
-    """Copy each tensor's wire bytes into ``buf`` from ``base``; returns the TensorEntries (their
-    offsets relative to ``base``) and the message length."""
-    entries, end = [], 0
+def pack(buf, base: int, tensors, blobs, wire_name: str, stream=None) -> tuple[list[dict], int, object]:
+    """Lay each tensor's wire bytes out in ``buf`` from ``base`` (Buffer.gather: one pass, the
+    digest with it); returns the TensorEntries (their offsets relative to ``base``), the message
+    length and its sum64_start."""
+    entries, parts, end = [], [], 0
     for t, blob in zip(tensors, blobs):
         src = blob if blob is not None else buffers.raw_bytes(t)
         n = int(src.shape[0])
-        fw = buffers.framework(src)
-        dst = buf.view(base + end, n, fw)
-        if n:
-            if fw == "torch":
-                dst.copy_(src, non_blocking=True)
-            else:
-                np.copyto(dst, src)
+        parts.append((src, end))
         entries.append({"framework": buffers.framework(t), "dtype": buffers.dtype_name(t),
                         "shape": list(t.shape), "offset": end, "nbytes": n,
                         "codec": "raw" if blob is None else wire_name})
         end = align(end + n)
-    return entries, end
+    return entries, end, buf.gather(base, end, parts, stream)
 
 
-def unpack(buf, base: int, entries: list[dict], device: str) -> list:
-    """The tensors of a message at ``base`` in ``buf``, as new memory (never a view of ``buf``:
-    the slot is reused by the next message)."""
+def unpack(buf, base: int, nbytes: int, entries: list[dict], device: str, verify, stream=None) -> tuple[list, object]:
+    """The tensors of a message of nbytes at ``base`` in ``buf``, as new memory (never a view of
+    ``buf``: the slot is reused by the next message), and the message's sum64_start.  The raw
+    tensors are filled and the digest summed by one Buffer.scatter; the coded ones decoded by
+    their wire codec after it (on ``stream``, the current one, on a GPU).
+
+    ``verify(total)`` raises FormatError when the digest disagrees with the sender's.  A corrupted
+    message must fail as corrupted, not as whatever its damaged blobs decode to, so verify runs
+    before any decoding where the total is at hand (the CPU), and otherwise, on a GPU where it
+    would cost a synchronisation, only when decoding fails."""
     out = [None] * len(entries)
-    coded = {}
+    coded, parts = {}, []
     for i, e in enumerate(entries):
         fw = "torch" if e["framework"] == "torch" or device != "cpu" else "numpy"
-        view = buf.view(base + e["offset"], e["nbytes"], fw)
         if e["codec"] != "raw":
-            coded.setdefault((e["codec"], fw), []).append((i, view))
+            coded.setdefault((e["codec"], fw), []).append((i, buf.view(base + e["offset"], e["nbytes"], fw)))
             continue
         t = buffers.empty_like_entry(e, device)
         dst = buffers.raw_bytes(t)
         if dst.shape[0] != e["nbytes"]:
             raise ProtocolError(f"raw tensor {e['shape']} {e['dtype']} needs {dst.shape[0]} bytes, the message has {e['nbytes']}")
-        if e["nbytes"]:
-            if fw == "torch":
-                dst.copy_(view)
-            else:
-                dst[...] = view
+        parts.append((dst, e["offset"]))
         out[i] = t
+    total = buf.scatter(base, nbytes, parts, stream)
+    if device == "cpu":
+        verify(total)
+    try:
+        _decode_coded(buf, entries, coded, out)
+    except Exception:
+        verify(total)
+        raise
+    return out, total
+
+
+def _decode_coded(buf, entries: list[dict], coded: dict, out: list) -> None:
     for (name, fw), items in coded.items():
         wire = _CODECS.get(name)
         if wire is None:
@@ -155,7 +163,6 @@ def unpack(buf, base: int, entries: list[dict], device: str) -> list:
             if buf.contains(buffers.data_ptr(t)):  # guard the ring invariant above
                 t = t.clone() if fw == "torch" else t.copy()
             out[i] = t
-    return out
 
 
 # ---- codec="auto" ----------------------------------------------------------------------------

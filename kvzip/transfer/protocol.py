@@ -8,9 +8,9 @@ an object with a ``"kind"`` field.  Frames over MAX_FRAME bytes are refused befo
     sender -> receiver   begin   {req, n_layers, codec}
     receiver -> sender   accept  {req}  |  reject {req, why}
     sender -> receiver   data    {req, slot, nbytes, digest, layers: [{index, tuple, tensors: [TensorEntry]}]}
-    receiver -> sender   credit  {slot, decode_s}          the slot is free again
+    receiver -> sender   credit  {slot}                    the slot is free again
     sender -> receiver   end     {req, layers}              every layer of req was sent
-    receiver -> sender   done    {req}  |  failed {req, why, error}
+    receiver -> sender   done    {req, decode_s, timeline}  |  failed {req, why, error}
     sender -> receiver   cancel  {req}
 
 A TensorEntry is {framework, dtype, shape, offset, nbytes, codec}: the tensor's bytes (a kvzip

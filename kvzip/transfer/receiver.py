@@ -45,6 +45,7 @@ class _Incoming:
         self.abandoned = False
         self.conn: "_Connection | None" = None
         self.decode_s = 0.0
+        self.timeline: list[dict] = []  # per message: perf_counter marks of its arrival and decode
 
     def complete(self) -> bool:
         return self.ended and self.n_layers is not None and len(self.layers) == self.n_layers
@@ -257,9 +258,9 @@ class _Connection:
                 self._begin(msg)
             elif kind == "data":
                 check_data(msg, slots, self.rx.slot_bytes, codec.known())
-                self._work.put(msg)
+                self._work.put((msg, now()))
             elif kind == "end":
-                self._work.put(msg)  # in order after the request's data
+                self._work.put((msg, now()))  # in order after the request's data
             elif kind == "cancel":
                 inc = self._requests.pop(req, None)
                 if inc is not None:
@@ -282,9 +283,10 @@ class _Connection:
 
     def _decode(self) -> None:
         while True:
-            msg = self._work.get()
-            if msg is None:
+            item = self._work.get()
+            if item is None:
                 return
+            msg, received = item
             inc = self._requests.get(msg["req"])
             if msg["kind"] == "end":
                 if inc is not None and not inc.done.is_set():
@@ -294,9 +296,11 @@ class _Connection:
             slot = msg["slot"]
             try:
                 if inc is not None and not inc.abandoned and not inc.done.is_set():
-                    t0 = now()
-                    self._store(inc, msg)
-                    inc.decode_s += now() - t0
+                    marks = {"received": received, "decode_from": now()}
+                    self._store(inc, msg, marks)
+                    marks["decoded"] = now()
+                    inc.decode_s += marks["decoded"] - marks["decode_from"]
+                    inc.timeline.append(marks)
             except FormatError as e:
                 self._fail(inc, e, "FormatError")
             except (ProtocolError, TypeError, ValueError) as e:
@@ -304,21 +308,27 @@ class _Connection:
             finally:
                 self.chan.send("credit", slot=slot)
 
-    def _store(self, inc: _Incoming, msg: dict) -> None:
+    def _store(self, inc: _Incoming, msg: dict, marks: dict) -> None:
         base = (self.window[0] + msg["slot"]) * self.rx.slot_bytes
         entries = [e for layer in msg["layers"] for e in layer["tensors"]]
         ring = self.rx._ring
+
+        def verify(total):
+            if self._stream is not None:
+                self._stream.synchronize()
+            _check_digest(total, msg)
+
         if self._stream is None:
-            _check_digest(ring.digest_start(base, msg["nbytes"]), msg)
-            tensors = codec.unpack(ring, base, entries, "cpu")
+            tensors, total = codec.unpack(ring, base, msg["nbytes"], entries, "cpu", verify)
+            marks["unpacked"] = now()
         else:
             import torch
 
-            total = ring.digest_start(base, msg["nbytes"], self._stream)
             with torch.cuda.stream(self._stream):
-                tensors = codec.unpack(ring, base, entries, self.rx.device)
-            self._stream.synchronize()  # the slot is read and the tensors written before the credit
-            _check_digest(total, msg)
+                tensors, total = codec.unpack(ring, base, msg["nbytes"], entries, self.rx.device, verify,
+                                              self._stream)
+            marks["unpacked"] = now()
+        verify(total)  # the slot is read and the tensors written before the credit goes back
         k = 0
         for layer in msg["layers"]:
             i, n = layer["index"], len(layer["tensors"])
@@ -333,7 +343,7 @@ class _Connection:
         self._requests.pop(inc.req, None)
         if inc.complete():
             self.rx._finish(inc, None)
-            self.send_quietly("done", req=inc.req, decode_s=inc.decode_s)
+            self.send_quietly("done", req=inc.req, decode_s=inc.decode_s, timeline=inc.timeline)
         else:
             missing = inc.n_layers - len(inc.layers)
             self._fail(inc, ProtocolError(f"request {inc.req!r} ended with {missing} of its {inc.n_layers} layers missing"),

@@ -64,7 +64,7 @@ class SendHandle:
         self._lock = threading.Lock()
         self.stats = {"request": req, "codec": codec_name, "layers": n_layers, "groups": 0,
                       "raw_bytes": 0, "sent_bytes": 0, "encode_s": 0.0, "decode_s": 0.0,
-                      "write_s": 0.0, "start": now(), "end": None}
+                      "write_s": 0.0, "start": now(), "end": None, "timeline": []}
 
     # -- caller side
     def send_layer(self, index: int, *tensors) -> None:
@@ -351,14 +351,16 @@ class Sender:
                 continue
             if h.done:  # cancelled or failed while queued
                 continue
+            queued = now()
             slot = self._take(self._free_staging, "a free staging slot")
             tensors = [t for _, ts, _ in layers for t in ts]
             wire = None if h.codec == "raw" else h._wire
             base = slot * self.slot_bytes
             t0 = now()
             if self._device == "cpu":
-                entries, nbytes = codec.pack(self._staging, base, tensors, codec.encode(wire, tensors), h.codec)
-                total = self._staging.digest_start(base, nbytes)
+                blobs = codec.encode(wire, tensors)
+                coded = now()
+                entries, nbytes, total = codec.pack(self._staging, base, tensors, blobs, h.codec)
                 events = None
             else:
                 import torch
@@ -369,17 +371,20 @@ class Sender:
                             self._stream.wait_event(fence)
                     events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                     events[0].record(self._stream)
-                    entries, nbytes = codec.pack(self._staging, base, tensors, codec.encode(wire, tensors), h.codec)
-                    total = self._staging.digest_start(base, nbytes, self._stream)
+                    blobs = codec.encode(wire, tensors)
+                    coded = now()
+                    entries, nbytes, total = codec.pack(self._staging, base, tensors, blobs, h.codec, self._stream)
                     events[1].record(self._stream)
-            host_s = now() - t0
+            packed = now()
+            host_s = packed - t0
+            marks = {"queued": queued, "slot": t0, "coded": coded, "packed": packed}
             h._progress += 1
             msg_layers, k = [], 0
             for index, ts, _ in layers:
                 msg_layers.append({"index": index, "tuple": len(ts) > 1, "tensors": entries[k:k + len(ts)]})
                 k += len(ts)
             raw = sum(buffers.nbytes(t) for t in tensors)
-            self._to_write.put(("group", h, (slot, nbytes, msg_layers, raw, events, host_s, total)))
+            self._to_write.put(("group", h, (slot, nbytes, msg_layers, raw, events, host_s, total, marks)))
 
     def _write(self) -> None:
         while True:
@@ -388,31 +393,33 @@ class Sender:
                 return
             kind, h, work = item
             if kind == "end":
-                self._to_notify.put((0.0, "end", h, None))
+                self._to_notify.put((0.0, "end", h, None, None))
                 continue
-            slot, nbytes, layers, raw, events, encode_s, total = work
+            slot, nbytes, layers, raw, events, encode_s, total, marks = work
             if events is not None:  # the encode's span on its stream, if longer than its host time
                 events[1].synchronize()
                 encode_s = max(encode_s, events[0].elapsed_time(events[1]) / 1e3)
+            marks["encoded"] = now()
             if h.done:  # cancelled or failed while queued
                 self._free_staging.put(slot)
                 continue
             if not h._accepted.wait(self.timeout):
                 raise TransferError(f"receiver did not accept request {h.request!r} within {self.timeout} s")
             remote = self._take(self._free_remote, "a credit (a free slot in the receiver's ring)")
-            start = now()
+            start = marks["credit"] = now()
             try:
                 self._engine.write(self._peer, self._staging.ptr + slot * self.slot_bytes,
                                    self._remote_base + remote * self.slot_bytes, nbytes)
             except EngineError as e:
                 raise TransferError(f"writing request {h.request!r} to {self.address} failed: {e}") from None
-            written = now()
+            written = marks["written"] = now()
+            s = h.stats
             self._free_staging.put(slot)
-            arrival = self._pacer.arrival(nbytes, start, written) if self._pacer else written
+            arrival = marks["arrival"] = self._pacer.arrival(nbytes, start, written) if self._pacer else written
+            s["timeline"].append(marks)
             if self._pacer is None:  # what the engine really moves, whatever the bytes are
                 self._auto.observe_link(nbytes, written - start)
             h._progress += 1
-            s = h.stats
             s["groups"] += 1
             s["raw_bytes"] += raw
             s["sent_bytes"] += nbytes
@@ -420,19 +427,20 @@ class Sender:
             s["write_s"] += written - start
             digest = f"{sum64_finish(total, nbytes):016x}"  # ready: the encode's stream is synchronised
             self._to_notify.put((arrival, "data", h, {"req": h.request, "slot": remote, "nbytes": nbytes,
-                                                     "digest": digest, "layers": layers}))
+                                                     "digest": digest, "layers": layers}, marks))
 
     def _notify(self) -> None:
         while True:
             item = self._to_notify.get()
             if item is None:
                 return
-            arrival, kind, h, msg = item
+            arrival, kind, h, msg, marks = item
             if kind == "end":
                 self._chan.send("end", req=h.request, layers=h.n_layers)
                 continue
             wait_until(arrival)
             if not h.done:
+                marks["notified"] = now()
                 self._chan.send("data", **msg)
             else:  # the receiver will not read it: the slot is free again
                 self._free_remote.put(msg["slot"])
@@ -459,6 +467,7 @@ class Sender:
                 self._end(h, TransferError(f"receiver rejected request {h.request!r}: {msg.get('why')}"))
             elif kind == "done":
                 h.stats["decode_s"] = float(msg.get("decode_s", 0.0))
+                h.stats["receiver_timeline"] = msg.get("timeline") if isinstance(msg.get("timeline"), list) else []
                 if h.codec in ("raw", "kvzip") and self._auto is not None:
                     s = h.stats
                     self._auto.observe(h.codec, s["raw_bytes"], s["sent_bytes"], s["groups"], s["encode_s"], s["decode_s"])

@@ -29,6 +29,51 @@ def same(a, b):
                and torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b))
 
 
+def message_parts(device, seed):
+    """Parts of random lengths (0 and non-multiples of 8 among them) at odd source addresses,
+    and the offsets a message gives them (kvzip.transfer.protocol.align)."""
+    from kvzip.transfer.protocol import align
+
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randint(0, 256, (1 << 20,), generator=g, dtype=torch.uint8).to(device)
+    parts, end = [], 0
+    for k in range(int(torch.randint(1, 40, (1,), generator=g))):
+        n = int(torch.randint(0, 20000, (1,), generator=g)) if k % 5 else 0
+        start = int(torch.randint(0, pool.shape[0] - n, (1,), generator=g))
+        parts.append((pool[start:start + n], end))  # any alignment
+        end = align(end + n)
+    return parts, end
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gather_and_scatter_kernels_give_the_cpu_bytes_and_digest(seed):
+    """Buffer.gather / scatter on a GPU (kvz_gather_sum64 / kvz_scatter_sum64) against the CPU
+    Buffer's NumPy copies and sum64, which are the specification."""
+    from kvzip.checksum import sum64_finish
+    from kvzip.transfer.buffers import Buffer
+
+    parts, n = message_parts("cuda", seed)
+    host_parts = [(p.cpu(), at) for p, at in parts]
+    gpu, cpu = Buffer(n + 4096, "cuda"), Buffer(n + 4096, "cpu")
+    gpu.view(0, n + 4096).fill_(0xAB)  # stale bytes: the padding must come out zero
+    cpu.view(0, n + 4096).fill_(0xCD)
+    base = 256 * (seed % 3)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the parts and the fill were made there
+    t_gpu = gpu.gather(base, n, parts, stream)
+    t_cpu = cpu.gather(base, n, host_parts)
+    stream.synchronize()
+    assert torch.equal(gpu.view(base, n).cpu(), cpu.view(base, n))
+    assert sum64_finish(t_gpu, n) == sum64_finish(t_cpu, n)
+    # scatter into fresh tensors at odd addresses, from the message just built
+    outs = [torch.zeros(p.shape[0] + 3, dtype=torch.uint8, device="cuda")[3:] for p, _ in parts]
+    stream.wait_stream(torch.cuda.current_stream())
+    t_back = gpu.scatter(base, n, [(o, at) for o, (_, at) in zip(outs, parts)], stream)
+    stream.synchronize()
+    assert sum64_finish(t_back, n) == sum64_finish(t_cpu, n)
+    assert all(torch.equal(o, p) for o, (p, _) in zip(outs, parts))
+
+
 @pytest.mark.parametrize("codec", ["kvzip", "raw", "auto"])
 def test_loopback_cuda_round_trip(codec):
     layers = real_layers()
