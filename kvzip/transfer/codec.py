@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 
-
 from ..formats import BY_DTYPE_NAME
 from ..pipeline import Pipeline
 from . import buffers
