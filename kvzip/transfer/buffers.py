@@ -69,6 +69,7 @@ class Buffer:
             arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(self._mem, 0))
             self._torch = torch.as_tensor(arr, device=f"cuda:{index}")
             self._np = None
+            self._tables: dict[int, list] = {}  # message offset -> [pinned host, device table, copy event]
 
     def array(self, offset: int, n: int):
         """Bytes [offset, offset + n) as a NumPy (CPU) or CuPy (GPU) uint8 array."""
@@ -120,10 +121,32 @@ class Buffer:
 
         if n % 8 or any(at % 8 for _, at, _ in rows):
             raise ValueError("a message and its parts start and end on 8-byte words")
-        with _cupy_stream(stream):
-            table = cupy.asarray(np.asarray(rows, dtype=np.int64).reshape(-1, 3))
+        with _cupy_stream(stream) as s:
+            table = self._part_table(offset, rows, s)
             return device_launch(kernel, n // 8, table, np.int32(len(rows)), self.array(offset, n).view(cupy.uint64),
                                  cupy.uint64(n // 8))
+
+    def _part_table(self, offset: int, rows: list, stream):
+        """The part table on the device, copied on ``stream`` from pinned host memory of its own
+        per message offset.  A copy from pageable memory would make the host wait for all the
+        stream's earlier work (CUDA synchronises the stream before such a copy), which is the
+        encode this message is built from."""
+        import cupy
+        import cupyx
+
+        held = self._tables.get(offset)
+        if held is None or held[0].shape[0] < len(rows):
+            cap = 1 << max(6, (len(rows) - 1).bit_length())
+            held = self._tables[offset] = [cupyx.empty_pinned((cap, 3), np.int64), cupy.empty((cap, 3), cupy.int64),
+                                           None]
+        host, dev, copied = held
+        if copied is not None:
+            copied.synchronize()  # the last copy out of this host table has run: it may be rewritten
+        if rows:
+            host[:len(rows)] = rows
+            dev[:len(rows)].set(host[:len(rows)], stream=stream)
+        held[2] = stream.record()
+        return dev
 
     def view(self, offset: int, n: int, fw: str = "torch"):
         """Bytes [offset, offset + n) as a uint8 array: torch on a GPU; on the CPU, NumPy or
