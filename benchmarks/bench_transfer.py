@@ -205,7 +205,7 @@ def transports_of(args) -> list[str]:
     """The real links this run measures (emulated rates are paced on the first)."""
     if args.engine == "torch":
         return ["gloo" if args.device == "cpu" else "nccl"]
-    got = ["ipc", "tcp"] if args.device != "cpu" else ["tcp"]
+    got = ["tcp", "ipc"] if args.device != "cpu" else ["tcp"]  # tcp (short requests only) before the time budget runs out
     if args.only_tcp:
         got = ["tcp"]
     if args.no_tcp:

@@ -37,6 +37,14 @@ def raw_bytes(t):
     return np.ascontiguousarray(t).reshape(-1).view(np.uint8)
 
 
+def message_bytes(t, device: str):
+    """What Buffer.gather / scatter on ``device`` copies for tensor t: on a GPU the tensor itself
+    when its memory is its bytes (contiguous, no lazy bits), else (and on the CPU) raw_bytes."""
+    if device != "cpu" and framework(t) == "torch" and t.is_contiguous() and not t.is_neg() and not t.is_conj():
+        return t
+    return raw_bytes(t)
+
+
 def nbytes(t) -> int:
     return math.prod(t.shape) * t.element_size() if framework(t) == "torch" else t.nbytes
 
@@ -81,8 +89,8 @@ class Buffer:
 
     def gather(self, offset: int, n: int, parts, stream=None):
         """Lay out a message of n bytes (a multiple of 8) at ``offset``: each part, (a 1-D uint8
-        array, its offset in the message: a multiple of 8, increasing), copied there and zeros in
-        between; returns the message's sum64_start.  On a GPU one kernel does it all, queued on
+        array, or on a GPU any contiguous tensor without lazy bits, and its offset in the message:
+        a multiple of 8, increasing), copied there and zeros in between; returns the message's sum64_start.  On a GPU one kernel does it all, queued on
         ``stream`` (a torch stream) and not waited for: the parts must stay alive in that
         stream's order (torch's allocator sees to it for memory the stream's own work made)."""
         from ..checksum import sum64_start
@@ -97,8 +105,7 @@ class Buffer:
                 end = at + src.shape[0]
             msg[end:] = 0
             return sum64_start(np, msg)
-        return self._launch("kvz_gather_sum64", offset, n, [(data_ptr(src), at, src.shape[0]) for src, at in parts],
-                            stream)
+        return self._launch("kvz_gather_sum64", offset, n, [(*_span(src), at) for src, at in parts], stream)
 
     def scatter(self, offset: int, n: int, parts, stream=None):
         """The message of n bytes at ``offset``'s sum64_start, and each part, (a 1-D uint8 array
@@ -111,15 +118,14 @@ class Buffer:
             for dst, at in parts:
                 (dst.numpy() if framework(dst) == "torch" else dst)[...] = msg[at:at + dst.shape[0]]
             return sum64_start(np, msg)
-        return self._launch("kvz_scatter_sum64", offset, n, [(data_ptr(dst), at, dst.shape[0]) for dst, at in parts],
-                            stream)
+        return self._launch("kvz_scatter_sum64", offset, n, [(*_span(dst), at) for dst, at in parts], stream)
 
     def _launch(self, kernel: str, offset: int, n: int, rows: list, stream):
         import cupy
 
         from ..checksum import device_launch
 
-        if n % 8 or any(at % 8 for _, at, _ in rows):
+        if n % 8 or any(at % 8 for *_, at in rows):
             raise ValueError("a message and its parts start and end on 8-byte words")
         with _cupy_stream(stream) as s:
             table = self._part_table(offset, rows, s)
@@ -143,7 +149,7 @@ class Buffer:
         if copied is not None:
             copied.synchronize()  # the last copy out of this host table has run: it may be rewritten
         if rows:
-            host[:len(rows)] = rows
+            host[:len(rows)] = [(ptr, at, n) for ptr, n, at in rows]  # sum64.cu's row: address, offset, length
             dev[:len(rows)].set(host[:len(rows)], stream=stream)
         held[2] = stream.record()
         return dev
@@ -172,6 +178,15 @@ def _cupy_stream(stream):
         return cupy.cuda.Stream.from_external(stream)
     except (AttributeError, TypeError):  # CuPy 13, or a torch without the stream protocol
         return cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
+
+
+def _span(a) -> tuple[int, int]:
+    """(address, length in bytes) of a GPU part: a 1-D uint8 array or tensor, or any contiguous
+    torch tensor without lazy bits, whose memory is its bytes (no views made: on the GPU host
+    every torch call costs several microseconds, per tensor of a message)."""
+    if framework(a) == "torch":
+        return a.data_ptr(), a.nbytes
+    raise TypeError(f"a GPU message part must be a torch tensor, not {type(a).__name__}")
 
 
 def data_ptr(a) -> int:

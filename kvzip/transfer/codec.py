@@ -104,8 +104,8 @@ def pack(buf, base: int, tensors, blobs, wire_name: str, stream=None) -> tuple[l
     length and its sum64_start."""
     entries, parts, end = [], [], 0
     for t, blob in zip(tensors, blobs):
-        src = blob if blob is not None else buffers.raw_bytes(t)
-        n = int(src.shape[0])
+        src = blob if blob is not None else buffers.message_bytes(t, buf.device)
+        n = buffers.nbytes(src)
         parts.append((src, end))
         entries.append({"framework": buffers.framework(t), "dtype": buffers.dtype_name(t),
                         "shape": list(t.shape), "offset": end, "nbytes": n,
@@ -132,9 +132,10 @@ def unpack(buf, base: int, nbytes: int, entries: list[dict], device: str, verify
             coded.setdefault((e["codec"], fw), []).append((i, buf.view(base + e["offset"], e["nbytes"], fw)))
             continue
         t = buffers.empty_like_entry(e, device)
-        dst = buffers.raw_bytes(t)
-        if dst.shape[0] != e["nbytes"]:
-            raise ProtocolError(f"raw tensor {e['shape']} {e['dtype']} needs {dst.shape[0]} bytes, the message has {e['nbytes']}")
+        dst = buffers.message_bytes(t, buf.device)
+        if buffers.nbytes(dst) != e["nbytes"]:
+            raise ProtocolError(f"raw tensor {e['shape']} {e['dtype']} needs {buffers.nbytes(dst)} bytes, "
+                                f"the message has {e['nbytes']}")
         parts.append((dst, e["offset"]))
         out[i] = t
     total = buf.scatter(base, nbytes, parts, stream)
