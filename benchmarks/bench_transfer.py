@@ -124,12 +124,16 @@ def nvcomp_codec():
             return out
 
         def decode(self, views, entries):
+            # Into torch memory, as the other codecs' outputs are: a 40 GiB request's outputs in
+            # CuPy's pool beside torch's cache of the previous request's would not fit one GPU.
             out = []
             for v, e in zip(views, entries):
                 d = self.codec.decode(nvcomp.as_array(cupy.asarray(v)))
                 cupy.cuda.Device().synchronize()
-                bits = cupy.asarray(d).view(cupy.int16).reshape(e["shape"]).copy()
-                out.append(torch.as_tensor(bits, device=v.device).view(torch.bfloat16))
+                t = torch.empty(e["shape"], dtype=torch.bfloat16, device=v.device)
+                cupy.asarray(t.view(torch.int16)).reshape(-1)[...] = cupy.asarray(d).view(cupy.int16).reshape(-1)
+                out.append(t)
+            cupy.cuda.Device().synchronize()
             return out
 
     return NvcompAns()
@@ -265,7 +269,9 @@ def stage_breakdown(stats: dict) -> dict:
 def run_link(tx, peer, layers, want: str, link, link_gbps, codecs, reps, tag, log, stages=False) -> list[dict]:
     rows = []
     for rep in range(reps):
-        for c in codecs:
+        # Each rep starts one codec further on, so no codec always follows the same one (a
+        # request's allocations land in the receiver's caches as the previous request left them).
+        for c in codecs[rep % len(codecs):] + codecs[:rep % len(codecs)]:
             name = f"{tag}-{link}-{c}-{rep}"
             peer.expect(name)
             t0 = time.perf_counter()
