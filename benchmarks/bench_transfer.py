@@ -217,6 +217,11 @@ def transports_of(args) -> list[str]:
     return got
 
 
+def paced_transport(args) -> str:
+    """The real link the emulated rates are paced on: the first measured that is not TCP."""
+    return next((t for t in transports_of(args) if t != "tcp"), "tcp")
+
+
 def engine_env(transport: str) -> dict:
     env = dict(os.environ)
     env.pop("MC_FORCE_TCP", None)
@@ -342,7 +347,7 @@ def sender_main(args) -> int:
            "versions": _versions(), "args": vars(args), "codecs": codecs,
            "mps": bool(args.mps and args.device != "cpu"),
            "engine": args.engine, "gpus": args.gpus,
-           "emulation": f"links given in GB/s are emulated: real {args.engine} writes ({transports_of(args)[0]}, "
+           "emulation": f"links given in GB/s are emulated: real {args.engine} writes ({paced_transport(args)}, "
                         f"{'GPU 0 to GPU 1' if args.gpus == 2 else 'one device'}) paced by a token bucket over the "
                         "bytes sent; 'ipc', 'nccl' and 'gloo' are those writes unpaced; 'tcp' is Mooncake's real "
                         "TCP transport, unemulated",
