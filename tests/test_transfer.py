@@ -548,3 +548,19 @@ def test_message_layout_zero_padding_and_digest_on_the_cpu():
     with pytest.raises(FormatError, match="corrupted"):
         codec.unpack(buf, 0, n, entries, "cpu", verify)
     assert len(seen) == 1
+
+
+def test_stats_carry_each_groups_marks_from_both_sides(link):
+    """stats["timeline"] (sender) and stats["receiver_timeline"] hold one entry per group, each
+    mark at or after the one before it on its side (one host: one clock)."""
+    rx, sender = link
+    tx = sender(codec="kvzip")
+    stats = tx.send("t", real_layers()).wait(timeout=60)
+    rx.receive("t")
+    tx_marks = ("queued", "slot", "coded", "packed", "encoded", "credit", "written", "arrival", "notified")
+    rx_marks = ("received", "decode_from", "unpacked", "decoded")
+    assert len(stats["timeline"]) == len(stats["receiver_timeline"]) == stats["groups"] >= 2
+    for mine, theirs in zip(stats["timeline"], stats["receiver_timeline"]):
+        assert [mine[k] for k in tx_marks] == sorted(mine[k] for k in tx_marks)
+        assert [theirs[k] for k in rx_marks] == sorted(theirs[k] for k in rx_marks)
+        assert theirs["decoded"] >= mine["written"]

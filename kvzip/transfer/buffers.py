@@ -90,9 +90,10 @@ class Buffer:
     def gather(self, offset: int, n: int, parts, stream=None):
         """Lay out a message of n bytes (a multiple of 8) at ``offset``: each part, (a 1-D uint8
         array, or on a GPU any contiguous tensor without lazy bits, and its offset in the message:
-        a multiple of 8, increasing), copied there and zeros in between; returns the message's sum64_start.  On a GPU one kernel does it all, queued on
-        ``stream`` (a torch stream) and not waited for: the parts must stay alive in that
-        stream's order (torch's allocator sees to it for memory the stream's own work made)."""
+        a multiple of 8, increasing), copied there and zeros in between; returns the message's
+        sum64_start.  On a GPU one kernel does it all, queued on ``stream`` (a torch stream) and
+        not waited for: the parts must stay alive in that stream's order (torch's allocator sees
+        to it for memory the stream's own work made)."""
         from ..checksum import sum64_start
 
         if self._np is not None:
@@ -181,9 +182,9 @@ def _cupy_stream(stream):
 
 
 def _span(a) -> tuple[int, int]:
-    """(address, length in bytes) of a GPU part: a 1-D uint8 array or tensor, or any contiguous
-    torch tensor without lazy bits, whose memory is its bytes (no views made: on the GPU host
-    every torch call costs several microseconds, per tensor of a message)."""
+    """(address, length in bytes) of a GPU part: a torch tensor whose memory is its bytes (a
+    uint8 blob, or a contiguous tensor without lazy bits), taken as it is because on the GPU
+    host every torch call that made a byte view would cost microseconds a tensor."""
     if framework(a) == "torch":
         return a.data_ptr(), a.nbytes
     raise TypeError(f"a GPU message part must be a torch tensor, not {type(a).__name__}")

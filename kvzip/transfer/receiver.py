@@ -29,6 +29,8 @@ from .protocol import VERSION, Channel, ProtocolError, TransferError, check_data
 log = logging.getLogger("kvzip.transfer")
 
 DEFAULT_SLOT = {"cpu": 32 << 20, "cuda": 64 << 20}
+TIMELINE_MESSAGES = 1024  # a request's first messages whose marks go back in "done" (~150 bytes each,
+                          # well inside protocol.MAX_FRAME)
 DEFAULT_SLOTS = 4
 
 
@@ -300,7 +302,8 @@ class _Connection:
                     self._store(inc, msg, marks)
                     marks["decoded"] = now()
                     inc.decode_s += marks["decoded"] - marks["decode_from"]
-                    inc.timeline.append(marks)
+                    if len(inc.timeline) < TIMELINE_MESSAGES:
+                        inc.timeline.append(marks)
             except FormatError as e:
                 self._fail(inc, e, "FormatError")
             except (ProtocolError, TypeError, ValueError) as e:
