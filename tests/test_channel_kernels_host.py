@@ -15,10 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import kvzip
 from kvzip import channel_codebook as cc
 from kvzip import testing as kt
-from kvzip.errors import FormatError
 from kvzip.formats import FORMATS
 from kvzip.gpu import loader, tuning
 from kvzip.stages import channel_pack_cpu
