@@ -10,10 +10,12 @@ median of REPEAT after warm-up: kvzip.bench._timer) of kvzip.compress / decompre
 ratio mode (every run checked lossless), and of nvCOMP's codecs on the same bytes where
 nvidia.nvcomp imports (kvzip.bench.bench_nvcomp: ANS with data_type '<f2', ANS on bytes,
 Bitcomp, Cascaded, LZ4, GDeflate, Zstd), BF16 at both sizes, the FP8 formats at 2^24.
---quick: 2^24 only, BF16 and E5M2, fewer repeats, no nvCOMP (under a minute).
+--quick: 2^24 only, BF16 and E5M2, fewer repeats, no nvCOMP (under a minute).  --replot JSON:
+redraw the PNG of a results file (one cut short before its plot, say).
 
-Writes OUT/ratio-mode-h200.json (gpu, date, commit, versions, every figure) and
-OUT/ratio-mode-h200.png (ratio against throughput, one point a codec, encode and decode).
+Writes OUT/ratio-mode-h200.json (gpu, date, commit, versions, every figure; rewritten after each
+row) and OUT/ratio-mode-h200.png (ratio against throughput, one point a codec, encode and
+decode) at the end.
 """
 from __future__ import annotations
 
@@ -47,6 +49,9 @@ def run(sizes, formats, repeat, nvcomp_at, out_dir):
            "versions": _versions(cupy), "repeat": repeat, "data": "kvzip.data sample (real SmolLM2-135M KV) tiled, "
            f"shape [-1, {HEAD_DIM}]; FP8 = QuantizeFP8 once on the CPU", "runs": {}}
     timeit, nv_timeit = _timer(cupy, repeat), _timer(cupy, 3, 1)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "ratio-mode-h200.json"
     for log2 in sizes:
         n = 1 << log2
         host = _sample_bits(n)
@@ -60,10 +65,7 @@ def run(sizes, formats, repeat, nvcomp_at, out_dir):
                 row["nvcomp"], res["versions"]["nvcomp"] = bench_nvcomp(cupy, nv_timeit, x.reshape(-1).view(cupy.uint16))
                 print("   nvcomp", row["nvcomp"], flush=True)
             del x
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "ratio-mode-h200.json"
-    path.write_text(json.dumps(res, indent=1))
+            path.write_text(json.dumps(res, indent=1))  # after every row: a cut-short run keeps what it measured
     plot(res, out / "ratio-mode-h200.png")
     print("wrote", path)
     return res
@@ -112,8 +114,11 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG beside a results JSON")
     a = ap.parse_args(argv)
-    if a.quick:
+    if a.replot:
+        plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
+    elif a.quick:
         run((24,), ("bf16", "e5m2"), min(a.repeat, 5), set(), a.out)
     else:
         nv = {("bf16", 24), ("bf16", 28), ("e5m2", 24), ("e4m3", 24)}
