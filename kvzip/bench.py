@@ -67,14 +67,15 @@ def _sample_bits(n):
     return np.resize(sample, n)
 
 
-def e5m2_bits(bf16_bits, n):
-    """E5M2 values: the start of the BF16 sample quantized once (per-tensor scale) on the CPU, tiled to n."""
+def e5m2_bits(bf16_bits, n, fp8="e5m2"):
+    """E5M2 (or fp8's) values: the start of the BF16 sample quantized once (per-tensor scale) on
+    the CPU, tiled to n."""
     from kvzip import stages as S
     from kvzip.backends import get_backend
     from kvzip.frame import Frame
 
     m = min(1 << 22, bf16_bits.shape[0])
-    fr = S.QuantizeFP8("e5m2").encode(Frame(get_backend("cpu"), {"data": bf16_bits[:m]},
+    fr = S.QuantizeFP8(fp8).encode(Frame(get_backend("cpu"), {"data": bf16_bits[:m]},
                                             {"dtype": "bfloat16", "shape": [m], "n": m, "format": "bf16"}))
     return np.resize(fr.streams["data"], n)
 
@@ -88,12 +89,13 @@ def widened_bits(bf16_bits, n, dtype):
 
 
 def format_bits(fmt: str, host, n):
-    """The bench's input in format fmt ("bf16", "e5m2", "fp16" or "fp32") as raw bits (NumPy):
-    host (the tiled BF16 sample, _sample_bits(n)) itself, quantized once to E5M2, or converted."""
+    """The bench's input in format fmt ("bf16", "e5m2", "e4m3", "fp16" or "fp32") as raw bits
+    (NumPy): host (the tiled BF16 sample, _sample_bits(n)) itself, quantized once to FP8, or
+    converted."""
     if fmt == "bf16":
         return host
-    if fmt == "e5m2":
-        return e5m2_bits(host, n)
+    if fmt in ("e5m2", "e4m3"):
+        return e5m2_bits(host, n, fmt)
     return widened_bits(host, n, {"fp16": np.float16, "fp32": np.float32}[fmt])
 
 

@@ -12,8 +12,10 @@ exp_high the other E - 3.
 
 Streams (docs/format.md section 15 is their normative description): tables, codes, rest,
 esc_count, sec_count, sec_codes, esc_pos, esc_exp, exp_high.  The CPU kernels are in
-stages/channel_pack_cpu.py; on a GPU backend the stage runs them on the host (no CUDA kernels
-yet: the fused GPU executor does not take this pipeline, kvzip/gpu/executor.py ``takes``).
+stages/channel_pack_cpu.py (the reference); on a CUDA backend with CuPy arrays the stage runs
+kvzip/gpu/channel_pack.py's CUDA kernels on the device, which give the same bytes and the same
+errors (under the Numba simulator it runs the CPU kernels on the host).  The fused GPU executor
+does not take this pipeline (kvzip/gpu/executor.py ``takes``): it runs stage by stage.
 """
 from __future__ import annotations
 
@@ -32,6 +34,12 @@ MAX_CHUNK = 32768  # a chunk's second-level count is a uint16: at most 32768 val
 VARIABLE_STREAMS = (("sec_codes", np.uint8), ("esc_pos", np.uint16), ("esc_exp", np.uint8), ("exp_high", np.uint8))
 
 
+def on_device(backend) -> bool:
+    """Whether the stage runs kvzip/gpu/channel_pack.py's CUDA kernels: CuPy arrays on a real GPU
+    (the Numba simulator's CUDA backend holds NumPy arrays: the CPU kernels then)."""
+    return backend.name == "cuda" and not backend.simulated
+
+
 @register
 class ChannelPack(Stage):
     id = "channel_pack"
@@ -48,8 +56,13 @@ class ChannelPack(Stage):
 
     def encode(self, frame: Frame) -> Frame:
         fmt, backend, n, C = frame.format, frame.backend, frame.n, self.chunk
-        src = backend.to_numpy(frame.expect("data", fmt.uint_dtype, n))
+        data = frame.expect("data", fmt.uint_dtype, n)
         channels = channels_of(frame.meta["shape"])
+        if on_device(backend):
+            from kvzip.gpu import channel_pack as gpu
+
+            return frame.replace(drop=("data",), **gpu.encode(data, n, fmt, channels, C))
+        src = backend.to_numpy(data)
         tables = rank_tables(channel_pack_cpu.histogram(src, fmt, channels)).reshape(-1)
         G, nchunks = groups(n), -(-n // C)
         codes, rest = np.empty(CODE_BITS * G, np.uint8), np.empty(fmt.rest_bits * G, np.uint8)
@@ -63,37 +76,46 @@ class ChannelPack(Stage):
         return frame.replace(drop=("data",), **streams)
 
     def check(self, frame: Frame) -> dict:
-        """The streams as NumPy arrays, after checking their dtypes, the lengths n implies and the
-        tables (the per-chunk counts are checked by the decode kernels)."""
+        """The streams, on the frame's backend, after checking their dtypes, the lengths n implies
+        and the tables (copied to the host for it; the per-chunk counts are checked by the decode
+        kernels)."""
         fmt, n = frame.format, frame.n
-        to_numpy = frame.backend.to_numpy
         G = groups(n)
         # The codes stream's length bounds n by the blob's size: checked before anything is sized by n.
-        out = {"codes": to_numpy(frame.expect("codes", np.uint8, CODE_BITS * G))}
+        out = {"codes": frame.expect("codes", np.uint8, CODE_BITS * G)}
         channels = channels_of(frame.meta["shape"])
-        out["rest"] = to_numpy(frame.expect("rest", np.uint8, fmt.rest_bits * G))
-        out["tables"] = to_numpy(frame.expect("tables", np.uint8, channels * TABLE_WIDTH))
+        out["rest"] = frame.expect("rest", np.uint8, fmt.rest_bits * G)
+        out["tables"] = frame.expect("tables", np.uint8, channels * TABLE_WIDTH)
         nchunks = -(-n // self.chunk)
         for name in ("esc_count", "sec_count"):
-            out[name] = to_numpy(frame.expect(name, np.uint16, nchunks))
+            out[name] = frame.expect(name, np.uint16, nchunks)
         frame.require(*(name for name, _ in VARIABLE_STREAMS))
         for name, dtype in VARIABLE_STREAMS:
             a = frame.streams[name]
             if a.ndim != 1 or a.dtype != dtype:
                 raise FormatError(f"stream {name!r} must be 1-D {np.dtype(dtype)}, got {a.dtype} {tuple(a.shape)}")
-            out[name] = to_numpy(a)
+            out[name] = a
         if out["esc_pos"].shape[0] != out["esc_exp"].shape[0]:
             raise FormatError("esc_pos and esc_exp differ in length")
-        check_tables(out["tables"], fmt)
+        check_tables(frame.backend.to_numpy(out["tables"]), fmt)
         return out
 
     def decode(self, frame: Frame) -> Frame:
         fmt, backend, n = frame.format, frame.backend, frame.n
         s = self.check(frame)
-        dst = np.empty(n, fmt.uint_dtype)
-        code = channel_pack_cpu.decode(s["codes"], s["rest"], s["tables"], channels_of(frame.meta["shape"]),
-                                       s["esc_count"], s["sec_count"], s["sec_codes"], s["esc_pos"], s["esc_exp"],
-                                       s["exp_high"], n, fmt, self.chunk, dst)
+        channels = channels_of(frame.meta["shape"])
+        if on_device(backend):
+            from kvzip.gpu import channel_pack as gpu
+
+            dst, code = gpu.decode(s, n, fmt, channels, self.chunk)
+        else:
+            s = {name: backend.to_numpy(a) for name, a in s.items()}
+            dst = np.empty(n, fmt.uint_dtype)
+            code = channel_pack_cpu.decode(s["codes"], s["rest"], s["tables"], channels, s["esc_count"],
+                                           s["sec_count"], s["sec_codes"], s["esc_pos"], s["esc_exp"], s["exp_high"],
+                                           n, fmt, self.chunk, dst)
+            if backend.name != "cpu":
+                dst = backend.from_numpy(dst)
         if code:
             raise FormatError(CHANNEL_DECODE_ERRORS[code])
-        return frame.replace(drop=self.produces, data=dst if backend.name == "cpu" else backend.from_numpy(dst))
+        return frame.replace(drop=self.produces, data=dst)

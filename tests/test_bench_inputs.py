@@ -37,8 +37,11 @@ def test_format_bits_names_each_input():
     np.testing.assert_array_equal(format_bits("e5m2", host, n), e5m2_bits(host, n))
     np.testing.assert_array_equal(format_bits("fp16", host, n), widened_bits(host, n, np.float16))
     assert format_bits("fp32", host, n).dtype == np.uint32
+    e4m3 = format_bits("e4m3", host, n)  # the ratio bench's third format, quantized as E5M2 is
+    assert e4m3.dtype == np.uint8 and not np.array_equal(e4m3, e5m2_bits(host, n))
+    np.testing.assert_array_equal(e4m3, e5m2_bits(host, n, "e4m3"))
     with pytest.raises(KeyError):
-        format_bits("e4m3", host, n)
+        format_bits("int8", host, n)
 
 
 def test_quantize_pipelines_are_the_lossy_pipeline_and_its_quantizer():

@@ -2,9 +2,10 @@
 (the headers' folder, the tuning's -D macros, a digest of every kernel file) and the name
 expressions, and caches one CuPy RawModule per (device, options, names).
 
-Three top-level sources: fused.cu (kvz_encode, kvz_scan, kvz_decode and the header kernels, which
-include the .cuh headers), quantize.cu (QuantizeFP8 per tensor) and weights.cu (the weights'
-decode+GEMM and decode, self-contained).  CuPy's compile cache keys a
+Top-level sources: fused.cu (kvz_encode, kvz_scan, kvz_decode and the header kernels, which
+include the .cuh headers), quantize.cu (QuantizeFP8 per tensor), weights.cu (the weights'
+decode+GEMM and decode, self-contained), channel.cu (the ratio mode's ChannelPack, on the fused
+module's headers and base options) and tca_tbe.cu (compiled by kvzip/weights/tca_tbe_gpu.py).  CuPy's compile cache keys a
 module by its top-level text and options only, so the digest of all kernel files
 (-DKVZ_SOURCES=...) goes into the options: an edited header is a new key.
 
@@ -26,7 +27,8 @@ BASE_OPTIONS = ("-std=c++17", "-lineinfo")
 FUSED, QUANTIZE, WEIGHTS = "fused.cu", "quantize.cu", "weights.cu"
 TCA_TBE = "tca_tbe.cu"  # the weights' TCA-TBE decoder: self-contained, compiled by kvzip/weights/tca_tbe_gpu.py
 SUM64 = "sum64.cu"      # sum64 and transfer messages' gather/scatter: self-contained, compiled by kvzip/checksum.py
-TOP_LEVEL = (FUSED, QUANTIZE, WEIGHTS, TCA_TBE, SUM64)  # the sources modules are built from; the rest are headers
+CHANNEL = "channel.cu"  # the ratio mode's ChannelPack kernels (kvzip/gpu/channel_pack.py launches them)
+TOP_LEVEL = (FUSED, QUANTIZE, WEIGHTS, TCA_TBE, SUM64, CHANNEL)  # the sources modules are built from; the rest are headers
 HEAD_KERNELS = ("kvz_gather_heads", "kvz_check_heads")
 TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
 
@@ -174,6 +176,28 @@ def quantize_names() -> tuple:
     return tuple(names)
 
 
+def channel_gpl(fmt) -> int:
+    """Groups a lane takes a step in channel.cu's encode and decode: two, one for 32-bit values
+    (whose 8-value group is already two 16-byte loads)."""
+    return 1 if fmt.itemsize == 4 else 2
+
+
+def channel_names() -> tuple:
+    """The name expressions of channel.cu's module: its kernels for every format."""
+    names = ["kvz_ch_offsets", "kvz_ch_compact"]
+    for e in sorted({f.exp_bits for f in FORMATS.values()}):
+        names.append(f"kvz_ch_tables<{e}>")
+    for fmt in FORMATS.values():
+        args, gpl = _args(fmt), channel_gpl(fmt)
+        names += [f"kvz_ch_histogram<{args}>", f"kvz_ch_encode<{args},{gpl}>", f"kvz_ch_decode<{args},{gpl}>"]
+    return tuple(names)
+
+
+def channel_kernel(name: str, device_id: int):
+    """A kernel of channel.cu's module (a name of channel_names())."""
+    return _module(device_id, CHANNEL, options(tuning.tuning_for(None).macros()), channel_names()).get_function(name)
+
+
 def units() -> list:
     """Every module the tunings in force build, as benchmarks/ptx_identity.py compiles them:
     [{unit, code, options, names}]."""
@@ -183,6 +207,8 @@ def units() -> list:
                 "names": list(quantize_names())})
     out.append({"unit": "weights", "code": sources()[WEIGHTS], "options": list(options()),
                 "names": list(WEIGHT_NAMES)})
+    out.append({"unit": "channel", "code": sources()[CHANNEL], "options": list(options(tuning.tuning_for(None).macros())),
+                "names": list(channel_names())})
     return out
 
 

@@ -15,6 +15,59 @@
 #define AUTO_LUT_BYTES 256  // a tensor's LUT row in luts (2^E <= 256)
 #define AUTO_UNROLL 8       // runs a thread reads a step
 
+// The sample of a tensor of n values (auto_codebook.sample_plan): blocks of S = AUTO_RUN << k
+// values, one run of AUTO_RUN values in each at a Weyl offset (a multiple of AUTO_ALIGN).
+struct SamplePlan {
+    long long S, blocks;  // block size, blocks (= runs)
+    u32 offsets;          // M: the offsets a run can take in its block
+    __device__ __forceinline__ explicit SamplePlan(long long n) {
+        const int bits = n > 0 ? 64 - __clzll(n) : 0;
+        const int k = min(AUTO_MAX_SHIFT, max(0, bits - AUTO_FULL_BITS + 1));
+        S = (long long)AUTO_RUN << k;
+        blocks = (n + S - 1) / S;
+        offsets = (u32)((S - AUTO_RUN) / AUTO_ALIGN + 1);
+    }
+    // run r's first value; the run is [start, start + AUTO_RUN) cut at n
+    __device__ __forceinline__ long long start(long long r) const {
+        const u32 j = __umulhi((u32)r * AUTO_WEYL, offsets);  // (r mod 2^32) * WEYL mod 2^32, times M, >> 32
+        return r * S + (long long)AUTO_ALIGN * j;
+    }
+};
+
+// rank[e] for each of the BINS exponents of histogram c (shared memory, c[e] written by thread e),
+// by the key (unseen, seen ? -count : |e - mode|, e) ascending, with mode the lowest exponent of
+// the largest count (0 when nothing was seen): the rule of kvzip/calibrate.py and
+// kvzip/channel_codebook.py.  Seen exponents rank among themselves by count (ties to the lower
+// exponent), the mode is the first of them, the unseen ones follow by their distance to it; each
+// thread ranks its exponent against all BINS, in parallel.  Called by every thread of a block of
+// at least BINS threads (it has barriers); rank is valid after it returns.
+template <int BINS>
+__device__ __forceinline__ void rank_exponents(const u32* c, u32* rank) {
+    __shared__ int mode;
+    const int e = threadIdx.x;
+    if (e == 0) mode = 0;
+    const u32 seen = (u32)__syncthreads_count(e < BINS && c[e] != 0);
+    if (e < BINS && c[e] != 0) {
+        u32 r = 0;
+#pragma unroll 16
+        for (int f = 0; f < BINS; f++) r += c[f] > c[e] || (c[f] == c[e] && f < e);
+        rank[e] = r;
+        if (r == 0) mode = e;  // the one seen exponent of rank 0
+    }
+    __syncthreads();
+    if (e < BINS && c[e] == 0) {
+        const int d = abs(e - mode);
+        u32 r = seen;
+#pragma unroll 16
+        for (int f = 0; f < BINS; f++) {
+            const int df = abs(f - mode);
+            r += c[f] == 0 && (df < d || (df == d && f < e));
+        }
+        rank[e] = r;
+    }
+    __syncthreads();
+}
+
 // grid (x, njobs), AUTO_RUN threads.  Block (x, t) counts the sampled values of tensor t's runs
 // AUTO_UNROLL at a time (runs x * AUTO_UNROLL .., then gridDim.x * AUTO_UNROLL on) into a shared histogram, then adds it to tensor t's in work (2^E words a
 // tensor from word hist_at of work, zeroed, then a ticket a tensor); the tensor's last block
@@ -31,25 +84,20 @@ __global__ void __launch_bounds__(AUTO_RUN) kvz_auto_codebook(const EncodeJob* _
     const int t = blockIdx.y;
     const long long n = jobs[t].n;
     const T* __restrict__ src = static_cast<const T*>(jobs[t].src);
-    // The sample (auto_codebook.sample_plan): block S = AUTO_RUN << k, one run in each at a Weyl offset.
-    const int bits = n > 0 ? 64 - __clzll(n) : 0;
-    const int k = min(AUTO_MAX_SHIFT, max(0, bits - AUTO_FULL_BITS + 1));
-    const long long S = (long long)AUTO_RUN << k, blocks = (n + S - 1) / S;
-    const u32 offsets = (u32)((S - AUTO_RUN) / AUTO_ALIGN + 1);
+    const SamplePlan plan(n);
     __shared__ u32 h[BINS];
     for (int i = threadIdx.x; i < BINS; i += blockDim.x) h[i] = 0;
     __syncthreads();
     const int lane = threadIdx.x & 31;
     // AUTO_UNROLL runs a step, their loads issued before any is counted (the reads are few and
     // scattered: latency, not bandwidth, is what they cost).
-    for (long long r0 = (long long)blockIdx.x * AUTO_UNROLL; r0 < blocks; r0 += (long long)gridDim.x * AUTO_UNROLL) {
+    for (long long r0 = (long long)blockIdx.x * AUTO_UNROLL; r0 < plan.blocks; r0 += (long long)gridDim.x * AUTO_UNROLL) {
         u32 e[AUTO_UNROLL];
 #pragma unroll
         for (int u = 0; u < AUTO_UNROLL; u++) {
             const long long r = r0 + u;
-            const u32 j = __umulhi((u32)r * AUTO_WEYL, offsets);  // (r mod 2^32) * WEYL mod 2^32, times M, >> 32
-            const long long at = r * S + (long long)AUTO_ALIGN * j + threadIdx.x;
-            e[u] = r < blocks && at < n ? (u32)(src[at] >> M) & (BINS - 1) : BINS;  // BINS: no value
+            const long long at = plan.start(r) + threadIdx.x;
+            e[u] = r < plan.blocks && at < n ? (u32)(src[at] >> M) & (BINS - 1) : BINS;  // BINS: no value
         }
 #pragma unroll
         for (int u = 0; u < AUTO_UNROLL; u++) {
@@ -71,38 +119,13 @@ __global__ void __launch_bounds__(AUTO_RUN) kvz_auto_codebook(const EncodeJob* _
     __syncthreads();
     if (!last) return;
     __threadfence();
-    // The ranking (calibrate.choose_exponents with exponent 0 always in): by the key (unseen,
-    // seen ? -count : |e - mode|, e) ascending, the first 16; 0 replaces the 16th if it is not
-    // among them; code c = the c-th by rank.  Seen exponents rank among themselves by count
-    // (ties to the lower exponent), the mode is the first of them, the unseen ones follow by
-    // their distance to it; each thread ranks its exponents against all 2^E, in parallel.
+    // The ranking (calibrate.choose_exponents with exponent 0 always in): rank_exponents, the
+    // first 16; 0 replaces the 16th if it is not among them; code c = the c-th by rank.
     __shared__ u32 c[BINS];
     __shared__ u32 rank[BINS];
-    __shared__ int mode;
-    static_assert(BINS <= AUTO_RUN, "a thread an exponent");
     const int e = threadIdx.x;
-    if (e == 0) mode = 0;
     if (e < BINS) c[e] = *reinterpret_cast<volatile u32*>(&th[e]);
-    const u32 seen = (u32)__syncthreads_count(e < BINS && c[e] != 0);
-    if (e < BINS && c[e] != 0) {
-        u32 r = 0;
-#pragma unroll 16
-        for (int f = 0; f < BINS; f++) r += c[f] > c[e] || (c[f] == c[e] && f < e);
-        rank[e] = r;
-        if (r == 0) mode = e;  // the one seen exponent of rank 0
-    }
-    __syncthreads();
-    if (e < BINS && c[e] == 0) {
-        const int d = abs(e - mode);
-        u32 r = seen;
-#pragma unroll 16
-        for (int f = 0; f < BINS; f++) {
-            const int df = abs(f - mode);
-            r += c[f] == 0 && (df < d || (df == d && f < e));
-        }
-        rank[e] = r;
-    }
-    __syncthreads();
+    rank_exponents<BINS>(c, rank);
     const bool zero_out = rank[0] >= 16;  // exponent 0 takes code 15 from the exponent ranked 16th
     __syncthreads();
     if (zero_out && e < BINS) rank[e] = e == 0 ? 15u : rank[e] == 15 ? (u32)BINS : rank[e];

@@ -1,0 +1,130 @@
+"""The ratio mode (ChannelPack) on one GPU against kvzip's speed mode and nvCOMP, real KV.
+
+    python benchmarks/bench_ratio_gpu.py [--quick] [--repeat 10] [--out benchmarks/results]
+
+Input: kvzip.data's sample (real SmolLM2-135M KV, BF16, head_dim 64) tiled to 2^24 and 2^28
+values (kvzip.bench._sample_bits), shaped [-1, 64] so the ratio mode sees its 64 channels, in
+BF16 and quantized once to E5M2 and E4M3 (kvzip.bench.format_bits; FP8 raw = one byte a value).
+For each: ratio, encode and decode GB/s of uncompressed input (CUDA events around each call,
+median of REPEAT after warm-up: kvzip.bench._timer) of kvzip.compress / decompress in speed and
+ratio mode (every run checked lossless), and of nvCOMP's codecs on the same bytes where
+nvidia.nvcomp imports (kvzip.bench.bench_nvcomp: ANS with data_type '<f2', ANS on bytes,
+Bitcomp, Cascaded, LZ4, GDeflate, Zstd), BF16 at both sizes, the FP8 formats at 2^24.
+--quick: 2^24 only, BF16 and E5M2, fewer repeats, no nvCOMP (under a minute).  --replot JSON:
+redraw the PNG of a results file (one cut short before its plot, say).
+
+Writes OUT/ratio-mode-h200.json (gpu, date, commit, versions, every figure; rewritten after each
+row) and OUT/ratio-mode-h200.png (ratio against throughput, one point a codec, encode and
+decode) at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import kvzip
+from kvzip.bench import _sample_bits, _timer, _versions, bench_kvzip, bench_nvcomp, format_bits
+
+HEAD_DIM = 64  # the sample's last axis: the ratio mode's channels
+FORMATS = ("bf16", "e5m2", "e4m3")
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return "?"
+
+
+def run(sizes, formats, repeat, nvcomp_at, out_dir):
+    import cupy
+
+    gpu = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    res = {"gpu": gpu, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit(),
+           "versions": _versions(cupy), "repeat": repeat, "data": "kvzip.data sample (real SmolLM2-135M KV) tiled, "
+           f"shape [-1, {HEAD_DIM}]; FP8 = QuantizeFP8 once on the CPU", "runs": {}}
+    timeit, nv_timeit = _timer(cupy, repeat), _timer(cupy, 3, 1)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "ratio-mode-h200.json"
+    for log2 in sizes:
+        n = 1 << log2
+        host = _sample_bits(n)
+        for fmt in formats:
+            x = cupy.asarray(format_bits(fmt, host, n)).reshape(-1, HEAD_DIM)
+            row = res["runs"][f"{fmt}_2^{log2}"] = {"format": fmt, "values": n}
+            row["kvzip_speed"] = bench_kvzip(cupy, timeit, x, fmt)
+            row["kvzip_ratio"] = bench_kvzip(cupy, timeit, x, fmt, pipe=kvzip.ratio_pipeline())
+            print(fmt, log2, "speed", row["kvzip_speed"], "\n   ratio", row["kvzip_ratio"], flush=True)
+            if (fmt, log2) in nvcomp_at:
+                row["nvcomp"], res["versions"]["nvcomp"] = bench_nvcomp(cupy, nv_timeit, x.reshape(-1).view(cupy.uint16))
+                print("   nvcomp", row["nvcomp"], flush=True)
+            del x
+            path.write_text(json.dumps(res, indent=1))  # after every row: a cut-short run keeps what it measured
+    plot(res, out / "ratio-mode-h200.png")
+    print("wrote", path)
+    return res
+
+
+def points(res):
+    """(label, format, values, figures) of every codec run that succeeded."""
+    for row in res["runs"].values():
+        codecs = [("kvzip speed", row["kvzip_speed"]), ("kvzip ratio", row["kvzip_ratio"])]
+        codecs += [(f"nvCOMP {k}", v) for k, v in (row.get("nvcomp") or {}).items() if "error" not in v]
+        for label, v in codecs:
+            yield label, row["format"], row["values"], v
+
+
+def plot(res, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    labels = sorted({p[0] for p in points(res)})
+    colors = {label: plt.cm.tab10(i % 10) for i, label in enumerate(labels)}
+    marks = {"bf16": "o", "e5m2": "s", "e4m3": "^"}
+    for ax, key in zip(axes, ("encode_GBps", "decode_GBps")):
+        for label, fmt, n, v in points(res):
+            ax.scatter(v[key], v["ratio"], color=colors[label], marker=marks[fmt], s=30 if n < 1 << 28 else 70,
+                       label=f"{label}")
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{key.split('_')[0]} GB/s of uncompressed input (log)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("compression ratio")
+    handles, names = axes[0].get_legend_handles_labels()
+    seen = dict(zip(names, handles))
+    axes[1].legend(seen.values(), seen.keys(), fontsize=7, loc="upper right")
+    fig.suptitle(f"ratio vs throughput, {res['gpu']}, real KV (o bf16, s e5m2, ^ e4m3; large = 2^28) "
+                 f"{res['date'][:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG beside a results JSON")
+    a = ap.parse_args(argv)
+    if a.replot:
+        plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
+    elif a.quick:
+        run((24,), ("bf16", "e5m2"), min(a.repeat, 5), set(), a.out)
+    else:
+        nv = {("bf16", 24), ("bf16", 28), ("e5m2", 24), ("e4m3", 24)}
+        run((24, 28), FORMATS, a.repeat, nv, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+// kvzip/gpu/kernels/channel.cu run on the host (emu.h), in the order kvzip/gpu/channel_pack.py
+// launches it, for tests/test_channel_kernels_host.py.  argv: input file, output file; both are
+// records (u64 byte count, bytes).  Input: int64[7] {op (0 encode, 1 decode), E, M, n, channels,
+// chunk, grid}, then encode: the values; decode: tables, codes, rest, esc_count, sec_count,
+// sec_codes, esc_pos, esc_exp, exp_high.  Output: encode: tables, codes, rest, esc_count,
+// sec_count, sec_codes, esc_pos, esc_exp, exp_high; decode: the values, then uint64 error word.
+#include <cstdio>
+#include <string>
+
+#include "emu.h"
+#include "channel.cu"
+
+using Bytes = std::vector<unsigned char>;
+
+static std::vector<Bytes> read_records(const char* path) {
+    std::vector<Bytes> out;
+    FILE* f = std::fopen(path, "rb");
+    unsigned long long len;
+    while (std::fread(&len, 8, 1, f) == 1) {
+        Bytes b(len + 16);
+        if (len && std::fread(b.data(), 1, len, f) != len) break;
+        b.resize(len);
+        out.push_back(b);
+    }
+    std::fclose(f);
+    return out;
+}
+
+template <typename T>
+static Bytes bytes_of(const std::vector<T>& v) {
+    Bytes b(v.size() * sizeof(T));
+    if (!b.empty()) std::memcpy(b.data(), v.data(), b.size());
+    return b;
+}
+template <typename T>
+static std::vector<T> as(const Bytes& b) {
+    std::vector<T> v(b.size() / sizeof(T));
+    if (!v.empty()) std::memcpy(v.data(), b.data(), b.size());
+    return v;
+}
+
+static long long cdiv(long long a, long long b) { return (a + b - 1) / b; }
+
+template <int E, int M, typename T, int GPL>
+static std::vector<Bytes> run(const std::vector<Bytes>& in, long long n, int D, int chunk, int grid) {
+    const int HB = E - 3, R = M + 1, gpc = chunk / 8;
+    const long long G = cdiv(n, 8), nchunks = cdiv(n, chunk);
+    const auto blocks = [&](long long work) { return (int)std::min<long long>(cdiv(work, 8), grid); };
+    std::vector<long long> offsets(3 * nchunks + 1);
+    std::vector<u64> result(5);
+    const bool dec = in.size() > 2;
+    std::vector<u8> tables(D * 15);
+    std::vector<u16> esc_count(nchunks), sec_count(nchunks);
+    auto scan = [&](int checked, long long ns, long long ne, long long nh) {
+        emu_launch(1, CH_SCAN_THREADS, [&] {
+            kvz_ch_offsets(esc_count.data(), sec_count.data(), nchunks, n, chunk, HB, checked, ns, ne, nh, offsets.data(),
+                           result.data());
+        });
+    };
+    if (!dec) {
+        const std::vector<T> src = as<T>(in[1]);
+        std::vector<u32> hist((size_t)D << E);
+        const SamplePlan plan(n);
+        if (plan.blocks)
+            emu_launch((int)std::min<long long>(plan.blocks, grid), AUTO_RUN,
+                       [&] { kvz_ch_histogram<E, M, T>(src.data(), n, D, hist.data()); });
+        emu_launch(D, AUTO_RUN, [&] { kvz_ch_tables<E>(hist.data(), tables.data()); });
+        std::vector<u8> codes(3 * G), rest(R * G), exp_slots(nchunks * (HB * gpc / 3) + 1), high_slots(HB * G + 1);
+        std::vector<u16> pos_slots(nchunks * (HB * gpc / 3) + 1);
+        std::vector<u32> sec_slots(nchunks * cdiv(3 * chunk, 32) + 1);
+        if (nchunks)
+            emu_launch(blocks(nchunks), 256, [&] {
+                kvz_ch_encode<E, M, T, GPL>(src.data(), n, D, tables.data(), chunk, nchunks, codes.data(), rest.data(),
+                                            esc_count.data(), sec_count.data(), sec_slots.data(), pos_slots.data(),
+                                            exp_slots.data(), high_slots.data());
+            });
+        scan(0, 0, 0, 0);
+        std::vector<u8> sec_codes(result[2] + 1), esc_exp(result[3] + 1), exp_high(result[4] + 1);
+        std::vector<u16> esc_pos(result[3] + 1);
+        if (nchunks)
+            emu_launch(blocks(nchunks), 256, [&] {
+                kvz_ch_compact(esc_count.data(), sec_count.data(), nchunks, n, chunk, HB, offsets.data(), sec_slots.data(),
+                               pos_slots.data(), exp_slots.data(), high_slots.data(), sec_codes.data(), esc_pos.data(),
+                               esc_exp.data(), exp_high.data());
+            });
+        sec_codes.resize(result[2]); esc_pos.resize(result[3]); esc_exp.resize(result[3]); exp_high.resize(result[4]);
+        return {bytes_of(tables), bytes_of(codes), bytes_of(rest), bytes_of(esc_count), bytes_of(sec_count),
+                bytes_of(sec_codes), bytes_of(esc_pos), bytes_of(esc_exp), bytes_of(exp_high)};
+    }
+    tables = as<u8>(in[1]);
+    const std::vector<u8> codes = as<u8>(in[2]), rest = as<u8>(in[3]);
+    esc_count = as<u16>(in[4]);
+    sec_count = as<u16>(in[5]);
+    const std::vector<u8> sec_codes = as<u8>(in[6]), esc_exp = as<u8>(in[8]), exp_high = as<u8>(in[9]);
+    const std::vector<u16> esc_pos = as<u16>(in[7]);
+    scan(1, (long long)sec_codes.size(), (long long)esc_pos.size(), (long long)exp_high.size());
+    std::vector<T> dst(n);
+    if (nchunks)
+        emu_launch(blocks(nchunks), 256, [&] {
+            kvz_ch_decode<E, M, T, GPL>(codes.data(), rest.data(), tables.data(), D, esc_count.data(), sec_count.data(),
+                                        offsets.data(), sec_codes.data(), esc_pos.data(), esc_exp.data(),
+                                        exp_high.data(), n, chunk, nchunks, result.data(), dst.data());
+        });
+    return {bytes_of(dst), bytes_of(std::vector<u64>{result[0]})};
+}
+
+int main(int argc, char** argv) {
+    const std::vector<Bytes> in = read_records(argv[1]);
+    const std::vector<long long> p = as<long long>(in[0]);
+    const long long E = p[1], M = p[2], n = p[3];
+    const int D = (int)p[4], chunk = (int)p[5], grid = (int)p[6];
+    std::vector<Bytes> out;
+    if (E == 8 && M == 7) out = run<8, 7, u16, 2>(in, n, D, chunk, grid);
+    else if (E == 5 && M == 10) out = run<5, 10, u16, 2>(in, n, D, chunk, grid);
+    else if (E == 8 && M == 23) out = run<8, 23, u32, 1>(in, n, D, chunk, grid);
+    else if (E == 4 && M == 3) out = run<4, 3, u8, 2>(in, n, D, chunk, grid);
+    else out = run<5, 2, u8, 2>(in, n, D, chunk, grid);
+    FILE* f = std::fopen(argv[2], "wb");
+    for (const Bytes& b : out) {
+        const unsigned long long len = b.size();
+        std::fwrite(&len, 8, 1, f);
+        if (len) std::fwrite(b.data(), 1, len, f);
+    }
+    std::fclose(f);
+    return 0;
+}

@@ -1,0 +1,204 @@
+"""kvzip/gpu/kernels/channel.cu (the ratio mode's CUDA kernels) run on the host, without a GPU:
+tests/cuda_host/emu.h makes every GPU thread a host thread and every warp intrinsic a
+rendezvous of its warp, and tests/cuda_host/channel_host.cpp launches the kernels in
+kvzip/gpu/channel_pack.py's order.  Their streams must be the CPU reference's bytes, their
+decode the values, and a forged blob's error the reference's.  Needs g++ (C++20)."""
+from __future__ import annotations
+
+import re
+import shutil
+import struct
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvzip import channel_codebook as cc
+from kvzip import testing as kt
+from kvzip.formats import FORMATS
+from kvzip.gpu import loader, tuning
+from kvzip.stages import channel_pack_cpu
+
+HERE = Path(__file__).resolve().parent / "cuda_host"
+STREAMS = ("tables", "codes", "rest", "esc_count", "sec_count", "sec_codes", "esc_pos", "esc_exp", "exp_high")
+DTYPES = {"esc_count": np.uint16, "sec_count": np.uint16, "esc_pos": np.uint16}
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the host harness")
+
+
+@lru_cache(maxsize=None)
+def harness(tmp: str) -> Path:
+    """The harness binary, built once per session from the kernel source as it is."""
+    out = Path(tmp)
+    src = loader.sources()[loader.CHANNEL]
+    dynamic = "extern __shared__ u32 lut_words[];"
+    assert src.count(dynamic) == 1  # the one dynamic shared array: emu.h's buffer on the host
+    (out / "channel.cu").write_text(src.replace(dynamic, "u32* lut_words = reinterpret_cast<u32*>(emu_dynamic_shared);"))
+    defines = [o for o in loader.options(tuning.tuning_for(None).macros()) if o.startswith("-D")]
+    exe = out / "channel_host"
+    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-w", *defines, f"-I{out}", f"-I{HERE}",
+                    f"-I{loader.kernels_dir()}", str(HERE / "channel_host.cpp"), "-o", str(exe)], check=True)
+    return exe
+
+
+@pytest.fixture(scope="module")
+def exe(tmp_path_factory):
+    return harness(str(tmp_path_factory.mktemp("channel_host")))
+
+
+def _records(arrays) -> bytes:
+    return b"".join(struct.pack("<Q", a.nbytes) + np.ascontiguousarray(a).tobytes() for a in arrays)
+
+
+def _read(path: Path) -> list[bytes]:
+    data, out, at = path.read_bytes(), [], 0
+    while at < len(data):
+        (length,) = struct.unpack_from("<Q", data, at)
+        out.append(data[at + 8:at + 8 + length])
+        at += 8 + length
+    return out
+
+
+def call(exe, tmp_path, op, fmt, n, channels, chunk, arrays, grid=3) -> list[bytes]:
+    params = np.array([op, fmt.exp_bits, fmt.mant_bits, n, channels, chunk, grid], np.int64)
+    (tmp_path / "in").write_bytes(_records([params, *arrays]))
+    subprocess.run([str(exe), str(tmp_path / "in"), str(tmp_path / "out")], check=True, timeout=300)
+    return _read(tmp_path / "out")
+
+
+def reference(bits, fmt, channels, chunk) -> dict:
+    """The CPU reference's streams (ChannelPack.encode's steps)."""
+    n = bits.shape[0]
+    tables = cc.rank_tables(channel_pack_cpu.histogram(bits, fmt, channels)).reshape(-1)
+    G, nchunks = -(-n // 8), -(-n // chunk)
+    codes, rest = np.empty(3 * G, np.uint8), np.empty(fmt.rest_bits * G, np.uint8)
+    esc_count, sec_count = np.empty(nchunks, np.uint16), np.empty(nchunks, np.uint16)
+    variable = channel_pack_cpu.encode(bits, n, fmt, channels, cc.encode_lut(tables, fmt), chunk, codes, rest,
+                                       esc_count, sec_count)
+    return dict(zip(STREAMS, (tables, codes, rest, esc_count, sec_count, *variable)))
+
+
+def device_decode(exe, tmp_path, s, n, fmt, channels, chunk):
+    dst, err = call(exe, tmp_path, 1, fmt, n, channels, chunk, [np.asarray(s[k]) for k in STREAMS])
+    (word,) = struct.unpack("<Q", err)
+    return np.frombuffer(dst, fmt.uint_dtype), 0 if word == 2**64 - 1 else word % 8
+
+
+CASES = [  # (format, n, channels, chunk, how the values are made)
+    ("bf16", 0, 1, 4096, "kv"), ("bf16", 1, 1, 4096, "kv"), ("bf16", 7, 1, 8, "kv"),
+    ("bf16", 5 * 4096 + 123, 64, 4096, "kv"), ("bf16", 4096 - 1, 128, 4096, "kv"), ("bf16", 4097, 256, 4096, "wide"),
+    ("bf16", 3 * 1024 + 5, 1, 1024, "random"), ("bf16", 2000, 8, 64, "zeros"), ("bf16", 1 << 12, 2, 8, "kv"),
+    ("fp16", 3 * 2048 + 17, 64, 2048, "kv"), ("fp16", 2048 * 2, 32, 2048, "random"),
+    ("fp32", 2 * 1024 + 3, 16, 1024, "kv"), ("fp32", 999, 1, 256, "wide"),
+    ("e4m3", 4 * 512 + 9, 64, 512, "kv"), ("e4m3", 4096, 4, 4096, "random"), ("e4m3", 333, 1, 16, "kv"),
+    ("bf16", (1 << 20) + 4099, 128, 4096, "kv"),  # a sampled histogram (auto_codebook's runs)
+    ("e5m2", 3 * 4096 + 77, 128, 4096, "kv"), ("e5m2", 4096 + 64, 64, 32768, "wide"), ("e5m2", 100, 2, 8, "random"),
+]
+
+
+def values(fmt, n, kind, seed=0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if kind == "random":
+        return rng.integers(0, 1 << (8 * fmt.itemsize), n, dtype=np.uint64).astype(fmt.uint_dtype)
+    bits = kt.kv_like_bits(fmt, n, escape_rate=0.01, seed=seed).reshape(-1).copy()
+    if kind == "zeros":
+        bits[rng.random(n) < 0.6] = 0
+    if kind == "wide":  # exponents all over the range: escapes, and plane-coded chunks
+        E, M = fmt.exp_bits, fmt.mant_bits
+        e = rng.integers(0, 1 << E, n).astype(np.uint64)
+        wide = rng.random(n) < 0.3
+        mask = np.uint64(((1 << E) - 1) << M)
+        bits = np.where(wide, (bits.astype(np.uint64) & ~mask) | (e << np.uint64(M)), bits).astype(fmt.uint_dtype)
+    return bits
+
+
+@pytest.mark.parametrize("name,n,channels,chunk,kind", CASES)
+def test_kernels_give_the_reference_streams_and_decode_them(exe, tmp_path, name, n, channels, chunk, kind):
+    fmt = FORMATS[name]
+    bits = values(fmt, n, kind, seed=n)
+    want = reference(bits, fmt, channels, chunk)
+    got = dict(zip(STREAMS, call(exe, tmp_path, 0, fmt, n, channels, chunk, [bits])))
+    for k in STREAMS:
+        assert got[k] == want[k].tobytes(), k
+    back, code = device_decode(exe, tmp_path, want, n, fmt, channels, chunk)
+    assert code == 0 and np.array_equal(back, bits)
+
+
+def test_cases_cover_plane_coding_escapes_and_second_level():
+    seen = set()
+    for name, n, channels, chunk, kind in CASES:
+        s = reference(values(FORMATS[name], n, kind, seed=n), FORMATS[name], channels, chunk)
+        seen |= {"plane"} if (s["esc_count"] == 0xFFFF).any() else set()
+        seen |= {"escapes"} if s["esc_pos"].size else set()
+        seen |= {"second"} if s["sec_codes"].size else set()
+    assert seen == {"plane", "escapes", "second"}
+
+
+def cpu_error(s, n, fmt, channels, chunk) -> int:
+    dst = np.empty(n, fmt.uint_dtype)
+    return channel_pack_cpu.decode(s["codes"], s["rest"], s["tables"], channels, s["esc_count"], s["sec_count"],
+                                   s["sec_codes"], s["esc_pos"], s["esc_exp"], s["exp_high"], n, fmt, chunk, dst)
+
+
+def forgeries(s, rng):
+    """(what, streams) pairs: each count stream's field, the variable streams' lengths and contents."""
+    def with_(**kw):
+        return {**s, **kw}
+
+    listed = np.flatnonzero(s["esc_count"] != 0xFFFF)
+    for c in listed[:2].tolist() + listed[-1:].tolist():
+        for field, delta in (("esc_count", 1), ("esc_count", -1), ("sec_count", 1), ("sec_count", -1),
+                             ("sec_count", 9), ("esc_count", 500)):
+            a = s[field].copy()
+            a[c] = (int(a[c]) + delta) % 0x10000
+            yield f"{field}[{c}]{delta:+}", with_(**{field: a})
+        a = s["esc_count"].copy()
+        a[c] = 0xFFFF
+        yield f"esc_count[{c}]=plane", with_(esc_count=a)
+    if s["esc_pos"].size:
+        for k in (0, s["esc_pos"].size - 1):
+            for v in (0, 65535, int(s["esc_pos"][k]) + 1):
+                a = s["esc_pos"].copy()
+                a[k] = v
+                yield f"esc_pos[{k}]={v}", with_(esc_pos=a)
+            a = s["esc_exp"].copy()
+            a[k] = 255
+            yield f"esc_exp[{k}]=255", with_(esc_exp=a)
+    for name in ("sec_codes", "esc_pos", "esc_exp", "exp_high"):
+        yield f"{name}+1", with_(**{name: np.concatenate([s[name], np.zeros(1, s[name].dtype)])})
+        if s[name].size:
+            yield f"{name}-1", with_(**{name: s[name][:-1]})
+    codes = s["codes"].copy()
+    for at in rng.integers(0, max(codes.size, 1), 4) if codes.size else []:
+        codes[at] ^= 0xFF
+    yield "codes", with_(codes=codes)
+
+
+@pytest.mark.parametrize("name,n,channels,chunk,kind", [("bf16", 5 * 4096 + 123, 64, 4096, "kv"),
+                                                       ("e5m2", 4096 + 64, 64, 32768, "wide"),
+                                                       ("e4m3", 4 * 512 + 9, 64, 512, "kv")])
+def test_forged_streams_give_the_reference_error(exe, tmp_path, name, n, channels, chunk, kind):
+    fmt = FORMATS[name]
+    bits = values(fmt, n, kind, seed=n)
+    s = reference(bits, fmt, channels, chunk)
+    tried = 0
+    for what, forged in forgeries(s, np.random.default_rng(1)):
+        if forged["esc_pos"].size != forged["esc_exp"].size:
+            continue  # ChannelPack.check refuses these before any kernel runs
+        want = cpu_error(forged, n, fmt, channels, chunk)
+        back, code = device_decode(exe, tmp_path, forged, n, fmt, channels, chunk)
+        assert code == want, what
+        tried += bool(want)
+    assert tried >= 10
+
+
+def test_harness_constants_are_the_codebooks():
+    text = loader.sources()[loader.CHANNEL]
+    defined = {k: int(v, 0) for k, v in re.findall(r"#define (CH_\w+) (0x[0-9A-Fa-f]+|\d+)", text)}
+    assert defined["CH_WIDTH"] == cc.TABLE_WIDTH and defined["CH_PRIMARY"] == cc.PRIMARY
+    assert defined["CH_ESCAPE"] == cc.ESCAPE and defined["CH_MAX_CHANNELS"] == cc.MAX_CHANNELS
+    from kvzip.gpu import channel_pack
+
+    assert defined["CH_SCAN_THREADS"] == channel_pack.SCAN_THREADS
