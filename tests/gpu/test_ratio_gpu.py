@@ -5,12 +5,18 @@ to the values; forged blobs raise the CPU path's FormatError; and the fast path'
 guessed layout, the header checks of a batch) hand version-3 blobs to the checked path instead
 of mistaking them for a remembered layout, alone and mixed with version-2 blobs in one
 decompress_many."""
+import os
 import struct
 
 import numpy as np
 import pytest
 
 import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
+
+from stages.channel_pack import DEVICE_KERNELS_ENV
+
+# The device kernels are opt-in until these tests have passed on a GPU (stages/channel_pack.py).
+os.environ[DEVICE_KERNELS_ENV] = "1"
 
 import kvzip
 from kvzip import testing as kt
