@@ -123,6 +123,7 @@ __global__ void __launch_bounds__(AUTO_RUN) kvz_auto_codebook(const EncodeJob* _
     // first 16; 0 replaces the 16th if it is not among them; code c = the c-th by rank.
     __shared__ u32 c[BINS];
     __shared__ u32 rank[BINS];
+    static_assert(BINS <= AUTO_RUN, "rank_exponents: a thread an exponent");
     const int e = threadIdx.x;
     if (e < BINS) c[e] = *reinterpret_cast<volatile u32*>(&th[e]);
     rank_exponents<BINS>(c, rank);
