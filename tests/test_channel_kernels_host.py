@@ -202,3 +202,26 @@ def test_harness_constants_are_the_codebooks():
     from kvzip.gpu import channel_pack
 
     assert defined["CH_SCAN_THREADS"] == channel_pack.SCAN_THREADS
+
+
+AUTO_CASES = [  # (format, n, how the values are made): the speed mode's kvz_auto_codebook, whose
+    # sample plan and ranking channel.cu shares (auto_codebook.cu's SamplePlan, rank_exponents)
+    ("bf16", 0, "kv"), ("bf16", 1, "kv"), ("bf16", 4099, "kv"), ("bf16", 5000, "wide"), ("bf16", 3000, "zeros"),
+    ("bf16", (1 << 20) + 4099, "kv"), ("bf16", 3 << 20, "wide"), ("fp16", 70000, "kv"), ("fp32", 2049, "random"),
+    ("e4m3", 4096, "random"), ("e4m3", 100, "kv"), ("e5m2", 65536 + 7, "kv"), ("e5m2", 999, "wide"),
+]
+
+
+@pytest.mark.parametrize("name,n,kind", AUTO_CASES)
+def test_auto_codebook_kernel_gives_the_reference_codebook(exe, tmp_path, name, n, kind):
+    """kvz_auto_codebook (codebook="auto" on a GPU) chooses kvzip.auto_codebook's codebook: its
+    book is the codebook's exponents in code order, its LUT each exponent's code or ESC_FLAG."""
+    from kvzip.auto_codebook import auto_codebook
+
+    fmt = FORMATS[name]
+    bits = values(fmt, n, kind, seed=n)
+    lut, book = call(exe, tmp_path, 2, fmt, n, 1, 4096, [bits])
+    want = auto_codebook(bits, fmt).exponents
+    assert list(book) == list(want)
+    expect = [want.index(e) if e in want else 0x80 for e in range(1 << fmt.exp_bits)]
+    assert list(lut[: 1 << fmt.exp_bits]) == expect

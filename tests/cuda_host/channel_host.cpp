@@ -1,9 +1,11 @@
 // kvzip/gpu/kernels/channel.cu run on the host (emu.h), in the order kvzip/gpu/channel_pack.py
 // launches it, for tests/test_channel_kernels_host.py.  argv: input file, output file; both are
-// records (u64 byte count, bytes).  Input: int64[7] {op (0 encode, 1 decode), E, M, n, channels,
-// chunk, grid}, then encode: the values; decode: tables, codes, rest, esc_count, sec_count,
-// sec_codes, esc_pos, esc_exp, exp_high.  Output: encode: tables, codes, rest, esc_count,
-// sec_count, sec_codes, esc_pos, esc_exp, exp_high; decode: the values, then uint64 error word.
+// records (u64 byte count, bytes).  Input: int64[7] {op (0 encode, 1 decode, 2 the speed mode's
+// auto codebook), E, M, n, channels, chunk, grid}, then encode and auto: the values; decode: tables,
+// codes, rest, esc_count, sec_count, sec_codes, esc_pos, esc_exp, exp_high.  Output: encode:
+// tables, codes, rest, esc_count, sec_count, sec_codes, esc_pos, esc_exp, exp_high; decode: the
+// values, then uint64 error word; auto: kvz_auto_codebook's LUT row (AUTO_LUT_BYTES) and book (16
+// bytes) of the one tensor (auto_codebook.cu shares SamplePlan and rank_exponents with channel.cu).
 #include <cstdio>
 #include <string>
 
@@ -41,8 +43,27 @@ static std::vector<T> as(const Bytes& b) {
 
 static long long cdiv(long long a, long long b) { return (a + b - 1) / b; }
 
+template <int E, int M, typename T>
+static std::vector<Bytes> auto_codebook(const std::vector<Bytes>& in, long long n, int grid) {
+    const std::vector<T> src = as<T>(in[1]);
+    EncodeJob job{};
+    job.src = src.data();
+    job.n = n;
+    const SamplePlan plan(n);
+    const int blocks = (int)std::max<long long>(1, std::min<long long>(cdiv(plan.blocks, AUTO_UNROLL), grid));
+    std::vector<u64> work(((1 << E) + 1 + 1) / 2, 0);  // the histogram (2^E u32) and a ticket, zeroed
+    std::vector<u8> luts(AUTO_LUT_BYTES), books(16);
+    emu_launch(blocks, AUTO_RUN, [&] {
+        blockIdx.y = 0;  // one tensor: grid (blocks, 1)
+        gridDim.y = 1;
+        kvz_auto_codebook<E, M, T>(&job, work.data(), 0, luts.data(), books.data());
+    });
+    return {bytes_of(luts), bytes_of(books)};
+}
+
 template <int E, int M, typename T, int GPL>
 static std::vector<Bytes> run(const std::vector<Bytes>& in, long long n, int D, int chunk, int grid) {
+    if (as<long long>(in[0])[0] == 2) return auto_codebook<E, M, T>(in, n, grid);
     const int HB = E - 3, R = M + 1, gpc = chunk / 8;
     const long long G = cdiv(n, 8), nchunks = cdiv(n, chunk);
     const auto blocks = [&](long long work) { return (int)std::min<long long>(cdiv(work, 8), grid); };
