@@ -11,11 +11,14 @@ import sys as _sys
 def _source_tree_subpackages() -> None:
     """In a source checkout that is not installed (python run from the clone root), take the
     top-level stages/ and codebooks/ as kvzip.stages and kvzip.codebooks, as pyproject.toml's
-    package-dir maps them for an install.  Installed (or editable) copies are found as usual."""
+    package-dir maps them for an install.  A checkout's own folders win over an editable install
+    of another checkout (a git worktree run with PYTHONPATH pointing at it): kvzip/ and stages/
+    must come from one tree, or a new stage would be missing from its own package.  A regular
+    install has no top-level stages/ beside kvzip/ and is found as usual."""
     root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
     for name in ("stages", "codebooks"):
         full, init = f"{__name__}.{name}", _os.path.join(root, name, "__init__.py")
-        if full in _sys.modules or _util.find_spec(full) is not None or not _os.path.isfile(init):
+        if full in _sys.modules or not _os.path.isfile(init):
             continue
         spec = _util.spec_from_file_location(full, init, submodule_search_locations=[_os.path.dirname(init)])
         module = _util.module_from_spec(spec)
