@@ -34,7 +34,8 @@ from .codebook import Codebook  # noqa: F401,E402
 from .calibrate import calibrate  # noqa: F401,E402
 from .pipeline import Pipeline  # noqa: F401,E402
 from .api import (compress, compress_bound, compress_into, compress_many, decompress, decompress_into,  # noqa: F401,E402
-                  decompress_many, info, ratio_pipeline, splitzip_pipeline)
+                  decompress_many, info, ratio_pipeline, splitzip_pipeline,
+                  storage_pipeline)
 from .into import status_text  # noqa: F401,E402
 from .packed import pack, unpack  # noqa: F401,E402
 from . import stages  # noqa: F401,E402  (kvzip.stages: the stage classes)
@@ -42,4 +43,4 @@ from . import stages  # noqa: F401,E402  (kvzip.stages: the stage classes)
 from .version import __version__  # noqa: E402
 __all__ = ["compress", "decompress", "compress_many", "decompress_many", "compress_into", "decompress_into",
            "compress_bound", "status_text", "info", "pack", "unpack", "calibrate", "Codebook", "Pipeline",
-           "FormatError", "stages", "splitzip_pipeline", "ratio_pipeline", "FloatFormat", "get_format", "FORMATS"]
+           "FormatError", "stages", "splitzip_pipeline", "ratio_pipeline", "storage_pipeline", "FloatFormat", "get_format", "FORMATS"]
