@@ -231,10 +231,14 @@ def info(blob) -> dict:
     n = frame.n
     nchunks = escapes = plane_chunks = 0
     if "esc_count" in frame.streams:
-        counts = be.to_numpy(frame.streams["esc_count"]).astype(np.int64)
+        raw_counts = be.to_numpy(frame.streams["esc_count"])
+        counts = raw_counts.astype(np.int64)
         nchunks = counts.shape[0]
-        plane_chunks = int((counts == 0xFFFF).sum())
-        escapes = int(counts[counts != 0xFFFF].sum())
+        # 0xFFFF marks a plane-coded chunk in the uint16 counts (speed, ratio); ChannelRans's
+        # uint32 counts are escapes only.
+        plane = counts == 0xFFFF if raw_counts.dtype == np.uint16 else np.zeros(nchunks, bool)
+        plane_chunks = int(plane.sum())
+        escapes = int(counts[~plane].sum())
     raw = n * fmt.itemsize
     codebook = frame.meta.get("codebook")
     return {
