@@ -51,33 +51,46 @@ def _freqs(counts: np.ndarray) -> np.ndarray:
     return f
 
 
+def _merged(hist: np.ndarray, shift: int) -> np.ndarray:
+    """int64[groups, 2**E]: the counts of each group of 2**shift channels; a group without values
+    counts exponent 0 once (16.2)."""
+    merged = hist.reshape(hist.shape[0] >> shift, 1 << shift, hist.shape[1]).sum(axis=1)
+    merged[merged.sum(axis=1) == 0, 0] = 1
+    return merged
+
+
+def _ranges(merged: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) of every group: the least / greatest of its mode and its exponents of count >= MIN_COUNT."""
+    mode = np.argmax(merged, axis=1)
+    keep = merged >= MIN_COUNT
+    width = merged.shape[1]
+    first = np.where(keep.any(axis=1), np.argmax(keep, axis=1), mode)
+    last = np.where(keep.any(axis=1), width - 1 - np.argmax(keep[:, ::-1], axis=1), mode)
+    return np.minimum(mode, first), np.maximum(mode, last)
+
+
 def group_tables(hist: np.ndarray, shift: int) -> list:
     """[(lo, hi, freqs int64[hi - lo + 2], escape first)] of each group of 2**shift channels."""
-    E = int(hist.shape[1]).bit_length() - 1
-    merged = hist.reshape(-1, 1 << shift, 1 << E).sum(axis=1)
+    merged = _merged(hist, shift)
     out = []
-    for row in merged:
-        if not row.any():  # a group without values: exponent 0 alone (16.2)
-            row = np.zeros_like(row)
-            row[0] = 1
-        keep = np.flatnonzero(row >= MIN_COUNT)
-        mode = int(np.argmax(row))
-        lo, hi = min(mode, int(keep.min(initial=mode))), max(mode, int(keep.max(initial=mode)))
+    for row, lo, hi in zip(merged, *_ranges(merged)):
         inside = row[lo:hi + 1]
-        out.append((lo, hi, _freqs(np.concatenate(([row.sum() - inside.sum()], inside)))))
+        out.append((int(lo), int(hi), _freqs(np.concatenate(([row.sum() - inside.sum()], inside)))))
     return out
 
 
 def _estimate_bits(hist: np.ndarray, shift: int, E: int) -> float:
-    """Bits the tables and exponents of one grouping would take (the writer's choice of shift)."""
-    merged = hist.reshape(-1, 1 << shift, 1 << E).sum(axis=1)
-    bits = 0.0
-    for row, (lo, hi, f) in zip(merged, group_tables(hist, shift)):
-        counts = np.concatenate(([row.sum() - row[lo:hi + 1].sum()], row[lo:hi + 1]))
-        used = counts > 0
-        bits += 16 + FREQ_BITS * f.shape[0] + E * counts[0]
-        bits += float((counts[used] * (PROB_BITS - np.log2(f[used]))).sum())
-    return bits
+    """Bits the tables and exponents of one grouping would take (the writer's choice of shift):
+    per group 16 + 12 K for the table, sum c log2(N / c) over its K counts (escape first) and E
+    an escape."""
+    merged = _merged(hist, shift)
+    lo, hi = _ranges(merged)
+    e = np.arange(merged.shape[1])
+    inside = np.where((e >= lo[:, None]) & (e <= hi[:, None]), merged, 0)
+    counts = np.concatenate(((merged.sum(axis=1) - inside.sum(axis=1))[:, None], inside), axis=1).astype(np.float64)
+    total = counts.sum(axis=1, keepdims=True)
+    info = np.where(counts > 0, counts * np.log2(total / np.where(counts > 0, counts, 1)), 0.0)
+    return float((16 + FREQ_BITS * (hi - lo + 2) + E * counts[:, 0]).sum() + info.sum())
 
 
 def choose_shift(hist: np.ndarray, E: int) -> int:
