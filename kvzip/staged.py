@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from . import container, layout, trace
+from . import container, trace
 from .errors import FormatError
 from .frame import Frame
 from .stages import ChannelPack, ChannelRans, ExponentSplit, FusedSplitPackEscape, Serialize
@@ -78,13 +78,7 @@ def encode_frame(pipe, frame: Frame, start: int = 0) -> Frame:
         frame = step.encode(frame)
     if before_split is not None and serialize.payload_size(frame) > serialize.payload_size(before_split):
         return stored(pipe, before_split)
-    out = serialize.encode(frame)
-    if any(isinstance(s, ChannelRans) for s in steps) and \
-            out.streams["blob"].shape[0] > layout.COMPACT_SIZE + serialize.payload_size(before_split):
-        # ChannelRans's blob has a version-1 header (hundreds of bytes of JSON) where the stored
-        # one has the 64-byte compact header: whole blobs are compared (docs/format.md 16.4).
-        return stored(pipe, before_split)
-    return out
+    return serialize.encode(frame)
 
 
 def stored(pipe, before_split: Frame) -> Frame:

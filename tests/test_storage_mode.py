@@ -41,10 +41,9 @@ def assert_round_trip(bits, fmt, **kw) -> bytes:
 
 
 # ----------------------------------------------------------------------------- a second decoder
-def second_decoder(blob: bytes) -> tuple[np.ndarray, list]:
-    """(the values' bits, the shape) of a version-1 channel_rans blob, read from docs/format.md
-    sections 2, 3, 5, 6 and 16 alone (struct, json and NumPy, no kvzip code), values one by one."""
-    magic, version, _, H, P, _, J, nstreams, _ = struct.unpack_from("<8sHHIQQIII4x", blob)
+def header_v1(blob: bytes):
+    """(format name, shape, chunk, {stream: array}) of a version-1 channel_rans blob (sections 2, 3)."""
+    magic, version, _, H, _, _, J, nstreams, _ = struct.unpack_from("<8sHHIQQIII4x", blob)
     assert magic == b"KVZIP\x00\r\n" and version == 1
     doc = json.loads(blob[48 + 16 * nstreams:48 + 16 * nstreams + J])
     meta = doc["meta"]
@@ -54,9 +53,49 @@ def second_decoder(blob: bytes) -> tuple[np.ndarray, list]:
     for k, (name, dtype) in enumerate(doc["streams"]):
         off, nb = struct.unpack_from("<QQ", blob, 48 + 16 * k)
         streams[name] = np.frombuffer(blob[H + off:H + off + nb], dt[dtype])
+    return meta["format"], meta["shape"], meta["pipeline"][0]["chunk"], streams
+
+
+def header_v4(blob: bytes):
+    """header_v1's answer for a version-4 blob (section 16.5: the 64-byte header, the streams
+    laid out by the rule of 2.4)."""
+    (magic, version, flags, H, sides, _, X, W, _, dtype, clog, ndim, _, T, _) = struct.unpack_from(
+        "<8sHHI8sQIIIBBBBI12s", blob)
+    assert magic == b"KVZIP\x00\r\n" and version == 4 and H == 64 and not flags & 2
+    shape, at = [], 0
+    for _ in range(ndim):
+        v = shift = 0
+        while True:
+            byte = sides[at]
+            at += 1
+            v |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                break
+        shape.append(v)
+    fmt = {1: "bf16", 2: "fp16", 3: "fp32", 4: "e4m3", 5: "e5m2"}[dtype]
+    R = {"bf16": 8, "fp16": 11, "fp32": 24, "e4m3": 4, "e5m2": 3}[fmt]
+    n, C = int(np.prod(shape)), 1 << clog
+    G, nchunks = -(-n // 8), -(-n // C)
+    layout_ = [("rest", np.uint8, R * G), ("esc_count", np.uint32, 4 * nchunks), ("esc_exp", np.uint8, X),
+               ("states", np.uint32, 128 * nchunks), ("tables", np.uint8, T), ("word_count", np.uint32, 4 * nchunks),
+               ("words", np.uint16, 2 * W)]
+    streams, pos = {}, 64
+    for name, dt, nb in layout_:
+        streams[name] = np.frombuffer(blob[pos:pos + nb], dt)
+        pos += -(-nb // 16) * 16
+    assert pos == len(blob)
+    return fmt, shape, C, streams
+
+
+def second_decoder(blob: bytes) -> tuple[np.ndarray, list]:
+    """(the values' bits, the shape) of a channel_rans blob, version 4 or 1, read from
+    docs/format.md sections 2, 3, 5, 6 and 16 alone (struct, json and NumPy, no kvzip code),
+    values one by one."""
+    fmt, shape, C, streams = (header_v4 if blob[8] == 4 else header_v1)(blob)
     E, M, width = {"bf16": (8, 7, 16), "fp16": (5, 10, 16), "fp32": (8, 23, 32), "e4m3": (4, 3, 8),
-                   "e5m2": (5, 2, 8)}[meta["format"]]
-    shape, n, C, R = meta["shape"], meta["n"], meta["pipeline"][0]["chunk"], M + 1
+                   "e5m2": (5, 2, 8)}[fmt]
+    n, R = int(np.prod(shape)), M + 1
     D = shape[-1] if shape and 1 <= shape[-1] <= 256 and shape[-1] & (shape[-1] - 1) == 0 else 1
     # 16.2 tables
     tb = streams["tables"].tobytes()
@@ -112,9 +151,10 @@ def test_second_decoder_reads_what_the_writer_wrote(fmt):
     bits.reshape(-1)[::97] = rng.integers(0, 1 << (8 * fmt.itemsize), bits.size // 97 + 1, dtype=np.uint64
                                           ).astype(fmt.uint_dtype)[: bits.reshape(-1)[::97].size]
     blob = storage_blob(bits, fmt, chunk=2048)
-    assert blob[8] == 1  # not stored raw: a version-1 channel_rans blob
-    values, shape = second_decoder(blob)
-    assert shape == list(bits.shape) and np.array_equal(values, bits.reshape(-1))
+    assert blob[8] == 4  # not stored raw: a version-4 channel_rans blob
+    for form in (blob, kt.version1(blob)):  # the compact header and the version-1 one it stands for
+        values, shape = second_decoder(form)
+        assert shape == list(bits.shape) and np.array_equal(values, bits.reshape(-1))
 
 
 # ----------------------------------------------------------------------------- round trips
@@ -280,3 +320,39 @@ def test_flipped_byte_never_crashes(at, xor):
         kvzip.decompress(blob)
     except kvzip.FormatError:
         pass
+
+
+# ----------------------------------------------------------------------------- the version-4 header
+HEADER_FORGERIES = {  # (offset, struct code, value) of a field of 16.5
+    "version 3": (8, "<H", 3),
+    "stored-raw flag": (10, "<H", 2),
+    "escapes +1": (32, "<I", None),
+    "words +1": (36, "<I", None),
+    "tables bytes +1": (48, "<I", None),
+    "chunk log2 4": (45, "<B", 4),
+    "chunk log2 21": (45, "<B", 21),
+    "dtype 9": (44, "<B", 9),
+    "reserved byte 47": (47, "<B", 1),
+    "reserved tail": (60, "<I", 1),
+    "ndim 0": (46, "<B", 0),
+}
+
+
+def test_storage_blobs_carry_the_version4_header():
+    blob = np.asarray(kvzip.compress(BITS, dtype="bf16", mode="storage", chunk=1024))
+    assert blob[8] == 4 and np.array_equal(np.asarray(kvzip.decompress(blob)).view(np.uint16), BITS)
+    assert len(kt.version1(blob)) > len(blob)  # the JSON header it stands for
+    quantized = kvzip.Pipeline([kt.quantize_fp8_available()("e5m2"), S.ChannelRans(1024), S.Serialize()]) \
+        if kt.quantize_fp8_available() else None
+    if quantized is not None:  # no compact header holds QuantizeFP8: version 1
+        assert np.asarray(quantized.encode(BITS, dtype="bf16"))[8] == 1
+
+
+@pytest.mark.parametrize("case", sorted(HEADER_FORGERIES))
+def test_forged_header_field_raises_format_error(case):
+    at, code, value = HEADER_FORGERIES[case]
+    raw = bytearray(np.asarray(kvzip.compress(BITS, dtype="bf16", mode="storage", chunk=1024)).tobytes())
+    old = struct.unpack_from(code, raw, at)[0]
+    struct.pack_into(code, raw, at, old + 1 if value is None else value)
+    with pytest.raises(kvzip.FormatError):
+        kvzip.decompress(np.frombuffer(kt.reseal(bytes(raw)), np.uint8))
