@@ -1,8 +1,9 @@
 """The public entry points: compress, decompress, their _many forms, info.  They run the preset
 pipeline of the mode asked for (built once per setting) through kvzip/execution.py, as
-Pipeline.encode/decode do.  Two modes: "speed" (the default, SplitZip's Top-16 code, which the
-fused GPU kernels run) and "ratio" (ChannelPack's per-channel two-level code: smaller blobs, a
-CPU reference so far).  A blob records its pipeline, so decoding needs no mode."""
+Pipeline.encode/decode do.  Three modes: "speed" (the default, SplitZip's Top-16 code, which the
+fused GPU kernels run), "ratio" (ChannelPack's per-channel two-level code: smaller blobs, a
+CPU reference so far) and "storage" (ChannelRans's per-channel rANS: smaller still, slower, for
+offload to host memory or disk; CPU kernels only).  A blob records its pipeline, so decoding needs no mode."""
 from __future__ import annotations
 
 import copy
@@ -15,11 +16,12 @@ from .backends import get_backend
 from .codebook import Codebook
 from .errors import FormatError
 from .pipeline import Pipeline
-from .stages import ChannelPack, EscapeStream, ExponentSplit, Serialize, Top16Pack
+from .stages import ChannelPack, ChannelRans, EscapeStream, ExponentSplit, Serialize, Top16Pack
 from .stages.serialize import frame_from_header
 
 DEFAULT_CHUNK = 4096
-MODES = ("speed", "ratio")
+STORAGE_CHUNK = 65536  # the storage mode's chunk: 32 lane states cost 128 B a chunk (benchmarks/NOTES.md s1)
+MODES = ("speed", "ratio", "storage")
 
 
 def splitzip_pipeline(codebook=None, *, checksum: bool = False, chunk: int = DEFAULT_CHUNK) -> Pipeline:
@@ -32,7 +34,12 @@ def ratio_pipeline(*, checksum: bool = False, chunk: int = DEFAULT_CHUNK) -> Pip
     return Pipeline([ChannelPack(chunk), Serialize(checksum)])
 
 
-def compress(x, codebook=None, *, mode: str = "speed", checksum: bool = False, chunk: int = DEFAULT_CHUNK,
+def storage_pipeline(*, checksum: bool = False, chunk: int = STORAGE_CHUNK) -> Pipeline:
+    """The storage mode's lossless pipeline: ChannelRans -> Serialize (rANS tables from each tensor)."""
+    return Pipeline([ChannelRans(chunk), Serialize(checksum)])
+
+
+def compress(x, codebook=None, *, mode: str = "speed", checksum: bool = False, chunk: int | None = None,
              dtype=None, backend: str | None = None):
     """Compress a tensor losslessly.
 
@@ -41,8 +48,11 @@ def compress(x, codebook=None, *, mode: str = "speed", checksum: bool = False, c
     a shipped name ("bf16-kv"), a Codebook or its dict (mode="speed" only).  mode: "speed" (the
     default: the fused GPU kernels' Top-16 code, ~1.33x on BF16 KV) or "ratio" (per-channel
     two-level codes chosen from x itself, ~1.43x on BF16 KV; no GPU kernels yet: on a GPU the
-    work runs on the host).  checksum: also protect the payload.  chunk: values per
-    independently decoded chunk (a power of two; 8..65536 for "speed", 8..32768 for "ratio").
+    work runs on the host) or "storage" (per-channel rANS, ~1.48x on BF16 KV, for offload to
+    host memory or disk; CPU kernels: on a GPU the work runs on the host).  checksum: also
+    protect the payload.  chunk: values per independently decoded chunk (a power of two;
+    8..65536 for "speed", 8..32768 for "ratio", 32..2**20 for "storage"; None: 4096, or 65536
+    for "storage").
     dtype: the format of x when x holds raw bits (e.g. a CuPy uint16 array of bfloat16 bits).
     backend: "cpu" or "cuda" to override where the work runs (default: where x lives).
 
@@ -68,7 +78,7 @@ def decompress(blob, *, backend: str | None = None):
         raise
 
 
-def compress_many(xs, codebook=None, *, mode: str = "speed", checksum: bool = False, chunk: int = DEFAULT_CHUNK,
+def compress_many(xs, codebook=None, *, mode: str = "speed", checksum: bool = False, chunk: int | None = None,
                   dtype=None, backend: str | None = None, packed: bool = False):
     """compress() for a list of tensors; on a GPU all of them share one set of kernel launches.
     packed=True: the blobs as one packed container, kvzip.pack(the list) (the tensors then must
@@ -165,18 +175,30 @@ def _shared_ratio(checksum, chunk) -> Pipeline:
     return ratio_pipeline(checksum=checksum, chunk=chunk)
 
 
+@lru_cache(maxsize=64)
+def _shared_storage(checksum, chunk) -> Pipeline:
+    return storage_pipeline(checksum=checksum, chunk=chunk)
+
+
+_FROM_TENSOR = {"ratio": (ratio_pipeline, _shared_ratio, DEFAULT_CHUNK),
+                "storage": (storage_pipeline, _shared_storage, STORAGE_CHUNK)}
+
+
 def _preset(mode, codebook, checksum, chunk) -> Pipeline:
     """The pipeline compress() runs for mode (ValueError for an unknown mode, or a codebook given
-    with mode="ratio", whose codebooks come from each tensor)."""
+    with mode="ratio" or "storage", whose codebooks come from each tensor); chunk None: the mode's
+    default."""
     if mode == "speed" and type(mode) is str:
-        return _default(codebook, checksum, chunk)
-    if mode == "ratio" and type(mode) is str:
+        return _default(codebook, checksum, DEFAULT_CHUNK if chunk is None else chunk)
+    if type(mode) is str and mode in _FROM_TENSOR:
+        build, shared, default_chunk = _FROM_TENSOR[mode]
         if codebook is not None:
-            raise ValueError("mode='ratio' chooses its per-channel codebooks from each tensor; codebook= is for "
+            raise ValueError(f"mode={mode!r} chooses its per-channel codebooks from each tensor; codebook= is for "
                              "mode='speed'")
+        chunk = default_chunk if chunk is None else chunk
         if type(checksum) is bool and type(chunk) is int:  # exact types only reach the cache (_default says why)
-            return _shared_ratio(checksum, chunk)
-        return ratio_pipeline(checksum=checksum, chunk=chunk)
+            return shared(checksum, chunk)
+        return build(checksum=checksum, chunk=chunk)
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
@@ -209,10 +231,14 @@ def info(blob) -> dict:
     n = frame.n
     nchunks = escapes = plane_chunks = 0
     if "esc_count" in frame.streams:
-        counts = be.to_numpy(frame.streams["esc_count"]).astype(np.int64)
+        raw_counts = be.to_numpy(frame.streams["esc_count"])
+        counts = raw_counts.astype(np.int64)
         nchunks = counts.shape[0]
-        plane_chunks = int((counts == 0xFFFF).sum())
-        escapes = int(counts[counts != 0xFFFF].sum())
+        # 0xFFFF marks a plane-coded chunk in the uint16 counts (speed, ratio); ChannelRans's
+        # uint32 counts are escapes only.
+        plane = counts == 0xFFFF if raw_counts.dtype == np.uint16 else np.zeros(nchunks, bool)
+        plane_chunks = int(plane.sum())
+        escapes = int(counts[~plane].sum())
     raw = n * fmt.itemsize
     codebook = frame.meta.get("codebook")
     return {

@@ -1,7 +1,7 @@
 """The ``kvzip`` command: compress and restore files, inspect them, calibrate codebooks, demo
 and benchmark the codec.
 
-    kvzip compress IN OUT [--mode speed|ratio] [--dtype bf16] [--checksum] [--codebook NAME|FILE.json] [--force]
+    kvzip compress IN OUT [--mode speed|ratio|storage] [--dtype bf16] [--checksum] [--codebook NAME|FILE.json] [--force]
     kvzip decompress IN OUT [--force]
     kvzip info FILE [--json]
     kvzip calibrate kv.safetensors [...] -o my-model.json [--format bf16] [--name NAME]
@@ -105,9 +105,10 @@ def _add_compress(sub) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "e4m3", "e5m2"),
                    help="format of the values of a raw file, or of a .npy of raw bits (NumPy saves bfloat16 as "
                         "2-byte void items); not needed otherwise")
-    p.add_argument("--mode", choices=("speed", "ratio"), default="speed",
-                   help="speed (default: the Top-16 code the GPU kernels run) or ratio (per-channel codes chosen "
-                        "from each tensor: smaller files; no --codebook)")
+    p.add_argument("--mode", choices=("speed", "ratio", "storage"), default="speed",  # kvzip.api.MODES
+                   help="speed (default: the Top-16 code the GPU kernels run), ratio (per-channel codes chosen "
+                        "from each tensor: smaller files; no --codebook) or storage (per-channel rANS: smaller "
+                        "still, slower; no --codebook)")
     p.add_argument("--checksum", action="store_true", help="add a 64-bit payload checksum, verified on decode")
     p.add_argument("--codebook", metavar="NAME|FILE.json",
                    help="a shipped codebook name (bf16-kv, ...) or one from `kvzip calibrate` (default: the "
@@ -213,9 +214,9 @@ def _run_compress(args) -> int:
     _check_output(args)
     codebook = _codebook(args.codebook)
 
-    if args.mode == "ratio" and codebook is not None:
-        raise CommandError(EXIT_USAGE, "--codebook is for --mode speed: the ratio mode chooses its codebooks from "
-                                       "each tensor")
+    if args.mode != "speed" and codebook is not None:
+        raise CommandError(EXIT_USAGE, f"--codebook is for --mode speed: the {args.mode} mode chooses its codebooks "
+                                       "from each tensor")
 
     def compress(x, dtype):
         return kvzip.compress(x, codebook=codebook, mode=args.mode, checksum=args.checksum, dtype=dtype,

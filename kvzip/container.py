@@ -90,7 +90,8 @@ _COMPACT_CODEBOOK = _layout.COMPACT_FIELD["codebook"]
 
 def compact_header(meta: dict, streams: list[tuple[str, str, int]], flags: int, checksum: int = 0) -> bytes | None:
     """The compact header of a blob with this metadata and these streams [(name, dtype name,
-    nbytes)]: version 3 for the ratio mode's (ChannelPack then Serialize), version 2 for the
+    nbytes)]: version 3 for the ratio mode's (ChannelPack then Serialize), version 4 for the
+    storage mode's (ChannelRans then Serialize), version 2 for the
     others; or None where neither holds them exactly: a pipeline other than the preset ones (or
     their stored-raw fallback), a codebook name other than the shipped default's, n >= 2**32, a
     shape whose LEB128 takes more than 8 bytes.  Exactly: a reader's metadata and streams of it
@@ -106,13 +107,18 @@ def compact_header(meta: dict, streams: list[tuple[str, str, int]], flags: int, 
         return None
     names = {name: nb for name, _, nb in streams}
     pipeline = meta.get("pipeline")
-    if not flags & FLAG_STORED and type(pipeline) is list and len(pipeline) == 2 and type(pipeline[0]) is dict \
-            and pipeline[0].get("id") == "channel_pack":
+    first = pipeline[0].get("id") if type(pipeline) is list and len(pipeline) == 2 and type(pipeline[0]) is dict \
+        else None
+    if not flags & FLAG_STORED and first in ("channel_pack", "channel_rans"):
         chunk_log2 = _chunk_log2(pipeline[0])
+        # Versions 3 and 4 share one layout; three counts give the variable streams' lengths.
+        version, counts = ((_layout.RATIO_VERSION, (names.get("esc_exp", 0), names.get("exp_high", 0),
+                                                    names.get("sec_codes", 0))) if first == "channel_pack" else
+                           (_layout.STORAGE_VERSION, (names.get("esc_exp", 0), names.get("words", 0) // 2,
+                                                      names.get("tables", 0))))
         head = None if chunk_log2 is None else _layout.RATIO.pack(
-            MAGIC, _layout.RATIO_VERSION, flags, _layout.COMPACT_SIZE, sides, checksum, names.get("esc_exp", 0),
-            names.get("exp_high", 0), 0, _layout.DTYPE_CODES[fmt], chunk_log2, len(shape), 0,
-            names.get("sec_codes", 0), bytes(_layout.RATIO_FIELD["tail"].size))
+            MAGIC, version, flags, _layout.COMPACT_SIZE, sides, checksum, counts[0], counts[1], 0,
+            _layout.DTYPE_CODES[fmt], chunk_log2, len(shape), 0, counts[2], bytes(_layout.RATIO_FIELD["tail"].size))
     else:
         head = _preset_head(meta, fmt, sides, len(shape), names, flags, checksum)
     if head is None:
@@ -171,7 +177,7 @@ def _format_name(dtype) -> str | None:
 
 
 def _parse_compact(head: bytes, blob_len: int | None) -> Header:
-    """A compact header, version 2 (docs/format.md section 13) or 3 (section 15.6), as the Header
+    """A compact header, version 2 (docs/format.md section 13), 3 (section 15.6) or 4 (16.5), as the Header
     a version-1 one parses to: the metadata and stream table it stands for.  blob_len None: the
     blob is as long as its header's streams say (claimed_length)."""
     from .bitpack import groups
@@ -203,7 +209,19 @@ def _parse_compact(head: bytes, blob_len: int | None) -> Header:
     meta = {"dtype": fmt.dtype_name, "shape": shape, "n": n, "format": fmt_name}
     serialize = {"id": "serialize", "checksum": bool(flags & FLAG_CHECKSUM)}
     G = groups(n)
-    if version == _layout.RATIO_VERSION:
+    if version == _layout.STORAGE_VERSION:
+        from .stages.channel_rans import LANES, MAX_CHUNK, MIN_CHUNK
+
+        table_bytes, tail = _layout.STORAGE.unpack_from(head)[-2:]
+        if flags & FLAG_STORED or source or any(tail):
+            raise FormatError("a version-4 header has the stored-raw flag or a reserved byte set")
+        if not MIN_CHUNK <= 1 << chunk_log2 <= MAX_CHUNK:
+            raise FormatError(f"bad chunk (2**{chunk_log2}) for the storage mode")
+        meta["pipeline"] = [{"id": "channel_rans", "chunk": 1 << chunk_log2}, serialize]
+        nchunks = -(-n // (1 << chunk_log2))
+        sizes = (fmt.rest_bits * G, 4 * nchunks, escapes, 4 * LANES * nchunks, table_bytes, 4 * nchunks, 2 * high_bytes)
+        table = [(name, dt, nb) for (name, dt), nb in zip(_layout.STORAGE_STREAMS, sizes)]
+    elif version == _layout.RATIO_VERSION:
         second_bytes, tail = _layout.RATIO.unpack_from(head)[-2:]
         if flags & FLAG_STORED or source or any(tail):
             raise FormatError("a version-3 header has the stored-raw flag or a reserved byte set")
@@ -354,7 +372,7 @@ def claimed_length(head: bytes) -> int:
     if len(head) < PREFIX.size:
         raise FormatError(f"{len(head)} bytes are too short to hold a kvzip header")
     magic, version, _, header_len, payload_len = PREFIX.unpack_from(head)[:5]
-    if magic == MAGIC and version in (_layout.COMPACT_VERSION, _layout.RATIO_VERSION) and len(head) >= _layout.COMPACT_SIZE:
+    if magic == MAGIC and version in _layout.COMPACT_VERSIONS and len(head) >= _layout.COMPACT_SIZE:
         hdr = _parse_compact(head, None)
         return hdr.header_len + hdr.payload_len
     length = header_len + payload_len
@@ -386,9 +404,9 @@ def _parse_header(head: bytes, blob_len: int) -> Header:
     magic, version, flags, header_len, payload_len, checksum, meta_len, nstreams, _ = PREFIX.unpack_from(head)
     if magic != MAGIC:
         raise FormatError("not a kvzip blob (bad magic)")
-    if version not in (VERSION, _layout.COMPACT_VERSION, _layout.RATIO_VERSION):
-        raise FormatError(f"unsupported container version {version} (this kvzip reads versions {VERSION}, "
-                          f"{_layout.COMPACT_VERSION} and {_layout.RATIO_VERSION})")
+    if version != VERSION and version not in _layout.COMPACT_VERSIONS:
+        raise FormatError(f"unsupported container version {version} (this kvzip reads versions {VERSION} and "
+                          f"{', '.join(map(str, _layout.COMPACT_VERSIONS))})")
     if flags & ~KNOWN_FLAGS:
         raise FormatError(f"unknown flags 0x{flags:04x}")
     if version != VERSION:  # the compact headers, 64 bytes

@@ -29,6 +29,15 @@ CHANNEL_DECODE_ERRORS = {
     6: "second-level counts disagree with the chunks' codes or the length of the sec_codes stream",
 }
 
+# The decode error codes of ChannelRans (the storage mode), as its CPU kernels return them.
+RANS_DECODE_ERRORS = {
+    1: "a chunk's lane state is below 2**16",
+    2: "a chunk's word count disagrees with the words its lanes read or with the length of the words stream",
+    3: "a chunk's escape count disagrees with the escapes it decodes or with the length of the esc_exp stream",
+    4: "an escaped exponent is out of range for the format or lies inside its table",
+    5: "a chunk's lane does not end at the initial state 2**16 (a corrupted chunk)",
+}
+
 
 def decode_error_text(code: int) -> str:
     """What a decode error code means."""

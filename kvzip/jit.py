@@ -34,7 +34,8 @@ GPU_INSTALL_HINT = "pip install 'kvzip[cuda12]' (CUDA 12) or 'kvzip[cuda13]' (CU
 # The modules whose functions the CPU kernels compile (theirs or their helpers): their sources'
 # hash is part of every cpu_jit cache key.
 KERNEL_MODULES = ("kvzip.jit", "kvzip.bitlogic", "kvzip.fp8_bits", "kvzip.checksum", "kvzip.stages.fused_cpu",
-                  "kvzip.stages.quantize_fp8", "kvzip.stages.channel_pack_cpu")
+                  "kvzip.stages.quantize_fp8", "kvzip.stages.channel_pack_cpu",
+                  "kvzip.stages.channel_rans_cpu")
 
 
 def numba_cuda():

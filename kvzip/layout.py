@@ -287,6 +287,17 @@ RATIO_STREAMS = (("codes", "uint8"), ("rest", "uint8"), ("esc_count", "uint16"),
 assert RATIO.size == COMPACT_SIZE
 
 
+# ----------------------------------------------------------------------------- version 4: the storage header
+# The compact header of the storage mode's blobs (ChannelRans then Serialize: docs/format.md
+# section 16.5): version 3's layout, its counts read as the storage streams' (escapes: esc_exp's
+# bytes, high_bytes: the words stream's 16-bit words, second_bytes: the tables stream's bytes).
+STORAGE_VERSION = 4
+STORAGE = RATIO
+STORAGE_STREAMS = (("rest", "uint8"), ("esc_count", "uint32"), ("esc_exp", "uint8"), ("states", "uint32"),
+                   ("tables", "uint8"), ("word_count", "uint32"), ("words", "uint16"))
+COMPACT_VERSIONS = (COMPACT_VERSION, RATIO_VERSION, STORAGE_VERSION)
+
+
 def version_of(head) -> int:
     """The container version a header's prefix claims (0 when head is too short to say)."""
     return VERSION_AT.read(head) if len(head) >= VERSION_AT.end else 0

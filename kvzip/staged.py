@@ -18,7 +18,7 @@ import numpy as np
 from . import container, trace
 from .errors import FormatError
 from .frame import Frame
-from .stages import ChannelPack, ExponentSplit, FusedSplitPackEscape, Serialize
+from .stages import ChannelPack, ChannelRans, ExponentSplit, FusedSplitPackEscape, Serialize
 from .stages.serialize import frame_from_header
 
 
@@ -54,7 +54,7 @@ def encode(pipe, bits, fmt, shape, backend, origin):
 
 
 # The steps that take the values apart (after them the size fallback can store the values raw).
-SPLITTING = (ExponentSplit, FusedSplitPackEscape, ChannelPack)
+SPLITTING = (ExponentSplit, FusedSplitPackEscape, ChannelPack, ChannelRans)
 
 
 def encode_frame(pipe, frame: Frame, start: int = 0) -> Frame:

@@ -313,6 +313,7 @@ def pipelines(fmt=None, *, lossy: bool = True, fuse=None):
     * ``[ExponentSplit, Top16Pack(cb), EscapeStream(chunk), Serialize(checksum)]`` (SplitZip),
       with ``cb`` None (shipped default), a shipped name, or a random codebook of ``fmt``;
     * ``[ChannelPack(chunk), Serialize(checksum)]`` (the ratio mode);
+    * ``[ChannelRans(chunk), Serialize(checksum)]`` (the storage mode);
     * with ``lossy`` and QuantizeFP8 available: ``[QuantizeFP8(e5m2|e4m3, tensor|channel), ...]``
       in front of any of the above (for bf16/fp16/fp32 input; the codebook then is of the FP8 format).
 
@@ -333,13 +334,15 @@ def pipelines(fmt=None, *, lossy: bool = True, fuse=None):
             front = [Q(qfmt, draw(st.sampled_from(["tensor", "channel"])))]
             data_fmt = FORMATS[qfmt]
         ser = S.Serialize(draw(st.booleans()))
-        kind = draw(st.sampled_from(["splitzip", "splitzip", "splitzip", "stored", "split", "ratio"]))
+        kind = draw(st.sampled_from(["splitzip", "splitzip", "splitzip", "stored", "split", "ratio", "storage"]))
         if kind == "stored":
             body = []
         elif kind == "split":
             body = [S.ExponentSplit()]
         elif kind == "ratio":
             body = [S.ChannelPack(draw(chunk_sizes().filter(lambda c: c <= S.channel_pack.MAX_CHUNK)))]
+        elif kind == "storage":
+            body = [S.ChannelRans(draw(chunk_sizes().filter(lambda c: c >= S.channel_rans.MIN_CHUNK)))]
         else:
             choices = [st.none()]
             if data_fmt is not None:

@@ -44,10 +44,10 @@ def escape_capacity(fmt, chunk_groups):
     return (fmt.high_exp_bits * chunk_groups) // ESCAPE_BYTES
 
 
-def check_chunk(chunk, most: int = MAX_CHUNK) -> int:
-    """chunk, if it is a power of two in [MIN_CHUNK, most] (ValueError otherwise)."""
-    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk & (chunk - 1) or not MIN_CHUNK <= chunk <= most:
-        raise ValueError(f"chunk must be a power of two in [{MIN_CHUNK}, {most}], got {chunk!r}")
+def check_chunk(chunk, most: int = MAX_CHUNK, least: int = MIN_CHUNK) -> int:
+    """chunk, if it is a power of two in [least, most] (ValueError otherwise)."""
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk & (chunk - 1) or not least <= chunk <= most:
+        raise ValueError(f"chunk must be a power of two in [{least}, {most}], got {chunk!r}")
     return chunk
 
 

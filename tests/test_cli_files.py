@@ -257,14 +257,15 @@ def test_bench_cuda_without_a_gpu_says_so(capsys):
     assert "needs a CUDA GPU and CuPy" in capsys.readouterr().err
 
 
-def test_compress_ratio_mode(st_file, tmp_path, capsys):
-    """--mode ratio: a smaller archive of the same tensors, restored byte for byte by a plain
-    decompress (the blobs record their pipeline); --codebook with it is bad usage."""
+@pytest.mark.parametrize("mode", ["ratio", "storage"])
+def test_compress_ratio_mode(st_file, tmp_path, capsys, mode):
+    """--mode ratio / storage: a smaller archive of the same tensors, restored byte for byte by a
+    plain decompress (the blobs record their pipeline); --codebook with it is bad usage."""
     speed, ratio, back = tmp_path / "speed.safetensors", tmp_path / "ratio.safetensors", tmp_path / "back.safetensors"
     assert run(capsys, "compress", st_file, speed)[0] == EXIT_OK
-    assert run(capsys, "compress", "--mode", "ratio", st_file, ratio)[0] == EXIT_OK
+    assert run(capsys, "compress", "--mode", mode, st_file, ratio)[0] == EXIT_OK
     assert ratio.stat().st_size < speed.stat().st_size
     assert run(capsys, "decompress", ratio, back)[0] == EXIT_OK
     assert back.read_bytes() == st_file.read_bytes()
-    status, _, err = run(capsys, "compress", "--mode", "ratio", "--codebook", "bf16-kv", st_file, tmp_path / "x")
+    status, _, err = run(capsys, "compress", "--mode", mode, "--codebook", "bf16-kv", st_file, tmp_path / "x")
     assert status == cli.EXIT_USAGE and "--codebook" in err

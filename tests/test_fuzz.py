@@ -36,7 +36,7 @@ TIMEOUT_S = 120  # for one blob, four decodes
 
 def _base_blobs() -> list[bytes]:
     """Real blobs of every kind a decoder meets: each format, split and stored, with and without
-    a checksum, small chunks, escapes, 0-d and empty tensors, the ratio mode, and QuantizeFP8 in
+    a checksum, small chunks, escapes, 0-d and empty tensors, the ratio and storage modes, and QuantizeFP8 in
     front."""
     rng = np.random.default_rng(26)
 
@@ -62,6 +62,9 @@ def _base_blobs() -> list[bytes]:
         kvzip.compress(ratio_kv.reshape(128, 64), mode="ratio", chunk=1024),
         kvzip.compress(esc.reshape(20, 30), mode="ratio", chunk=64, checksum=True),
         kvzip.compress(kv(4096, ml_dtypes.float8_e4m3fn).reshape(128, 32), mode="ratio", chunk=512),
+        kvzip.compress(ratio_kv.reshape(128, 64), mode="storage", chunk=1024),
+        kvzip.compress(esc.reshape(20, 30), mode="storage", chunk=64, checksum=True),
+        kvzip.compress(kv(4096, ml_dtypes.float8_e5m2).reshape(128, 32), mode="storage", chunk=512),
     ]
     Q = kt.quantize_fp8_available()
     if Q is not None:

@@ -80,7 +80,7 @@ def test_golden_input_encodes_to_the_same_bytes(name, fuse):
 def test_golden_blobs_are_canonical_containers():
     for name in CASES:
         blob = (GOLDEN / CASES[name]["blob"]).read_bytes()
-        assert blob[:8] == b"KVZIP\x00\r\n" and int.from_bytes(blob[8:10], "little") in (1, 2, 3)
+        assert blob[:8] == b"KVZIP\x00\r\n" and int.from_bytes(blob[8:10], "little") in (1, 2, 3, 4)
         assert len(blob) % 16 == 0
 
 
@@ -89,8 +89,9 @@ V1_CASES = [name for name in CASES if "blob_v1" in CASES[name]]
 
 def test_every_compact_fixture_has_its_version1_blob():
     """The blobs kvzip wrote before the compact header are kept: every case whose blob is
-    version 2 (or the ratio mode's version 3) today has one, so every version's reader is pinned."""
-    assert V1_CASES and all(int.from_bytes((GOLDEN / CASES[n]["blob"]).read_bytes()[8:10], "little") in (2, 3)
+    version 2 (or the ratio mode's version 3, the storage mode's 4) today has one, so every version's reader is
+    pinned."""
+    assert V1_CASES and all(int.from_bytes((GOLDEN / CASES[n]["blob"]).read_bytes()[8:10], "little") in (2, 3, 4)
                             for n in V1_CASES)
     assert all(int.from_bytes((GOLDEN / CASES[n]["blob"]).read_bytes()[8:10], "little") == 1
                for n in CASES if n not in V1_CASES)

@@ -394,7 +394,8 @@ def test_forged_version3_header_fields_are_refused():
     rejects(forged(48, "<I", 5))               # sec_codes bytes: the payload does not add up
     rejects(forged(32, "<I", 1 << 31))
     rejects(forged(44, "<B", 9), "dtype")
-    rejects(forged(8, "<H", 4), "version")
+    rejects(forged(8, "<H", 5), "version")     # a version this kvzip does not implement
+    rejects(forged(8, "<H", 4))                # read as the storage header: the streams do not add up
     raw = bytearray(BASE)
     raw[50] ^= 1  # no reseal: the CRC catches it
     rejects(bytes(raw), "checksum")

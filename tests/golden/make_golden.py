@@ -82,9 +82,13 @@ def cases():
     x = bits(prose["prose/layer03.k"][:, :32, :]).copy()
     x.reshape(-1)[2048:3072] = np.random.default_rng(2).integers(0, 1 << 16, 1024, dtype=np.uint64).astype(np.uint16)
     yield "bf16_ratio", x, kvzip.Pipeline([S.ChannelPack(1024), S.Serialize()])
+    # The storage mode (ChannelRans) on the same values: escapes from the random chunk, six chunks.
+    yield "bf16_storage", x, kvzip.Pipeline([S.ChannelRans(1024), S.Serialize()])
     v = f32(html["html/layer08.v"][:, :32, :])
     yield "e5m2_ratio", bits((v / (np.abs(v).max() / 57344.0)).astype(ml_dtypes.float8_e5m2)), \
         kvzip.Pipeline([S.ChannelPack(4096), S.Serialize(True)])
+    yield "e5m2_storage", bits((v / (np.abs(v).max() / 57344.0)).astype(ml_dtypes.float8_e5m2)), \
+        kvzip.Pipeline([S.ChannelRans(4096), S.Serialize(True)])
     v = f32(code["code/layer09.v"])
     yield "e4m3_ratio", bits((v / (np.abs(v).max() / 448.0)).astype(ml_dtypes.float8_e4m3fn)), \
         kvzip.Pipeline([S.ChannelPack(2048), S.Serialize()])
