@@ -113,38 +113,64 @@ def markdown(table: list, variants: list, speeds: list) -> str:
     return "\n".join(lines)
 
 
-def main():
+def setup(description: str, repeat: int):
+    """(args, data, log, t0) of a mode benchmark: its command line (--data, --out, --repeat), the
+    real KV files ({stem: {key: bits}}) and a log that stamps each line with the seconds since t0."""
     here = Path(__file__).resolve().parent
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--data", type=Path, default=here.parent.parent / "shared" / "data" / "kv")
     ap.add_argument("--out", type=Path, default=here / "results")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=repeat)
     args = ap.parse_args()
     if not args.data.exists():
         args.data = Path("/work/shared/data/kv")
     t0 = time.time()
     log = lambda msg: print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)  # noqa: E731
+    return args, {f.stem: load(f) for f in sorted(args.data.glob("*.safetensors"))}, log, t0
 
-    data = {f.stem: load(f) for f in sorted(args.data.glob("*.safetensors"))}
+
+def layer_rows(data: dict, mode: str, log, extra) -> list:
+    """One row per layer tensor of every file in every format (BF16 also in each kv_variant),
+    compressed alone in ``mode`` and checked lossless; ``extra(row, q, fmt)`` adds a benchmark's
+    own fields to a row."""
     rows = []
     for fmt in FMT:
         for stem in sorted(data):
             for key in sorted(data[stem]):
                 variants = KV_VARIANTS if fmt == "bf16" else ("as-is",)
                 for k, variant in enumerate(variants):
-                    bits = kv_variant(data[stem][key], variant, layer=int(key[5:7]), seed=k)
-                    q = quantize(bits, fmt)
+                    q = quantize(kv_variant(data[stem][key], variant, layer=int(key[5:7]), seed=k), fmt)
                     raw = q.size * WIDTH[fmt] // 8
-                    nbytes = roundtrip(q, fmt, "ratio")
+                    nbytes = roundtrip(q, fmt, mode)
                     row = {"file": stem, "family": family_of(stem), "text": text_of(stem), "key": key, "format": fmt,
                            "variant": variant, "shape": list(q.shape), "raw_bytes": raw, "bytes": nbytes,
-                           "ratio": raw / nbytes, "speed_ratio": raw / roundtrip(q, fmt, "speed")}
-                    if variant == "as-is":
-                        row["survey_bytes"] = survey_bytes(q, fmt)
-                        # Same streams as the survey's layout: only the 16-byte alignment of each may differ.
-                        assert 0 <= nbytes - row["survey_bytes"] <= ALIGN_SLACK * STREAMS, row
+                           "ratio": raw / nbytes}
+                    extra(row, q, fmt)
                     rows.append(row)
         log(f"{fmt}: {sum(r['format'] == fmt for r in rows)} tensors round-tripped")
+    return rows
+
+
+def script_environment(script: str) -> dict:
+    """kvzip.bench_cpu.environment() with the checkout's HEAD and the script's own commit."""
+    env = environment()
+    env["versions"].update({"git_head": git("rev-parse", "HEAD"),
+                            "script_commit": git("log", "-1", "--format=%H", "--", script),
+                            "script_modified": bool(git("status", "--porcelain", "--", script))})
+    return env
+
+
+def _ratio_fields(row: dict, q: np.ndarray, fmt: str) -> None:
+    row["speed_ratio"] = row["raw_bytes"] / roundtrip(q, fmt, "speed")
+    if row["variant"] == "as-is":
+        row["survey_bytes"] = survey_bytes(q, fmt)
+        # Same streams as the survey's layout: only the 16-byte alignment of each may differ.
+        assert 0 <= row["bytes"] - row["survey_bytes"] <= ALIGN_SLACK * STREAMS, row
+
+
+def main():
+    args, data, log, t0 = setup(__doc__.split("\n")[0], repeat=5)
+    rows = layer_rows(data, "ratio", log, _ratio_fields)
 
     variants = []
     for fam in ("smollm2", "minilm"):
@@ -178,10 +204,7 @@ def main():
 
     table = summarize(rows)
     md = markdown(table, variants, speeds)
-    me = Path(__file__).name
-    env = environment()
-    env["versions"].update({"git_head": git("rev-parse", "HEAD"), "script_commit": git("log", "-1", "--format=%H", "--", me),
-                            "script_modified": bool(git("status", "--porcelain", "--", me))})
+    env = script_environment(Path(__file__).name)
     result = {"benchmark": "ratio_mode", **env, "data": str(args.data), "repeat": args.repeat,
               "targets": {f"{k[0]}/{k[1]}": v for k, v in TARGETS.items()}, "summary": table, "variants": variants,
               "speed": speeds, "markdown": md, "rows": rows, "runtime_s": round(time.time() - t0, 1)}

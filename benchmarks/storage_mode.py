@@ -23,7 +23,6 @@ Writes OUT/storage-mode-cpu.json and prints the markdown tables of benchmarks/NO
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from contextlib import contextmanager
@@ -34,14 +33,13 @@ import numpy as np
 import kvzip
 from kvzip import container
 from kvzip.channel_codebook import channels_of
-from kvzip.bench_cpu import environment, median_seconds
+from kvzip.bench_cpu import median_seconds
 from kvzip.stages import channel_rans
-from kvzip.testing import KV_VARIANTS, kv_variant
+from kvzip.testing import KV_VARIANTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ratio_mode import git, roundtrip  # noqa: E402
-from ratio_mode_survey import FMT, WIDTH, contexts, entropy_bound, family_of, load, quantize, split, text_of, \
-    write_result  # noqa: E402
+from ratio_mode import layer_rows, roundtrip, script_environment, setup  # noqa: E402
+from ratio_mode_survey import FMT, contexts, entropy_bound, family_of, quantize, split, text_of, write_result  # noqa: E402
 
 TARGET_BF16 = 1.46
 PARTS = {"rest": ("rest",), "exponents": ("words", "esc_exp"), "tables": ("tables",),
@@ -188,41 +186,21 @@ def timed(qs, fmt, mode, repeat) -> dict:
             "encode_MBps": raw / enc / 1e6, "decode_MBps": raw / dec / 1e6}
 
 
-def main():
-    here = Path(__file__).resolve().parent
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", type=Path, default=here.parent.parent / "shared" / "data" / "kv")
-    ap.add_argument("--out", type=Path, default=here / "results")
-    ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
-    if not args.data.exists():
-        args.data = Path("/work/shared/data/kv")
-    t0 = time.time()
-    log = lambda msg: print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)  # noqa: E731
+def _storage_fields(row: dict, q: np.ndarray, fmt: str) -> None:
+    if row["variant"] != "as-is":
+        return
+    blob = kvzip.compress(q, dtype=fmt, mode="storage")
+    row["parts"] = parts_of(blob)
+    row["shift"] = int(channel_rans.choose_shift(
+        channel_rans.channel_rans_cpu.histogram(q.reshape(-1), kvzip.get_format(fmt), channels_of(q.shape)),
+        FMT[fmt][0]))
+    row["bound_ratio"] = row["raw_bytes"] / bound_bytes(q, fmt)
+    row["ratio_mode"] = row["raw_bytes"] / roundtrip(q, fmt, "ratio")
 
-    data = {f.stem: load(f) for f in sorted(args.data.glob("*.safetensors"))}
-    rows = []
-    for fmt in FMT:
-        for stem in sorted(data):
-            for key in sorted(data[stem]):
-                variants = KV_VARIANTS if fmt == "bf16" else ("as-is",)
-                for k, variant in enumerate(variants):
-                    q = quantize(kv_variant(data[stem][key], variant, layer=int(key[5:7]), seed=k), fmt)
-                    raw = q.size * WIDTH[fmt] // 8
-                    nbytes = roundtrip(q, fmt, "storage")
-                    row = {"file": stem, "family": family_of(stem), "text": text_of(stem), "key": key, "format": fmt,
-                           "variant": variant, "shape": list(q.shape), "raw_bytes": raw, "bytes": nbytes,
-                           "ratio": raw / nbytes}
-                    if variant == "as-is":
-                        blob = kvzip.compress(q, dtype=fmt, mode="storage")
-                        row["parts"] = parts_of(blob)
-                        row["shift"] = int(channel_rans.choose_shift(
-                            channel_rans.channel_rans_cpu.histogram(q.reshape(-1), kvzip.get_format(fmt),
-                                                                    channels_of(q.shape)), FMT[fmt][0]))
-                        row["bound_ratio"] = raw / bound_bytes(q, fmt)
-                        row["ratio_mode"] = raw / roundtrip(q, fmt, "ratio")
-                    rows.append(row)
-        log(f"{fmt}: {sum(r['format'] == fmt for r in rows)} tensors round-tripped")
+
+def main():
+    args, data, log, t0 = setup(__doc__.split("\n")[0], repeat=3)
+    rows = layer_rows(data, "storage", log, _storage_fields)
 
     variants = []
     for fam in ("smollm2", "minilm"):
@@ -247,10 +225,7 @@ def main():
 
     table, files = summarize(rows), per_file(rows)
     md = markdown(table, files, variants, choices, speeds)
-    me = Path(__file__).name
-    env = environment()
-    env["versions"].update({"git_head": git("rev-parse", "HEAD"), "script_commit": git("log", "-1", "--format=%H", "--", me),
-                            "script_modified": bool(git("status", "--porcelain", "--", me))})
+    env = script_environment(Path(__file__).name)
     result = {"benchmark": "storage_mode", **env, "data": str(args.data), "repeat": args.repeat,
               "target_bf16": TARGET_BF16, "summary": table, "files": files, "variants": variants, "choices": choices,
               "speed": speeds, "markdown": md, "rows": rows, "runtime_s": round(time.time() - t0, 1)}
