@@ -74,8 +74,9 @@ def git(*cmd):
         return None
 
 
-def summarize(rows: list) -> list:
-    table = []
+def subsets(rows: list):
+    """(family, "all" or "held-out" (not prose), format, its rows, their summary row's first
+    fields) for each non-empty subset of the unvaried (as-is) rows."""
     for fam in ("smollm2", "minilm"):
         for subset in ("all", "held-out"):
             for fmt in FMT:
@@ -83,13 +84,16 @@ def summarize(rows: list) -> list:
                        and (subset == "all" or r["text"] != "prose")]
                 if sel:
                     ratios = [r["ratio"] for r in sel]
-                    table.append({"family": fam, "subset": subset, "format": fmt, "tensors": len(sel),
-                                  "target": TARGETS[(fam, fmt)], "min": float(np.min(ratios)),
-                                  "median": float(np.median(ratios)),
-                                  "speed_min": float(np.min([r["speed_ratio"] for r in sel])),
-                                  "survey_min": float(np.min([r["raw_bytes"] / r["survey_bytes"] for r in sel])),
-                                  "over_survey_max": int(max(r["bytes"] - r["survey_bytes"] for r in sel))})
-    return table
+                    yield fam, fmt, sel, {"family": fam, "subset": subset, "format": fmt, "tensors": len(sel),
+                                          "min": float(np.min(ratios)), "median": float(np.median(ratios))}
+
+
+def summarize(rows: list) -> list:
+    return [{**head, "target": TARGETS[(fam, fmt)],
+             "speed_min": float(np.min([r["speed_ratio"] for r in sel])),
+             "survey_min": float(np.min([r["raw_bytes"] / r["survey_bytes"] for r in sel])),
+             "over_survey_max": int(max(r["bytes"] - r["survey_bytes"] for r in sel))}
+            for fam, fmt, sel, head in subsets(rows)]
 
 
 def markdown(table: list, variants: list, speeds: list) -> str:

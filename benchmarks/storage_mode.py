@@ -38,7 +38,7 @@ from kvzip.stages import channel_rans
 from kvzip.testing import KV_VARIANTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ratio_mode import layer_rows, roundtrip, script_environment, setup  # noqa: E402
+from ratio_mode import layer_rows, roundtrip, script_environment, setup, subsets  # noqa: E402
 from ratio_mode_survey import FMT, contexts, entropy_bound, family_of, quantize, split, text_of, write_result  # noqa: E402
 
 TARGET_BF16 = 1.46
@@ -111,21 +111,11 @@ def _nothing():
 
 
 def summarize(rows: list) -> list:
-    table = []
-    for fam in ("smollm2", "minilm"):
-        for subset in ("all", "held-out"):
-            for fmt in FMT:
-                sel = [r for r in rows if r["family"] == fam and r["format"] == fmt and r["variant"] == "as-is"
-                       and (subset == "all" or r["text"] != "prose")]
-                if sel:
-                    ratios = [r["ratio"] for r in sel]
-                    table.append({"family": fam, "subset": subset, "format": fmt, "tensors": len(sel),
-                                  "min": float(np.min(ratios)), "median": float(np.median(ratios)),
-                                  "bound_min": float(np.min([r["bound_ratio"] for r in sel])),
-                                  "bound_median": float(np.median([r["bound_ratio"] for r in sel])),
-                                  "of_bound_min": float(np.min([r["ratio"] / r["bound_ratio"] for r in sel])),
-                                  "ratio_mode_min": float(np.min([r["ratio_mode"] for r in sel]))})
-    return table
+    return [{**head, "bound_min": float(np.min([r["bound_ratio"] for r in sel])),
+             "bound_median": float(np.median([r["bound_ratio"] for r in sel])),
+             "of_bound_min": float(np.min([r["ratio"] / r["bound_ratio"] for r in sel])),
+             "ratio_mode_min": float(np.min([r["ratio_mode"] for r in sel]))}
+            for _, _, sel, head in subsets(rows)]
 
 
 def per_file(rows: list) -> list:
