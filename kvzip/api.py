@@ -20,7 +20,7 @@ from .stages import ChannelPack, ChannelRans, EscapeStream, ExponentSplit, Seria
 from .stages.serialize import frame_from_header
 
 DEFAULT_CHUNK = 4096
-STORAGE_CHUNK = 65536  # the storage mode's chunk: 32 lane states cost 128 B a chunk (benchmarks/NOTES.md s1)
+STORAGE_CHUNK = ChannelRans.DEFAULT_CHUNK
 MODES = ("speed", "ratio", "storage")
 
 
@@ -170,18 +170,13 @@ def _shared_by_content(fmt_name: str, exponents: tuple, name, checksum, chunk) -
     return splitzip_pipeline(Codebook(exponents, fmt_name, name), checksum=checksum, chunk=chunk)
 
 
-@lru_cache(maxsize=64)
-def _shared_ratio(checksum, chunk) -> Pipeline:
-    return ratio_pipeline(checksum=checksum, chunk=chunk)
+# The modes whose codebooks come from each tensor: their pipeline and default chunk.
+_FROM_TENSOR = {"ratio": (ratio_pipeline, DEFAULT_CHUNK), "storage": (storage_pipeline, STORAGE_CHUNK)}
 
 
 @lru_cache(maxsize=64)
-def _shared_storage(checksum, chunk) -> Pipeline:
-    return storage_pipeline(checksum=checksum, chunk=chunk)
-
-
-_FROM_TENSOR = {"ratio": (ratio_pipeline, _shared_ratio, DEFAULT_CHUNK),
-                "storage": (storage_pipeline, _shared_storage, STORAGE_CHUNK)}
+def _shared_from_tensor(mode, checksum, chunk) -> Pipeline:
+    return _FROM_TENSOR[mode][0](checksum=checksum, chunk=chunk)
 
 
 def _preset(mode, codebook, checksum, chunk) -> Pipeline:
@@ -191,13 +186,13 @@ def _preset(mode, codebook, checksum, chunk) -> Pipeline:
     if mode == "speed" and type(mode) is str:
         return _default(codebook, checksum, DEFAULT_CHUNK if chunk is None else chunk)
     if type(mode) is str and mode in _FROM_TENSOR:
-        build, shared, default_chunk = _FROM_TENSOR[mode]
+        build, default_chunk = _FROM_TENSOR[mode]
         if codebook is not None:
             raise ValueError(f"mode={mode!r} chooses its per-channel codebooks from each tensor; codebook= is for "
                              "mode='speed'")
         chunk = default_chunk if chunk is None else chunk
         if type(checksum) is bool and type(chunk) is int:  # exact types only reach the cache (_default says why)
-            return shared(checksum, chunk)
+            return _shared_from_tensor(mode, checksum, chunk)
         return build(checksum=checksum, chunk=chunk)
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 

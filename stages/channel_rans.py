@@ -153,8 +153,9 @@ class ChannelRans(Stage):
     output_kind = CHANNEL_CODED
     consumes = ("data",)
     produces = ("rest", "states", "words", "word_count", "esc_count", "esc_exp", "tables")
+    DEFAULT_CHUNK = 1 << 16  # 32 lane states cost 128 B a chunk (benchmarks/NOTES.md s1)
 
-    def __init__(self, chunk: int = 65536):
+    def __init__(self, chunk: int = DEFAULT_CHUNK):
         self.chunk = check_chunk(chunk, MAX_CHUNK, MIN_CHUNK)
 
     def get_config(self):
