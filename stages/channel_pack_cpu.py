@@ -226,19 +226,25 @@ def _count_runs(src, n, starts, L, DM, E, M, hist):
             hist[((i & DM) << E) | ((int(src[i]) >> M) & EMASK)] += 1
 
 
-def histogram(src, fmt, channels):
-    """kvzip.channel_codebook.channel_histogram of src (flat raw bits) in one compiled pass over
-    the sample's runs (ranges of runs in threads, each counting into its own histogram)."""
+def runs_histogram(src, fmt, channels, starts, run_length):
+    """int64[channels, 2**E]: the exponents of the values of the runs [start, start + run_length)
+    (cut at the end of src, flat raw bits) counted by channel, ranges of runs in threads, each
+    counting into its own histogram."""
     E, n = fmt.exp_bits, src.shape[0]
-    starts = run_starts(n)
 
     def work(r0, r1):
         hist = np.zeros(channels << E, np.int64)
-        _count_runs(src, n, starts[r0:r1], RUN_LENGTH, channels - 1, E, fmt.mant_bits, hist)
+        _count_runs(src, n, starts[r0:r1], run_length, channels - 1, E, fmt.mant_bits, hist)
         return hist
 
-    parts = cpu_parallel.run_ranges(work, cpu_parallel.split(starts.shape[0], RUN_LENGTH * src.itemsize))
+    parts = cpu_parallel.run_ranges(work, cpu_parallel.split(starts.shape[0], run_length * src.itemsize))
     return sum(parts[1:], parts[0]).reshape(channels, 1 << E)
+
+
+def histogram(src, fmt, channels):
+    """kvzip.channel_codebook.channel_histogram of src (flat raw bits) in one compiled pass over
+    the sample's runs."""
+    return runs_histogram(src, fmt, channels, run_starts(src.shape[0]), RUN_LENGTH)
 
 
 @_jit

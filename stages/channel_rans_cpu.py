@@ -27,7 +27,7 @@ from kvzip import cpu_parallel
 from kvzip.bitlogic import CPU
 from kvzip.jit import cpu_jit
 
-from .channel_pack_cpu import _count_runs, _put_bytes, _take_bits
+from .channel_pack_cpu import _put_bytes, _take_bits, runs_histogram
 
 value_exponent, value_rest, join_value = CPU.value_exponent, CPU.value_rest, CPU.join_value
 
@@ -165,17 +165,8 @@ def kernels(E: int, M: int):
 
 def histogram(src, fmt, channels):
     """int64[channels, 2**E]: every value's exponent counted by channel (all values: the tables
-    must cover the whole tensor), ranges of runs in threads, each counting into its own."""
-    E, n = fmt.exp_bits, src.shape[0]
-    starts = np.arange(0, n, HIST_RUN, dtype=np.int64)
-
-    def work(r0, r1):
-        hist = np.zeros(channels << E, np.int64)
-        _count_runs(src, n, starts[r0:r1], HIST_RUN, channels - 1, E, fmt.mant_bits, hist)
-        return hist
-
-    parts = cpu_parallel.run_ranges(work, cpu_parallel.split(starts.shape[0], HIST_RUN * src.itemsize))
-    return sum(parts[1:], parts[0]).reshape(channels, 1 << E)
+    must cover the whole tensor), in runs of HIST_RUN values."""
+    return runs_histogram(src, fmt, channels, np.arange(0, src.shape[0], HIST_RUN, dtype=np.int64), HIST_RUN)
 
 
 @_jit
