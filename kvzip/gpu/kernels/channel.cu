@@ -316,18 +316,23 @@ __global__ void __launch_bounds__(CH_SCAN_THREADS) kvz_ch_offsets(const u16* __r
             for (int k = 0; k < 8; k++) { cnt[k] = c + k < c1 ? esc_count[c + k] : 0u; sec[k] = c + k < c1 ? sec_count[c + k] : 0u; }
         }
     };
-    auto groups_of = [&](long long c) { return (int)min((long long)gpc, G - c * gpc); };
-    ChunkSizes mine = {0, 0, 0};
-    for (long long c = c0; c < c1; c += 8) {
-        u32 cnt[8], sec[8];
-        counts8(c, cnt, sec);
+    // visit(c, esc count, sec count, groups, sizes) for each of this thread's chunks, in order.
+    auto each_chunk = [&](auto&& visit) {
+        for (long long c = c0; c < c1; c += 8) {
+            u32 cnt[8], sec[8];
+            counts8(c, cnt, sec);
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            if (c + k >= c1) break;
-            const ChunkSizes s = chunk_sizes(cnt[k], sec[k], groups_of(c + k), HB);
-            mine.sec += s.sec; mine.esc += s.esc; mine.high += s.high;
+            for (int k = 0; k < 8; k++) {
+                if (c + k >= c1) break;
+                const int ng = (int)min((long long)gpc, G - (c + k) * gpc);
+                visit(c + k, cnt[k], sec[k], ng, chunk_sizes(cnt[k], sec[k], ng, HB));
+            }
         }
-    }
+    };
+    ChunkSizes mine = {0, 0, 0};
+    each_chunk([&](long long, u32, u32, int, const ChunkSizes& s) {
+        mine.sec += s.sec; mine.esc += s.esc; mine.high += s.high;
+    });
     long long inc[3] = {mine.sec, mine.esc, mine.high};
 #pragma unroll
     for (int k = 0; k < 3; k++) {
@@ -344,25 +349,17 @@ __global__ void __launch_bounds__(CH_SCAN_THREADS) kvz_ch_offsets(const u16* __r
                                 warp ? warp_sums[2][warp - 1] : 0};
     ChunkSizes at = {below[0] + inc[0] - mine.sec, below[1] + inc[1] - mine.esc, below[2] + inc[2] - mine.high};
     u64 err = ~0ull;
-    for (long long c = c0; c < c1; c += 8) {
-        u32 cnt[8], sec[8];
-        counts8(c, cnt, sec);
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-            if (c + k >= c1) break;
-            const int ng = groups_of(c + k);
-            const ChunkSizes s = chunk_sizes(cnt[k], sec[k], ng, HB);
-            if (checked && err == ~0ull) {
-                const long long len = min((long long)chunk, n - (c + k) * chunk);
-                const int code = count_error(cnt[k], sec[k], len, ng, HB, at, s, n_sec, n_pos, n_high);
-                if (code) err = 8ull * (u64)(c + k) + (u64)code;
-            }
-            offsets[c + k] = at.sec;
-            offsets[nchunks + c + k] = at.esc;
-            offsets[2 * nchunks + c + k] = at.high;
-            at.sec += s.sec; at.esc += s.esc; at.high += s.high;
+    each_chunk([&](long long c, u32 cnt, u32 sec, int ng, const ChunkSizes& s) {
+        if (checked && err == ~0ull) {
+            const long long len = min((long long)chunk, n - c * chunk);
+            const int code = count_error(cnt, sec, len, ng, HB, at, s, n_sec, n_pos, n_high);
+            if (code) err = 8ull * (u64)c + (u64)code;
         }
-    }
+        offsets[c] = at.sec;
+        offsets[nchunks + c] = at.esc;
+        offsets[2 * nchunks + c] = at.high;
+        at.sec += s.sec; at.esc += s.esc; at.high += s.high;
+    });
     if (err != ~0ull) atomicMin(&first, err);
     __syncthreads();
     if (threadIdx.x == 0) {
