@@ -82,8 +82,8 @@ _THREADS = 256
 
 
 @lru_cache(maxsize=None)
-def device_kernel(name: str, device: int):
-    """kvz_sum64, kvz_gather_sum64 or kvz_scatter_sum64 on CUDA device ``device``."""
+def _device_module(device: int):
+    """sum64.cu compiled for CUDA device ``device`` (one module for its three kernels)."""
     from importlib.resources import files
 
     import cupy
@@ -92,7 +92,13 @@ def device_kernel(name: str, device: int):
 
     source = files("kvzip.gpu").joinpath("kernels", loader.SUM64).read_text()
     with cupy.cuda.Device(device):
-        return cupy.RawModule(code=source).get_function(name)
+        return cupy.RawModule(code=source)
+
+
+@lru_cache(maxsize=None)
+def device_kernel(name: str, device: int):
+    """kvz_sum64, kvz_gather_sum64 or kvz_scatter_sum64 on CUDA device ``device``."""
+    return _device_module(device).get_function(name)
 
 
 @lru_cache(maxsize=None)
