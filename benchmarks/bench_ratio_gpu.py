@@ -23,7 +23,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,24 +34,17 @@ os.environ.setdefault(DEVICE_KERNELS_ENV, "1")
 
 import kvzip  # noqa: E402
 from kvzip.bench import _sample_bits, _timer, _versions, bench_kvzip, bench_nvcomp, format_bits
+from kvzip.bench_cpu import code_commit
 
 HEAD_DIM = 64  # the sample's last axis: the ratio mode's channels
 FORMATS = ("bf16", "e5m2", "e4m3")
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        return "?"
 
 
 def run(sizes, formats, repeat, nvcomp_at, out_dir):
     import cupy
 
     gpu = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
-    res = {"gpu": gpu, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit(),
+    res = {"gpu": gpu, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": code_commit(),
            "versions": _versions(cupy), "repeat": repeat, "data": "kvzip.data sample (real SmolLM2-135M KV) tiled, "
            f"shape [-1, {HEAD_DIM}]; FP8 = QuantizeFP8 once on the CPU", "runs": {}}
     timeit, nv_timeit = _timer(cupy, repeat), _timer(cupy, 3, 1)

@@ -414,7 +414,9 @@ def _versions() -> dict:
 
     import kvzip
 
-    v = {"kvzip": kvzip.__version__, "python": platform.python_version(), "commit": _commit()}
+    from kvzip.bench_cpu import code_commit
+
+    v = {"kvzip": kvzip.__version__, "python": platform.python_version(), "commit": code_commit()}
     for p in ("torch", "cupy-cuda13x", "numpy", "mooncake-transfer-engine-cuda13",
               "mooncake-transfer-engine-non-cuda", "nvidia-nvcomp-cu13"):
         try:
@@ -422,17 +424,6 @@ def _versions() -> dict:
         except PackageNotFoundError:
             pass
     return v
-
-
-def _commit() -> str | None:
-    """The code's commit: KVZIP_COMMIT when set (a copied tree's own git may be stale), else git's."""
-    if os.environ.get("KVZIP_COMMIT"):
-        return os.environ["KVZIP_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def _write(path, res) -> None:

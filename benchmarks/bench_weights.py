@@ -21,7 +21,6 @@ import json
 import math
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import kvzip.weights as kw
+from kvzip.bench_cpu import code_commit
 from kvzip.weights import tiled
 
 SHAPES = {"llama3-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1024, 4096)],
@@ -200,11 +200,7 @@ def plot(rows, path):
 def environment():
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "python": platform.python_version(), "torch": torch.__version__, "host": platform.node()}
-    try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                       cwd=Path(__file__).parent).stdout.strip() or None
-    except OSError:
-        env["commit"] = None
+    env["commit"] = code_commit()
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         env.update(gpu=p.name, sms=p.multi_processor_count, cuda=torch.version.cuda)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 import kvzip
-from kvzip.bench_cpu import environment
+from kvzip.bench_cpu import code_commit, environment
 from kvzip.data import SAMPLE_KINDS, load_sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -115,14 +114,6 @@ def families(data: Path) -> dict:
     return out
 
 
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "kv"))
@@ -144,7 +135,7 @@ def main(argv=None) -> int:
                       f"one {row['ratio_one_tensor']:.4f}", flush=True)
     record = {"what": "ratios of 16-token KV pages alone, packed GROUP to a kvzip.pack container, and as one "
                       "tensor, default and auto codebook (benchmarks/small_blocks.py's docstring)",
-              "environment": environment(), "commit": git_commit(), "data": args.data, "group": args.group,
+              "environment": environment(), "commit": code_commit(), "data": args.data, "group": args.group,
               "targets_32k_bf16": TARGETS, "seconds": round(time.perf_counter() - t0, 1), "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

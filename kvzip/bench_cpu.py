@@ -14,6 +14,7 @@ import datetime as _dt
 import os
 import platform
 import statistics
+import subprocess
 import time
 
 import numpy as np
@@ -111,6 +112,20 @@ def median_seconds(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
+
+
+def code_commit() -> str | None:
+    """The commit of the code a benchmark runs: KVZIP_COMMIT where the caller sets it (a copied
+    tree's own git may be stale, as on the device machine), else the checkout's HEAD; None
+    outside a git checkout."""
+    if os.environ.get("KVZIP_COMMIT"):
+        return os.environ["KVZIP_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        return None
+    return head or None
 
 
 def environment() -> dict:
