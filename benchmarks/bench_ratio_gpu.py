@@ -26,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-from stages.channel_pack import DEVICE_KERNELS_ENV
+from kvzip.stages.channel_pack import DEVICE_KERNELS_ENV
 
 # The ratio mode's device kernels are what this measures; they are opt-in until their GPU tests
 # have passed (stages/channel_pack.py).  Set before kvzip builds any pipeline.

@@ -13,7 +13,7 @@ import pytest
 
 import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
 
-from stages.channel_pack import DEVICE_KERNELS_ENV
+from kvzip.stages.channel_pack import DEVICE_KERNELS_ENV
 
 # The device kernels are opt-in until these tests have passed on a GPU (stages/channel_pack.py).
 os.environ[DEVICE_KERNELS_ENV] = "1"
