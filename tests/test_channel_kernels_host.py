@@ -95,6 +95,7 @@ CASES = [  # (format, n, channels, chunk, how the values are made)
     ("e4m3", 4 * 512 + 9, 64, 512, "kv"), ("e4m3", 4096, 4, 4096, "random"), ("e4m3", 333, 1, 16, "kv"),
     ("bf16", (1 << 20) + 4099, 128, 4096, "kv"),  # a sampled histogram (auto_codebook's runs)
     ("e5m2", 3 * 4096 + 77, 128, 4096, "kv"), ("e5m2", 4096 + 64, 64, 32768, "wide"), ("e5m2", 100, 2, 8, "random"),
+    ("bf16", 3 * 2048 * 16 + 77, 64, 16, "wide"),  # chunks in four tiles of the offsets scan (CH_TILE)
 ]
 
 
@@ -178,7 +179,8 @@ def forgeries(s, rng):
 
 @pytest.mark.parametrize("name,n,channels,chunk,kind", [("bf16", 5 * 4096 + 123, 64, 4096, "kv"),
                                                        ("e5m2", 4096 + 64, 64, 32768, "wide"),
-                                                       ("e4m3", 4 * 512 + 9, 64, 512, "kv")])
+                                                       ("e4m3", 4 * 512 + 9, 64, 512, "kv"),
+                                                       ("bf16", 2 * 2048 * 16 + 40, 64, 16, "kv")])  # three tiles
 def test_forged_streams_give_the_reference_error(exe, tmp_path, name, n, channels, chunk, kind):
     fmt = FORMATS[name]
     bits = values(fmt, n, kind, seed=n)
@@ -198,10 +200,10 @@ def test_harness_constants_are_the_codebooks():
     text = loader.sources()[loader.CHANNEL]
     defined = {k: int(v, 0) for k, v in re.findall(r"#define (CH_\w+) (0x[0-9A-Fa-f]+|\d+)", text)}
     assert defined["CH_WIDTH"] == cc.TABLE_WIDTH and defined["CH_PRIMARY"] == cc.PRIMARY
-    assert defined["CH_ESCAPE"] == cc.ESCAPE and defined["CH_MAX_CHANNELS"] == cc.MAX_CHANNELS
+    assert defined["CH_MAX_CHANNELS"] == cc.MAX_CHANNELS
     from kvzip.gpu import channel_pack
 
-    assert defined["CH_SCAN_THREADS"] == channel_pack.SCAN_THREADS
+    assert defined["CH_TILE_THREADS"] == channel_pack.TILE_THREADS and channel_pack.TILE == 8 * channel_pack.TILE_THREADS
 
 
 AUTO_CASES = [  # (format, n, how the values are made): the speed mode's kvz_auto_codebook, whose

@@ -22,7 +22,8 @@ from . import loader
 
 THREADS = 256            # channel.cu's WARPS * 32 (and AUTO_RUN: a thread a sampled run value)
 WARPS = THREADS // 32    # a warp a chunk
-SCAN_THREADS = 1024      # CH_SCAN_THREADS: kvz_ch_offsets's one block
+TILE_THREADS = 256       # CH_TILE_THREADS: the offsets scan's blocks
+TILE = 8 * TILE_THREADS  # CH_TILE: chunks a block of the scan
 BLOCKS_PER_SM = 16       # grid-stride kernels: at most this many blocks a multiprocessor
 NO_ERROR = (1 << 64) - 1
 STATIC_SHARED = 48 * 1024  # dynamic shared memory past this needs the kernel's opt-in
@@ -38,7 +39,7 @@ def _names(fmt) -> dict:
     args, gpl = loader._args(fmt), loader.channel_gpl(fmt)
     return {"histogram": f"kvz_ch_histogram<{args}>", "tables": f"kvz_ch_tables<{fmt.exp_bits}>",
             "encode": f"kvz_ch_encode<{args},{gpl}>", "decode": f"kvz_ch_decode<{args},{gpl}>",
-            "offsets": "kvz_ch_offsets", "compact": "kvz_ch_compact"}
+            "tile_sums": "kvz_ch_tile_sums", "offsets": "kvz_ch_offsets", "compact": "kvz_ch_compact"}
 
 
 @lru_cache(maxsize=None)
@@ -55,12 +56,13 @@ def _max_grid(device: int) -> int:
     return BLOCKS_PER_SM * _cupy().cuda.Device(device).attributes["MultiProcessorCount"]
 
 
-def _launch(name, fmt, blocks, threads, args, shared=0):
+def _launch(name, fmt, blocks, threads, args, shared=0, grid_stride=True):
+    """Launch `name` on `blocks` blocks, at most _max_grid of them for a grid-stride kernel."""
     if blocks <= 0:
         return
     device = _cupy().cuda.Device().id
-    _kernel(_names(fmt)[name], device, shared)((min(blocks, _max_grid(device)),), (threads,), args,
-                                               shared_mem=shared)
+    grid = min(blocks, _max_grid(device)) if grid_stride else blocks
+    _kernel(_names(fmt)[name], device, shared)((grid,), (threads,), args, shared_mem=shared)
 
 
 def aligned(a):
@@ -82,15 +84,18 @@ def tables(src, n: int, fmt, channels: int):
 
 
 def _offsets(esc_count, sec_count, n, fmt, chunk, lengths=None):
-    """(offsets int64[3 * nchunks], result uint64[5]) from kvz_ch_offsets; lengths (decode): the
-    variable streams' (sec_codes bytes, escapes, exp_high bytes), checked against the counts."""
+    """(offsets int64[3 * nchunks], result uint64[4]) from kvz_ch_tile_sums and kvz_ch_offsets;
+    lengths (decode): the variable streams' (sec_codes bytes, escapes, exp_high bytes), checked
+    against the counts."""
     cp = _cupy()
     nchunks = esc_count.shape[0]
-    offsets, result = cp.empty(3 * nchunks, cp.int64), cp.empty(5, cp.uint64)
+    tiles = max(1, -(-nchunks // TILE))  # one block even without chunks: it sets result
+    offsets, result, tile_sums = cp.empty(3 * nchunks, cp.int64), cp.empty(4, cp.uint64), cp.empty(3 * tiles, cp.int64)
     n_sec, n_pos, n_high = lengths or (0, 0, 0)
-    _launch("offsets", fmt, 1, SCAN_THREADS, (esc_count, sec_count, np.int64(nchunks), np.int64(n), np.int32(chunk),
-                                                np.int32(fmt.exp_bits - CODE_BITS), np.int32(lengths is not None),
-                                                np.int64(n_sec), np.int64(n_pos), np.int64(n_high), offsets, result))
+    head = (esc_count, sec_count, np.int64(nchunks), np.int64(n), np.int32(chunk), np.int32(fmt.exp_bits - CODE_BITS))
+    _launch("tile_sums", fmt, tiles, TILE_THREADS, (*head, tile_sums, result), grid_stride=False)
+    _launch("offsets", fmt, tiles, TILE_THREADS, (*head, np.int32(lengths is not None), np.int64(n_sec), np.int64(n_pos),
+                                                  np.int64(n_high), tile_sums, offsets, result), grid_stride=False)
     return offsets, result
 
 
@@ -113,7 +118,7 @@ def encode(src, n: int, fmt, channels: int, chunk: int) -> dict:
             (src, np.int64(n), np.int32(channels), tabs, np.int32(chunk), np.int64(nchunks), codes, rest, esc_count,
              sec_count, sec_slots, pos_slots, exp_slots, high_slots), shared=lut_bytes)
     offsets, result = _offsets(esc_count, sec_count, n, fmt, chunk)
-    ns, ne, nh = (int(x) for x in result[2:5].get())  # the one wait: the streams' lengths
+    ns, ne, nh = (int(x) for x in result[1:4].get())  # the one wait: the streams' lengths
     sec_codes, esc_pos, esc_exp, exp_high = (cp.empty(ns, cp.uint8), cp.empty(ne, cp.uint16), cp.empty(ne, cp.uint8),
                                              cp.empty(nh, cp.uint8))
     _launch("compact", fmt, -(-nchunks // WARPS), THREADS,

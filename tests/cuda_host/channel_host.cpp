@@ -68,14 +68,19 @@ static std::vector<Bytes> run(const std::vector<Bytes>& in, long long n, int D, 
     const long long G = cdiv(n, 8), nchunks = cdiv(n, chunk);
     const auto blocks = [&](long long work) { return (int)std::min<long long>(cdiv(work, 8), grid); };
     std::vector<long long> offsets(3 * nchunks + 1);
-    std::vector<u64> result(5);
+    std::vector<u64> result(4);
+    const int tiles = (int)std::max<long long>(1, cdiv(nchunks, CH_TILE));
+    std::vector<long long> tile_sums(3 * tiles);
     const bool dec = in.size() > 2;
     std::vector<u8> tables(D * 15);
     std::vector<u16> esc_count(nchunks), sec_count(nchunks);
     auto scan = [&](int checked, long long ns, long long ne, long long nh) {
-        emu_launch(1, CH_SCAN_THREADS, [&] {
-            kvz_ch_offsets(esc_count.data(), sec_count.data(), nchunks, n, chunk, HB, checked, ns, ne, nh, offsets.data(),
-                           result.data());
+        emu_launch(tiles, CH_TILE_THREADS, [&] {
+            kvz_ch_tile_sums(esc_count.data(), sec_count.data(), nchunks, n, chunk, HB, tile_sums.data(), result.data());
+        });
+        emu_launch(tiles, CH_TILE_THREADS, [&] {
+            kvz_ch_offsets(esc_count.data(), sec_count.data(), nchunks, n, chunk, HB, checked, ns, ne, nh,
+                           tile_sums.data(), offsets.data(), result.data());
         });
     };
     if (!dec) {
@@ -96,15 +101,15 @@ static std::vector<Bytes> run(const std::vector<Bytes>& in, long long n, int D, 
                                             exp_slots.data(), high_slots.data());
             });
         scan(0, 0, 0, 0);
-        std::vector<u8> sec_codes(result[2] + 1), esc_exp(result[3] + 1), exp_high(result[4] + 1);
-        std::vector<u16> esc_pos(result[3] + 1);
+        std::vector<u8> sec_codes(result[1] + 1), esc_exp(result[2] + 1), exp_high(result[3] + 1);
+        std::vector<u16> esc_pos(result[2] + 1);
         if (nchunks)
             emu_launch(blocks(nchunks), 256, [&] {
                 kvz_ch_compact(esc_count.data(), sec_count.data(), nchunks, n, chunk, HB, offsets.data(), sec_slots.data(),
                                pos_slots.data(), exp_slots.data(), high_slots.data(), sec_codes.data(), esc_pos.data(),
                                esc_exp.data(), exp_high.data());
             });
-        sec_codes.resize(result[2]); esc_pos.resize(result[3]); esc_exp.resize(result[3]); exp_high.resize(result[4]);
+        sec_codes.resize(result[1]); esc_pos.resize(result[2]); esc_exp.resize(result[2]); exp_high.resize(result[3]);
         return {bytes_of(tables), bytes_of(codes), bytes_of(rest), bytes_of(esc_count), bytes_of(sec_count),
                 bytes_of(sec_codes), bytes_of(esc_pos), bytes_of(esc_exp), bytes_of(exp_high)};
     }

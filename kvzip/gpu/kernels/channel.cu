@@ -15,9 +15,9 @@
 
 #define CH_WIDTH 15          // channel_codebook.TABLE_WIDTH: entries of a channel's table
 #define CH_PRIMARY 7         // channel_codebook.PRIMARY: codes 0..6; code 7 = a second-level index follows
-#define CH_ESCAPE 0xFF       // channel_codebook.ESCAPE: the LUT's mark of an exponent outside the table
 #define CH_MAX_CHANNELS 256  // channel_codebook.MAX_CHANNELS
-#define CH_SCAN_THREADS 1024 // kvz_ch_offsets: one block
+#define CH_TILE_THREADS 256  // the offsets scan: threads a block, 8 chunks a thread
+#define CH_TILE (8 * CH_TILE_THREADS)
 // A warp's second-level bits in flight: a step's 32 groups hold at most 256 indices (768 bits),
 // after up to 31 bits carried from the step before: 25 words, one more that stays zero.
 #define CH_SEC_WORDS 26
@@ -91,18 +91,23 @@ __device__ __forceinline__ void put_rest(u8* __restrict__ rest, long long g, lon
 }
 
 template <int R>
-__device__ __forceinline__ void get_rest(const u8* __restrict__ rest, long long g, long long step_g, u32 r[8],
-                                         bool whole, bool valid, int lane) {
-    RestRaw<R> rr;
+__device__ __forceinline__ void get_rest_raw(const u8* __restrict__ rest, long long g, long long step_g, RestRaw<R>& rr,
+                                             bool whole, bool valid, int lane) {
     if constexpr (R == 11) {
         if (whole) {
             load_rest11_warp(rest + 11 * step_g, lane, &rr.q[0], &rr.q[1]);
-            unpack_rest<R>(rr, r);
             return;
         }
     }
     if (valid) load_rest_raw<R>(rest, g, rr);
     else for (int k = 0; k < (R + 7) / 8; k++) rr.q[k] = 0;
+}
+
+template <int R>
+__device__ __forceinline__ void get_rest(const u8* __restrict__ rest, long long g, long long step_g, u32 r[8],
+                                         bool whole, bool valid, int lane) {
+    RestRaw<R> rr;
+    get_rest_raw<R>(rest, g, step_g, rr, whole, valid, lane);
     unpack_rest<R>(rr, r);
 }
 
@@ -115,36 +120,63 @@ __device__ __forceinline__ u32 read_bits(const u8* __restrict__ p, int bit, int 
     return (acc >> (bit & 7)) & ((1u << nbits) - 1u);
 }
 
-// A group's codes and rest through its channels' LUT (lut[e * D + d]: e's place in channel d's
-// table, or CH_ESCAPE), with its second-level indices (nsec of them, 3 bits each, in value order)
-// and its escapes' mask; values at or past n: code 0, rest 0, neither.
+// The encode LUT's byte for an exponent of a channel's table: the value's 3-bit code in bits 0-2
+// (its place k for the 7 primary entries, 7 for the 8 second-level ones), bit 3 set for a
+// second-level entry with its index in bits 4-6; CH_LUT_ESCAPE (code 0, bit 7) for an exponent
+// outside the table.  One shared load a value gives everything the value codes to.
+#define CH_LUT_ESCAPE 0x80u
+__device__ __forceinline__ u8 lut_entry(int k) {
+    return (u8)(k < CH_PRIMARY ? k : 0x0F | ((k - CH_PRIMARY) << 4));
+}
+
+// Bit `bit` of each of x's 4 bytes, as 4 bits (byte i -> bit i).
+__device__ __forceinline__ u32 byte_flags(u32 x, int bit) {
+    return (((x >> bit) & 0x01010101u) * 0x01020408u) >> 24;
+}
+
+// 4 bytes < 8 packed 3 bits a byte (byte i -> bits 3i..3i+2).
+__device__ __forceinline__ u32 pack3x4(u32 c) {
+    const u32 t = c | (c >> 5);  // bytes 0 and 2 now hold 6 bits each: c0 | c1 << 3, c2 | c3 << 3
+    return (t & 0x3Fu) | ((t >> 10) & 0xFC0u);
+}
+
+// A group's codes and rest through its channels' LUT (lut[e * D + d]: lut_entry of e's place in
+// channel d's table), with its second-level indices (nsec of them, 3 bits each, in value order)
+// and its escapes' mask; values at or past n: code 0, rest 0, neither.  WHOLE: the group holds 8
+// values.  NO_WRAP (D >= 8): its channels are base..base+7, at constant offsets from one row.
 struct ChannelGroup {
     u32 word, r[8], sec, nsec, esc;
+    u64 rest8;  // rest fields of 8 bits (BF16), packed as store_rest packs them; r is then unused
 };
-template <int E, int M, typename T>
+template <int E, int M, typename T, bool WHOLE, bool NO_WRAP>
 __device__ __forceinline__ void encode_channel_group(const Raw<T>& v, long long g, long long n, const u8* lut, int D,
                                                      ChannelGroup& o) {
     constexpr u32 EMASK = (1u << E) - 1u, MMASK = (1u << M) - 1u;
     const u32 DM = (u32)D - 1u, base = (u32)(g << 3) & DM;
-    const long long left = n - g * 8;
-    o.word = o.sec = o.nsec = o.esc = 0;
+    const long long left = WHOLE ? 8 : n - g * 8;
+    const u8* t = NO_WRAP ? lut + base : lut;
+    u32 pk[2] = {0u, 0u};  // the values' LUT bytes, 4 a word
+    if constexpr (M + 1 == 8) {  // BF16 (the one 8-bit rest): two rest bytes a word of input, four a word of rest
+        u32 r2[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) r2[k] = (v.w[k] & 0x007F007Fu) | ((v.w[k] >> 8) & 0x00800080u);
+        o.rest8 = (u64)__byte_perm(r2[0], r2[1], 0x6420u) | ((u64)__byte_perm(r2[2], r2[3], 0x6420u) << 32);
+    }
 #pragma unroll
     for (int j = 0; j < 8; j++) {
         const u32 x = raw_value(v, j), e = (x >> M) & EMASK;
-        o.r[j] = ((x >> (E + M)) << M) | (x & MMASK);
-        const u32 k = lut[e * D + ((base + j) & DM)];
-        if (j < left) {
-            if (k < CH_PRIMARY) {
-                o.word |= k << (3 * j);
-            } else if (k < CH_WIDTH) {
-                o.word |= (u32)CH_PRIMARY << (3 * j);
-                o.sec |= (k - CH_PRIMARY) << (3 * o.nsec);
-                o.nsec++;
-            } else {
-                o.esc |= 1u << j;
-            }
-        }
+        if constexpr (M + 1 != 8) o.r[j] = ((x >> (E + M)) << M) | (x & MMASK);
+        const u32 b = NO_WRAP ? t[e * D + j] : lut[e * D + ((base + j) & DM)];
+        if (WHOLE || j < left) pk[j >> 2] |= b << (8 * (j & 3));
     }
+    o.word = pack3x4(pk[0] & 0x07070707u) | (pack3x4(pk[1] & 0x07070707u) << 12);
+    const u32 secs = byte_flags(pk[0], 3) | (byte_flags(pk[1], 3) << 4);
+    o.esc = byte_flags(pk[0], 7) | (byte_flags(pk[1], 7) << 4);
+    o.nsec = __popc(secs);
+    o.sec = 0;
+    const u64 all = (u64)pk[0] | ((u64)pk[1] << 32);
+    int at = 0;
+    for (u32 m = secs; m; m &= m - 1, at += 3) o.sec |= (u32)((all >> (8 * (__ffs(m) - 1) + 4)) & 7u) << at;
 }
 
 // The warp's second-level indices of one step, in lane order, appended to the chunk's run: sb (the
@@ -187,10 +219,10 @@ __global__ void __launch_bounds__(WARPS * 32) kvz_ch_encode(const T* __restrict_
     __shared__ u32 sec_words[WARPS][CH_SEC_WORDS];
     u8* lut = reinterpret_cast<u8*>(lut_words);
     const int D = channels;
-    for (int i = threadIdx.x; i < (D << E) / 4; i += blockDim.x) lut_words[i] = 0x01010101u * CH_ESCAPE;
+    for (int i = threadIdx.x; i < (D << E) / 4; i += blockDim.x) lut_words[i] = 0x01010101u * CH_LUT_ESCAPE;
     for (int i = threadIdx.x; i < WARPS * CH_SEC_WORDS; i += blockDim.x) (&sec_words[0][0])[i] = 0;
     __syncthreads();
-    for (int i = threadIdx.x; i < D * CH_WIDTH; i += blockDim.x) lut[tables[i] * D + i / CH_WIDTH] = (u8)(i % CH_WIDTH);
+    for (int i = threadIdx.x; i < D * CH_WIDTH; i += blockDim.x) lut[tables[i] * D + i / CH_WIDTH] = lut_entry(i % CH_WIDTH);
     __syncthreads();
     const int lane = threadIdx.x & 31;
     u32* sb = sec_words[threadIdx.x >> 5];
@@ -216,20 +248,27 @@ __global__ void __launch_bounds__(WARPS * 32) kvz_ch_encode(const T* __restrict_
                 const int first = s0 + q * 32, gi = first + lane;
                 const bool valid = gi < ng, whole = first + 32 <= ng && (g0 + first + 32) * 8 <= n;
                 ChannelGroup o;
-                encode_channel_group<E, M, T>(v[q], g0 + gi, valid ? n : 0, lut, D, o);
+                if (whole && D >= 8) encode_channel_group<E, M, T, true, true>(v[q], g0 + gi, n, lut, D, o);
+                else encode_channel_group<E, M, T, false, false>(v[q], g0 + gi, valid ? n : 0, lut, D, o);
                 put_codes(codes, g0 + gi, g0 + first, o.word, whole, valid, lane);
-                put_rest<R>(rest, g0 + gi, g0 + first, o.r, whole, valid, lane);
-                bits = append_second(sb, sw, bits, o.sec, o.nsec, lane);
-                int total;
-                int at = esc + warp_exclusive_count(__popc(o.esc), lane, &total);
-                for (u32 m = o.esc; m; m &= m - 1, at++) {  // rare: in position order, the first cap kept
-                    const int j = __ffs(m) - 1;
-                    if (at < cap) {
-                        spos[at] = (u16)(gi * 8 + j);
-                        sexp[at] = (u8)((raw_value(v[q], j) >> M) & EMASK);
-                    }
+                if constexpr (R == 8) {
+                    if (valid) *reinterpret_cast<u64*>(rest + 8 * (g0 + gi)) = o.rest8;
+                } else {
+                    put_rest<R>(rest, g0 + gi, g0 + first, o.r, whole, valid, lane);
                 }
-                esc += total;
+                bits = append_second(sb, sw, bits, o.sec, o.nsec, lane);
+                if (__any_sync(FULL_MASK, o.esc)) {  // rare: in position order, the first cap kept
+                    int total;
+                    int at = esc + warp_exclusive_count(__popc(o.esc), lane, &total);
+                    for (u32 m = o.esc; m; m &= m - 1, at++) {
+                        const int j = __ffs(m) - 1;
+                        if (at < cap) {
+                            spos[at] = (u16)(gi * 8 + j);
+                            sexp[at] = (u8)((raw_value(v[q], j) >> M) & EMASK);
+                        }
+                    }
+                    esc += total;
+                }
             }
         }
         if ((bits & 31) && lane == 0) sw[bits >> 5] = sb[0];  // the run's last, partial word
@@ -285,71 +324,112 @@ __device__ __forceinline__ int count_error(u32 cnt, u32 sec, long long len, int 
     return 0;
 }
 
-// One block of CH_SCAN_THREADS; thread t takes a range of chunks (a multiple of 8: the counts load
-// 8 at a time, 16-byte aligned), sums its sizes, a block scan gives each range its start, and a
-// second walk writes offsets[c], offsets[nchunks + c], offsets[2 nchunks + c] (chunk c's first
-// sec_codes byte, escape, exp_high byte).  checked (decode): every chunk's count check against the
-// streams' lengths, the lowest failing chunk's 8 c + code kept; none failing, the totals'.
-// result: [0] 8 c + code of the first error or ~0, [1] the chunks before the first bad count
-// (the ones kvz_ch_decode decodes), [2..4] the three totals.
-__global__ void __launch_bounds__(CH_SCAN_THREADS) kvz_ch_offsets(const u16* __restrict__ esc_count,
+// The offsets scan, reduce then scan: tile t is chunks [CH_TILE t, CH_TILE (t + 1)), 8 a thread
+// of CH_TILE_THREADS (its counts loaded as one 16-byte word of each stream: the warp's loads
+// are contiguous).  kvz_ch_tile_sums sums each tile's sizes; kvz_ch_offsets gives each tile the
+// sum of the tiles before it, scans inside the tile and writes offsets[c], offsets[nchunks + c],
+// offsets[2 nchunks + c] (chunk c's first sec_codes byte, escape, exp_high byte).
+// result (uint64[4]): [0] 8 c + code of the lowest failing chunk (checked, decode: every chunk's
+// count check against the streams' lengths, channel_pack_cpu._decode_offsets's order; then the
+// totals' check, past the last chunk) or ~0; [1..3] the three totals.
+
+// fn(c, esc count, sec count, groups, sizes) for this thread's chunks of the tile, in order.
+template <typename F>
+__device__ __forceinline__ void each_tile_chunk(const u16* __restrict__ esc_count, const u16* __restrict__ sec_count,
+                                                long long nchunks, long long n, int chunk, int HB, F&& fn) {
+    const long long c0 = (long long)blockIdx.x * CH_TILE + 8 * threadIdx.x;
+    if (c0 >= nchunks) return;
+    u32 cnt[8], sec[8];
+    if (c0 + 8 <= nchunks) {
+        const uint4 a = *reinterpret_cast<const uint4*>(esc_count + c0), b = *reinterpret_cast<const uint4*>(sec_count + c0);
+        const u32 wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int k = 0; k < 8; k++) { cnt[k] = (wa[k >> 1] >> (16 * (k & 1))) & 0xFFFFu; sec[k] = (wb[k >> 1] >> (16 * (k & 1))) & 0xFFFFu; }
+    } else {
+#pragma unroll
+        for (int k = 0; k < 8; k++) { cnt[k] = c0 + k < nchunks ? esc_count[c0 + k] : 0u; sec[k] = c0 + k < nchunks ? sec_count[c0 + k] : 0u; }
+    }
+    const int gpc = chunk >> 3;
+    const long long G = (n + 7) >> 3;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        if (c0 + k >= nchunks) break;
+        const int ng = (int)min((long long)gpc, G - (c0 + k) * gpc);
+        fn(c0 + k, cnt[k], sec[k], ng, chunk_sizes(cnt[k], sec[k], ng, HB));
+    }
+}
+
+// The block's sum of x (CH_TILE_THREADS threads), in every thread.  part: CH_TILE_THREADS / 32 words.
+__device__ __forceinline__ long long block_sum(long long x, long long* part) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    x = warp_inclusive_sum(x, lane);
+    __syncthreads();  // part is free again
+    if (lane == 31) part[warp] = x;
+    __syncthreads();
+    long long all = 0;
+#pragma unroll
+    for (int w = 0; w < CH_TILE_THREADS / 32; w++) all += part[w];
+    return all;
+}
+
+// The block's exclusive prefix of x over the threads (in thread order).
+__device__ __forceinline__ long long block_exclusive_sum(long long x, long long* part) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long inc = warp_inclusive_sum(x, lane);
+    __syncthreads();
+    if (lane == 31) part[warp] = inc;
+    __syncthreads();
+    long long below = 0;
+    for (int w = 0; w < warp; w++) below += part[w];
+    return below + inc - x;
+}
+
+// grid: a block a tile.  tile_sums[3 t + k]: tile t's sec_codes bytes, escapes, exp_high bytes.
+__global__ void __launch_bounds__(CH_TILE_THREADS) kvz_ch_tile_sums(const u16* __restrict__ esc_count,
+                                                                    const u16* __restrict__ sec_count, long long nchunks,
+                                                                    long long n, int chunk, int HB,
+                                                                    long long* __restrict__ tile_sums,
+                                                                    u64* __restrict__ result) {
+    __shared__ long long part[CH_TILE_THREADS / 32];
+    ChunkSizes mine = {0, 0, 0};
+    each_tile_chunk(esc_count, sec_count, nchunks, n, chunk, HB, [&](long long, u32, u32, int, const ChunkSizes& s) {
+        mine.sec += s.sec; mine.esc += s.esc; mine.high += s.high;
+    });
+    const long long sums[3] = {block_sum(mine.sec, part), block_sum(mine.esc, part), block_sum(mine.high, part)};
+    if (threadIdx.x == 0) {
+        for (int k = 0; k < 3; k++) tile_sums[3 * blockIdx.x + k] = sums[k];
+        if (blockIdx.x == 0) result[0] = ~0ull;  // kvz_ch_offsets and kvz_ch_decode lower it
+    }
+}
+
+// grid: a block a tile, after kvz_ch_tile_sums.  checked (decode): the count checks, against the
+// streams' lengths n_sec, n_pos, n_high.
+__global__ void __launch_bounds__(CH_TILE_THREADS) kvz_ch_offsets(const u16* __restrict__ esc_count,
                                                                   const u16* __restrict__ sec_count, long long nchunks,
                                                                   long long n, int chunk, int HB, int checked,
                                                                   long long n_sec, long long n_pos, long long n_high,
-                                                                  long long* __restrict__ offsets, u64* __restrict__ result) {
-    __shared__ long long warp_sums[3][32];
-    __shared__ u64 first;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int gpc = chunk >> 3;
-    const long long G = (n + 7) >> 3;
-    const long long per = ((nchunks + CH_SCAN_THREADS - 1) / CH_SCAN_THREADS + 7) & ~7ll;
-    const long long c0 = min(nchunks, (long long)threadIdx.x * per), c1 = min(nchunks, c0 + per);
-    if (threadIdx.x == 0) first = ~0ull;
-    auto counts8 = [&](long long c, u32 cnt[8], u32 sec[8]) {
-        if (c + 8 <= c1) {
-            const uint4 a = *reinterpret_cast<const uint4*>(esc_count + c), b = *reinterpret_cast<const uint4*>(sec_count + c);
-            const u32 wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+                                                                  const long long* __restrict__ tile_sums,
+                                                                  long long* __restrict__ offsets,
+                                                                  u64* __restrict__ result) {
+    __shared__ long long part[CH_TILE_THREADS / 32];
+    const long long ntiles = (nchunks + CH_TILE - 1) / CH_TILE;
+    long long before[3] = {0, 0, 0}, all[3] = {0, 0, 0};  // the tiles before this one; all tiles
+    for (long long t = threadIdx.x; t < ntiles; t += CH_TILE_THREADS) {
 #pragma unroll
-            for (int k = 0; k < 8; k++) { cnt[k] = (wa[k >> 1] >> (16 * (k & 1))) & 0xFFFFu; sec[k] = (wb[k >> 1] >> (16 * (k & 1))) & 0xFFFFu; }
-        } else {
-#pragma unroll
-            for (int k = 0; k < 8; k++) { cnt[k] = c + k < c1 ? esc_count[c + k] : 0u; sec[k] = c + k < c1 ? sec_count[c + k] : 0u; }
+        for (int k = 0; k < 3; k++) {
+            all[k] += tile_sums[3 * t + k];
+            if (t < blockIdx.x) before[k] += tile_sums[3 * t + k];
         }
-    };
-    // visit(c, esc count, sec count, groups, sizes) for each of this thread's chunks, in order.
-    auto each_chunk = [&](auto&& visit) {
-        for (long long c = c0; c < c1; c += 8) {
-            u32 cnt[8], sec[8];
-            counts8(c, cnt, sec);
-#pragma unroll
-            for (int k = 0; k < 8; k++) {
-                if (c + k >= c1) break;
-                const int ng = (int)min((long long)gpc, G - (c + k) * gpc);
-                visit(c + k, cnt[k], sec[k], ng, chunk_sizes(cnt[k], sec[k], ng, HB));
-            }
-        }
-    };
+    }
     ChunkSizes mine = {0, 0, 0};
-    each_chunk([&](long long, u32, u32, int, const ChunkSizes& s) {
+    each_tile_chunk(esc_count, sec_count, nchunks, n, chunk, HB, [&](long long, u32, u32, int, const ChunkSizes& s) {
         mine.sec += s.sec; mine.esc += s.esc; mine.high += s.high;
     });
-    long long inc[3] = {mine.sec, mine.esc, mine.high};
-#pragma unroll
-    for (int k = 0; k < 3; k++) {
-        inc[k] = warp_inclusive_sum(inc[k], lane);
-        if (lane == 31) warp_sums[k][warp] = inc[k];
-    }
-    __syncthreads();
-    if (warp == 0) {
-#pragma unroll
-        for (int k = 0; k < 3; k++) warp_sums[k][lane] = warp_inclusive_sum(warp_sums[k][lane], lane);
-    }
-    __syncthreads();
-    const long long below[3] = {warp ? warp_sums[0][warp - 1] : 0, warp ? warp_sums[1][warp - 1] : 0,
-                                warp ? warp_sums[2][warp - 1] : 0};
-    ChunkSizes at = {below[0] + inc[0] - mine.sec, below[1] + inc[1] - mine.esc, below[2] + inc[2] - mine.high};
+    ChunkSizes at = {block_sum(before[0], part) + block_exclusive_sum(mine.sec, part),
+                     block_sum(before[1], part) + block_exclusive_sum(mine.esc, part),
+                     block_sum(before[2], part) + block_exclusive_sum(mine.high, part)};
     u64 err = ~0ull;
-    each_chunk([&](long long c, u32 cnt, u32 sec, int ng, const ChunkSizes& s) {
+    each_tile_chunk(esc_count, sec_count, nchunks, n, chunk, HB, [&](long long c, u32 cnt, u32 sec, int ng, const ChunkSizes& s) {
         if (checked && err == ~0ull) {
             const long long len = min((long long)chunk, n - c * chunk);
             const int code = count_error(cnt, sec, len, ng, HB, at, s, n_sec, n_pos, n_high);
@@ -360,20 +440,16 @@ __global__ void __launch_bounds__(CH_SCAN_THREADS) kvz_ch_offsets(const u16* __r
         offsets[2 * nchunks + c] = at.high;
         at.sec += s.sec; at.esc += s.esc; at.high += s.high;
     });
-    if (err != ~0ull) atomicMin(&first, err);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const long long tot[3] = {warp_sums[0][31], warp_sums[1][31], warp_sums[2][31]};
-        u64 e = first;
-        const long long stop = e == ~0ull ? nchunks : (long long)(e / 8);
-        if (checked && e == ~0ull) {
+    if (blockIdx.x == 0) {
+        const long long tot[3] = {block_sum(all[0], part), block_sum(all[1], part), block_sum(all[2], part)};
+        if (threadIdx.x == 0) {
+            for (int k = 0; k < 3; k++) result[1 + k] = (u64)tot[k];
             const u64 past = 8ull * (u64)nchunks;
-            e = tot[0] != n_sec ? past + 6 : tot[1] != n_pos ? past + 2 : tot[2] != n_high ? past + 5 : ~0ull;
+            if (checked && err == ~0ull)
+                err = tot[0] != n_sec ? past + 6 : tot[1] != n_pos ? past + 2 : tot[2] != n_high ? past + 5 : ~0ull;
         }
-        result[0] = e;
-        result[1] = (u64)stop;
-        for (int k = 0; k < 3; k++) result[2 + k] = (u64)tot[k];
     }
+    if (err != ~0ull) atomicMin(reinterpret_cast<unsigned long long*>(result), err);
 }
 
 // grid-stride over chunks, a warp a chunk: each chunk's runs from its slots (kvz_ch_encode) to
@@ -412,7 +488,64 @@ __global__ void __launch_bounds__(WARPS * 32) kvz_ch_compact(const u16* __restri
 }
 
 // ------------------------------------------------------------------ decode
-// grid-stride over the chunks before result[1] (kvz_ch_offsets's first bad count), a warp a
+// A value's bits from its rest field r (sign above the mantissa) and its exponent e.
+template <int E, int M>
+__device__ __forceinline__ u32 assemble_value(u32 r, u32 e) {
+    return ((r >> M) << (E + M)) | (e << M) | (r & ((1u << M) - 1u));
+}
+
+// The exponents of a listed group from its codes (word), its code-7 marks (sevens: bit 3j for
+// value j) and its second-level indices (sec, 3 bits each in value order): value j's exponent is
+// tab[k * D + its channel] with k its code, or for a code 7, 7 plus the group's next index.
+// Branch-free: KV has a code-7 value in about every other group.  NO_WRAP (D >= 8): the group's
+// channels are base..base+7, so value j's entry is at a constant offset j from row k.
+template <bool NO_WRAP>
+__device__ __forceinline__ void listed_exponents(u32 word, u32 sevens, u32 sec, const u8* tab, u32 base, int D, u32 DM,
+                                                 u32 e[8]) {
+    const u8* t = NO_WRAP ? tab + base : tab;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const u32 code = (word >> (3 * j)) & 7u, seven = (sevens >> (3 * j)) & 1u;
+        const u32 k = code + (sec & (0u - seven) & 7u);
+        sec >>= 3 * seven;
+        e[j] = NO_WRAP ? t[k * D + j] : tab[k * D + ((base + j) & DM)];
+    }
+}
+
+// Two BF16 values (one output word) from four rest bytes (half 0: bytes 0, 1; half 1: bytes 2, 3)
+// and their exponents: each value's sign (bit 7 of its rest byte) to bit 15, exponent to bits
+// 7-14, mantissa (bits 0-6) in place.  Six instructions a pair where value by value took nine.
+__device__ __forceinline__ u32 bf16_pair(u32 rest4, int half, u32 e0, u32 e1) {
+    const u32 rr = __byte_perm(rest4, 0u, half ? 0x4342u : 0x4140u);  // [r_a, 0, r_b, 0]
+    const u32 ee = __byte_perm(e0, e1, 0x5410u);                        // [e_a, 0, e_b, 0]
+    return (rr & 0x007F007Fu) | (ee << 7) | ((rr << 8) & 0x80008000u);
+}
+
+// A group's values from its raw rest fields and exponents, stored (the values before n).
+template <int E, int M, typename T>
+__device__ __forceinline__ void store_values(T* __restrict__ dst, long long n, long long g, const RestRaw<M + 1>& rr,
+                                             const u32 e[8]) {
+    if constexpr (E == 8 && M == 7) {
+        const u32 lo = (u32)rr.q[0], hi = (u32)(rr.q[0] >> 32);
+        const uint4 w = make_uint4(bf16_pair(lo, 0, e[0], e[1]), bf16_pair(lo, 1, e[2], e[3]),
+                                   bf16_pair(hi, 0, e[4], e[5]), bf16_pair(hi, 1, e[6], e[7]));
+        if (g * 8 + 8 <= n) {
+            *reinterpret_cast<uint4*>(dst + g * 8) = w;
+        } else {
+            const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int j = 0; j < 8; j++) if (g * 8 + j < n) dst[g * 8 + j] = (T)(words[j >> 1] >> (16 * (j & 1)));
+        }
+    } else {
+        u32 r[8], v[8];
+        unpack_rest<M + 1>(rr, r);
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = assemble_value<E, M>(r[j], e[j]);
+        store_group(dst, n, g, v);
+    }
+}
+
+// grid-stride over the chunks before result[0]'s (kvz_ch_offsets's first bad count), a warp a
 // chunk.  A chunk's error (its code-7 values against its second-level count, then its escapes in
 // order: position, then exponent) goes to result[0] by atomicMin of 8 c + code, so the error
 // kept is the lowest chunk's, as the CPU reference reports it.  dst: 16-byte aligned.
@@ -435,7 +568,8 @@ __global__ void __launch_bounds__(WARPS * 32) kvz_ch_decode(const u8* __restrict
     const u32 DM = (u32)D - 1u;
     for (int i = threadIdx.x; i < D * CH_WIDTH; i += blockDim.x) tab[(i % CH_WIDTH) * D + i / CH_WIDTH] = tables[i];
     __syncthreads();
-    const long long stop = (long long)result[1];
+    const u64 first_bad = result[0];  // kvz_ch_offsets's error, or a lower one another block found since
+    const long long stop = first_bad == ~0ull ? nchunks : min(nchunks, (long long)(first_bad / 8));
     const int lane = threadIdx.x & 31, gpc = chunk >> 3;
     const long long G = (n + 7) >> 3;
     for (long long c = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); c < stop; c += (long long)gridDim.x * WARPS) {
@@ -446,51 +580,53 @@ __global__ void __launch_bounds__(WARPS * 32) kvz_ch_decode(const u8* __restrict
         const u8* __restrict__ run = sec_codes + offsets[c];
         const u8* __restrict__ highs = exp_high + offsets[2 * nchunks + c];
         int hits = 0;  // the chunk's code-7 values so far (warp-uniform)
-        for (int s0 = 0; s0 < ng; s0 += STEP) {
-            u32 word[GPL], r[GPL][8];
-            u64 high[GPL];
+        if (plane) {  // rare in KV: codes hold each exponent's low 3 bits, exp_high the rest
+            for (int s0 = 0; s0 < ng; s0 += 32) {
+                const int gi = s0 + lane;
+                const bool valid = gi < ng;
+                u32 r[8], v[8];
+                get_rest<R>(rest, g0 + gi, g0 + s0, r, s0 + 32 <= ng, valid, lane);
+                const u32 word = valid ? get_codes(codes, g0 + gi) : 0u;
+                u64 high = 0;
 #pragma unroll
-            for (int q = 0; q < GPL; q++) {  // the step's loads first
-                const int first = s0 + q * 32, gi = first + lane;
-                const bool valid = gi < ng, whole = first + 32 <= ng;
-                word[q] = valid ? get_codes(codes, g0 + gi) : 0u;
-                get_rest<R>(rest, g0 + gi, g0 + first, r[q], whole, valid, lane);
-                high[q] = 0;
-                if (plane && valid) {
-#pragma unroll
-                    for (int k = 0; k < HB; k++) high[q] |= (u64)highs[HB * gi + k] << (8 * k);
-                }
-            }
-#pragma unroll
-            for (int q = 0; q < GPL; q++) {
-                const int gi = s0 + q * 32 + lane;
-                const long long g = g0 + gi, left = gi < ng ? n - g * 8 : 0;
-                u32 sevens = 0;  // the group's code-7 values in the tensor (listed chunks)
-#pragma unroll
-                for (int j = 0; j < 8; j++)
-                    if (!plane && j < left && ((word[q] >> (3 * j)) & 7u) == CH_PRIMARY) sevens |= 1u << j;
-                const int nsev = __popc(sevens);
-                int total;
-                const int t = hits + warp_exclusive_count((u32)nsev, lane, &total);
-                // the group's indices, unless the run is shorter (an error: hits != want below)
-                u32 sec = nsev && t + nsev <= (int)want ? read_bits(run, 3 * t, 3 * nsev) : 0u;
-                hits += total;
-                const u32 base = (u32)(g << 3) & DM;
-                u32 v[8];
+                for (int k = 0; k < HB; k++) high |= valid ? (u64)highs[HB * gi + k] << (8 * k) : 0ull;
 #pragma unroll
                 for (int j = 0; j < 8; j++) {
-                    const u32 code = (word[q] >> (3 * j)) & 7u;
-                    u32 e;
-                    if (plane) {
-                        e = code | ((((u32)(high[q] >> (HB * j))) & ((1u << HB) - 1u)) << 3);
-                    } else {
-                        u32 k = code;
-                        if ((sevens >> j) & 1u) { k = CH_PRIMARY + (sec & 7u); sec >>= 3; }
-                        e = tab[k * D + ((base + j) & DM)];
-                    }
-                    v[j] = ((r[q][j] >> M) << (E + M)) | (e << M) | (r[q][j] & MMASK);
+                    const u32 e = ((word >> (3 * j)) & 7u) | ((((u32)(high >> (HB * j))) & ((1u << HB) - 1u)) << 3);
+                    v[j] = assemble_value<E, M>(r[j], e);
                 }
-                if (gi < ng) store_group(dst, n, g, v);
+                if (valid) store_group(dst, n, g0 + gi, v);
+            }
+        } else {
+            for (int s0 = 0; s0 < ng; s0 += STEP) {
+                u32 word[GPL];
+                RestRaw<R> rr[GPL];
+#pragma unroll
+                for (int q = 0; q < GPL; q++) {  // the step's loads first
+                    const int first = s0 + q * 32, gi = first + lane;
+                    const bool valid = gi < ng, whole = first + 32 <= ng;
+                    word[q] = valid ? get_codes(codes, g0 + gi) : 0u;
+                    get_rest_raw<R>(rest, g0 + gi, g0 + first, rr[q], whole, valid, lane);
+                }
+#pragma unroll
+                for (int q = 0; q < GPL; q++) {
+                    const int first = s0 + q * 32, gi = first + lane;
+                    const long long g = g0 + gi;
+                    const int left = gi < ng ? (int)min(8ll, n - g * 8) : 0;
+                    // bit 3j: value j's code is 7 (values past n: padding, not counted)
+                    const u32 sevens = word[q] & (word[q] >> 1) & (word[q] >> 2) & 0x249249u & ((1u << (3 * left)) - 1u);
+                    const int nsev = __popc(sevens);
+                    int total;
+                    const int t = hits + warp_exclusive_count((u32)nsev, lane, &total);
+                    // the group's indices, unless the run is shorter (an error: hits != want below)
+                    const u32 sec = nsev && t + nsev <= (int)want ? read_bits(run, 3 * t, 3 * nsev) : 0u;
+                    hits += total;
+                    const u32 base = (u32)(g << 3) & DM;
+                    u32 e[8];
+                    if (D >= 8) listed_exponents<true>(word[q], sevens, sec, tab, base, D, DM, e);
+                    else listed_exponents<false>(word[q], sevens, sec, tab, base, D, DM, e);
+                    if (gi < ng) store_values<E, M, T>(dst, n, g, rr[q], e);
+                }
             }
         }
         int code = 0;
