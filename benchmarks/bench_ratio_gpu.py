@@ -22,17 +22,10 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import sys
 from pathlib import Path
 
-from kvzip.stages.channel_pack import DEVICE_KERNELS_ENV
-
-# The ratio mode's device kernels are what this measures; they are opt-in until their GPU tests
-# have passed (stages/channel_pack.py).  Set before kvzip builds any pipeline.
-os.environ.setdefault(DEVICE_KERNELS_ENV, "1")
-
-import kvzip  # noqa: E402
+import kvzip
 from kvzip.bench import _sample_bits, _timer, _versions, bench_kvzip, bench_nvcomp, format_bits
 from kvzip.bench_cpu import code_commit
 

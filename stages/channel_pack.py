@@ -12,15 +12,12 @@ exp_high the other E - 3.
 
 Streams (docs/format.md section 15 is their normative description): tables, codes, rest,
 esc_count, sec_count, sec_codes, esc_pos, esc_exp, exp_high.  The CPU kernels are in
-stages/channel_pack_cpu.py (the reference); on a CUDA backend with CuPy arrays, where
-KVZIP_CHANNEL_KERNELS=1 asks for them (``on_device``), the stage runs kvzip/gpu/channel_pack.py's
-CUDA kernels on the device, which give the same bytes and the same errors; otherwise, and under
-the Numba simulator, it runs the CPU kernels on the host.  The fused GPU executor
+stages/channel_pack_cpu.py (the reference); on a CUDA backend with CuPy arrays (``on_device``)
+the stage runs kvzip/gpu/channel_pack.py's CUDA kernels on the device, which give the same bytes
+and the same errors; on the CPU, and under the Numba simulator, it runs the CPU kernels.  The fused GPU executor
 does not take this pipeline (kvzip/gpu/executor.py ``takes``): it runs stage by stage.
 """
 from __future__ import annotations
-
-import os
 
 import numpy as np
 
@@ -37,17 +34,10 @@ MAX_CHUNK = 32768  # a chunk's second-level count is a uint16: at most 32768 val
 VARIABLE_STREAMS = (("sec_codes", np.uint8), ("esc_pos", np.uint16), ("esc_exp", np.uint8), ("exp_high", np.uint8))
 
 
-DEVICE_KERNELS_ENV = "KVZIP_CHANNEL_KERNELS"
-
-
 def on_device(backend) -> bool:
     """Whether the stage runs kvzip/gpu/channel_pack.py's CUDA kernels: CuPy arrays on a real GPU
-    (the Numba simulator's CUDA backend holds NumPy arrays: the CPU kernels then), and only where
-    KVZIP_CHANNEL_KERNELS=1 asks for them.  The kernels give the CPU reference's bytes when their
-    source runs on the host (tests/test_channel_kernels_host.py) but have not yet passed
-    tests/gpu/test_ratio_gpu.py on a real GPU (which sets the variable); until they have, a GPU
-    backend runs the CPU kernels on the host, as it did before they existed."""
-    return backend.name == "cuda" and not backend.simulated and os.environ.get(DEVICE_KERNELS_ENV) == "1"
+    (the Numba simulator's CUDA backend holds NumPy arrays: the CPU kernels then)."""
+    return backend.name == "cuda" and not backend.simulated
 
 
 @register
