@@ -19,7 +19,6 @@ from . import container, trace
 from .errors import FormatError
 from .frame import Frame
 from .stages import ChannelPack, ChannelRans, ExponentSplit, FusedSplitPackEscape, Serialize
-from .stages.channel_pack import on_device
 from .stages.serialize import frame_from_header
 
 
@@ -76,13 +75,6 @@ def encode_frame(pipe, frame: Frame, start: int = 0) -> Frame:
                 # scales) takes the general way below.
                 out = step.encode_blob(frame, serialize.checksum)
                 return stored(pipe, before_split) if out is None else out
-        if isinstance(step, ChannelPack) and i == len(steps) - 1 and not serialize.checksum \
-                and set(frame.streams) == {"data"} and on_device(frame.backend):
-            # On a GPU the kernels write the container themselves (no copy of the streams).
-            out = step.encode_blob(frame)
-            if out is not None:
-                blob, payload = out
-                return stored(pipe, before_split) if payload > serialize.payload_size(before_split) else blob
         frame = step.encode(frame)
     if before_split is not None and serialize.payload_size(frame) > serialize.payload_size(before_split):
         return stored(pipe, before_split)

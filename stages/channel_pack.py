@@ -75,20 +75,6 @@ class ChannelPack(Stage):
             streams = {name: backend.from_numpy(a) for name, a in streams.items()}
         return frame.replace(drop=("data",), **streams)
 
-    def encode_blob(self, frame: Frame):
-        """On a GPU (``on_device``): (the blob frame Serialize(checksum=False) would make of this
-        stage's streams, its payload's length), the streams written into the blob as the kernels
-        make them, with no copy; None where the compact header does not hold the blob."""
-        from kvzip.gpu import channel_pack as gpu
-
-        fmt, n = frame.format, frame.n
-        data = frame.expect("data", fmt.uint_dtype, n)
-        out = gpu.encode_blob(data, n, fmt, channels_of(frame.meta["shape"]), self.chunk, frame.meta)
-        if out is None:
-            return None
-        blob, payload = out
-        return Frame(frame.backend, {"blob": blob}, dict(frame.meta)), payload
-
     def check(self, frame: Frame) -> dict:
         """The streams, on the frame's backend, after checking their dtypes, the lengths n implies
         and the tables (copied to the host for it; the per-chunk counts are checked by the decode

@@ -14,7 +14,6 @@ from functools import lru_cache
 
 import numpy as np
 
-from kvzip import container, layout
 from kvzip.auto_codebook import sample_plan
 from kvzip.bitpack import groups
 from kvzip.channel_codebook import CODE_BITS, TABLE_WIDTH
@@ -100,109 +99,33 @@ def _offsets(esc_count, sec_count, n, fmt, chunk, lengths=None):
     return offsets, result
 
 
-STREAM_DTYPES = {"codes": "uint8", "rest": "uint8", "esc_count": "uint16", "sec_count": "uint16", "tables": "uint8",
-                 "sec_codes": "uint8", "esc_pos": "uint16", "esc_exp": "uint8", "exp_high": "uint8"}
-FIXED_FIRST = ("codes", "rest", "esc_count")  # canonical order (layout.STREAM_ORDER) starts with these
-
-
-def _encode_streams(src, n, fmt, channels, chunk, codes, rest, esc_count, variable):
-    """Encode into codes, rest and esc_count (CuPy arrays, or views into a blob), then compact
-    the variable streams into the arrays variable((sec_codes bytes, escapes, exp_high bytes))
-    returns as (sec_codes, esc_pos, esc_exp, exp_high).  Returns (tables, sec_count, variable
-    arrays).  One wait: the variable streams' lengths."""
-    cp = _cupy()
-    src = aligned(src)
-    E, HB = fmt.exp_bits, fmt.exp_bits - CODE_BITS
-    nchunks, gpc = -(-n // chunk), chunk // 8
-    full_cap = HB * gpc // 3
-    tabs = tables(src, n, fmt, channels)
-    sec_count = cp.empty(nchunks, cp.uint16)
-    sec_slots = cp.empty(nchunks * (-(-CODE_BITS * chunk // 32)), cp.uint32)
-    pos_slots, exp_slots = cp.empty(nchunks * full_cap, cp.uint16), cp.empty(nchunks * full_cap, cp.uint8)
-    high_slots = cp.empty(HB * groups(n), cp.uint8)
-    _launch("encode", fmt, -(-nchunks // WARPS), THREADS,
-            (src, np.int64(n), np.int32(channels), tabs, np.int32(chunk), np.int64(nchunks), codes, rest, esc_count,
-             sec_count, sec_slots, pos_slots, exp_slots, high_slots), shared=channels << E)
-    offsets, result = _offsets(esc_count, sec_count, n, fmt, chunk)
-    out = variable(tuple(int(x) for x in result[1:4].get()))  # the one wait
-    _launch("compact", fmt, -(-nchunks // WARPS), THREADS,
-            (esc_count, sec_count, np.int64(nchunks), np.int64(n), np.int32(chunk), np.int32(HB), offsets, sec_slots,
-             pos_slots, exp_slots, high_slots, *out))
-    return tabs, sec_count, out
-
-
 def encode(src, n: int, fmt, channels: int, chunk: int) -> dict:
     """The streams of section 15.4 of the n values src (1-D CuPy array of fmt's unsigned dtype),
     as CuPy arrays."""
     cp = _cupy()
-    G, nchunks = groups(n), -(-n // chunk)
-    codes, rest, esc_count = cp.empty(CODE_BITS * G, cp.uint8), cp.empty(fmt.rest_bits * G, cp.uint8), \
-        cp.empty(nchunks, cp.uint16)
-
-    def variable(lengths):
-        ns, ne, nh = lengths
-        return cp.empty(ns, cp.uint8), cp.empty(ne, cp.uint16), cp.empty(ne, cp.uint8), cp.empty(nh, cp.uint8)
-
-    tabs, sec_count, (sec_codes, esc_pos, esc_exp, exp_high) = _encode_streams(src, n, fmt, channels, chunk, codes, rest,
-                                                                               esc_count, variable)
+    src = aligned(src)
+    E, HB, R = fmt.exp_bits, fmt.exp_bits - CODE_BITS, fmt.rest_bits
+    G, nchunks, gpc = groups(n), -(-n // chunk), chunk // 8
+    full_cap = HB * gpc // 3
+    tabs = tables(src, n, fmt, channels)
+    codes, rest = cp.empty(CODE_BITS * G, cp.uint8), cp.empty(R * G, cp.uint8)
+    esc_count, sec_count = cp.empty(nchunks, cp.uint16), cp.empty(nchunks, cp.uint16)
+    sec_slots = cp.empty(nchunks * (-(-CODE_BITS * chunk // 32)), cp.uint32)
+    pos_slots, exp_slots = cp.empty(nchunks * full_cap, cp.uint16), cp.empty(nchunks * full_cap, cp.uint8)
+    high_slots = cp.empty(HB * G, cp.uint8)
+    lut_bytes = channels << E
+    _launch("encode", fmt, -(-nchunks // WARPS), THREADS,
+            (src, np.int64(n), np.int32(channels), tabs, np.int32(chunk), np.int64(nchunks), codes, rest, esc_count,
+             sec_count, sec_slots, pos_slots, exp_slots, high_slots), shared=lut_bytes)
+    offsets, result = _offsets(esc_count, sec_count, n, fmt, chunk)
+    ns, ne, nh = (int(x) for x in result[1:4].get())  # the one wait: the streams' lengths
+    sec_codes, esc_pos, esc_exp, exp_high = (cp.empty(ns, cp.uint8), cp.empty(ne, cp.uint16), cp.empty(ne, cp.uint8),
+                                             cp.empty(nh, cp.uint8))
+    _launch("compact", fmt, -(-nchunks // WARPS), THREADS,
+            (esc_count, sec_count, np.int64(nchunks), np.int64(n), np.int32(chunk), np.int32(HB), offsets, sec_slots,
+             pos_slots, exp_slots, high_slots, sec_codes, esc_pos, esc_exp, exp_high))
     return dict(tables=tabs, codes=codes, rest=rest, esc_count=esc_count, sec_count=sec_count, sec_codes=sec_codes,
                 esc_pos=esc_pos, esc_exp=esc_exp, exp_high=exp_high)
-
-
-def encode_blob(src, n: int, fmt, channels: int, chunk: int, meta: dict):
-    """The blob (header and payload, docs/format.md 13 and 15) of the n values src with Serialize's
-    bytes for a frame of metadata meta, the streams written in place, and its payload's length:
-    (1-D uint8 CuPy array, int).  The blob is a view of a buffer sized by the payload's bound
-    (format.md 15.5: the variable streams of a chunk never take more than its exponents' high
-    bits), as the speed mode's blobs are.  None where the compact header (version 3) does not hold
-    the blob: Serialize writes it then."""
-    cp = _cupy()
-    G, nchunks, HB = groups(n), -(-n // chunk), fmt.exp_bits - CODE_BITS
-    fixed = {"codes": CODE_BITS * G, "rest": fmt.rest_bits * G, "esc_count": 2 * nchunks, "sec_count": 2 * nchunks,
-             "tables": TABLE_WIDTH * channels}
-
-    def described(ns, ne, nh):
-        nbytes = {**fixed, "sec_codes": ns, "esc_pos": 2 * ne, "esc_exp": ne, "exp_high": nh}
-        return [(k, STREAM_DTYPES[k], nbytes[k]) for k in layout.canonical_order(nbytes)]
-
-    probe = described(0, 0, 0)
-    if tuple(k for k, _, _ in probe[:3]) != FIXED_FIRST:
-        raise AssertionError("layout.STREAM_ORDER must start with ChannelPack's fixed streams")
-    if container.compact_header(meta, probe, 0) is None:
-        return None
-    head = len(container.header_for(meta, probe, 0))  # fixed: the compact header's length
-    at, _ = layout.place([nb for _, _, nb in probe])
-    bound = head + layout.place([nb for _, _, nb in probe])[1] + layout.align(HB * G) + 4 * layout.ALIGN
-    buf = cp.empty(bound, cp.uint8)
-
-    def view(offset, nbytes, dtype):
-        return cp.ndarray((nbytes // np.dtype(dtype).itemsize,), dtype, buf.data + head + offset)
-
-    where = {}
-
-    def variable(lengths):
-        table = described(*lengths)
-        offsets, payload = layout.place([nb for _, _, nb in table])
-        where.update(table=table, offsets=offsets, payload=payload)
-        place = {k: (off, nb) for (k, _, nb), off in zip(table, offsets)}
-        return tuple(view(*place[k], STREAM_DTYPES[k]) for k in ("sec_codes", "esc_pos", "esc_exp", "exp_high"))
-
-    tabs, sec_count, _ = _encode_streams(src, n, fmt, channels, chunk, view(at[0], fixed["codes"], "uint8"),
-                                         view(at[1], fixed["rest"], "uint8"), view(at[2], fixed["esc_count"], "uint16"),
-                                         variable)
-    table, offsets, payload = where["table"], where["offsets"], where["payload"]
-    header = container.header_for(meta, table, 0)
-    if len(header) != head:
-        raise AssertionError("the compact header's length changed with the streams' lengths")
-    for (k, dtype, nb), off in zip(table, offsets):
-        if k in ("sec_count", "tables"):
-            view(off, nb, dtype)[...] = sec_count if k == "sec_count" else tabs
-    ends = [off + nb for (_, _, nb), off in zip(table, offsets)]
-    for end, nxt in zip(ends, offsets[1:] + [payload]):  # zero padding between streams (format.md 2.4)
-        if nxt > end:
-            view(end, nxt - end, "uint8").fill(0)
-    buf[:head] = cp.asarray(np.frombuffer(header, np.uint8))
-    return cp.ndarray((head + payload,), cp.uint8, buf.data), payload
 
 
 def decode(s: dict, n: int, fmt, channels: int, chunk: int):

@@ -81,29 +81,6 @@ def test_the_stage_runs_the_device_kernels(monkeypatch):
     np.testing.assert_array_equal(cupy.asnumpy(kvzip.decompress(blob)).view(np.uint16), bits)
 
 
-def test_the_kernels_write_the_container(monkeypatch):
-    """Without a checksum the kernels write the blob itself (Serialize assembles nothing on the
-    GPU); with a shape the compact header cannot hold (11 dimensions), with a checksum, or stored
-    raw, Serialize does.  The bytes are the CPU's every way."""
-    from kvzip.stages.serialize import Serialize
-
-    on_gpu, real = [], Serialize.encode
-
-    def spy(self, frame, flags=0):
-        if frame.backend.name == "cuda":
-            on_gpu.append(sorted(frame.streams))
-        return real(self, frame, flags)
-
-    monkeypatch.setattr(Serialize, "encode", spy)
-    bits = layers(1)[0]
-    assert_device_matches(bits, "bf16")
-    assert on_gpu == []
-    assert_device_matches(bits.reshape(1, 1, 1, 1, 1, 1, 1, 1, *bits.shape), "bf16")
-    assert_device_matches(bits, "bf16", checksum=True)
-    assert_device_matches(kt._rng_bits(3, FORMATS["bf16"], 4096).reshape(-1, 64), "bf16")  # stored raw
-    assert len(on_gpu) == 3 and on_gpu[-1] == ["data"], on_gpu
-
-
 SIZES = (0, 1, 7, 8, 4095, 4096, 4097, 3 * 4096 + 5, 100_003)
 
 
