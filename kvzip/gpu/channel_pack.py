@@ -10,8 +10,6 @@ streams (their lengths, which the blob's layout needs), decode reads the error w
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
 from kvzip.auto_codebook import sample_plan
@@ -19,19 +17,11 @@ from kvzip.bitpack import groups
 from kvzip.channel_codebook import CODE_BITS, TABLE_WIDTH
 
 from . import loader
+from .launch import NO_ERROR, aligned, cupy, launch
 
 THREADS = 256            # channel.cu's WARPS * 32 (and AUTO_RUN: a thread a sampled run value)
 WARPS = THREADS // 32    # a warp a chunk
 SCAN_THREADS = 1024      # CH_SCAN_THREADS: kvz_ch_offsets's one block
-BLOCKS_PER_SM = 16       # grid-stride kernels: at most this many blocks a multiprocessor
-NO_ERROR = (1 << 64) - 1
-STATIC_SHARED = 48 * 1024  # dynamic shared memory past this needs the kernel's opt-in
-
-
-def _cupy():
-    import cupy
-
-    return cupy
 
 
 def _names(fmt) -> dict:
@@ -41,39 +31,14 @@ def _names(fmt) -> dict:
             "offsets": "kvz_ch_offsets", "compact": "kvz_ch_compact"}
 
 
-@lru_cache(maxsize=None)
-def _kernel(name: str, device: int, shared: int = 0):
-    """channel.cu's kernel `name` on `device`, allowed `shared` bytes of dynamic shared memory."""
-    f = loader.channel_kernel(name, device)
-    if shared > STATIC_SHARED:
-        f.max_dynamic_shared_size_bytes = shared
-    return f
-
-
-@lru_cache(maxsize=None)
-def _max_grid(device: int) -> int:
-    return BLOCKS_PER_SM * _cupy().cuda.Device(device).attributes["MultiProcessorCount"]
-
-
 def _launch(name, fmt, blocks, threads, args, shared=0):
-    if blocks <= 0:
-        return
-    device = _cupy().cuda.Device().id
-    _kernel(_names(fmt)[name], device, shared)((min(blocks, _max_grid(device)),), (threads,), args,
-                                               shared_mem=shared)
-
-
-def aligned(a):
-    """a as a C-contiguous array whose data is 16-byte aligned (the kernels' vector loads)."""
-    cp = _cupy()
-    a = cp.ascontiguousarray(a)
-    return a if a.data.ptr % 16 == 0 else a.copy()
+    launch(loader.channel_kernel, _names(fmt)[name], blocks, threads, args, shared)
 
 
 def tables(src, n: int, fmt, channels: int):
     """uint8[15 * channels]: channel_codebook.tables_of on the device (the sampled histogram,
     then the ranking)."""
-    cp = _cupy()
+    cp = cupy()
     hist = cp.zeros(channels << fmt.exp_bits, cp.uint32)
     _launch("histogram", fmt, sample_plan(n).blocks, THREADS, (src, np.int64(n), np.int32(channels), hist))
     out = cp.empty(channels * TABLE_WIDTH, cp.uint8)
@@ -84,7 +49,7 @@ def tables(src, n: int, fmt, channels: int):
 def _offsets(esc_count, sec_count, n, fmt, chunk, lengths=None):
     """(offsets int64[3 * nchunks], result uint64[5]) from kvz_ch_offsets; lengths (decode): the
     variable streams' (sec_codes bytes, escapes, exp_high bytes), checked against the counts."""
-    cp = _cupy()
+    cp = cupy()
     nchunks = esc_count.shape[0]
     offsets, result = cp.empty(3 * nchunks, cp.int64), cp.empty(5, cp.uint64)
     n_sec, n_pos, n_high = lengths or (0, 0, 0)
@@ -97,7 +62,7 @@ def _offsets(esc_count, sec_count, n, fmt, chunk, lengths=None):
 def encode(src, n: int, fmt, channels: int, chunk: int) -> dict:
     """The streams of section 15.4 of the n values src (1-D CuPy array of fmt's unsigned dtype),
     as CuPy arrays."""
-    cp = _cupy()
+    cp = cupy()
     src = aligned(src)
     E, HB, R = fmt.exp_bits, fmt.exp_bits - CODE_BITS, fmt.rest_bits
     G, nchunks, gpc = groups(n), -(-n // chunk), chunk // 8
@@ -127,7 +92,7 @@ def decode(s: dict, n: int, fmt, channels: int, chunk: int):
     """(the n values' bits as a CuPy array, 0 or the error code of CHANNEL_DECODE_ERRORS) of the
     streams s (CuPy arrays whose dtypes, the lengths n implies and the tables the caller has
     checked: ChannelPack.check)."""
-    cp = _cupy()
+    cp = cupy()
     s = {name: aligned(a) for name, a in s.items()}
     nchunks = s["esc_count"].shape[0]
     offsets, result = _offsets(s["esc_count"], s["sec_count"], n, fmt, chunk,
