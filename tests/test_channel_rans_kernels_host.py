@@ -45,7 +45,8 @@ def call(exe, tmp_path, op, fmt, n, channels, chunk, arrays, grid=3, shift=0, gr
 def values(fmt, n, kind, channels=1, seed=0) -> np.ndarray:
     """n values' bits: "kv" KV-like with 1 % escapes, "random" every bit pattern, "zeros" 60 %
     exact zeros, "wide" 30 % of the exponents anywhere, "channels" a channel-dependent exponent
-    offset (tables a group of channels), "real" the shipped real KV (BF16)."""
+    offset (tables a group of channels), "holes" even exponents only (and the escapes'), "real"
+    the shipped real KV (BF16)."""
     rng = np.random.default_rng(seed)
     E, M = fmt.exp_bits, fmt.mant_bits
     if kind == "random":
@@ -59,6 +60,8 @@ def values(fmt, n, kind, channels=1, seed=0) -> np.ndarray:
     e = (bits >> np.uint64(M)) & np.uint64((1 << E) - 1)
     if kind == "wide":
         e = np.where(rng.random(n) < 0.3, rng.integers(0, 1 << E, n).astype(np.uint64), e)
+    if kind == "holes":  # even exponents only: frequency-0 exponents inside the tables' ranges
+        e = e & ~np.uint64(1)
     if kind == "channels":
         e = (e + np.uint64(3) * ((np.arange(n, dtype=np.uint64) & np.uint64(channels - 1)) % np.uint64(5))) \
             & np.uint64((1 << E) - 1)
@@ -196,6 +199,13 @@ def forgeries(s, rng):
             a = s[field].copy()
             a[c] = (int(a[c]) + delta) % 2**32
             yield f"{field}[{c}]{delta:+}", with_(**{field: a})
+        wc, ec = s["word_count"].copy(), s["esc_count"].copy()
+        wc[c] += 1
+        ec[c] += 1
+        yield f"both counts[{c}]+1", with_(word_count=wc, esc_count=ec, words=np.append(s["words"], np.uint16(0)),
+                                            esc_exp=np.append(s["esc_exp"], np.uint8(0)))
+        wc[c] = ec[c] = 2**31
+        yield f"both counts[{c}] huge", with_(word_count=wc, esc_count=ec)
         for lane, v in ((0, 0xFFFF), (31, 0x10001), (5, 2**32 - 1), (7, int(s["states"][32 * c + 7]) ^ 1)):
             a = s["states"].copy()
             a[32 * c + lane] = v
@@ -213,14 +223,17 @@ def forgeries(s, rng):
         a = s["words"].copy()
         a[k] ^= 0x1234
         yield f"words[{k}]", with_(words=a)
+    lo, hi = int(s["tables"][1]), int(s["tables"][2])  # group 0's range: its ends and first holes
+    edges = {lo - 1, lo, lo + 1, lo + 2, lo + 3, hi - 1, hi, hi + 1} & set(range(256))
     for k in sorted({0, s["esc_exp"].size - 1}) if s["esc_exp"].size else []:
-        for v in (255, int(s["esc_exp"][k]) ^ 1, 127):
+        for v in sorted({255, int(s["esc_exp"][k]) ^ 1, 127} | edges):
             a = s["esc_exp"].copy()
             a[k] = v
             yield f"esc_exp[{k}]={v}", with_(esc_exp=a)
 
 
-FORGED = [("bf16", 64 * 150, 64, 4096, "channels"), ("e5m2", 64 * 40, 64, 1024, "kv"), ("e4m3", 4 * 1024 + 96, 4, 1024, "kv")]
+FORGED = [("bf16", 64 * 150, 64, 4096, "channels"), ("e5m2", 64 * 40, 64, 1024, "kv"), ("e4m3", 4 * 1024 + 96, 4, 1024, "kv"),
+          ("bf16", 3 * 2048 + 640, 1, 2048, "holes")]
 
 
 @pytest.mark.parametrize("name,n,channels,chunk,kind", FORGED)
