@@ -44,10 +44,21 @@ __device__ __forceinline__ RansGroup rans_group(const u32* desc, u32 g) {
     return {desc[2 * g], d & 0xFFu, (d >> 8) & 0x1FFu, d >> 20};
 }
 
-// Copies the tables (words u32) to the block's dynamic shared memory; every thread returns after it.
-__device__ __forceinline__ void load_tables(const u32* __restrict__ tables, int words, u32* shared) {
-    for (int i = threadIdx.x; i < words; i += blockDim.x) shared[i] = tables[i];
+// What the encoder and decoder keep in shared memory: the tables (desc, cum; dynamic shared
+// memory, copied from the words of `tables` by the whole block, which has returned only once they
+// are all there) and this warp's buffer of a block's exponents, a byte each.
+struct RansShared {
+    const u32* desc;
+    const u16* cum;
+    u8* exps;
+};
+__device__ __forceinline__ RansShared rans_shared(const u32* __restrict__ tables, int words, int ngroups) {
+    extern __shared__ u32 rans_tables[];
+    __shared__ u64 block_exps[RANS_WARPS][RANS_BLOCK / 8];
+    for (int i = threadIdx.x; i < words; i += blockDim.x) rans_tables[i] = tables[i];
     __syncthreads();
+    return {rans_tables, reinterpret_cast<const u16*>(rans_tables + 2 * ngroups),
+            reinterpret_cast<u8*>(block_exps[threadIdx.x >> 5])};
 }
 
 // The symbol exponent e codes as in group t: (frequency, first slot, escaped?).
@@ -123,13 +134,8 @@ __global__ void __launch_bounds__(RANS_WARPS * 32) kvz_rans_encode(const T* __re
                                                                     u8* __restrict__ esc_slots) {
     constexpr int R = M + 1;
     constexpr u32 EMASK = (1u << E) - 1u, MMASK = (1u << M) - 1u;
-    extern __shared__ u32 rans_tables[];
-    __shared__ u64 block_exps[RANS_WARPS][RANS_BLOCK / 8];  // a warp's block of exponents, a byte each
-    load_tables(tables, table_words, rans_tables);
-    const u32* desc = rans_tables;
-    const u16* cum = reinterpret_cast<const u16*>(rans_tables + 2 * ngroups);
+    const RansShared sh = rans_shared(tables, table_words, ngroups);
     const int lane = threadIdx.x & 31;
-    u8* exps = reinterpret_cast<u8*>(block_exps[threadIdx.x >> 5]);
     const u32 DM = (u32)channels - 1u, above = ~0u << lane;  // above: this lane and the ones after it
     const long long G = (n + 7) >> 3;
     for (long long c = (long long)blockIdx.x * RANS_WARPS + (threadIdx.x >> 5); c < nchunks;
@@ -160,15 +166,15 @@ __global__ void __launch_bounds__(RANS_WARPS * 32) kvz_rans_encode(const T* __re
                     e8 |= (u64)((val >> M) & EMASK) << (8 * j);
                 }
                 store_rest<R>(rest, g, r);
-                *reinterpret_cast<u64*>(exps + 8 * lane) = e8;
+                *reinterpret_cast<u64*>(sh.exps + 8 * lane) = e8;
             }
             __syncwarp();
             for (int s = (blen + 31) / 32 - 1; s >= 0; s--) {  // the block's steps, last first
                 const int j = 32 * s + lane;
                 const bool live = j < blen;
-                const u32 e = exps[j];
+                const u32 e = sh.exps[j];
                 RansSymbol sym = {1u, 0u, false};
-                if (live) sym = encode_symbol(cum, rans_group(desc, group_of(b0 + j, DM, shift)), e);
+                if (live) sym = encode_symbol(sh.cum, rans_group(sh.desc, group_of(b0 + j, DM, shift)), e);
                 const bool emit = live && x >= (sym.f << RANS_BOUND_SHIFT);
                 const u32 out = __ballot_sync(FULL_MASK, emit);
                 if (emit) {  // the lanes' words in value order below wp
@@ -319,14 +325,9 @@ __global__ void __launch_bounds__(RANS_WARPS * 32) kvz_rans_decode(const u8* __r
                                                                     T* __restrict__ dst) {
     constexpr int R = M + 1;
     constexpr u32 EMASK = (1u << E) - 1u, MMASK = (1u << M) - 1u;
-    extern __shared__ u32 rans_tables[];
-    __shared__ u64 block_exps[RANS_WARPS][RANS_BLOCK / 8];  // a warp's block of exponents, a byte each
-    load_tables(tables, table_words, rans_tables);
-    const u32* desc = rans_tables;
-    const u16* cum = reinterpret_cast<const u16*>(rans_tables + 2 * ngroups);
+    const RansShared sh = rans_shared(tables, table_words, ngroups);
     const long long stop = (long long)result[1];
     const int lane = threadIdx.x & 31;
-    u8* exps = reinterpret_cast<u8*>(block_exps[threadIdx.x >> 5]);
     const u32 DM = (u32)channels - 1u, below = (1u << lane) - 1u;
     const long long G = (n + 7) >> 3;
     for (long long c = (long long)blockIdx.x * RANS_WARPS + (threadIdx.x >> 5); c < stop;
@@ -354,17 +355,17 @@ __global__ void __launch_bounds__(RANS_WARPS * 32) kvz_rans_decode(const u8* __r
             for (int s = 0; s < (blen + 31) / 32; s++) {
                 const int j = 32 * s + lane;
                 const bool live = j < blen;
-                const RansGroup t = rans_group(desc, group_of(b0 + j, DM, shift));
+                const RansGroup t = rans_group(sh.desc, group_of(b0 + j, DM, shift));
                 const u32 slot = x & RANS_SLOT_MASK;
                 u32 k = 0, c0 = 0;  // the symbol whose slots hold slot: the last k with cum[k] <= slot
                 for (int step = search_top; step; step >>= 1) {
                     const u32 kk = k + (u32)step;
                     if (kk <= t.width + 1u) {
-                        const u32 ck = cum[t.off + kk];
+                        const u32 ck = sh.cum[t.off + kk];
                         if (ck <= slot) { k = kk; c0 = ck; }
                     }
                 }
-                const u32 f = (u32)cum[t.off + k + 1] - c0;
+                const u32 f = (u32)sh.cum[t.off + k + 1] - c0;
                 int bad = 0;
                 if (live) x = f * (x >> RANS_PROB_BITS) + slot - c0;
                 const bool need = live && x < RANS_LOW;
@@ -397,7 +398,7 @@ __global__ void __launch_bounds__(RANS_WARPS * 32) kvz_rans_decode(const u8* __r
                         } else {
                             e = esc_exp[at];
                             const u32 i = e - t.lo;  // the exponent's frequency must be 0
-                            if (e > EMASK || (i < t.width && cum[t.off + i + 2] != cum[t.off + i + 1])) bad = 4;
+                            if (e > EMASK || (i < t.width && sh.cum[t.off + i + 2] != sh.cum[t.off + i + 1])) bad = 4;
                         }
                     }
                     ep += __popc(escs);
@@ -407,7 +408,7 @@ __global__ void __launch_bounds__(RANS_WARPS * 32) kvz_rans_decode(const u8* __r
                     code = __shfl_sync(FULL_MASK, bad, __ffs(fails) - 1);
                     break;
                 }
-                exps[j] = (u8)e;
+                sh.exps[j] = (u8)e;
             }
             __syncwarp();
             if (code) break;
@@ -415,7 +416,7 @@ __global__ void __launch_bounds__(RANS_WARPS * 32) kvz_rans_decode(const u8* __r
             if (lane * 8 < blen) {  // the group pass: exponents and rest fields to the values
                 u32 r[8], out[8];
                 unpack_rest<R>(rr, r);
-                const u64 e8 = *reinterpret_cast<const u64*>(exps + 8 * lane);
+                const u64 e8 = *reinterpret_cast<const u64*>(sh.exps + 8 * lane);
 #pragma unroll
                 for (int q = 0; q < 8; q++)
                     out[q] = ((r[q] >> M) << (E + M)) | ((u32)((e8 >> (8 * q)) & 0xFFu) << M) | (r[q] & MMASK);
