@@ -6,33 +6,18 @@ the CPU path's FormatError with its message; the stage runs no CPU kernel for Cu
 import numpy as np
 import pytest
 
-import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
+import channel_modes  # CuPy: tests/conftest.py collects tests/gpu only where it sees a GPU
+from channel_modes import layers
 
-import kvzip
 from kvzip import testing as kt
-from kvzip.data import load_sample
 from kvzip.formats import FORMATS
 
 
-def layers(count=4):
-    return [np.asarray(v).view(np.uint16) for v in list(load_sample("code").values())[:count]]
-
-
-def cpu_blob(bits, fmt, **kw) -> bytes:
-    return bytes(kvzip.compress(bits, dtype=fmt, mode="storage", backend="cpu", **kw))
+MODE = "storage"
 
 
 def assert_device_matches(bits, fmt, **kw):
-    """GPU blob == CPU blob; the GPU decodes both to the values."""
-    blob = kvzip.compress(cupy.asarray(bits), dtype=fmt, mode="storage", **kw)
-    assert type(blob) is cupy.ndarray
-    want = cpu_blob(bits, fmt, **kw)
-    assert blob.get().tobytes() == want
-    for b in (blob, cupy.asarray(np.frombuffer(want, np.uint8))):
-        back = kvzip.decompress(b)
-        assert type(back) is cupy.ndarray
-        np.testing.assert_array_equal(cupy.asnumpy(back).reshape(-1).view(bits.dtype), bits.reshape(-1))
-    return want
+    return channel_modes.assert_device_matches(bits, fmt, MODE, **kw)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "e5m2"])
@@ -42,17 +27,9 @@ def test_cupy_tensors_give_the_cpu_blob(fmt):
 
 
 def test_the_stage_runs_the_device_kernels(monkeypatch):
-    """No host copy of the values: ChannelRans's CPU kernels are never called for CuPy input."""
     from kvzip.stages import channel_rans_cpu
 
-    def refuse(*a, **k):
-        raise AssertionError("the CPU kernels ran for a CuPy tensor")
-
-    for name in ("encode", "decode", "histogram"):
-        monkeypatch.setattr(channel_rans_cpu, name, refuse)
-    bits = layers(1)[0]
-    blob = kvzip.compress(cupy.asarray(bits), dtype="bf16", mode="storage")
-    np.testing.assert_array_equal(cupy.asnumpy(kvzip.decompress(blob)).view(np.uint16), bits)
+    channel_modes.assert_no_cpu_kernel_runs(monkeypatch, channel_rans_cpu, MODE)
 
 
 SIZES = (0, 1, 7, 8, 31, 32, 33, 65535, 65536, 65537, 3 * 65536 + 5, 300_007)
@@ -93,23 +70,16 @@ def test_random_and_wide_bits(fmt):
 
 @pytest.mark.parametrize("variant", kt.KV_VARIANTS)
 def test_real_kv_variants(variant):
-    for i, x in enumerate(layers(3)):
-        assert_device_matches(kt.kv_variant(x, variant, layer=i, seed=i), "bf16")
+    channel_modes.assert_real_kv_variant_matches(variant, MODE)
 
 
 def test_large_real_kv():
     """2^24 values: 256 chunks, every layer's tables in one tensor, with and without a checksum."""
-    sample = np.concatenate([v.view(np.uint16).ravel() for v in load_sample().values()])
-    bits = np.resize(sample, 1 << 24).reshape(-1, 64)
-    assert_device_matches(bits, "bf16")
-    assert_device_matches(kt.kv_variant(bits, "chan-scaled"), "bf16", checksum=True)
+    channel_modes.assert_large_real_kv_matches(MODE)
 
 
 def test_unaligned_input_views():
-    bits = layers(1)[0].reshape(-1)
-    dev = cupy.asarray(bits)[3:3 + 64 * 1000].reshape(-1, 64)  # 6 bytes past an aligned start
-    blob = kvzip.compress(dev, dtype="bf16", mode="storage")
-    assert blob.get().tobytes() == cpu_blob(bits[3:3 + 64 * 1000].reshape(-1, 64), "bf16")
+    channel_modes.assert_unaligned_view_matches(MODE)
 
 
 # ----------------------------------------------------------------------------- forged blobs
@@ -117,7 +87,7 @@ def forged_blobs():
     """(name, blob) pairs: each count's fields, the states, the words and escapes (lengths and
     contents) and the tables, on a blob of three chunks with escapes."""
     bits = kt.kv_like_bits(FORMATS["bf16"], 3 * 1024 + 64, escape_rate=0.02, seed=9).reshape(-1, 64)
-    base = cpu_blob(bits, "bf16", chunk=1024)
+    base = channel_modes.cpu_blob(bits, "bf16", MODE, chunk=1024)
     meta, flags, streams = kt.blob_parts(base)
     parts = {k: np.frombuffer(b, {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}[dt])
              for k, dt, b in streams}
@@ -152,19 +122,5 @@ def forged_blobs():
     yield "tables frequency", with_("tables", lambda a: a.__setitem__(5, a[5] ^ 0x10) or a)
 
 
-def outcome(blob, device: bool):
-    try:
-        x = kvzip.decompress(cupy.asarray(np.frombuffer(blob, np.uint8)) if device else np.frombuffer(blob, np.uint8))
-    except kvzip.FormatError as e:
-        return "error", str(e)
-    return "ok", (cupy.asnumpy(x) if device else np.asarray(x)).tobytes()
-
-
 def test_forged_blobs_fail_as_on_the_cpu():
-    tried = errors = 0
-    for name, blob in forged_blobs():
-        want, got = outcome(blob, False), outcome(blob, True)
-        assert got == want, name
-        tried += 1
-        errors += want[0] == "error"
-    assert tried > 40 and errors > 30
+    channel_modes.assert_forgeries_fail_as_on_the_cpu(forged_blobs())
