@@ -18,15 +18,13 @@ each row).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 import time
 from pathlib import Path
 
 import kvzip
-from kvzip.bench import _sample_bits, _timer, _versions, bench_kvzip, format_bits
-from kvzip.bench_cpu import code_commit
+from kvzip.bench import _timer, bench_kvzip, tiled_kv_inputs, tiled_kv_results
 
 HEAD_DIM = 64  # the sample's last axis: the channel modes' channels
 FORMATS = ("bf16", "e5m2")
@@ -62,27 +60,20 @@ def _median_ms(seconds) -> float:
 def run(sizes, formats, repeat, out_dir):
     import cupy
 
-    gpu = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
-    res = {"gpu": gpu, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": code_commit(),
-           "versions": _versions(cupy), "repeat": repeat, "data": "kvzip.data sample (real SmolLM2-135M KV) tiled, "
-           f"shape [-1, {HEAD_DIM}]; FP8 = QuantizeFP8 once on the CPU", "runs": {}}
+    res = tiled_kv_results(cupy, repeat, HEAD_DIM)
     timeit = _timer(cupy, repeat)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "storage-mode-h200.json"
-    for log2 in sizes:
-        n = 1 << log2
-        host = _sample_bits(n)
-        for fmt in formats:
-            x = cupy.asarray(format_bits(fmt, host, n)).reshape(-1, HEAD_DIM)
-            row = res["runs"][f"{fmt}_2^{log2}"] = {"format": fmt, "values": n}
-            row["kvzip_storage"] = bench_kvzip(cupy, timeit, x, fmt, pipe=kvzip.storage_pipeline())
-            row["histogram_ms"], row["host_tables_ms"] = host_share(cupy, x, fmt, repeat)
-            row["kvzip_speed"] = bench_kvzip(cupy, timeit, x, fmt)
-            print(fmt, log2, "storage", row["kvzip_storage"], "histogram", row["histogram_ms"], "ms, host tables",
-                  row["host_tables_ms"], "ms\n   speed", row["kvzip_speed"], flush=True)
-            del x
-            path.write_text(json.dumps(res, indent=1))  # after every row: a cut-short run keeps what it measured
+    for log2, fmt, x in tiled_kv_inputs(cupy, sizes, formats, HEAD_DIM):
+        row = res["runs"][f"{fmt}_2^{log2}"] = {"format": fmt, "values": x.size}
+        row["kvzip_storage"] = bench_kvzip(cupy, timeit, x, fmt, pipe=kvzip.storage_pipeline())
+        row["histogram_ms"], row["host_tables_ms"] = host_share(cupy, x, fmt, repeat)
+        row["kvzip_speed"] = bench_kvzip(cupy, timeit, x, fmt)
+        print(fmt, log2, "storage", row["kvzip_storage"], "histogram", row["histogram_ms"], "ms, host tables",
+              row["host_tables_ms"], "ms\n   speed", row["kvzip_speed"], flush=True)
+        del x
+        path.write_text(json.dumps(res, indent=1))  # after every row: a cut-short run keeps what it measured
     print("wrote", path)
     return res
 
