@@ -20,14 +20,12 @@ decode) at the end.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 from pathlib import Path
 
 import kvzip
-from kvzip.bench import _sample_bits, _timer, _versions, bench_kvzip, bench_nvcomp, format_bits
-from kvzip.bench_cpu import code_commit
+from kvzip.bench import _timer, bench_kvzip, bench_nvcomp, tiled_kv_inputs, tiled_kv_results
 
 HEAD_DIM = 64  # the sample's last axis: the ratio mode's channels
 FORMATS = ("bf16", "e5m2", "e4m3")
@@ -36,28 +34,21 @@ FORMATS = ("bf16", "e5m2", "e4m3")
 def run(sizes, formats, repeat, nvcomp_at, out_dir):
     import cupy
 
-    gpu = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
-    res = {"gpu": gpu, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": code_commit(),
-           "versions": _versions(cupy), "repeat": repeat, "data": "kvzip.data sample (real SmolLM2-135M KV) tiled, "
-           f"shape [-1, {HEAD_DIM}]; FP8 = QuantizeFP8 once on the CPU", "runs": {}}
+    res = tiled_kv_results(cupy, repeat, HEAD_DIM)
     timeit, nv_timeit = _timer(cupy, repeat), _timer(cupy, 3, 1)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "ratio-mode-h200.json"
-    for log2 in sizes:
-        n = 1 << log2
-        host = _sample_bits(n)
-        for fmt in formats:
-            x = cupy.asarray(format_bits(fmt, host, n)).reshape(-1, HEAD_DIM)
-            row = res["runs"][f"{fmt}_2^{log2}"] = {"format": fmt, "values": n}
-            row["kvzip_speed"] = bench_kvzip(cupy, timeit, x, fmt)
-            row["kvzip_ratio"] = bench_kvzip(cupy, timeit, x, fmt, pipe=kvzip.ratio_pipeline())
-            print(fmt, log2, "speed", row["kvzip_speed"], "\n   ratio", row["kvzip_ratio"], flush=True)
-            if (fmt, log2) in nvcomp_at:
-                row["nvcomp"], res["versions"]["nvcomp"] = bench_nvcomp(cupy, nv_timeit, x.reshape(-1).view(cupy.uint16))
-                print("   nvcomp", row["nvcomp"], flush=True)
-            del x
-            path.write_text(json.dumps(res, indent=1))  # after every row: a cut-short run keeps what it measured
+    for log2, fmt, x in tiled_kv_inputs(cupy, sizes, formats, HEAD_DIM):
+        row = res["runs"][f"{fmt}_2^{log2}"] = {"format": fmt, "values": x.size}
+        row["kvzip_speed"] = bench_kvzip(cupy, timeit, x, fmt)
+        row["kvzip_ratio"] = bench_kvzip(cupy, timeit, x, fmt, pipe=kvzip.ratio_pipeline())
+        print(fmt, log2, "speed", row["kvzip_speed"], "\n   ratio", row["kvzip_ratio"], flush=True)
+        if (fmt, log2) in nvcomp_at:
+            row["nvcomp"], res["versions"]["nvcomp"] = bench_nvcomp(cupy, nv_timeit, x.reshape(-1).view(cupy.uint16))
+            print("   nvcomp", row["nvcomp"], flush=True)
+        del x
+        path.write_text(json.dumps(res, indent=1))  # after every row: a cut-short run keeps what it measured
     plot(res, out / "ratio-mode-h200.png")
     print("wrote", path)
     return res

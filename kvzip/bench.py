@@ -99,6 +99,28 @@ def format_bits(fmt: str, host, n):
     return widened_bits(host, n, {"fp16": np.float16, "fp32": np.float32}[fmt])
 
 
+def tiled_kv_inputs(cupy, sizes, formats, head_dim):
+    """(log2 n, format, x) of every size and format: the tiled sample (_sample_bits) of 2**log2
+    values in the format (format_bits) on the device, shaped [-1, head_dim] so the channel modes
+    see its channels."""
+    for log2 in sizes:
+        host = _sample_bits(1 << log2)
+        for fmt in formats:
+            yield log2, fmt, cupy.asarray(format_bits(fmt, host, 1 << log2)).reshape(-1, head_dim)
+
+
+def tiled_kv_results(cupy, repeat, head_dim) -> dict:
+    """The head of a GPU bench's results over tiled_kv_inputs: gpu, date, commit, versions,
+    repeat, data, and runs (empty)."""
+    from kvzip.bench_cpu import code_commit
+
+    gpu = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    return {"gpu": gpu, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "commit": code_commit(), "versions": _versions(cupy), "repeat": repeat,
+            "data": f"kvzip.data sample (real SmolLM2-135M KV) tiled, shape [-1, {head_dim}]; FP8 = QuantizeFP8 "
+            "once on the CPU", "runs": {}}
+
+
 def quantize_pipelines():
     """The bench's lossy pipeline, QuantizeFP8 (E5M2, one scale a tensor) + SplitZip, and
     QuantizeFP8 alone: what the first one's decode must give back."""

@@ -10,9 +10,12 @@ LANES interleaved 32-bit states over its own run of 16-bit words, so chunks deco
 independently (and, on a GPU later, a warp a chunk with one lane a state).
 
 Streams (docs/format.md section 16 is their normative description): rest, states, words,
-word_count, esc_count, esc_exp, tables.  The kernels are stages/channel_rans_cpu.py.  There are
-no GPU kernels: on a CUDA backend the stage copies the values to the host, runs the CPU kernels
-there and copies the streams back (and the other way when decoding).
+word_count, esc_count, esc_exp, tables.  The CPU kernels are stages/channel_rans_cpu.py (the
+reference); on a CUDA backend with CuPy arrays (``on_device``) the stage runs
+kvzip/gpu/channel_rans.py's CUDA kernels on the device, which give the same bytes and the same
+errors: the histogram is counted there and only it comes to the host, where this module's
+writer's rule makes the tables; decoding copies only the tables stream to the host.  Under the
+Numba simulator the CPU kernels run on the host.
 """
 from __future__ import annotations
 
@@ -146,6 +149,12 @@ def parse_tables(buf: np.ndarray, channels: int, E: int):
     return shift, freq, cum, sym_of
 
 
+def on_device(backend) -> bool:
+    """Whether the stage runs kvzip/gpu/channel_rans.py's CUDA kernels: CuPy arrays on a real GPU
+    (the Numba simulator's CUDA backend holds NumPy arrays: the CPU kernels then)."""
+    return backend.name == "cuda" and not backend.simulated
+
+
 @register
 class ChannelRans(Stage):
     id = "channel_rans"
@@ -163,12 +172,20 @@ class ChannelRans(Stage):
 
     def encode(self, frame: Frame) -> Frame:
         fmt, backend, n, C = frame.format, frame.backend, frame.n, self.chunk
-        src = backend.to_numpy(frame.expect("data", fmt.uint_dtype, n))
+        data = frame.expect("data", fmt.uint_dtype, n)
         channels = channels_of(frame.meta["shape"])
-        hist = channel_rans_cpu.histogram(src, fmt, channels)
+        if on_device(backend):
+            from kvzip.gpu import channel_rans as gpu
+
+            hist = gpu.histogram(data, n, fmt, channels)
+        else:
+            src = backend.to_numpy(data)
+            hist = channel_rans_cpu.histogram(src, fmt, channels)
         shift = choose_shift(hist, fmt.exp_bits)
         tables = tables_bytes(shift, group_tables(hist, shift))
         _, freq, cum, _ = parse_tables(tables, channels, fmt.exp_bits)
+        if on_device(backend):
+            return frame.replace(drop=("data",), **gpu.encode(data, n, fmt, channels, C, shift, tables, freq, cum))
         nchunks = -(-n // C)
         rest = np.empty(fmt.rest_bits * groups(n), np.uint8)
         states = np.empty(LANES * nchunks, np.uint32)
@@ -182,8 +199,9 @@ class ChannelRans(Stage):
         return frame.replace(drop=("data",), **streams)
 
     def check(self, frame: Frame) -> dict:
-        """The streams on the host after checking their dtypes, the lengths n implies and the
-        tables (the per-chunk counts are checked by the decode kernels)."""
+        """The streams, on the frame's backend, after checking their dtypes and the lengths n
+        implies (the tables are checked by parse_tables, the per-chunk counts by the decode
+        kernels)."""
         fmt, n = frame.format, frame.n
         nchunks = -(-n // self.chunk)
         # rest's length bounds n by the blob's size: checked before anything is sized by n.
@@ -197,16 +215,26 @@ class ChannelRans(Stage):
             if a.ndim != 1 or a.dtype != dtype:
                 raise FormatError(f"stream {name!r} must be 1-D {np.dtype(dtype)}, got {a.dtype} {tuple(a.shape)}")
             out[name] = a
-        return {name: frame.backend.to_numpy(a) for name, a in out.items()}
+        return out
 
     def decode(self, frame: Frame) -> Frame:
         fmt, backend, n = frame.format, frame.backend, frame.n
         s = self.check(frame)
         channels = channels_of(frame.meta["shape"])
-        shift, freq, cum, sym_of = parse_tables(s["tables"], channels, fmt.exp_bits)
-        dst = np.empty(n, fmt.uint_dtype)
-        code = channel_rans_cpu.decode(s["rest"], s["states"], s["words"], s["word_count"], s["esc_exp"],
-                                       s["esc_count"], freq, cum, sym_of, channels, shift, n, fmt, self.chunk, dst)
+        tables = backend.to_numpy(s["tables"])
+        shift, freq, cum, sym_of = parse_tables(tables, channels, fmt.exp_bits)
+        if on_device(backend):
+            from kvzip.gpu import channel_rans as gpu
+
+            dst, code = gpu.decode(s, n, fmt, channels, self.chunk, shift, tables, freq, cum)
+        else:
+            s = {name: backend.to_numpy(a) for name, a in s.items()}
+            dst = np.empty(n, fmt.uint_dtype)
+            code = channel_rans_cpu.decode(s["rest"], s["states"], s["words"], s["word_count"], s["esc_exp"],
+                                           s["esc_count"], freq, cum, sym_of, channels, shift, n, fmt, self.chunk,
+                                           dst)
+            if backend.name != "cpu":
+                dst = backend.from_numpy(dst)
         if code:
             raise FormatError(RANS_DECODE_ERRORS[code])
-        return frame.replace(drop=self.produces, data=dst if backend.name == "cpu" else backend.from_numpy(dst))
+        return frame.replace(drop=self.produces, data=dst)

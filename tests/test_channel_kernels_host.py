@@ -8,64 +8,30 @@ from __future__ import annotations
 import re
 import shutil
 import struct
-import subprocess
-from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import pytest
+from cuda_host import harness
 
 from kvzip import channel_codebook as cc
 from kvzip import testing as kt
 from kvzip.formats import FORMATS
-from kvzip.gpu import loader, tuning
+from kvzip.gpu import loader
 from kvzip.stages import channel_pack_cpu
 
-HERE = Path(__file__).resolve().parent / "cuda_host"
 STREAMS = ("tables", "codes", "rest", "esc_count", "sec_count", "sec_codes", "esc_pos", "esc_exp", "exp_high")
 DTYPES = {"esc_count": np.uint16, "sec_count": np.uint16, "esc_pos": np.uint16}
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the host harness")
 
 
-@lru_cache(maxsize=None)
-def harness(tmp: str) -> Path:
-    """The harness binary, built once per session from the kernel source as it is."""
-    out = Path(tmp)
-    src = loader.sources()[loader.CHANNEL]
-    dynamic = "extern __shared__ u32 lut_words[];"
-    assert src.count(dynamic) == 1  # the one dynamic shared array: emu.h's buffer on the host
-    (out / "channel.cu").write_text(src.replace(dynamic, "u32* lut_words = reinterpret_cast<u32*>(emu_dynamic_shared);"))
-    defines = [o for o in loader.options(tuning.tuning_for(None).macros()) if o.startswith("-D")]
-    exe = out / "channel_host"
-    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-w", *defines, f"-I{out}", f"-I{HERE}",
-                    f"-I{loader.kernels_dir()}", str(HERE / "channel_host.cpp"), "-o", str(exe)], check=True)
-    return exe
-
-
 @pytest.fixture(scope="module")
 def exe(tmp_path_factory):
-    return harness(str(tmp_path_factory.mktemp("channel_host")))
-
-
-def _records(arrays) -> bytes:
-    return b"".join(struct.pack("<Q", a.nbytes) + np.ascontiguousarray(a).tobytes() for a in arrays)
-
-
-def _read(path: Path) -> list[bytes]:
-    data, out, at = path.read_bytes(), [], 0
-    while at < len(data):
-        (length,) = struct.unpack_from("<Q", data, at)
-        out.append(data[at + 8:at + 8 + length])
-        at += 8 + length
-    return out
+    return harness.build(loader.CHANNEL, "channel_host.cpp", tmp_path_factory.mktemp("channel_host"))
 
 
 def call(exe, tmp_path, op, fmt, n, channels, chunk, arrays, grid=3) -> list[bytes]:
-    params = np.array([op, fmt.exp_bits, fmt.mant_bits, n, channels, chunk, grid], np.int64)
-    (tmp_path / "in").write_bytes(_records([params, *arrays]))
-    subprocess.run([str(exe), str(tmp_path / "in"), str(tmp_path / "out")], check=True, timeout=300)
-    return _read(tmp_path / "out")
+    return harness.call(exe, tmp_path, [op, fmt.exp_bits, fmt.mant_bits, n, channels, chunk, grid], arrays)
 
 
 def reference(bits, fmt, channels, chunk) -> dict:

@@ -10,8 +10,6 @@ streams (their lengths, which the blob's layout needs), decode reads the error w
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
 from kvzip.auto_codebook import sample_plan
@@ -19,20 +17,12 @@ from kvzip.bitpack import groups
 from kvzip.channel_codebook import CODE_BITS, TABLE_WIDTH
 
 from . import loader
+from .launch import NO_ERROR, aligned, cupy, launch
 
 THREADS = 256            # channel.cu's WARPS * 32 (and AUTO_RUN: a thread a sampled run value)
 WARPS = THREADS // 32    # a warp a chunk
 TILE_THREADS = 256       # CH_TILE_THREADS: the offsets scan's blocks
 TILE = 8 * TILE_THREADS  # CH_TILE: chunks a block of the scan
-BLOCKS_PER_SM = 16       # grid-stride kernels: at most this many blocks a multiprocessor
-NO_ERROR = (1 << 64) - 1
-STATIC_SHARED = 48 * 1024  # dynamic shared memory past this needs the kernel's opt-in
-
-
-def _cupy():
-    import cupy
-
-    return cupy
 
 
 def _names(fmt) -> dict:
@@ -42,40 +32,14 @@ def _names(fmt) -> dict:
             "tile_sums": "kvz_ch_tile_sums", "offsets": "kvz_ch_offsets", "compact": "kvz_ch_compact"}
 
 
-@lru_cache(maxsize=None)
-def _kernel(name: str, device: int, shared: int = 0):
-    """channel.cu's kernel `name` on `device`, allowed `shared` bytes of dynamic shared memory."""
-    f = loader.channel_kernel(name, device)
-    if shared > STATIC_SHARED:
-        f.max_dynamic_shared_size_bytes = shared
-    return f
-
-
-@lru_cache(maxsize=None)
-def _max_grid(device: int) -> int:
-    return BLOCKS_PER_SM * _cupy().cuda.Device(device).attributes["MultiProcessorCount"]
-
-
 def _launch(name, fmt, blocks, threads, args, shared=0, grid_stride=True):
-    """Launch `name` on `blocks` blocks, at most _max_grid of them for a grid-stride kernel."""
-    if blocks <= 0:
-        return
-    device = _cupy().cuda.Device().id
-    grid = min(blocks, _max_grid(device)) if grid_stride else blocks
-    _kernel(_names(fmt)[name], device, shared)((grid,), (threads,), args, shared_mem=shared)
-
-
-def aligned(a):
-    """a as a C-contiguous array whose data is 16-byte aligned (the kernels' vector loads)."""
-    cp = _cupy()
-    a = cp.ascontiguousarray(a)
-    return a if a.data.ptr % 16 == 0 else a.copy()
+    launch(loader.channel_kernel, _names(fmt)[name], blocks, threads, args, shared, grid_stride=grid_stride)
 
 
 def tables(src, n: int, fmt, channels: int):
     """uint8[15 * channels]: channel_codebook.tables_of on the device (the sampled histogram,
     then the ranking)."""
-    cp = _cupy()
+    cp = cupy()
     hist = cp.zeros(channels << fmt.exp_bits, cp.uint32)
     _launch("histogram", fmt, sample_plan(n).blocks, THREADS, (src, np.int64(n), np.int32(channels), hist))
     out = cp.empty(channels * TABLE_WIDTH, cp.uint8)
@@ -87,7 +51,7 @@ def _offsets(esc_count, sec_count, n, fmt, chunk, lengths=None):
     """(offsets int64[3 * nchunks], result uint64[4]) from kvz_ch_tile_sums and kvz_ch_offsets;
     lengths (decode): the variable streams' (sec_codes bytes, escapes, exp_high bytes), checked
     against the counts."""
-    cp = _cupy()
+    cp = cupy()
     nchunks = esc_count.shape[0]
     tiles = max(1, -(-nchunks // TILE))  # one block even without chunks: it sets result
     offsets, result, tile_sums = cp.empty(3 * nchunks, cp.int64), cp.empty(4, cp.uint64), cp.empty(3 * tiles, cp.int64)
@@ -102,7 +66,7 @@ def _offsets(esc_count, sec_count, n, fmt, chunk, lengths=None):
 def encode(src, n: int, fmt, channels: int, chunk: int) -> dict:
     """The streams of section 15.4 of the n values src (1-D CuPy array of fmt's unsigned dtype),
     as CuPy arrays."""
-    cp = _cupy()
+    cp = cupy()
     src = aligned(src)
     E, HB, R = fmt.exp_bits, fmt.exp_bits - CODE_BITS, fmt.rest_bits
     G, nchunks, gpc = groups(n), -(-n // chunk), chunk // 8
@@ -132,7 +96,7 @@ def decode(s: dict, n: int, fmt, channels: int, chunk: int):
     """(the n values' bits as a CuPy array, 0 or the error code of CHANNEL_DECODE_ERRORS) of the
     streams s (CuPy arrays whose dtypes, the lengths n implies and the tables the caller has
     checked: ChannelPack.check)."""
-    cp = _cupy()
+    cp = cupy()
     s = {name: aligned(a) for name, a in s.items()}
     nchunks = s["esc_count"].shape[0]
     offsets, result = _offsets(s["esc_count"], s["sec_count"], n, fmt, chunk,

@@ -5,7 +5,8 @@ expressions, and caches one CuPy RawModule per (device, options, names).
 Top-level sources: fused.cu (kvz_encode, kvz_scan, kvz_decode and the header kernels, which
 include the .cuh headers), quantize.cu (QuantizeFP8 per tensor), weights.cu (the weights'
 decode+GEMM and decode, self-contained), channel.cu (the ratio mode's ChannelPack, on the fused
-module's headers and base options) and tca_tbe.cu (compiled by kvzip/weights/tca_tbe_gpu.py).  CuPy's compile cache keys a
+module's headers and base options), channel_rans.cu (the storage mode's ChannelRans, likewise)
+and tca_tbe.cu (compiled by kvzip/weights/tca_tbe_gpu.py).  CuPy's compile cache keys a
 module by its top-level text and options only, so the digest of all kernel files
 (-DKVZ_SOURCES=...) goes into the options: an edited header is a new key.
 
@@ -28,7 +29,8 @@ FUSED, QUANTIZE, WEIGHTS = "fused.cu", "quantize.cu", "weights.cu"
 TCA_TBE = "tca_tbe.cu"  # the weights' TCA-TBE decoder: self-contained, compiled by kvzip/weights/tca_tbe_gpu.py
 SUM64 = "sum64.cu"      # sum64 and transfer messages' gather/scatter: self-contained, compiled by kvzip/checksum.py
 CHANNEL = "channel.cu"  # the ratio mode's ChannelPack kernels (kvzip/gpu/channel_pack.py launches them)
-TOP_LEVEL = (FUSED, QUANTIZE, WEIGHTS, TCA_TBE, SUM64, CHANNEL)  # the sources modules are built from; the rest are headers
+CHANNEL_RANS = "channel_rans.cu"  # the storage mode's ChannelRans kernels (kvzip/gpu/channel_rans.py launches them)
+TOP_LEVEL = (FUSED, QUANTIZE, WEIGHTS, TCA_TBE, SUM64, CHANNEL, CHANNEL_RANS)  # the sources modules are built from; the rest are headers
 HEAD_KERNELS = ("kvz_gather_heads", "kvz_check_heads")
 TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
 
@@ -198,6 +200,21 @@ def channel_kernel(name: str, device_id: int):
     return _module(device_id, CHANNEL, options(tuning.tuning_for(None).macros()), channel_names()).get_function(name)
 
 
+def channel_rans_names() -> tuple:
+    """The name expressions of channel_rans.cu's module: its kernels for every format."""
+    names = ["kvz_rans_offsets", "kvz_rans_compact"]
+    for fmt in FORMATS.values():
+        args = _args(fmt)
+        names += [f"kvz_rans_histogram<{args}>", f"kvz_rans_encode<{args}>", f"kvz_rans_decode<{args}>"]
+    return tuple(names)
+
+
+def channel_rans_kernel(name: str, device_id: int):
+    """A kernel of channel_rans.cu's module (a name of channel_rans_names())."""
+    return _module(device_id, CHANNEL_RANS, options(tuning.tuning_for(None).macros()),
+                   channel_rans_names()).get_function(name)
+
+
 def units() -> list:
     """Every module the tunings in force build, as benchmarks/ptx_identity.py compiles them:
     [{unit, code, options, names}]."""
@@ -207,8 +224,10 @@ def units() -> list:
                 "names": list(quantize_names())})
     out.append({"unit": "weights", "code": sources()[WEIGHTS], "options": list(options()),
                 "names": list(WEIGHT_NAMES)})
-    out.append({"unit": "channel", "code": sources()[CHANNEL], "options": list(options(tuning.tuning_for(None).macros())),
-                "names": list(channel_names())})
+    base = list(options(tuning.tuning_for(None).macros()))
+    out.append({"unit": "channel", "code": sources()[CHANNEL], "options": base, "names": list(channel_names())})
+    out.append({"unit": "channel_rans", "code": sources()[CHANNEL_RANS], "options": base,
+                "names": list(channel_rans_names())})
     return out
 
 

@@ -6,42 +6,9 @@
 // tables, codes, rest, esc_count, sec_count, sec_codes, esc_pos, esc_exp, exp_high; decode: the
 // values, then uint64 error word; auto: kvz_auto_codebook's LUT row (AUTO_LUT_BYTES) and book (16
 // bytes) of the one tensor (auto_codebook.cu shares SamplePlan and rank_exponents with channel.cu).
-#include <cstdio>
-#include <string>
-
 #include "emu.h"
+#include "records.h"
 #include "channel.cu"
-
-using Bytes = std::vector<unsigned char>;
-
-static std::vector<Bytes> read_records(const char* path) {
-    std::vector<Bytes> out;
-    FILE* f = std::fopen(path, "rb");
-    unsigned long long len;
-    while (std::fread(&len, 8, 1, f) == 1) {
-        Bytes b(len + 16);
-        if (len && std::fread(b.data(), 1, len, f) != len) break;
-        b.resize(len);
-        out.push_back(b);
-    }
-    std::fclose(f);
-    return out;
-}
-
-template <typename T>
-static Bytes bytes_of(const std::vector<T>& v) {
-    Bytes b(v.size() * sizeof(T));
-    if (!b.empty()) std::memcpy(b.data(), v.data(), b.size());
-    return b;
-}
-template <typename T>
-static std::vector<T> as(const Bytes& b) {
-    std::vector<T> v(b.size() / sizeof(T));
-    if (!v.empty()) std::memcpy(v.data(), b.data(), b.size());
-    return v;
-}
-
-static long long cdiv(long long a, long long b) { return (a + b - 1) / b; }
 
 template <int E, int M, typename T>
 static std::vector<Bytes> auto_codebook(const std::vector<Bytes>& in, long long n, int grid) {
@@ -135,18 +102,10 @@ int main(int argc, char** argv) {
     const std::vector<long long> p = as<long long>(in[0]);
     const long long E = p[1], M = p[2], n = p[3];
     const int D = (int)p[4], chunk = (int)p[5], grid = (int)p[6];
-    std::vector<Bytes> out;
-    if (E == 8 && M == 7) out = run<8, 7, u16, 2>(in, n, D, chunk, grid);
-    else if (E == 5 && M == 10) out = run<5, 10, u16, 2>(in, n, D, chunk, grid);
-    else if (E == 8 && M == 23) out = run<8, 23, u32, 1>(in, n, D, chunk, grid);
-    else if (E == 4 && M == 3) out = run<4, 3, u8, 2>(in, n, D, chunk, grid);
-    else out = run<5, 2, u8, 2>(in, n, D, chunk, grid);
-    FILE* f = std::fopen(argv[2], "wb");
-    for (const Bytes& b : out) {
-        const unsigned long long len = b.size();
-        std::fwrite(&len, 8, 1, f);
-        if (len) std::fwrite(b.data(), 1, len, f);
-    }
-    std::fclose(f);
+    const std::vector<Bytes> out = with_format(E, M, [&](auto f) {
+        using F = decltype(f);
+        return run<F::E, F::M, typename F::T, sizeof(typename F::T) == 4 ? 1 : 2>(in, n, D, chunk, grid);  // channel_gpl
+    });
+    write_records(argv[2], out);
     return 0;
 }

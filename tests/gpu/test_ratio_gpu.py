@@ -12,15 +12,15 @@ import pytest
 
 import cupy  # tests/conftest.py collects tests/gpu only where CuPy sees a GPU
 
+import channel_modes
+from channel_modes import layers
+
 import kvzip
 from kvzip import testing as kt
-from kvzip.data import load_sample
 from kvzip.formats import FORMATS
-from kvzip.trace import last_path
 
 
-def layers(count=4):
-    return [np.asarray(v).view(np.uint16) for v in list(load_sample("code").values())[:count]]
+MODE = "ratio"
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "e5m2"])
@@ -50,35 +50,17 @@ def test_version_3_blobs_beside_remembered_layouts():
 
 # ----------------------------------------------------------------------------- the device kernels
 def cpu_blob(bits, fmt, **kw) -> bytes:
-    return bytes(kvzip.compress(bits, dtype=fmt, mode="ratio", backend="cpu", **kw))
+    return channel_modes.cpu_blob(bits, fmt, MODE, **kw)
 
 
 def assert_device_matches(bits, fmt, **kw):
-    """GPU blob == CPU blob; the GPU decodes both to the values."""
-    dev = cupy.asarray(bits)
-    blob = kvzip.compress(dev, dtype=fmt, mode="ratio", **kw)
-    want = cpu_blob(bits, fmt, **kw)
-    assert blob.get().tobytes() == want
-    for b in (blob, cupy.asarray(np.frombuffer(want, np.uint8))):
-        back = kvzip.decompress(b)
-        assert type(back) is cupy.ndarray
-        np.testing.assert_array_equal(cupy.asnumpy(back).reshape(-1).view(bits.dtype), bits.reshape(-1))
-    return want
+    return channel_modes.assert_device_matches(bits, fmt, MODE, **kw)
 
 
 def test_the_stage_runs_the_device_kernels(monkeypatch):
-    """No host copy of the values: ChannelPack's CPU kernels are never called for CuPy input."""
     from kvzip.stages import channel_pack_cpu
 
-    def refuse(*a, **k):
-        raise AssertionError("the CPU kernels ran for a CuPy tensor")
-
-    for name in ("encode", "decode", "histogram"):
-        monkeypatch.setattr(channel_pack_cpu, name, refuse)
-    bits = layers(1)[0]
-    blob = kvzip.compress(cupy.asarray(bits), dtype="bf16", mode="ratio")
-    assert last_path() == "staged"
-    np.testing.assert_array_equal(cupy.asnumpy(kvzip.decompress(blob)).view(np.uint16), bits)
+    channel_modes.assert_no_cpu_kernel_runs(monkeypatch, channel_pack_cpu, MODE)
 
 
 SIZES = (0, 1, 7, 8, 4095, 4096, 4097, 3 * 4096 + 5, 100_003)
@@ -112,24 +94,16 @@ def test_random_bits_plane_code_every_chunk(fmt):
 
 @pytest.mark.parametrize("variant", kt.KV_VARIANTS)
 def test_real_kv_variants(variant):
-    for i, x in enumerate(layers(3)):
-        assert_device_matches(kt.kv_variant(x, variant, layer=i, seed=i), "bf16")
+    channel_modes.assert_real_kv_variant_matches(variant, MODE)
 
 
 def test_large_real_kv_sampled_tables():
     """2^24 values: the sampled histogram (auto_codebook's runs), many chunks, both formats."""
-    sample = np.concatenate([v.view(np.uint16).ravel() for v in load_sample().values()])
-    bits = np.resize(sample, 1 << 24).reshape(-1, 64)
-    assert_device_matches(bits, "bf16")
-    assert_device_matches(kt.kv_variant(bits, "chan-scaled"), "bf16", checksum=True)
+    channel_modes.assert_large_real_kv_matches(MODE)
 
 
 def test_unaligned_input_views():
-    bits = layers(1)[0].reshape(-1)
-    rows = (bits.size - 3) // 64
-    dev = cupy.asarray(bits)[3:3 + 64 * rows].reshape(-1, 64)  # 6 bytes past an aligned start
-    blob = kvzip.compress(dev, dtype="bf16", mode="ratio")
-    assert blob.get().tobytes() == cpu_blob(bits[3:3 + 64 * rows].reshape(-1, 64), "bf16")
+    channel_modes.assert_unaligned_view_matches(MODE)
 
 
 # ----------------------------------------------------------------------------- forged blobs
@@ -173,20 +147,5 @@ def forged_blobs():
         yield f"codes[{at}]", with_("codes", lambda b: b.__setitem__(at, b[at] ^ 0xFF) or b)
 
 
-def outcome(blob, device: bool):
-    try:
-        x = kvzip.decompress(cupy.asarray(np.frombuffer(blob, np.uint8)) if device else np.frombuffer(blob, np.uint8))
-    except kvzip.FormatError as e:
-        return "error", str(e)
-    return "ok", (cupy.asnumpy(x) if device else np.asarray(x)).tobytes()
-
-
 def test_forged_blobs_fail_as_on_the_cpu():
-    tried = errors = 0
-    for name, blob in forged_blobs():
-        want, got = outcome(blob, False), outcome(blob, True)
-        assert got == want, name
-        tried += 1
-        errors += want[0] == "error"
-    assert tried > 40 and errors > 30
-
+    channel_modes.assert_forgeries_fail_as_on_the_cpu(forged_blobs())

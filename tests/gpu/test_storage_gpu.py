@@ -1,0 +1,126 @@
+"""The storage mode (ChannelRans, container version 4) on a real GPU: CuPy tensors compress on
+the device (kvzip/gpu/kernels/channel_rans.cu) to the CPU reference's bytes, for every format,
+edge sizes, chunk sizes and channel counts, real KV and its adversarial variants, random and
+wide-exponent bits; GPU blobs and CPU blobs decode on the GPU to the values; forged blobs raise
+the CPU path's FormatError with its message; the stage runs no CPU kernel for CuPy input."""
+import numpy as np
+import pytest
+
+import channel_modes  # CuPy: tests/conftest.py collects tests/gpu only where it sees a GPU
+from channel_modes import layers
+
+from kvzip import testing as kt
+from kvzip.formats import FORMATS
+
+
+MODE = "storage"
+
+
+def assert_device_matches(bits, fmt, **kw):
+    return channel_modes.assert_device_matches(bits, fmt, MODE, **kw)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "e5m2"])
+def test_cupy_tensors_give_the_cpu_blob(fmt):
+    bits = layers(1)[0] if fmt == "bf16" else kt.kv_like_bits(fmt, 3 * 512 * 64, seed=3).reshape(3, 512, 64)
+    assert_device_matches(bits, fmt)
+
+
+def test_the_stage_runs_the_device_kernels(monkeypatch):
+    from kvzip.stages import channel_rans_cpu
+
+    channel_modes.assert_no_cpu_kernel_runs(monkeypatch, channel_rans_cpu, MODE)
+
+
+SIZES = (0, 1, 7, 8, 31, 32, 33, 65535, 65536, 65537, 3 * 65536 + 5, 300_007)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("n", SIZES)
+def test_sizes_and_formats(fmt, n):
+    f = FORMATS[fmt]
+    flat = kt.kv_like_bits(f, n, escape_rate=0.01, seed=n)
+    shape = (n // 64, 64) if n % 64 == 0 and n else (n,)  # 64 channels, or one (a 1-D tensor of odd length)
+    assert_device_matches(flat.reshape(shape), fmt)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("chunk,channels", [(32, 1), (64, 2), (256, 32), (4096, 64), (65536, 128), (1 << 20, 256),
+                                            (1024, 256)])
+def test_chunks_and_channels(fmt, chunk, channels):
+    f = FORMATS[fmt]
+    rng = np.random.default_rng(chunk + channels)
+    n = int(rng.integers(1, 40)) * channels * 97
+    bits = kt.kv_like_bits(f, n, escape_rate=0.02, seed=chunk).reshape(-1, channels)
+    assert_device_matches(bits, fmt, chunk=chunk)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_random_and_wide_bits(fmt):
+    """Every bit pattern (tables of every exponent, the widest search) and a channel-dependent
+    exponent offset over 256 channels (256 tables in shared memory)."""
+    f = FORMATS[fmt]
+    assert_device_matches(kt._rng_bits(5, f, 5 * 65536 + 3).reshape(-1), fmt)
+    bits = kt.kv_like_bits(f, 256 * 4096, escape_rate=0.05, seed=6).reshape(-1, 256).astype(np.uint64)
+    E, M = f.exp_bits, f.mant_bits
+    e = ((bits >> np.uint64(M)) + np.arange(256, dtype=np.uint64)) & np.uint64((1 << E) - 1)
+    mask = np.uint64(((1 << E) - 1) << M)
+    assert_device_matches(((bits & ~mask) | (e << np.uint64(M))).astype(f.uint_dtype), fmt)
+
+
+@pytest.mark.parametrize("variant", kt.KV_VARIANTS)
+def test_real_kv_variants(variant):
+    channel_modes.assert_real_kv_variant_matches(variant, MODE)
+
+
+def test_large_real_kv():
+    """2^24 values: 256 chunks, every layer's tables in one tensor, with and without a checksum."""
+    channel_modes.assert_large_real_kv_matches(MODE)
+
+
+def test_unaligned_input_views():
+    channel_modes.assert_unaligned_view_matches(MODE)
+
+
+# ----------------------------------------------------------------------------- forged blobs
+def forged_blobs():
+    """(name, blob) pairs: each count's fields, the states, the words and escapes (lengths and
+    contents) and the tables, on a blob of three chunks with escapes."""
+    bits = kt.kv_like_bits(FORMATS["bf16"], 3 * 1024 + 64, escape_rate=0.02, seed=9).reshape(-1, 64)
+    base = channel_modes.cpu_blob(bits, "bf16", MODE, chunk=1024)
+    meta, flags, streams = kt.blob_parts(base)
+    parts = {k: np.frombuffer(b, {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}[dt])
+             for k, dt, b in streams}
+
+    def with_(name, fn):
+        out = [(k, dt, fn(parts[k].copy()).tobytes() if k == name else b) for k, dt, b in streams]
+        return kt.build_blob(meta, out, flags)
+
+    def put(k, v):
+        def fn(a):
+            a[k] = v % (1 << (8 * a.itemsize))
+            return a
+        return fn
+
+    for name in ("word_count", "esc_count"):
+        for c in range(parts[name].size):
+            v = int(parts[name][c])
+            for new in (v + 1, v - 1, 0, 1025, 2**32 - 1):
+                if new % 2**32 != v:
+                    yield f"{name}[{c}]={new}", with_(name, put(c, new))
+    for k, v in ((0, 0xFFFF), (31, 0x10001), (40, 2**32 - 1), (95, 0)):
+        yield f"states[{k}]={v}", with_("states", put(k, v))
+    for name in ("words", "esc_exp"):
+        yield f"{name} longer", with_(name, lambda a: np.append(a, a[:1] * 0))
+        yield f"{name} shorter", with_(name, lambda a: a[:-1])
+    for k in (0, 1, parts["words"].size - 1):
+        yield f"words[{k}]^", with_("words", lambda a: a.__setitem__(k, a[k] ^ 0x0F0F) or a)
+    for k in (0, parts["esc_exp"].size - 1):
+        for v in (0, 120, 127, 255):
+            yield f"esc_exp[{k}]={v}", with_("esc_exp", put(k, v))
+    yield "tables short", with_("tables", lambda a: a[:-1])
+    yield "tables frequency", with_("tables", lambda a: a.__setitem__(5, a[5] ^ 0x10) or a)
+
+
+def test_forged_blobs_fail_as_on_the_cpu():
+    channel_modes.assert_forgeries_fail_as_on_the_cpu(forged_blobs())
