@@ -163,7 +163,7 @@ def test_forged_streams_give_the_reference_error(exe, tmp_path, name, n, channel
 
 
 def test_harness_constants_are_the_codebooks():
-    text = loader.sources()[loader.CHANNEL]
+    text = loader.sources()[loader.CHANNEL] + loader.sources()["channel_offsets.cuh"]
     defined = {k: int(v, 0) for k, v in re.findall(r"#define (CH_\w+) (0x[0-9A-Fa-f]+|\d+)", text)}
     assert defined["CH_WIDTH"] == cc.TABLE_WIDTH and defined["CH_PRIMARY"] == cc.PRIMARY
     assert defined["CH_MAX_CHANNELS"] == cc.MAX_CHANNELS

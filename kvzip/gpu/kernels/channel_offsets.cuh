@@ -1,0 +1,194 @@
+// ChannelPack's offsets (kernels/channel.cu): the scan of the chunks' variable-run sizes
+// (kvz_ch_tile_sums, kvz_ch_offsets: the encoder's stream lengths, the decoder's count checks)
+// and the encoder's compaction of the runs from their slots (kvz_ch_compact).
+#pragma once
+
+#include "common.cuh"
+#include "layout.cuh"  // PLANE
+
+#define CH_TILE_THREADS 256  // the offsets scan: threads a block, 8 chunks a thread
+#define CH_TILE (8 * CH_TILE_THREADS)
+
+struct ChunkSizes {
+    long long sec, esc, high;  // sec_codes bytes, escapes, exp_high bytes
+};
+
+// Chunk sizes of the counts (cnt = esc_count[c], sec = sec_count[c]) of a chunk of ng groups.
+__device__ __forceinline__ ChunkSizes chunk_sizes(u32 cnt, u32 sec, int ng, int HB) {
+    if (cnt == PLANE) return {0, 0, (long long)HB * ng};
+    return {(3ll * sec + 7) / 8, (long long)cnt, 0};
+}
+
+// The count check of a chunk whose runs start at `at` (channel_pack_cpu._decode_offsets, its
+// order): the error code, or 0.
+__device__ __forceinline__ int count_error(u32 cnt, u32 sec, long long len, int ng, int HB, ChunkSizes at, ChunkSizes s,
+                                           long long n_sec, long long n_pos, long long n_high) {
+    if (cnt == PLANE) return sec != 0 ? 6 : at.high + s.high > n_high ? 5 : 0;
+    if ((long long)sec > len || s.sec + 3ll * cnt > (long long)HB * ng) return 1;
+    if (at.esc + s.esc > n_pos) return 2;
+    if (at.sec + s.sec > n_sec) return 6;
+    return 0;
+}
+
+// The offsets scan, reduce then scan: tile t is chunks [CH_TILE t, CH_TILE (t + 1)), 8 a thread
+// of CH_TILE_THREADS (its counts loaded as one 16-byte word of each stream: the warp's loads
+// are contiguous).  kvz_ch_tile_sums sums each tile's sizes; kvz_ch_offsets gives each tile the
+// sum of the tiles before it, scans inside the tile and writes offsets[c], offsets[nchunks + c],
+// offsets[2 nchunks + c] (chunk c's first sec_codes byte, escape, exp_high byte).
+// result (uint64[4]): [0] 8 c + code of the lowest failing chunk (checked, decode: every chunk's
+// count check against the streams' lengths, channel_pack_cpu._decode_offsets's order; then the
+// totals' check, past the last chunk) or ~0; [1..3] the three totals.
+
+// fn(c, esc count, sec count, groups, sizes) for this thread's chunks of the tile, in order.
+template <typename F>
+__device__ __forceinline__ void each_tile_chunk(const u16* __restrict__ esc_count, const u16* __restrict__ sec_count,
+                                                long long nchunks, long long n, int chunk, int HB, F&& fn) {
+    const long long c0 = (long long)blockIdx.x * CH_TILE + 8 * threadIdx.x;
+    if (c0 >= nchunks) return;
+    u32 cnt[8], sec[8];
+    if (c0 + 8 <= nchunks) {
+        const uint4 a = *reinterpret_cast<const uint4*>(esc_count + c0), b = *reinterpret_cast<const uint4*>(sec_count + c0);
+        const u32 wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int k = 0; k < 8; k++) { cnt[k] = (wa[k >> 1] >> (16 * (k & 1))) & 0xFFFFu; sec[k] = (wb[k >> 1] >> (16 * (k & 1))) & 0xFFFFu; }
+    } else {
+#pragma unroll
+        for (int k = 0; k < 8; k++) { cnt[k] = c0 + k < nchunks ? esc_count[c0 + k] : 0u; sec[k] = c0 + k < nchunks ? sec_count[c0 + k] : 0u; }
+    }
+    const int gpc = chunk >> 3;
+    const long long G = (n + 7) >> 3;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        if (c0 + k >= nchunks) break;
+        const int ng = (int)min((long long)gpc, G - (c0 + k) * gpc);
+        fn(c0 + k, cnt[k], sec[k], ng, chunk_sizes(cnt[k], sec[k], ng, HB));
+    }
+}
+
+// The block's sum of x (CH_TILE_THREADS threads), in every thread.  part: CH_TILE_THREADS / 32 words.
+__device__ __forceinline__ long long block_sum(long long x, long long* part) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    x = warp_inclusive_sum(x, lane);
+    __syncthreads();  // part is free again
+    if (lane == 31) part[warp] = x;
+    __syncthreads();
+    long long all = 0;
+#pragma unroll
+    for (int w = 0; w < CH_TILE_THREADS / 32; w++) all += part[w];
+    return all;
+}
+
+// The block's exclusive prefix of x over the threads (in thread order).
+__device__ __forceinline__ long long block_exclusive_sum(long long x, long long* part) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long inc = warp_inclusive_sum(x, lane);
+    __syncthreads();
+    if (lane == 31) part[warp] = inc;
+    __syncthreads();
+    long long below = 0;
+    for (int w = 0; w < warp; w++) below += part[w];
+    return below + inc - x;
+}
+
+// grid: a block a tile.  tile_sums[3 t + k]: tile t's sec_codes bytes, escapes, exp_high bytes.
+__global__ void __launch_bounds__(CH_TILE_THREADS) kvz_ch_tile_sums(const u16* __restrict__ esc_count,
+                                                                    const u16* __restrict__ sec_count, long long nchunks,
+                                                                    long long n, int chunk, int HB,
+                                                                    long long* __restrict__ tile_sums,
+                                                                    u64* __restrict__ result) {
+    __shared__ long long part[CH_TILE_THREADS / 32];
+    ChunkSizes mine = {0, 0, 0};
+    each_tile_chunk(esc_count, sec_count, nchunks, n, chunk, HB, [&](long long, u32, u32, int, const ChunkSizes& s) {
+        mine.sec += s.sec; mine.esc += s.esc; mine.high += s.high;
+    });
+    const long long sums[3] = {block_sum(mine.sec, part), block_sum(mine.esc, part), block_sum(mine.high, part)};
+    if (threadIdx.x == 0) {
+        for (int k = 0; k < 3; k++) tile_sums[3 * blockIdx.x + k] = sums[k];
+        if (blockIdx.x == 0) result[0] = ~0ull;  // kvz_ch_offsets and kvz_ch_decode lower it
+    }
+}
+
+// grid: a block a tile, after kvz_ch_tile_sums.  checked (decode): the count checks, against the
+// streams' lengths n_sec, n_pos, n_high.
+__global__ void __launch_bounds__(CH_TILE_THREADS) kvz_ch_offsets(const u16* __restrict__ esc_count,
+                                                                  const u16* __restrict__ sec_count, long long nchunks,
+                                                                  long long n, int chunk, int HB, int checked,
+                                                                  long long n_sec, long long n_pos, long long n_high,
+                                                                  const long long* __restrict__ tile_sums,
+                                                                  long long* __restrict__ offsets,
+                                                                  u64* __restrict__ result) {
+    __shared__ long long part[CH_TILE_THREADS / 32];
+    const long long ntiles = (nchunks + CH_TILE - 1) / CH_TILE;
+    long long before[3] = {0, 0, 0}, all[3] = {0, 0, 0};  // the tiles before this one; all tiles
+    for (long long t = threadIdx.x; t < ntiles; t += CH_TILE_THREADS) {
+#pragma unroll
+        for (int k = 0; k < 3; k++) {
+            all[k] += tile_sums[3 * t + k];
+            if (t < blockIdx.x) before[k] += tile_sums[3 * t + k];
+        }
+    }
+    ChunkSizes mine = {0, 0, 0};
+    each_tile_chunk(esc_count, sec_count, nchunks, n, chunk, HB, [&](long long, u32, u32, int, const ChunkSizes& s) {
+        mine.sec += s.sec; mine.esc += s.esc; mine.high += s.high;
+    });
+    ChunkSizes at = {block_sum(before[0], part) + block_exclusive_sum(mine.sec, part),
+                     block_sum(before[1], part) + block_exclusive_sum(mine.esc, part),
+                     block_sum(before[2], part) + block_exclusive_sum(mine.high, part)};
+    u64 err = ~0ull;
+    each_tile_chunk(esc_count, sec_count, nchunks, n, chunk, HB, [&](long long c, u32 cnt, u32 sec, int ng, const ChunkSizes& s) {
+        if (checked && err == ~0ull) {
+            const long long len = min((long long)chunk, n - c * chunk);
+            const int code = count_error(cnt, sec, len, ng, HB, at, s, n_sec, n_pos, n_high);
+            if (code) err = 8ull * (u64)c + (u64)code;
+        }
+        offsets[c] = at.sec;
+        offsets[nchunks + c] = at.esc;
+        offsets[2 * nchunks + c] = at.high;
+        at.sec += s.sec; at.esc += s.esc; at.high += s.high;
+    });
+    if (blockIdx.x == 0) {
+        const long long tot[3] = {block_sum(all[0], part), block_sum(all[1], part), block_sum(all[2], part)};
+        if (threadIdx.x == 0) {
+            for (int k = 0; k < 3; k++) result[1 + k] = (u64)tot[k];
+            const u64 past = 8ull * (u64)nchunks;
+            if (checked && err == ~0ull)
+                err = tot[0] != n_sec ? past + 6 : tot[1] != n_pos ? past + 2 : tot[2] != n_high ? past + 5 : ~0ull;
+        }
+    }
+    if (err != ~0ull) atomicMin(reinterpret_cast<unsigned long long*>(result), err);
+}
+
+// grid-stride over chunks, a warp a chunk: each chunk's runs from its slots (kvz_ch_encode) to
+// the offsets kvz_ch_offsets found, in the streams of exactly the totals' lengths.
+__global__ void __launch_bounds__(WARPS * 32) kvz_ch_compact(const u16* __restrict__ esc_count,
+                                                             const u16* __restrict__ sec_count, long long nchunks,
+                                                             long long n, int chunk, int HB,
+                                                             const long long* __restrict__ offsets,
+                                                             const u32* __restrict__ sec_slots,
+                                                             const u16* __restrict__ pos_slots,
+                                                             const u8* __restrict__ exp_slots,
+                                                             const u8* __restrict__ high_slots, u8* __restrict__ sec_codes,
+                                                             u16* __restrict__ esc_pos, u8* __restrict__ esc_exp,
+                                                             u8* __restrict__ exp_high) {
+    const int lane = threadIdx.x & 31;
+    const int gpc = chunk >> 3, full_cap = (HB * gpc) / 3, slot_words = (3 * chunk + 31) >> 5;
+    const long long G = (n + 7) >> 3;
+    for (long long c = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); c < nchunks; c += (long long)gridDim.x * WARPS) {
+        const u32 cnt = esc_count[c];
+        const ChunkSizes s = chunk_sizes(cnt, sec_count[c], (int)min((long long)gpc, G - c * gpc), HB);
+        if (cnt == PLANE) {
+            const u8* from = high_slots + c * gpc * HB;
+            u8* to = exp_high + offsets[2 * nchunks + c];
+            for (long long k = lane; k < s.high; k += 32) to[k] = from[k];
+            continue;
+        }
+        const u8* from = reinterpret_cast<const u8*>(sec_slots + c * slot_words);
+        u8* to = sec_codes + offsets[c];
+        for (long long k = lane; k < s.sec; k += 32) to[k] = from[k];
+        const long long e0 = offsets[nchunks + c];
+        for (long long k = lane; k < s.esc; k += 32) {
+            esc_pos[e0 + k] = pos_slots[c * full_cap + k];
+            esc_exp[e0 + k] = exp_slots[c * full_cap + k];
+        }
+    }
+}
