@@ -63,18 +63,6 @@ def test_the_stage_runs_the_device_kernels(monkeypatch):
     channel_modes.assert_no_cpu_kernel_runs(monkeypatch, channel_pack_cpu, MODE)
 
 
-SIZES = (0, 1, 7, 8, 4095, 4096, 4097, 3 * 4096 + 5, 100_003)
-
-
-@pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("n", SIZES)
-def test_sizes_and_formats(fmt, n):
-    f = FORMATS[fmt]
-    flat = kt.kv_like_bits(f, n, escape_rate=0.01, seed=n)
-    shape = (n // 64, 64) if n % 64 == 0 and n else (n,)  # 64 channels, or one (a 1-D tensor of odd length)
-    assert_device_matches(flat.reshape(shape), fmt)
-
-
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("chunk,last", [(8, 16), (64, 128), (512, 96), (4096, 256), (32768, 2)])
 def test_chunks_and_channels(fmt, chunk, last):
@@ -90,20 +78,6 @@ def test_random_bits_plane_code_every_chunk(fmt):
     f = FORMATS[fmt]
     bits = kt._rng_bits(5, f, 5 * 4096 + 3).reshape(-1)
     assert_device_matches(bits, fmt)
-
-
-@pytest.mark.parametrize("variant", kt.KV_VARIANTS)
-def test_real_kv_variants(variant):
-    channel_modes.assert_real_kv_variant_matches(variant, MODE)
-
-
-def test_large_real_kv_sampled_tables():
-    """2^24 values: the sampled histogram (auto_codebook's runs), many chunks, both formats."""
-    channel_modes.assert_large_real_kv_matches(MODE)
-
-
-def test_unaligned_input_views():
-    channel_modes.assert_unaligned_view_matches(MODE)
 
 
 # ----------------------------------------------------------------------------- forged blobs

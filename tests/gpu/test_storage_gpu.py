@@ -32,18 +32,6 @@ def test_the_stage_runs_the_device_kernels(monkeypatch):
     channel_modes.assert_no_cpu_kernel_runs(monkeypatch, channel_rans_cpu, MODE)
 
 
-SIZES = (0, 1, 7, 8, 31, 32, 33, 65535, 65536, 65537, 3 * 65536 + 5, 300_007)
-
-
-@pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("n", SIZES)
-def test_sizes_and_formats(fmt, n):
-    f = FORMATS[fmt]
-    flat = kt.kv_like_bits(f, n, escape_rate=0.01, seed=n)
-    shape = (n // 64, 64) if n % 64 == 0 and n else (n,)  # 64 channels, or one (a 1-D tensor of odd length)
-    assert_device_matches(flat.reshape(shape), fmt)
-
-
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("chunk,channels", [(32, 1), (64, 2), (256, 32), (4096, 64), (65536, 128), (1 << 20, 256),
                                             (1024, 256)])
@@ -66,20 +54,6 @@ def test_random_and_wide_bits(fmt):
     e = ((bits >> np.uint64(M)) + np.arange(256, dtype=np.uint64)) & np.uint64((1 << E) - 1)
     mask = np.uint64(((1 << E) - 1) << M)
     assert_device_matches(((bits & ~mask) | (e << np.uint64(M))).astype(f.uint_dtype), fmt)
-
-
-@pytest.mark.parametrize("variant", kt.KV_VARIANTS)
-def test_real_kv_variants(variant):
-    channel_modes.assert_real_kv_variant_matches(variant, MODE)
-
-
-def test_large_real_kv():
-    """2^24 values: 256 chunks, every layer's tables in one tensor, with and without a checksum."""
-    channel_modes.assert_large_real_kv_matches(MODE)
-
-
-def test_unaligned_input_views():
-    channel_modes.assert_unaligned_view_matches(MODE)
 
 
 # ----------------------------------------------------------------------------- forged blobs
