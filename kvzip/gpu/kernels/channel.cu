@@ -383,9 +383,11 @@ __global__ void __launch_bounds__(WARPS * 32) kvz_ch_decode(const u8* __restrict
     const u32 DM = (u32)D - 1u;
     for (int i = threadIdx.x; i < D * CH_WIDTH; i += blockDim.x) tab[(i % CH_WIDTH) * D + i / CH_WIDTH] = tables[i];
     __syncthreads();
-    const u64 first_bad = result[0];  // kvz_ch_offsets's error, or a lower one another block found since
-    const long long stop = first_bad == ~0ull ? nchunks : min(nchunks, (long long)(first_bad / 8));
     const int lane = threadIdx.x & 31, gpc = chunk >> 3;
+    // kvz_ch_offsets's error, or a lower one another warp has found since: lane 0's reading for the
+    // whole warp, so that every lane runs the same chunks (the warp's ballots need all 32).
+    const u64 first_bad = __shfl_sync(FULL_MASK, lane == 0 ? result[0] : 0ull, 0);
+    const long long stop = first_bad == ~0ull ? nchunks : min(nchunks, (long long)(first_bad / 8));
     const long long G = (n + 7) >> 3;
     for (long long c = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); c < stop; c += (long long)gridDim.x * WARPS) {
         const long long g0 = c * gpc;
