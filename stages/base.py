@@ -67,6 +67,13 @@ class Stage:
         return f"{type(self).__name__}({params})"
 
 
+def on_device(backend) -> bool:
+    """Whether a stage with CUDA kernels of its own (ChannelPack, ChannelRans: kvzip/gpu/) runs
+    them: CuPy arrays on a real GPU.  The Numba simulator's CUDA backend holds NumPy arrays, so
+    there the stage runs its CPU kernels."""
+    return backend.name == "cuda" and not backend.simulated
+
+
 def stage_from_config(config: dict[str, Any]) -> Stage:
     if not isinstance(config, dict) or "id" not in config:
         raise ValueError(f"a stage config is a dict with an 'id', got {config!r}")

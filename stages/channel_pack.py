@@ -27,17 +27,11 @@ from kvzip.errors import CHANNEL_DECODE_ERRORS, FormatError
 from kvzip.frame import Frame
 
 from . import channel_pack_cpu
-from .base import CHANNEL_CODED, TENSOR, Stage, register
+from .base import CHANNEL_CODED, TENSOR, Stage, on_device, register
 from .escape_stream import check_chunk
 
 MAX_CHUNK = 32768  # a chunk's second-level count is a uint16: at most 32768 values
 VARIABLE_STREAMS = (("sec_codes", np.uint8), ("esc_pos", np.uint16), ("esc_exp", np.uint8), ("exp_high", np.uint8))
-
-
-def on_device(backend) -> bool:
-    """Whether the stage runs kvzip/gpu/channel_pack.py's CUDA kernels: CuPy arrays on a real GPU
-    (the Numba simulator's CUDA backend holds NumPy arrays: the CPU kernels then)."""
-    return backend.name == "cuda" and not backend.simulated
 
 
 @register

@@ -27,7 +27,7 @@ from kvzip.errors import RANS_DECODE_ERRORS, FormatError
 from kvzip.frame import Frame
 
 from . import channel_rans_cpu
-from .base import CHANNEL_CODED, TENSOR, Stage, register
+from .base import CHANNEL_CODED, TENSOR, Stage, on_device, register
 from .channel_rans_cpu import LANES, PROB_BITS
 from .escape_stream import check_chunk
 
@@ -147,12 +147,6 @@ def parse_tables(buf: np.ndarray, channels: int, E: int):
     cum[:, order] = (np.cumsum(freq[:, order], axis=1) - freq[:, order]).astype(np.int32)
     sym_of = np.repeat(np.tile(order.astype(np.uint16), ng), freq[:, order].reshape(-1)).reshape(ng, TOTAL)
     return shift, freq, cum, sym_of
-
-
-def on_device(backend) -> bool:
-    """Whether the stage runs kvzip/gpu/channel_rans.py's CUDA kernels: CuPy arrays on a real GPU
-    (the Numba simulator's CUDA backend holds NumPy arrays: the CPU kernels then)."""
-    return backend.name == "cuda" and not backend.simulated
 
 
 @register
