@@ -15,6 +15,7 @@ from cuda_host import harness
 
 from kvzip import channel_codebook as cc
 from kvzip import testing as kt
+from kvzip.bitlogic import PLANE
 from kvzip.formats import FORMATS
 from kvzip.gpu import loader
 from kvzip.stages import channel_pack_cpu
@@ -160,6 +161,51 @@ def test_forged_streams_give_the_reference_error(exe, tmp_path, name, n, channel
         assert code == want, what
         tried += bool(want)
     assert tried >= 10
+
+
+def scan(exe, tmp_path, esc_count, sec_count, n, chunk, lengths=None):
+    """(offsets int64[3, nchunks], error word, totals) of the device scan (op 3) of these counts."""
+    checked = [1, *lengths] if lengths is not None else [0, 0, 0, 0]
+    offsets, result = call(exe, tmp_path, 3, FORMATS["bf16"], n, 1, chunk,
+                           [esc_count, sec_count, np.array(checked, np.int64)])
+    result = np.frombuffer(result, np.uint64)
+    return np.frombuffer(offsets, np.int64).reshape(3, -1), int(result[0]), [int(x) for x in result[1:]]
+
+
+def test_offsets_scan_over_many_tiles(exe, tmp_path):
+    """The scan alone, over 301 tiles (more than a block's threads: kvz_ch_tile_scan gives each
+    thread several): the CPU reference's offsets and totals, its lowest count error, and the
+    totals' errors past the last chunk."""
+    HB, chunk = FORMATS["bf16"].exp_bits - cc.CODE_BITS, 8
+    nchunks = 300 * 2048 + 77
+    n = nchunks * chunk
+    rng = np.random.default_rng(4)
+    sec = rng.integers(0, 9, nchunks)  # at most 8 second-level codes and one escape fit a chunk of 8
+    esc = (rng.random(nchunks) < 0.3) * ((HB * 1 - (3 * sec + 7) // 8) >= 3)
+    plane = rng.random(nchunks) < 0.01
+    esc_count = np.where(plane, PLANE, esc).astype(np.uint16)
+    sec_count = np.where(plane, 0, sec).astype(np.uint16)
+    ng = np.minimum(chunk // 8, (n + 7) // 8 - np.arange(nchunks) * (chunk // 8))
+    sizes = np.stack([np.where(plane, 0, (3 * sec + 7) // 8), np.where(plane, 0, esc), np.where(plane, HB * ng, 0)])
+    want = np.concatenate([np.zeros((3, 1), np.int64), np.cumsum(sizes, axis=1)[:, :-1]], axis=1)
+    totals = [int(t) for t in sizes.sum(axis=1)]
+    offsets, err, got = scan(exe, tmp_path, esc_count, sec_count, n, chunk)
+    np.testing.assert_array_equal(offsets, want)
+    assert got == totals and err == 2**64 - 1
+
+    def reference_error(e, s, lengths):
+        out = [np.empty(nchunks, np.int64) for _ in range(3)]
+        return channel_pack_cpu._decode_offsets(e, s, n, chunk, HB, *lengths, *out)[1]
+
+    for lengths in (totals, [totals[0] + 1, *totals[1:]], [totals[0], totals[1] - 1, totals[2]],
+                    [*totals[:2], totals[2] + 5]):
+        _, err, _ = scan(exe, tmp_path, esc_count, sec_count, n, chunk, lengths)
+        assert err == (2**64 - 1 if reference_error(esc_count, sec_count, lengths) < 0
+                       else reference_error(esc_count, sec_count, lengths)), lengths
+    bad = sec_count.copy()
+    bad[[200 * 2048 + 5, 280 * 2048 + 1]] = 9  # two chunks' counts past their 8 values: the lower wins
+    _, err, _ = scan(exe, tmp_path, esc_count, bad, n, chunk, totals)
+    assert err == reference_error(esc_count, bad, totals) == 8 * (200 * 2048 + 5) + 1
 
 
 def test_harness_constants_are_the_codebooks():

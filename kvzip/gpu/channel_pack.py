@@ -29,7 +29,7 @@ def _names(fmt) -> dict:
     args, gpl = loader._args(fmt), loader.channel_gpl(fmt)
     return {"histogram": f"kvz_ch_histogram<{args}>", "tables": f"kvz_ch_tables<{fmt.exp_bits}>",
             "encode": f"kvz_ch_encode<{args},{gpl}>", "decode": f"kvz_ch_decode<{args},{gpl}>",
-            "tile_sums": "kvz_ch_tile_sums", "offsets": "kvz_ch_offsets", "compact": "kvz_ch_compact"}
+            "tile_sums": "kvz_ch_tile_sums", "tile_scan": "kvz_ch_tile_scan", "offsets": "kvz_ch_offsets", "compact": "kvz_ch_compact"}
 
 
 def _launch(name, fmt, blocks, threads, args, shared=0, grid_stride=True):
@@ -48,7 +48,8 @@ def tables(src, n: int, fmt, channels: int):
 
 
 def _offsets(esc_count, sec_count, n, fmt, chunk, lengths=None):
-    """(offsets int64[3 * nchunks], result uint64[4]) from kvz_ch_tile_sums and kvz_ch_offsets;
+    """(offsets int64[3 * nchunks], result uint64[4]) from kvz_ch_tile_sums, kvz_ch_tile_scan and
+    kvz_ch_offsets;
     lengths (decode): the variable streams' (sec_codes bytes, escapes, exp_high bytes), checked
     against the counts."""
     cp = cupy()
@@ -57,9 +58,10 @@ def _offsets(esc_count, sec_count, n, fmt, chunk, lengths=None):
     offsets, result, tile_sums = cp.empty(3 * nchunks, cp.int64), cp.empty(4, cp.uint64), cp.empty(3 * tiles, cp.int64)
     n_sec, n_pos, n_high = lengths or (0, 0, 0)
     head = (esc_count, sec_count, np.int64(nchunks), np.int64(n), np.int32(chunk), np.int32(fmt.exp_bits - CODE_BITS))
+    checks = (np.int32(lengths is not None), np.int64(n_sec), np.int64(n_pos), np.int64(n_high))
     _launch("tile_sums", fmt, tiles, TILE_THREADS, (*head, tile_sums, result), grid_stride=False)
-    _launch("offsets", fmt, tiles, TILE_THREADS, (*head, np.int32(lengths is not None), np.int64(n_sec), np.int64(n_pos),
-                                                  np.int64(n_high), tile_sums, offsets, result), grid_stride=False)
+    _launch("tile_scan", fmt, 1, TILE_THREADS, (tile_sums, np.int64(tiles), np.int64(nchunks), *checks, result))
+    _launch("offsets", fmt, tiles, TILE_THREADS, (*head, *checks, tile_sums, offsets, result), grid_stride=False)
     return offsets, result
 
 

@@ -1,11 +1,13 @@
 // kvzip/gpu/kernels/channel.cu run on the host (emu.h), in the order kvzip/gpu/channel_pack.py
 // launches it, for tests/test_channel_kernels_host.py.  argv: input file, output file; both are
 // records (u64 byte count, bytes).  Input: int64[7] {op (0 encode, 1 decode, 2 the speed mode's
-// auto codebook), E, M, n, channels, chunk, grid}, then encode and auto: the values; decode: tables,
-// codes, rest, esc_count, sec_count, sec_codes, esc_pos, esc_exp, exp_high.  Output: encode:
-// tables, codes, rest, esc_count, sec_count, sec_codes, esc_pos, esc_exp, exp_high; decode: the
-// values, then uint64 error word; auto: kvz_auto_codebook's LUT row (AUTO_LUT_BYTES) and book (16
-// bytes) of the one tensor (auto_codebook.cu shares SamplePlan and rank_exponents with channel.cu).
+// auto codebook, 3 the offsets scan alone), E, M, n, channels, chunk, grid}, then encode and auto:
+// the values; decode: tables, codes, rest, esc_count, sec_count, sec_codes, esc_pos, esc_exp,
+// exp_high; scan: esc_count, sec_count, int64[4] {checked, the three streams' lengths}.  Output:
+// encode: tables, codes, rest, esc_count, sec_count, sec_codes, esc_pos, esc_exp, exp_high;
+// decode: the values, then uint64 error word; auto: kvz_auto_codebook's LUT row (AUTO_LUT_BYTES)
+// and book (16 bytes) of the one tensor (auto_codebook.cu shares SamplePlan and rank_exponents
+// with channel.cu); scan: offsets (int64[3 nchunks]) and result (uint64[4]).
 #include "emu.h"
 #include "records.h"
 #include "channel.cu"
@@ -45,11 +47,20 @@ static std::vector<Bytes> run(const std::vector<Bytes>& in, long long n, int D, 
         emu_launch(tiles, CH_TILE_THREADS, [&] {
             kvz_ch_tile_sums(esc_count.data(), sec_count.data(), nchunks, n, chunk, HB, tile_sums.data(), result.data());
         });
+        emu_launch(1, CH_TILE_THREADS, [&] { kvz_ch_tile_scan(tile_sums.data(), tiles, nchunks, checked, ns, ne, nh, result.data()); });
         emu_launch(tiles, CH_TILE_THREADS, [&] {
             kvz_ch_offsets(esc_count.data(), sec_count.data(), nchunks, n, chunk, HB, checked, ns, ne, nh,
                            tile_sums.data(), offsets.data(), result.data());
         });
     };
+    if (as<long long>(in[0])[0] == 3) {  // the offsets scan alone
+        esc_count = as<u16>(in[1]);
+        sec_count = as<u16>(in[2]);
+        const std::vector<long long> len = as<long long>(in[3]);  // checked, sec_codes bytes, escapes, exp_high bytes
+        scan((int)len[0], len[1], len[2], len[3]);
+        offsets.resize(3 * nchunks);
+        return {bytes_of(offsets), bytes_of(result)};
+    }
     if (!dec) {
         const std::vector<T> src = as<T>(in[1]);
         std::vector<u32> hist((size_t)D << E);

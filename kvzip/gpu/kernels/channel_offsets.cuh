@@ -1,6 +1,8 @@
 // ChannelPack's offsets (kernels/channel.cu): the scan of the chunks' variable-run sizes
 // (kvz_ch_tile_sums, kvz_ch_offsets: the encoder's stream lengths, the decoder's count checks)
-// and the encoder's compaction of the runs from their slots (kvz_ch_compact).
+// and the encoder's compaction of the runs from their slots (kvz_ch_compact).  The scan's three
+// kernels: kvz_ch_tile_sums (a block a tile), kvz_ch_tile_scan (one block), kvz_ch_offsets (a
+// block a tile); every one linear in the chunks.
 #pragma once
 
 #include "common.cuh"
@@ -32,8 +34,8 @@ __device__ __forceinline__ int count_error(u32 cnt, u32 sec, long long len, int 
 
 // The offsets scan, reduce then scan: tile t is chunks [CH_TILE t, CH_TILE (t + 1)), 8 a thread
 // of CH_TILE_THREADS (its counts loaded as one 16-byte word of each stream: the warp's loads
-// are contiguous).  kvz_ch_tile_sums sums each tile's sizes; kvz_ch_offsets gives each tile the
-// sum of the tiles before it, scans inside the tile and writes offsets[c], offsets[nchunks + c],
+// are contiguous).  kvz_ch_tile_sums sums each tile's sizes, kvz_ch_tile_scan turns the sums into
+// each tile's start (and the totals), kvz_ch_offsets scans inside each tile and writes offsets[c], offsets[nchunks + c],
 // offsets[2 nchunks + c] (chunk c's first sec_codes byte, escape, exp_high byte).
 // result (uint64[4]): [0] 8 c + code of the lowest failing chunk (checked, decode: every chunk's
 // count check against the streams' lengths, channel_pack_cpu._decode_offsets's order; then the
@@ -108,32 +110,58 @@ __global__ void __launch_bounds__(CH_TILE_THREADS) kvz_ch_tile_sums(const u16* _
     }
 }
 
-// grid: a block a tile, after kvz_ch_tile_sums.  checked (decode): the count checks, against the
+// One block, after kvz_ch_tile_sums: tile_sums[3 t + k] becomes the sum of the tiles before t
+// (in place: thread i takes a contiguous range of tiles), result[1..3] the totals; checked
+// (decode), and where they differ from the streams' lengths, result[0] is lowered to the
+// totals' error past the last chunk (a chunk's own error, lower, wins in kvz_ch_offsets).
+__global__ void __launch_bounds__(CH_TILE_THREADS) kvz_ch_tile_scan(long long* __restrict__ tile_sums, long long ntiles,
+                                                                    long long nchunks, int checked, long long n_sec,
+                                                                    long long n_pos, long long n_high,
+                                                                    u64* __restrict__ result) {
+    __shared__ long long part[CH_TILE_THREADS / 32];
+    const long long per = (ntiles + CH_TILE_THREADS - 1) / CH_TILE_THREADS;
+    const long long t0 = min(ntiles, (long long)threadIdx.x * per), t1 = min(ntiles, t0 + per);
+    long long mine[3] = {0, 0, 0};
+    for (long long t = t0; t < t1; t++)
+        for (int k = 0; k < 3; k++) mine[k] += tile_sums[3 * t + k];
+    long long at[3], tot[3];
+    for (int k = 0; k < 3; k++) {
+        at[k] = block_exclusive_sum(mine[k], part);
+        tot[k] = block_sum(mine[k], part);
+    }
+    for (long long t = t0; t < t1; t++) {
+        for (int k = 0; k < 3; k++) {
+            const long long size = tile_sums[3 * t + k];
+            tile_sums[3 * t + k] = at[k];
+            at[k] += size;
+        }
+    }
+    if (threadIdx.x == 0) {
+        for (int k = 0; k < 3; k++) result[1 + k] = (u64)tot[k];
+        const u64 past = 8ull * (u64)nchunks;
+        const u64 err = !checked ? ~0ull : tot[0] != n_sec ? past + 6 : tot[1] != n_pos ? past + 2
+                                                  : tot[2] != n_high ? past + 5 : ~0ull;
+        if (err != ~0ull) atomicMin(reinterpret_cast<unsigned long long*>(result), err);
+    }
+}
+
+// grid: a block a tile, after kvz_ch_tile_scan.  checked (decode): the count checks, against the
 // streams' lengths n_sec, n_pos, n_high.
 __global__ void __launch_bounds__(CH_TILE_THREADS) kvz_ch_offsets(const u16* __restrict__ esc_count,
                                                                   const u16* __restrict__ sec_count, long long nchunks,
                                                                   long long n, int chunk, int HB, int checked,
                                                                   long long n_sec, long long n_pos, long long n_high,
-                                                                  const long long* __restrict__ tile_sums,
+                                                                  const long long* __restrict__ tile_starts,
                                                                   long long* __restrict__ offsets,
                                                                   u64* __restrict__ result) {
     __shared__ long long part[CH_TILE_THREADS / 32];
-    const long long ntiles = (nchunks + CH_TILE - 1) / CH_TILE;
-    long long before[3] = {0, 0, 0}, all[3] = {0, 0, 0};  // the tiles before this one; all tiles
-    for (long long t = threadIdx.x; t < ntiles; t += CH_TILE_THREADS) {
-#pragma unroll
-        for (int k = 0; k < 3; k++) {
-            all[k] += tile_sums[3 * t + k];
-            if (t < blockIdx.x) before[k] += tile_sums[3 * t + k];
-        }
-    }
+    const long long* start = tile_starts + 3 * blockIdx.x;  // kvz_ch_tile_scan's: the tiles before this one
     ChunkSizes mine = {0, 0, 0};
     each_tile_chunk(esc_count, sec_count, nchunks, n, chunk, HB, [&](long long, u32, u32, int, const ChunkSizes& s) {
         mine.sec += s.sec; mine.esc += s.esc; mine.high += s.high;
     });
-    ChunkSizes at = {block_sum(before[0], part) + block_exclusive_sum(mine.sec, part),
-                     block_sum(before[1], part) + block_exclusive_sum(mine.esc, part),
-                     block_sum(before[2], part) + block_exclusive_sum(mine.high, part)};
+    ChunkSizes at = {start[0] + block_exclusive_sum(mine.sec, part), start[1] + block_exclusive_sum(mine.esc, part),
+                     start[2] + block_exclusive_sum(mine.high, part)};
     u64 err = ~0ull;
     each_tile_chunk(esc_count, sec_count, nchunks, n, chunk, HB, [&](long long c, u32 cnt, u32 sec, int ng, const ChunkSizes& s) {
         if (checked && err == ~0ull) {
@@ -146,15 +174,6 @@ __global__ void __launch_bounds__(CH_TILE_THREADS) kvz_ch_offsets(const u16* __r
         offsets[2 * nchunks + c] = at.high;
         at.sec += s.sec; at.esc += s.esc; at.high += s.high;
     });
-    if (blockIdx.x == 0) {
-        const long long tot[3] = {block_sum(all[0], part), block_sum(all[1], part), block_sum(all[2], part)};
-        if (threadIdx.x == 0) {
-            for (int k = 0; k < 3; k++) result[1 + k] = (u64)tot[k];
-            const u64 past = 8ull * (u64)nchunks;
-            if (checked && err == ~0ull)
-                err = tot[0] != n_sec ? past + 6 : tot[1] != n_pos ? past + 2 : tot[2] != n_high ? past + 5 : ~0ull;
-        }
-    }
     if (err != ~0ull) atomicMin(reinterpret_cast<unsigned long long*>(result), err);
 }
 
