@@ -1,4 +1,5 @@
-"""The ratio mode (ChannelPack) on one GPU against kvzip's speed mode and nvCOMP, real KV.
+"""kvzip's three modes (speed, ratio: ChannelPack, storage: ChannelRans) on one GPU against nvCOMP,
+real KV.
 
     python benchmarks/bench_ratio_gpu.py [--quick] [--repeat 10] [--out benchmarks/results]
 
@@ -6,8 +7,8 @@ Input: kvzip.data's sample (real SmolLM2-135M KV, BF16, head_dim 64) tiled to 2^
 values (kvzip.bench._sample_bits), shaped [-1, 64] so the ratio mode sees its 64 channels, in
 BF16 and quantized once to E5M2 and E4M3 (kvzip.bench.format_bits; FP8 raw = one byte a value).
 For each: ratio, encode and decode GB/s of uncompressed input (CUDA events around each call,
-median of REPEAT after warm-up: kvzip.bench._timer) of kvzip.compress / decompress in speed and
-ratio mode (every run checked lossless), and of nvCOMP's codecs on the same bytes where
+median of REPEAT after warm-up: kvzip.bench._timer) of kvzip.compress / decompress in speed,
+ratio and storage mode (every run checked lossless), and of nvCOMP's codecs on the same bytes where
 nvidia.nvcomp imports (kvzip.bench.bench_nvcomp: ANS with data_type '<f2', ANS on bytes,
 Bitcomp, Cascaded, LZ4, GDeflate, Zstd), BF16 at both sizes, the FP8 formats at 2^24.
 --quick: 2^24 only, BF16 and E5M2, fewer repeats, no nvCOMP (under a minute).  --replot JSON:
@@ -43,7 +44,9 @@ def run(sizes, formats, repeat, nvcomp_at, out_dir):
         row = res["runs"][f"{fmt}_2^{log2}"] = {"format": fmt, "values": x.size}
         row["kvzip_speed"] = bench_kvzip(cupy, timeit, x, fmt)
         row["kvzip_ratio"] = bench_kvzip(cupy, timeit, x, fmt, pipe=kvzip.ratio_pipeline())
-        print(fmt, log2, "speed", row["kvzip_speed"], "\n   ratio", row["kvzip_ratio"], flush=True)
+        row["kvzip_storage"] = bench_kvzip(cupy, timeit, x, fmt, pipe=kvzip.storage_pipeline())
+        print(fmt, log2, "speed", row["kvzip_speed"], "\n   ratio", row["kvzip_ratio"], "\n   storage",
+              row["kvzip_storage"], flush=True)
         if (fmt, log2) in nvcomp_at:
             row["nvcomp"], res["versions"]["nvcomp"] = bench_nvcomp(cupy, nv_timeit, x.reshape(-1).view(cupy.uint16))
             print("   nvcomp", row["nvcomp"], flush=True)
@@ -57,7 +60,7 @@ def run(sizes, formats, repeat, nvcomp_at, out_dir):
 def points(res):
     """(label, format, values, figures) of every codec run that succeeded."""
     for row in res["runs"].values():
-        codecs = [("kvzip speed", row["kvzip_speed"]), ("kvzip ratio", row["kvzip_ratio"])]
+        codecs = [(f"kvzip {mode}", row[f"kvzip_{mode}"]) for mode in ("speed", "ratio", "storage") if f"kvzip_{mode}" in row]
         codecs += [(f"nvCOMP {k}", v) for k, v in (row.get("nvcomp") or {}).items() if "error" not in v]
         for label, v in codecs:
             yield label, row["format"], row["values"], v
