@@ -9,13 +9,14 @@ import struct
 import ml_dtypes
 import numpy as np
 import pytest
+import spec_reader
 from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvzip
 from kvzip import channel_codebook as cc
-from kvzip import container, cpu_parallel, layout
+from kvzip import cpu_parallel, layout
 from kvzip import stages as S
 from kvzip import testing as kt
 from kvzip.formats import FORMATS
@@ -55,30 +56,12 @@ def unpack(buf: bytes, b: int, count: int) -> np.ndarray:
 def second_decoder(blob: bytes) -> tuple[np.ndarray, list]:
     """(the values' bits, the shape) of a version-3 ratio blob, read from docs/format.md section 15
     alone (struct and NumPy, no kvzip code), unchecked beyond what it needs."""
-    (magic, version, flags, H, sides, _, X, NH, _, dtype, clog, ndim, _, NS, _) = struct.unpack_from(
-        "<8sHHI8sQIIIBBBBI12s", blob)
-    assert magic == b"KVZIP\x00\r\n" and version == 3 and H == 64
-    E, M, width = {1: (8, 7, 16), 2: (5, 10, 16), 3: (8, 23, 32), 4: (4, 3, 8), 5: (5, 2, 8)}[dtype]
-    shape, at = [], 0
-    for _ in range(ndim):
-        v = shift = 0
-        while True:
-            byte = sides[at]
-            at += 1
-            v |= (byte & 0x7F) << shift
-            shift += 7
-            if not byte & 0x80:
-                break
-        shape.append(v)
-    n, C, R = int(np.prod(shape)), 1 << clog, M + 1
+    _, shape, fmt, C, (X, NH, NS) = spec_reader.compact_header(blob, 3)
+    E, M, width = spec_reader.BITS[fmt]
+    n, R = int(np.prod(shape)), M + 1
     G, nchunks = -(-n // 8), -(-n // C)
-    D = shape[-1] if shape and 1 <= shape[-1] <= 256 and shape[-1] & (shape[-1] - 1) == 0 else 1
-    sizes = [3 * G, R * G, 2 * nchunks, 2 * X, X, NH, NS, 2 * nchunks, 15 * D]
-    streams, pos = [], 64
-    for nb in sizes:
-        streams.append(blob[pos:pos + nb])
-        pos += -(-nb // 16) * 16
-    assert pos == len(blob)
+    D = spec_reader.channels(shape)
+    streams = spec_reader.payload(blob, [3 * G, R * G, 2 * nchunks, 2 * X, X, NH, NS, 2 * nchunks, 15 * D])
     codes_b, rest_b, escc_b, pos_b, exp_b, high_b, sec_b, secc_b, tab_b = streams
     codes, rest = unpack(codes_b, 3, n), unpack(rest_b, R, n)
     esc_count, sec_count = np.frombuffer(escc_b, "<u2"), np.frombuffer(secc_b, "<u2")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import spec_reader
 from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,7 +22,6 @@ from kvzip import testing as kt
 from kvzip.backends import get_backend
 from kvzip.formats import FORMATS
 from kvzip.frame import Frame
-from kvzip.stages import channel_rans as cr
 
 FMTS = list(FORMATS.values())
 KV_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "kv"
@@ -59,32 +59,16 @@ def header_v1(blob: bytes):
 def header_v4(blob: bytes):
     """header_v1's answer for a version-4 blob (section 16.5: the 64-byte header, the streams
     laid out by the rule of 2.4)."""
-    (magic, version, flags, H, sides, _, X, W, _, dtype, clog, ndim, _, T, _) = struct.unpack_from(
-        "<8sHHI8sQIIIBBBBI12s", blob)
-    assert magic == b"KVZIP\x00\r\n" and version == 4 and H == 64 and not flags & 2
-    shape, at = [], 0
-    for _ in range(ndim):
-        v = shift = 0
-        while True:
-            byte = sides[at]
-            at += 1
-            v |= (byte & 0x7F) << shift
-            shift += 7
-            if not byte & 0x80:
-                break
-        shape.append(v)
-    fmt = {1: "bf16", 2: "fp16", 3: "fp32", 4: "e4m3", 5: "e5m2"}[dtype]
-    R = {"bf16": 8, "fp16": 11, "fp32": 24, "e4m3": 4, "e5m2": 3}[fmt]
-    n, C = int(np.prod(shape)), 1 << clog
+    flags, shape, fmt, C, (X, W, T) = spec_reader.compact_header(blob, 4)
+    assert not flags & 2
+    R = spec_reader.BITS[fmt][1] + 1
+    n = int(np.prod(shape))
     G, nchunks = -(-n // 8), -(-n // C)
     layout_ = [("rest", np.uint8, R * G), ("esc_count", np.uint32, 4 * nchunks), ("esc_exp", np.uint8, X),
                ("states", np.uint32, 128 * nchunks), ("tables", np.uint8, T), ("word_count", np.uint32, 4 * nchunks),
                ("words", np.uint16, 2 * W)]
-    streams, pos = {}, 64
-    for name, dt, nb in layout_:
-        streams[name] = np.frombuffer(blob[pos:pos + nb], dt)
-        pos += -(-nb // 16) * 16
-    assert pos == len(blob)
+    parts = spec_reader.payload(blob, [nb for _, _, nb in layout_])
+    streams = {name: np.frombuffer(b, dt) for (name, dt, _), b in zip(layout_, parts)}
     return fmt, shape, C, streams
 
 
@@ -93,10 +77,9 @@ def second_decoder(blob: bytes) -> tuple[np.ndarray, list]:
     docs/format.md sections 2, 3, 5, 6 and 16 alone (struct, json and NumPy, no kvzip code),
     values one by one."""
     fmt, shape, C, streams = (header_v4 if blob[8] == 4 else header_v1)(blob)
-    E, M, width = {"bf16": (8, 7, 16), "fp16": (5, 10, 16), "fp32": (8, 23, 32), "e4m3": (4, 3, 8),
-                   "e5m2": (5, 2, 8)}[fmt]
+    E, M, width = spec_reader.BITS[fmt]
     n, R = int(np.prod(shape)), M + 1
-    D = shape[-1] if shape and 1 <= shape[-1] <= 256 and shape[-1] & (shape[-1] - 1) == 0 else 1
+    D = spec_reader.channels(shape)
     # 16.2 tables
     tb = streams["tables"].tobytes()
     shift = tb[0]
