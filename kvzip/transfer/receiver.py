@@ -321,8 +321,8 @@ class _Connection:
                 self._stream.synchronize()
             _check_digest(total, msg)
 
-        if self._stream is None:
-            tensors, total = codec.unpack(ring, base, msg["nbytes"], entries, "cpu", verify)
+        if self._stream is None:  # codec.unpack verified the digest before decoding
+            tensors, _ = codec.unpack(ring, base, msg["nbytes"], entries, "cpu", verify)
             marks["unpacked"] = now()
         else:
             import torch
@@ -331,7 +331,7 @@ class _Connection:
                 tensors, total = codec.unpack(ring, base, msg["nbytes"], entries, self.rx.device, verify,
                                               self._stream)
             marks["unpacked"] = now()
-        verify(total)  # the slot is read and the tensors written before the credit goes back
+            verify(total)  # the slot is read and the tensors written before the credit goes back
         k = 0
         for layer in msg["layers"]:
             i, n = layer["index"], len(layer["tensors"])
