@@ -3,7 +3,8 @@ pipeline of the mode asked for (built once per setting) through kvzip/execution.
 Pipeline.encode/decode do.  Three modes: "speed" (the default, SplitZip's Top-16 code, which the
 fused GPU kernels run), "ratio" (ChannelPack's per-channel two-level code: smaller blobs, slower)
 and "storage" (ChannelRans's per-channel rANS: smaller still, slower still, for offload to host
-memory or disk); each has CPU kernels and CUDA kernels that give the same bytes.  A blob records its pipeline, so decoding needs no mode."""
+memory or disk); each has CPU kernels and CUDA kernels that give the same bytes.  A blob records
+its pipeline, so decoding needs no mode."""
 from __future__ import annotations
 
 import copy
@@ -47,8 +48,9 @@ def compress(x, codebook=None, *, mode: str = "speed", checksum: bool = False, c
     float8_e5m2, on the CPU or a CUDA GPU.  codebook: None for the shipped default of x's format,
     a shipped name ("bf16-kv"), a Codebook or its dict (mode="speed" only).  mode: "speed" (the
     default: the fused GPU kernels' Top-16 code, ~1.33x on BF16 KV) or "ratio" (per-channel
-    two-level codes chosen from x itself, ~1.43x on BF16 KV; on a GPU its CUDA kernels) or "storage" (per-channel rANS, ~1.48x on BF16 KV, for offload to
-    host memory or disk; on a GPU its CUDA kernels, the tables made on the host).  checksum: also
+    two-level codes chosen from x itself, ~1.43x on BF16 KV; on a GPU its CUDA kernels) or
+    "storage" (per-channel rANS, ~1.48x on BF16 KV, for offload to host memory or disk; on a GPU
+    its CUDA kernels, the tables made on the host).  checksum: also
     protect the payload.  chunk: values per independently decoded chunk (a power of two;
     8..65536 for "speed", 8..32768 for "ratio", 32..2**20 for "storage"; None: 4096, or 65536
     for "storage").

@@ -14,8 +14,9 @@ Streams (docs/format.md section 15 is their normative description): tables, code
 esc_count, sec_count, sec_codes, esc_pos, esc_exp, exp_high.  The CPU kernels are in
 stages/channel_pack_cpu.py (the reference); on a CUDA backend with CuPy arrays (``on_device``)
 the stage runs kvzip/gpu/channel_pack.py's CUDA kernels on the device, which give the same bytes
-and the same errors; on the CPU, and under the Numba simulator, it runs the CPU kernels.  The fused GPU executor
-does not take this pipeline (kvzip/gpu/executor.py ``takes``): it runs stage by stage.
+and the same errors; on the CPU, and under the Numba simulator, it runs the CPU kernels.  The
+fused GPU executor does not take this pipeline (kvzip/gpu/executor.py ``takes``): it runs stage
+by stage.
 """
 from __future__ import annotations
 

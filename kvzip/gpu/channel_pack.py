@@ -29,7 +29,8 @@ def _names(fmt) -> dict:
     args, gpl = loader._args(fmt), loader.channel_gpl(fmt)
     return {"histogram": f"kvz_ch_histogram<{args}>", "tables": f"kvz_ch_tables<{fmt.exp_bits}>",
             "encode": f"kvz_ch_encode<{args},{gpl}>", "decode": f"kvz_ch_decode<{args},{gpl}>",
-            "tile_sums": "kvz_ch_tile_sums", "tile_scan": "kvz_ch_tile_scan", "offsets": "kvz_ch_offsets", "compact": "kvz_ch_compact"}
+            "tile_sums": "kvz_ch_tile_sums", "tile_scan": "kvz_ch_tile_scan", "offsets": "kvz_ch_offsets",
+            "compact": "kvz_ch_compact"}
 
 
 def _launch(name, fmt, blocks, threads, args, shared=0, grid_stride=True):
