@@ -329,7 +329,8 @@ __device__ __forceinline__ void listed_exponents(u32 word, u32 sevens, u32 sec, 
 
 // Two BF16 values (one output word) from four rest bytes (half 0: bytes 0, 1; half 1: bytes 2, 3)
 // and their exponents: each value's sign (bit 7 of its rest byte) to bit 15, exponent to bits
-// 7-14, mantissa (bits 0-6) in place.  Six instructions a pair where value by value took nine.
+// 7-14, mantissa (bits 0-6) in place.  A pair at a time: one output word, its two bytes of rest
+// and two exponents placed by byte permutes (benchmarks/NOTES.md r3).
 __device__ __forceinline__ u32 bf16_pair(u32 rest4, int half, u32 e0, u32 e1) {
     const u32 rr = __byte_perm(rest4, 0u, half ? 0x4342u : 0x4140u);  // [r_a, 0, r_b, 0]
     const u32 ee = __byte_perm(e0, e1, 0x5410u);                        // [e_a, 0, e_b, 0]
