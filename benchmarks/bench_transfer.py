@@ -1,4 +1,5 @@
-"""KV transfer benchmark: raw vs kvzip vs codec="auto" (and nvCOMP ANS) through kvzip.transfer.
+"""KV transfer benchmark: raw vs kvzip (speed mode) vs kvzip-ratio (ratio mode) vs codec="auto" (and
+nvCOMP ANS) through kvzip.transfer.
 
 Two processes: this one sends, a child receives (``--role rx``), both through Mooncake Transfer
 Engine.  On a GPU the engine moves bytes by CUDA IPC between the two processes on the one GPU
@@ -340,7 +341,7 @@ def sender_main(args) -> int:
     wire = nvcomp_codec() if args.device != "cpu" and not args.no_nvcomp else None
     if wire is not None:
         transfer.register_codec(wire)
-    codecs = ["raw", "kvzip", "auto"] + (["nvcomp-ans"] if wire is not None else [])
+    codecs = ["raw", *args.codecs, "auto"] + (["nvcomp-ans"] if wire is not None else [])
     fams = real_values(args.minilm)
     res = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
            "device": torch.cuda.get_device_name() if args.device != "cpu" else platform.processor() or "cpu",
@@ -473,7 +474,7 @@ def plot(json_path: str, png_path: str) -> None:
     for ax, (gib, shape, tokens) in zip(axes[0], sizes):
         mine = sorted((float(r["link"].removesuffix("GBps")), r["summary"]) for r in runs
                       if (r["GiB"], r["shape"], r["tokens"]) == (gib, shape, tokens))
-        for codec, style in (("kvzip", "o-"), ("auto", "s--"), ("nvcomp-ans", "^:")):
+        for codec, style in (("kvzip", "o-"), ("kvzip-ratio", "D-"), ("auto", "s--"), ("nvcomp-ans", "^:")):
             pts = [(link, s[codec]["speedup_vs_raw"]) for link, s in mine if codec in s]
             if pts:
                 ax.plot(*zip(*pts), style, label=codec)
@@ -508,6 +509,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only-tcp", action="store_true", help="only the real TCP transport")
     ap.add_argument("--no-tcp", action="store_true", help="skip the real TCP transport")
     ap.add_argument("--no-nvcomp", action="store_true", help="leave nvCOMP ANS out")
+    ap.add_argument("--codecs", nargs="+", default=["kvzip", "kvzip-ratio"], choices=["kvzip", "kvzip-ratio"],
+                    help="kvzip's wire codecs to measure beside raw and auto")
     ap.add_argument("--minilm", default=None, help="MiniLM-L6 KV safetensors file: a second KV family")
     ap.add_argument("--max-seconds", type=float, default=420, help="stop starting new shapes after this")
     ap.add_argument("--stages", action="store_true", help="print each codec's per-group stage times (last rep)")

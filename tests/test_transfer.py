@@ -55,7 +55,7 @@ def link():
         m.close()
 
 
-@pytest.mark.parametrize("codec", ["kvzip", "raw", "auto"])
+@pytest.mark.parametrize("codec", ["kvzip", "kvzip-ratio", "raw", "auto"])
 def test_round_trip_real_kv(link, codec):
     rx, sender = link
     layers = real_layers()
@@ -67,6 +67,8 @@ def test_round_trip_real_kv(link, codec):
     assert stats["groups"] >= 2
     if stats["codec"] == "kvzip":
         assert stats["sent_bytes"] < stats["raw_bytes"] / 1.2
+    elif stats["codec"] == "kvzip-ratio":
+        assert stats["sent_bytes"] < stats["raw_bytes"] / 1.38
     else:
         assert stats["sent_bytes"] >= stats["raw_bytes"]
 
@@ -155,7 +157,7 @@ def test_streaming_layers_in_any_order(link):
     assert all(same(a, b) for a, b in zip(layers, rx.receive("s")))
 
 
-@pytest.mark.parametrize("codec", ["kvzip", "raw"])
+@pytest.mark.parametrize("codec", ["kvzip", "kvzip-ratio", "raw"])
 @pytest.mark.parametrize("where", [5000, 777_777])
 def test_bit_flip_is_caught_by_the_digest(codec, where):
     """A corrupted message fails with FormatError on both sides; never wrong KV."""
@@ -390,8 +392,9 @@ def test_sender_killed_mid_transfer_fails_the_receive_and_frees_its_slots():
 
 def test_auto_chooser_follows_the_pipeline_model():
     """codec="auto"'s choices where the H200 runs measured (docs/transfer.md): raw for half a GiB
-    on a 200 GB/s link, kvzip for 16 GiB there and for anything on a 10 GB/s link; compressing
-    while the link is unmeasured; and the estimates move with what a connection observes."""
+    on a 200 GB/s link, kvzip for 16 GiB there and for half a GiB on a 10 GB/s link, the ratio
+    mode for 16 GiB on a 10 or 25 GB/s link; compressing while the link is unmeasured; and the
+    estimates move with what a connection observes."""
     from kvzip.transfer.codec import AutoChooser
 
     small, large = [64 << 20] * 8, [512 << 20] * 32
@@ -399,13 +402,19 @@ def test_auto_chooser_follows_the_pipeline_model():
     assert fast.choose(small)[0] == "raw"
     assert fast.choose(large)[0] == "kvzip"
     assert AutoChooser("cuda", 10.0).choose(small)[0] == "kvzip"
+    assert AutoChooser("cuda", 10.0).choose(large)[0] == "kvzip-ratio"
+    assert AutoChooser("cuda", 25.0).choose(large)[0] == "kvzip-ratio"
     assert AutoChooser("cuda", None).choose(large)[0] == "kvzip"
     ipc = AutoChooser("cuda", None)
     ipc.observe_link(64 << 20, (64 << 20) / 1.8e12)  # an unpaced CUDA IPC write
     assert ipc.choose(large)[0] == "raw"
     seen = AutoChooser("cuda", 100.0)
     seen.observe("kvzip", 16 << 30, (16 << 30) // 2, 32, encode_s=32 * 1e-3, decode_s=32 * 1e-3)
-    assert seen.ratio > 1.3  # a better ratio than the starting estimate
+    assert seen.ratio["kvzip"] > 1.3  # a better ratio than the starting estimate
+    ratio_seen = AutoChooser("cuda", 25.0)
+    ratio_seen.observe("kvzip-ratio", 16 << 30, int((16 << 30) / 1.2), 32, encode_s=32 * 1e-3, decode_s=32 * 1e-3)
+    assert ratio_seen.ratio["kvzip-ratio"] < 1.3  # a worse one: data the ratio mode fits less well
+    assert ratio_seen.choose(large)[0] == "kvzip"
     slow = AutoChooser("cuda", 100.0)
     before = slow.predict("kvzip", large)
     for _ in range(6):  # a codec far slower than the starting estimate: encode-bound now

@@ -39,19 +39,19 @@ class WireCodec:
 
 
 class KvzipWire(WireCodec):
-    """kvzip blobs (self-describing: any pipeline decodes through kvzip.decompress_many).
+    """kvzip blobs (self-describing: any pipeline decodes through kvzip.decompress_many), known
+    as ``name``: "kvzip" the speed mode's default pipeline, "kvzip-ratio" the ratio mode's.
 
-    The default pipeline leaves the blob checksum off: every message carries a sum64 digest of
+    Both pipelines leave the blob checksum off: every message carries a sum64 digest of
     all its bytes (blobs and raw tensors alike), which the receiver checks, so a corrupted
     message still fails with FormatError.  Per message it costs one fused pass with no host
     synchronisation of its own; per blob it cost a synchronisation each (benchmarks/NOTES.md)."""
 
-    name = "kvzip"
-
-    def __init__(self, pipeline: Pipeline | None = None):
+    def __init__(self, pipeline: Pipeline | None = None, name: str = "kvzip"):
         from ..api import splitzip_pipeline
 
         self.pipeline = pipeline or splitzip_pipeline()
+        self.name = name
 
     def encode(self, tensors):
         out = [None] * len(tensors)
@@ -67,7 +67,14 @@ class KvzipWire(WireCodec):
         return decompress_many(views)
 
 
-_CODECS: dict[str, WireCodec] = {"kvzip": KvzipWire()}
+def _ratio_wire() -> KvzipWire:
+    from ..api import ratio_pipeline
+
+    return KvzipWire(ratio_pipeline(), "kvzip-ratio")
+
+
+_CODECS: dict[str, WireCodec] = {"kvzip": KvzipWire(), "kvzip-ratio": _ratio_wire()}
+CHOICES = ("raw", "kvzip", "kvzip-ratio")  # what codec="auto" chooses between
 
 
 def register(codec: WireCodec) -> None:
@@ -168,26 +175,29 @@ def _decode_coded(buf, entries: list[dict], coded: dict, out: list) -> None:
 # ---- codec="auto" ----------------------------------------------------------------------------
 
 # Each stage of the pipeline (encode: pack + digest + codec; decode: digest + codec + unpack)
-# costs, per group, a fixed time plus the group's raw bytes over a rate, for raw and kvzip alike.
-# Starting values, per device kind: (fixed seconds, GB/s) per codec and stage, from the H200
-# transfer runs of benchmarks/bench_transfer.py (benchmarks/NOTES.md, transfer t2) and the 2-core
-# CPU; a connection refines the rates from its own requests.
+# costs, per group, a fixed time plus the group's raw bytes over a rate, for every codec alike.
+# Starting values, per device kind: (fixed seconds, GB/s) per codec and stage, and the ratio, from
+# the H200 runs of benchmarks/bench_transfer.py and bench_ratio_gpu.py (benchmarks/NOTES.md,
+# transfer t2 and t8, ratio r4) and the 2-core CPU; a connection refines the rates and ratios
+# from its own requests.
 _START = {
     "cuda": {"raw": {"enc": (6e-4, 800.0), "dec": (8e-4, 900.0)},
-             "kvzip": {"enc": (9e-4, 800.0), "dec": (9e-4, 1400.0)}},
+             "kvzip": {"enc": (9e-4, 800.0), "dec": (9e-4, 1400.0)},
+             "kvzip-ratio": {"enc": (4e-3, 400.0), "dec": (3e-3, 600.0)}},
     "cpu": {"raw": {"enc": (2e-4, 3.0), "dec": (1e-4, 3.0)},
-            "kvzip": {"enc": (3e-4, 0.5), "dec": (3e-4, 0.6)}},
+            "kvzip": {"enc": (3e-4, 0.5), "dec": (3e-4, 0.6)},
+            "kvzip-ratio": {"enc": (3e-4, 0.3), "dec": (3e-4, 0.5)}},
 }
-_START_RATIO = 1.30
+_START_RATIO = {"raw": 1.0, "kvzip": 1.30, "kvzip-ratio": 1.38}
 
 
 class AutoChooser:
-    """Running estimates of the link and of each codec's stage costs on one connection."""
+    """Running estimates of the link and of each codec's stage costs and ratio on one connection."""
 
     def __init__(self, device: str, link_gbps: float | None):
         start = _START["cpu" if device == "cpu" else "cuda"]
         self.stage = {c: dict(st) for c, st in start.items()}
-        self.ratio = _START_RATIO
+        self.ratio = dict(_START_RATIO)
         self.link_gbps = link_gbps  # known when paced; else measured from the engine's writes
         self._fixed_link = link_gbps is not None
 
@@ -196,11 +206,11 @@ class AutoChooser:
             self.link_gbps = _ewma(self.link_gbps, nbytes / seconds / 1e9)
 
     def observe(self, kind: str, raw: int, sent: int, groups: int, encode_s: float, decode_s: float) -> None:
-        """A finished request: ``kind`` "raw" or "kvzip", its bytes and summed stage times."""
-        if raw < 1 << 20 or groups < 1:
+        """A finished request: ``kind`` one of CHOICES, its bytes and summed stage times."""
+        if kind not in self.stage or raw < 1 << 20 or groups < 1:
             return
-        if kind == "kvzip":
-            self.ratio = _ewma(self.ratio, raw / max(sent, 1))
+        if kind != "raw":
+            self.ratio[kind] = _ewma(self.ratio[kind], raw / max(sent, 1))
         g = raw / groups
         for stage, seconds in (("enc", encode_s), ("dec", decode_s)):
             fixed, rate = self.stage[kind][stage]
@@ -211,21 +221,25 @@ class AutoChooser:
         """Seconds to move groups of these raw sizes with ``kind``: the pipeline's fill (first
         encode, last decode) plus every group through its slowest stage."""
         link = self.link_gbps * 1e9
-        ratio = self.ratio if kind == "kvzip" else 1.0
         (fe, re), (fd, rd) = self.stage[kind]["enc"], self.stage[kind]["dec"]
         enc = [fe + g / (re * 1e9) for g in group_bytes]
         dec = [fd + g / (rd * 1e9) for g in group_bytes]
-        wire = [g / ratio / link for g in group_bytes]
+        wire = [g / self.ratio[kind] / link for g in group_bytes]
         return enc[0] + dec[-1] + sum(max(e, w, d) for e, w, d in zip(enc, wire, dec))
 
     def choose(self, group_bytes: list[int]) -> tuple[str, str]:
-        """("kvzip" or "raw", the reason in words)."""
+        """(one of CHOICES, the reason in words): the fastest predicted, a codec only where it
+        beats raw by 2 %, the ratio mode only where it beats the speed mode by 2 %."""
         if self.link_gbps is None:
             return "kvzip", "link speed not measured yet: compressing until it is"
-        raw, kz = self.predict("raw", group_bytes), self.predict("kvzip", group_bytes)
-        pick = "kvzip" if kz < 0.98 * raw else "raw"
-        return pick, (f"predicted {kz * 1e3:.3f} ms compressed against {raw * 1e3:.3f} ms raw "
-                      f"(link {self.link_gbps:.1f} GB/s, ratio {self.ratio:.3f}, {len(group_bytes)} groups)")
+        t = {kind: self.predict(kind, group_bytes) for kind in CHOICES}
+        pick = "raw"
+        for kind in CHOICES[1:]:
+            if t[kind] < 0.98 * t[pick]:
+                pick = kind
+        said = ", ".join(f"{kind} {t[kind] * 1e3:.3f} ms" for kind in CHOICES)
+        return pick, (f"predicted {said} (link {self.link_gbps:.1f} GB/s, ratios "
+                      f"{self.ratio['kvzip']:.3f} / {self.ratio['kvzip-ratio']:.3f}, {len(group_bytes)} groups)")
 
 
 def _ewma(old, new, keep=0.5):

@@ -120,9 +120,10 @@ class SendHandle:
 class Sender:
     """Sends requests' KV to one Receiver (its ``address``) through a transfer engine.
 
-    codec: "kvzip" (the default pipeline, checksummed), "raw", "auto" (kvzip only when it is
-    predicted to be faster on this link, see codec.AutoChooser), a kvzip.Pipeline, or the name
-    of a WireCodec registered (kvzip.transfer.register_codec) in both processes.
+    codec: "kvzip" (the speed mode's default pipeline), "kvzip-ratio" (the ratio mode: a smaller
+    wire, a slower codec), "raw", "auto" (whichever of the three is predicted to be fastest on
+    this link, see codec.AutoChooser), a kvzip.Pipeline, or the name of a WireCodec registered
+    (kvzip.transfer.register_codec) in both processes.
     link_gbps: emulate a link of that rate (benchmarks; pacing.py).  group_bytes: raw bytes per
     message (default: the request split in about 8, at least 8 MiB, at most a ring slot).
     timeout: seconds any one step may stall (connect, a credit, an acceptance) before failing.
@@ -287,7 +288,7 @@ class Sender:
             if h._auto:
                 n_groups = max(1, -(-need * h.n_layers // h._group_bytes))
                 pick, h.reason = self._auto.choose([h._group_bytes] * n_groups)
-                h.codec = "raw" if pick == "raw" else h._wire.name
+                h.codec, h._wire = pick, None if pick == "raw" else codec.get(pick)
                 h.stats["codec"] = h.codec
                 h.stats["auto"] = h.reason
                 log.info("request %s: codec=auto sends %s: %s", h.request, h.codec, h.reason)
@@ -468,7 +469,7 @@ class Sender:
             elif kind == "done":
                 h.stats["decode_s"] = float(msg.get("decode_s", 0.0))
                 h.stats["receiver_timeline"] = msg.get("timeline") if isinstance(msg.get("timeline"), list) else []
-                if h.codec in ("raw", "kvzip") and self._auto is not None:
+                if h.codec in codec.CHOICES and self._auto is not None:
                     s = h.stats
                     self._auto.observe(h.codec, s["raw_bytes"], s["sent_bytes"], s["groups"], s["encode_s"], s["decode_s"])
                 self._end(h, None)
