@@ -134,6 +134,20 @@ def compact_header(meta: dict, streams: list[tuple[str, str, int]], flags: int, 
     return bytes(head)
 
 
+def with_counts(head: bytes, escapes: int, high_bytes: int, second_bytes: int, checksum: int = 0) -> bytes:
+    """A version-3 header (compact_header's for a tensor) with its three counts and payload
+    checksum set and the CRC sealed again: the header of the same tensor's blob with those
+    streams' lengths (the counts are all a version-3 header says of them)."""
+    fields = list(_layout.RATIO.unpack(head))
+    names = [f.name for f in _layout.RATIO_FIELDS]
+    for name, value in (("escapes", escapes), ("high_bytes", high_bytes), ("second_bytes", second_bytes),
+                        ("checksum", checksum), ("header_crc", 0)):
+        fields[names.index(name)] = value
+    raw = bytearray(_layout.RATIO.pack(*fields))
+    _layout.seal(raw)
+    return bytes(raw)
+
+
 def _chunk_log2(config: dict) -> int | None:
     """log2 of a stage config's chunk, or None where it is not a power of two."""
     chunk = config.get("chunk")

@@ -5,8 +5,10 @@ Where ExponentSplit, Top16Pack and EscapeStream follow each other in a pipeline 
 (``Pipeline.fuse``), they run as one step, FusedSplitPackEscape (stages/fused.py: a CPU twin and
 Numba-CUDA kernels), which writes the same bytes.  On the CPU a pipeline whose fused step comes
 last writes the container directly (FusedSplitPackEscape.encode_blob).  The ratio mode's
-ChannelPack (stages/channel_pack.py) is one step of its own.  Encoding falls back to storing the
-values raw (flagged) when the split or channel-coded streams would be larger than the values.
+ChannelPack (stages/channel_pack.py) is one step of its own; on a GPU, as the last step before
+Serialize, it writes the container directly too (ChannelPack.encode_blob).  Encoding falls back
+to storing the values raw (flagged) when the split or channel-coded streams would be larger than
+the values.
 kvzip/execution.py decides when this executor runs; kvzip/trace.py records which path did.
 """
 from __future__ import annotations
@@ -74,6 +76,11 @@ def encode_frame(pipe, frame: Frame, start: int = 0) -> Frame:
                 # The CPU writes the container itself; a frame with more streams (a quantizer's
                 # scales) takes the general way below.
                 out = step.encode_blob(frame, serialize.checksum)
+                return stored(pipe, before_split) if out is None else out
+        if isinstance(step, ChannelPack) and i == len(steps) - 1 and set(frame.streams) == {"data"}:
+            head = step.blob_header(frame, serialize.checksum)
+            if head is not None:  # on a GPU the kernels write the container themselves
+                out = step.encode_blob(frame, head, serialize.checksum)
                 return stored(pipe, before_split) if out is None else out
         frame = step.encode(frame)
     if before_split is not None and serialize.payload_size(frame) > serialize.payload_size(before_split):

@@ -16,12 +16,17 @@ stages/channel_pack_cpu.py (the reference); on a CUDA backend with CuPy arrays (
 the stage runs kvzip/gpu/channel_pack.py's CUDA kernels on the device, which give the same bytes
 and the same errors; on the CPU, and under the Numba simulator, it runs the CPU kernels.  The
 fused GPU executor does not take this pipeline (kvzip/gpu/executor.py ``takes``): it runs stage
-by stage.
+by stage, and where ChannelPack is the last step before Serialize on a GPU and the blob takes the
+version-3 header, the kernels write the blob itself (``blob_header``, ``encode_blob``).
 """
 from __future__ import annotations
 
+import json
+from functools import lru_cache
+
 import numpy as np
 
+from kvzip import container, layout
 from kvzip.bitpack import groups
 from kvzip.channel_codebook import CODE_BITS, TABLE_WIDTH, channels_of, check_tables, encode_lut, rank_tables
 from kvzip.errors import CHANNEL_DECODE_ERRORS, FormatError
@@ -70,6 +75,28 @@ class ChannelPack(Stage):
             streams = {name: backend.from_numpy(a) for name, a in streams.items()}
         return frame.replace(drop=("data",), **streams)
 
+    def blob_header(self, frame: Frame, checksum: bool) -> bytes | None:
+        """On a GPU (``on_device``), for a tensor frame of a [channel_pack, serialize] pipeline: the
+        version-3 header of its blob with its counts still 0 (encode_blob sets them); None where
+        the kernels cannot write the blob themselves (the CPU, or a blob the header cannot hold:
+        Serialize writes that one from ``encode``'s streams)."""
+        if not on_device(frame.backend):
+            return None
+        return _header(json.dumps(frame.meta, sort_keys=True), self.chunk, checksum)
+
+    def encode_blob(self, frame: Frame, head: bytes, checksum: bool) -> Frame | None:
+        """The blob frame Serialize(checksum) would make of this stage's streams, written by the
+        GPU kernels in place behind ``head`` (blob_header's); None where the payload would be larger
+        than the values' (the caller stores them raw, as for ``encode``'s streams)."""
+        from kvzip.gpu import channel_pack as gpu
+
+        fmt, n = frame.format, frame.n
+        data = frame.expect("data", fmt.uint_dtype, n)
+        blob, payload = gpu.encode_blob(data, n, fmt, channels_of(frame.meta["shape"]), self.chunk, head, checksum)
+        if payload > layout.align(data.nbytes):
+            return None
+        return Frame(frame.backend, {"blob": blob}, dict(frame.meta))
+
     def check(self, frame: Frame) -> dict:
         """The streams, on the frame's backend, after checking their dtypes, the lengths n implies
         and the tables (copied to the host for it; the per-chunk counts are checked by the decode
@@ -114,3 +141,18 @@ class ChannelPack(Stage):
         if code:
             raise FormatError(CHANNEL_DECODE_ERRORS[code])
         return frame.replace(drop=self.produces, data=dst)
+
+
+@lru_cache(maxsize=256)
+def _header(meta_json: str, chunk: int, checksum: bool) -> bytes | None:
+    """ChannelPack.blob_header for a tensor frame's metadata (as canonical JSON) and chunk: the
+    compact header with every count 0, or None where it cannot stand for the blob's version-1
+    header."""
+    from kvzip.gpu.channel_pack import payload_layout
+    from kvzip.formats import FORMATS
+
+    meta = json.loads(meta_json)
+    streams = payload_layout(meta["n"], FORMATS[meta["format"]], channels_of(meta["shape"]),
+                             chunk)[0]
+    described = [(name, dtype, nbytes) for name, (_, nbytes, dtype) in streams.items()]
+    return container.compact_header(meta, described, container.FLAG_CHECKSUM if checksum else 0)

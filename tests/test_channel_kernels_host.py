@@ -14,6 +14,7 @@ import pytest
 from cuda_host import harness
 
 from kvzip import channel_codebook as cc
+from kvzip import layout
 from kvzip import testing as kt
 from kvzip.bitlogic import PLANE
 from kvzip.formats import FORMATS
@@ -45,6 +46,16 @@ def reference(bits, fmt, channels, chunk) -> dict:
     variable = channel_pack_cpu.encode(bits, n, fmt, channels, cc.encode_lut(tables, fmt), chunk, codes, rest,
                                        esc_count, sec_count)
     return dict(zip(STREAMS, (tables, codes, rest, esc_count, sec_count, *variable)))
+
+
+def spec_payload(s) -> bytes:
+    """A blob's payload of these streams by format.md 2.4 (canonical order, each at the next
+    16-byte boundary, zero padding)."""
+    out = bytearray()
+    for name, _ in layout.RATIO_STREAMS:
+        out += np.asarray(s[name]).tobytes()
+        out += bytes(-len(out) % layout.ALIGN)
+    return bytes(out)
 
 
 def device_decode(exe, tmp_path, s, n, fmt, channels, chunk):
@@ -87,9 +98,11 @@ def test_kernels_give_the_reference_streams_and_decode_them(exe, tmp_path, name,
     fmt = FORMATS[name]
     bits = values(fmt, n, kind, seed=n)
     want = reference(bits, fmt, channels, chunk)
-    got = dict(zip(STREAMS, call(exe, tmp_path, 0, fmt, n, channels, chunk, [bits])))
+    payload, *streams = call(exe, tmp_path, 0, fmt, n, channels, chunk, [bits])
+    got = dict(zip(STREAMS, streams))
     for k in STREAMS:
         assert got[k] == want[k].tobytes(), k
+    assert payload == spec_payload(want)  # every padding byte written, and written 0
     back, code = device_decode(exe, tmp_path, want, n, fmt, channels, chunk)
     assert code == 0 and np.array_equal(back, bits)
 

@@ -3,18 +3,24 @@ kvzip/gpu/kernels/channel.cu on CuPy arrays, on the current device and stream, g
 reference's bytes (stages/channel_pack_cpu.py).  CuPy is imported on first use.
 
     streams = encode(src, n, fmt, channels, chunk)   # src: the values' bits, 1-D CuPy array
+    blob, payload = encode_blob(src, n, fmt, channels, chunk, head, checksum)
     dst, code = decode(streams, n, fmt, channels, chunk)
 
-Each call synchronises with the host once: encode reads the three totals of the variable
-streams (their lengths, which the blob's layout needs), decode reads the error word.
+The encoder writes a blob's payload (format.md 15.4) in place: encode_blob behind the header,
+with no copy (the staged executor's way for [channel_pack, serialize] on a GPU), encode into a
+payload buffer whose streams it returns as views (for Serialize, where other stages or a
+version-1 header are involved).  Each call synchronises with the host once: encode reads the
+three totals of the variable streams (their lengths), decode reads the error word.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from kvzip import container, layout
 from kvzip.auto_codebook import sample_plan
 from kvzip.bitpack import groups
 from kvzip.channel_codebook import CODE_BITS, TABLE_WIDTH
+from kvzip.checksum import sum64
 
 from . import loader
 from .launch import NO_ERROR, aligned, cupy, launch
@@ -37,62 +43,114 @@ def _launch(name, fmt, blocks, threads, args, shared=0, grid_stride=True):
     launch(loader.channel_kernel, _names(fmt)[name], blocks, threads, args, shared, grid_stride=grid_stride)
 
 
-def tables(src, n: int, fmt, channels: int):
-    """uint8[15 * channels]: channel_codebook.tables_of on the device (the sampled histogram,
-    then the ranking)."""
-    cp = cupy()
-    hist = cp.zeros(channels << fmt.exp_bits, cp.uint32)
-    _launch("histogram", fmt, sample_plan(n).blocks, THREADS, (src, np.int64(n), np.int32(channels), hist))
-    out = cp.empty(channels * TABLE_WIDTH, cp.uint8)
-    _launch("tables", fmt, channels, THREADS, (hist, out))
-    return out
+def payload_layout(n: int, fmt, channels: int, chunk: int, ns: int = 0, ne: int = 0, nh: int = 0) -> tuple:
+    """({stream: (payload offset, bytes, dtype)}, payload length) of the streams of section 15.4
+    with ns sec_codes bytes, ne escapes and nh exp_high bytes: the layout rule (2.4) in
+    canonical order, as channel_offsets.cuh's ch_payload computes it on the device."""
+    G, nchunks = groups(n), -(-n // chunk)
+    nbytes = {"codes": CODE_BITS * G, "rest": fmt.rest_bits * G, "esc_count": 2 * nchunks, "esc_pos": 2 * ne,
+              "esc_exp": ne, "exp_high": nh, "sec_codes": ns, "sec_count": 2 * nchunks, "tables": TABLE_WIDTH * channels}
+    offsets, payload = layout.place([nbytes[name] for name, _ in layout.RATIO_STREAMS])
+    return {name: (off, nbytes[name], dtype) for (name, dtype), off in zip(layout.RATIO_STREAMS, offsets)}, payload
 
 
-def _offsets(esc_count, sec_count, n, fmt, chunk, lengths=None):
-    """(offsets int64[3 * nchunks], result uint64[4]) from kvz_ch_tile_sums, kvz_ch_tile_scan and
-    kvz_ch_offsets;
-    lengths (decode): the variable streams' (sec_codes bytes, escapes, exp_high bytes), checked
-    against the counts."""
+def payload_bound(n: int, fmt, channels: int, chunk: int) -> int:
+    """The most bytes the payload can take: a chunk's variable runs never take more than its
+    values' high exponent bits, (E - 3) bytes a group (format.md 15.5), so the variable streams
+    together never more than (E - 3) G bytes and their four paddings."""
+    return payload_layout(n, fmt, channels, chunk)[1] + (fmt.exp_bits - CODE_BITS) * groups(n) + 4 * layout.ALIGN
+
+
+class _Workspace:
+    """The encoder's scratch arrays carved out of one allocation, 16-byte aligned: ptr(name), the
+    address of each (what the kernels take), and the allocation, kept while the kernels run."""
+
+    def __init__(self, **nbytes):
+        offsets, total = layout.place(nbytes.values())
+        self.memory = cupy().empty(max(total, layout.ALIGN), cupy().uint8)
+        base = self.memory.data.ptr
+        self._at = {name: base + off for name, off in zip(nbytes, offsets)}
+
+    def ptr(self, name: str):
+        return np.uint64(self._at[name])
+
+
+def _encode_into(src, n: int, fmt, channels: int, chunk: int, payload: int) -> tuple[int, int, int]:
+    """Encode the n values src (1-D CuPy array of fmt's unsigned dtype) into the payload at device
+    address `payload` (payload_bound bytes, 16-byte aligned): the tables from the values, the
+    encode, the offsets scan, then the compaction, on the current stream.  Returns (sec_codes
+    bytes, escapes, exp_high bytes) after the one wait, for the streams' lengths (payload_layout)."""
     cp = cupy()
-    nchunks = esc_count.shape[0]
-    tiles = max(1, -(-nchunks // TILE))  # one block even without chunks: it sets result
-    offsets, result, tile_sums = cp.empty(3 * nchunks, cp.int64), cp.empty(4, cp.uint64), cp.empty(3 * tiles, cp.int64)
+    src = aligned(src)
+    E, HB = fmt.exp_bits, fmt.exp_bits - CODE_BITS
+    G, nchunks, gpc = groups(n), -(-n // chunk), chunk // 8
+    full_cap, tiles = HB * gpc // 3, max(1, -(-nchunks // TILE))  # one scan block even without chunks
+    fixed = payload_layout(n, fmt, channels, chunk)[0]
+    ws = _Workspace(hist=4 * (channels << E), tables=TABLE_WIDTH * channels, sec_count=2 * nchunks,
+                    sec_slots=4 * nchunks * (-(-CODE_BITS * chunk // 32)), pos_slots=2 * nchunks * full_cap,
+                    exp_slots=nchunks * full_cap, high_slots=HB * G, offsets=8 * 3 * nchunks, tile_sums=8 * 3 * tiles,
+                    result=8 * 4)
+    at = {name: np.uint64(payload + off) for name, (off, _, _) in fixed.items() if name in ("codes", "rest", "esc_count")}
+    cp.cuda.runtime.memsetAsync(int(ws.ptr("hist")), 0, 4 * (channels << E), cp.cuda.get_current_stream().ptr)
+    _launch("histogram", fmt, sample_plan(n).blocks, THREADS, (src, np.int64(n), np.int32(channels), ws.ptr("hist")))
+    _launch("tables", fmt, channels, THREADS, (ws.ptr("hist"), ws.ptr("tables")))
+    _launch("encode", fmt, -(-nchunks // WARPS), THREADS,
+            (src, np.int64(n), np.int32(channels), ws.ptr("tables"), np.int32(chunk), np.int64(nchunks), at["codes"],
+             at["rest"], at["esc_count"], ws.ptr("sec_count"), ws.ptr("sec_slots"), ws.ptr("pos_slots"),
+             ws.ptr("exp_slots"), ws.ptr("high_slots")), shared=channels << E)
+    _scan(at["esc_count"], ws.ptr("sec_count"), nchunks, n, fmt, chunk, tiles, ws.ptr("tile_sums"), ws.ptr("offsets"),
+          ws.ptr("result"))
+    _launch("compact", fmt, max(1, -(-nchunks // WARPS)), THREADS,
+            (ws.ptr("sec_count"), np.int64(nchunks), np.int64(n), np.int32(chunk), np.int32(HB),
+             np.int32(fmt.rest_bits), np.int32(channels), ws.ptr("offsets"), ws.ptr("sec_slots"), ws.ptr("pos_slots"),
+             ws.ptr("exp_slots"), ws.ptr("high_slots"), ws.ptr("tables"), ws.ptr("result"), np.uint64(payload)))
+    totals = np.empty(3, np.uint64)
+    cp.cuda.runtime.memcpyAsync(totals.ctypes.data, int(ws.ptr("result")) + 8, 24,
+                                cp.cuda.runtime.memcpyDeviceToHost, cp.cuda.get_current_stream().ptr)
+    cp.cuda.get_current_stream().synchronize()  # the one wait: the streams' lengths (ws is free after it)
+    return tuple(int(x) for x in totals)
+
+
+def encode(src, n: int, fmt, channels: int, chunk: int) -> dict:
+    """The streams of section 15.4 of the n values src (1-D CuPy array of fmt's unsigned dtype),
+    as CuPy arrays: views of one payload buffer, laid out as a blob's payload."""
+    cp = cupy()
+    buf = cp.empty(payload_bound(n, fmt, channels, chunk), cp.uint8)
+    streams = payload_layout(n, fmt, channels, chunk, *_encode_into(src, n, fmt, channels, chunk, buf.data.ptr))[0]
+    return {name: _view(buf, off, nb, dtype) for name, (off, nb, dtype) in streams.items()}
+
+
+def encode_blob(src, n: int, fmt, channels: int, chunk: int, head: bytes, checksum: bool):
+    """(the blob, its payload's length) of the n values src under the version-3 header `head`
+    (container.compact_header's for this tensor, any counts): the kernels write the payload in
+    place behind the header, whose counts (and checksum) are then set; the blob is a view of a
+    buffer of payload_bound's size, as the speed mode's blobs are of theirs."""
+    cp = cupy()
+    H = len(head)
+    buf = cp.empty(H + payload_bound(n, fmt, channels, chunk), cp.uint8)
+    ns, ne, nh = _encode_into(src, n, fmt, channels, chunk, buf.data.ptr + H)
+    payload = payload_layout(n, fmt, channels, chunk, ns, ne, nh)[1]
+    blob = buf[:H + payload]
+    total = sum64(cp, blob[H:]) if checksum else 0
+    buf[:H].set(np.frombuffer(container.with_counts(head, ne, nh, ns, checksum=total), np.uint8))
+    return blob, payload
+
+
+def _view(buf, offset: int, nbytes: int, dtype):
+    dtype = np.dtype(dtype)
+    return cupy().ndarray((nbytes // dtype.itemsize,), dtype, buf.data + offset)
+
+
+def _scan(esc_count, sec_count, nchunks, n, fmt, chunk, tiles, tile_sums, offsets, result, lengths=None):
+    """kvz_ch_tile_sums, kvz_ch_tile_scan and kvz_ch_offsets: offsets (int64[3 * nchunks]) and
+    result (uint64[4]) of the counts (arrays or addresses); lengths (decode): the variable
+    streams' (sec_codes bytes, escapes, exp_high bytes), checked against the counts."""
     n_sec, n_pos, n_high = lengths or (0, 0, 0)
     head = (esc_count, sec_count, np.int64(nchunks), np.int64(n), np.int32(chunk), np.int32(fmt.exp_bits - CODE_BITS))
     checks = (np.int32(lengths is not None), np.int64(n_sec), np.int64(n_pos), np.int64(n_high))
     _launch("tile_sums", fmt, tiles, TILE_THREADS, (*head, tile_sums, result), grid_stride=False)
     _launch("tile_scan", fmt, 1, TILE_THREADS, (tile_sums, np.int64(tiles), np.int64(nchunks), *checks, result))
     _launch("offsets", fmt, tiles, TILE_THREADS, (*head, *checks, tile_sums, offsets, result), grid_stride=False)
-    return offsets, result
-
-
-def encode(src, n: int, fmt, channels: int, chunk: int) -> dict:
-    """The streams of section 15.4 of the n values src (1-D CuPy array of fmt's unsigned dtype),
-    as CuPy arrays."""
-    cp = cupy()
-    src = aligned(src)
-    E, HB, R = fmt.exp_bits, fmt.exp_bits - CODE_BITS, fmt.rest_bits
-    G, nchunks, gpc = groups(n), -(-n // chunk), chunk // 8
-    full_cap = HB * gpc // 3
-    tabs = tables(src, n, fmt, channels)
-    codes, rest = cp.empty(CODE_BITS * G, cp.uint8), cp.empty(R * G, cp.uint8)
-    esc_count, sec_count = cp.empty(nchunks, cp.uint16), cp.empty(nchunks, cp.uint16)
-    sec_slots = cp.empty(nchunks * (-(-CODE_BITS * chunk // 32)), cp.uint32)
-    pos_slots, exp_slots = cp.empty(nchunks * full_cap, cp.uint16), cp.empty(nchunks * full_cap, cp.uint8)
-    high_slots = cp.empty(HB * G, cp.uint8)
-    lut_bytes = channels << E
-    _launch("encode", fmt, -(-nchunks // WARPS), THREADS,
-            (src, np.int64(n), np.int32(channels), tabs, np.int32(chunk), np.int64(nchunks), codes, rest, esc_count,
-             sec_count, sec_slots, pos_slots, exp_slots, high_slots), shared=lut_bytes)
-    offsets, result = _offsets(esc_count, sec_count, n, fmt, chunk)
-    ns, ne, nh = (int(x) for x in result[1:4].get())  # the one wait: the streams' lengths
-    sec_codes, esc_pos, esc_exp, exp_high = (cp.empty(ns, cp.uint8), cp.empty(ne, cp.uint16), cp.empty(ne, cp.uint8),
-                                             cp.empty(nh, cp.uint8))
-    _launch("compact", fmt, -(-nchunks // WARPS), THREADS,
-            (esc_count, sec_count, np.int64(nchunks), np.int64(n), np.int32(chunk), np.int32(HB), offsets, sec_slots,
-             pos_slots, exp_slots, high_slots, sec_codes, esc_pos, esc_exp, exp_high))
-    return dict(tables=tabs, codes=codes, rest=rest, esc_count=esc_count, sec_count=sec_count, sec_codes=sec_codes,
-                esc_pos=esc_pos, esc_exp=esc_exp, exp_high=exp_high)
 
 
 def decode(s: dict, n: int, fmt, channels: int, chunk: int):
@@ -102,8 +160,10 @@ def decode(s: dict, n: int, fmt, channels: int, chunk: int):
     cp = cupy()
     s = {name: aligned(a) for name, a in s.items()}
     nchunks = s["esc_count"].shape[0]
-    offsets, result = _offsets(s["esc_count"], s["sec_count"], n, fmt, chunk,
-                               (s["sec_codes"].shape[0], s["esc_pos"].shape[0], s["exp_high"].shape[0]))
+    tiles = max(1, -(-nchunks // TILE))
+    offsets, result, tile_sums = cp.empty(3 * nchunks, cp.int64), cp.empty(4, cp.uint64), cp.empty(3 * tiles, cp.int64)
+    _scan(s["esc_count"], s["sec_count"], nchunks, n, fmt, chunk, tiles, tile_sums, offsets, result,
+          (s["sec_codes"].shape[0], s["esc_pos"].shape[0], s["exp_high"].shape[0]))
     dst = cp.empty(n, fmt.uint_dtype)
     _launch("decode", fmt, -(-nchunks // WARPS), THREADS,
             (s["codes"], s["rest"], s["tables"], np.int32(channels), s["esc_count"], s["sec_count"], offsets,

@@ -4,7 +4,8 @@
 // auto codebook, 3 the offsets scan alone), E, M, n, channels, chunk, grid}, then encode and auto:
 // the values; decode: tables, codes, rest, esc_count, sec_count, sec_codes, esc_pos, esc_exp,
 // exp_high; scan: esc_count, sec_count, int64[4] {checked, the three streams' lengths}.  Output:
-// encode: tables, codes, rest, esc_count, sec_count, sec_codes, esc_pos, esc_exp, exp_high;
+// encode: the payload the kernels wrote (into a buffer of 0xAB bytes), then its streams tables,
+// codes, rest, esc_count, sec_count, sec_codes, esc_pos, esc_exp, exp_high;
 // decode: the values, then uint64 error word; auto: kvz_auto_codebook's LUT row (AUTO_LUT_BYTES)
 // and book (16 bytes) of the one tensor (auto_codebook.cu shares SamplePlan and rank_exponents
 // with channel.cu); scan: offsets (int64[3 nchunks]) and result (uint64[4]).
@@ -43,15 +44,18 @@ static std::vector<Bytes> run(const std::vector<Bytes>& in, long long n, int D, 
     const bool dec = in.size() > 2;
     std::vector<u8> tables(D * 15);
     std::vector<u16> esc_count(nchunks), sec_count(nchunks);
-    auto scan = [&](int checked, long long ns, long long ne, long long nh) {
+    auto scan_of = [&](const u16* esc, const u16* sec, int checked, long long ns, long long ne, long long nh) {
         emu_launch(tiles, CH_TILE_THREADS, [&] {
-            kvz_ch_tile_sums(esc_count.data(), sec_count.data(), nchunks, n, chunk, HB, tile_sums.data(), result.data());
+            kvz_ch_tile_sums(esc, sec, nchunks, n, chunk, HB, tile_sums.data(), result.data());
         });
         emu_launch(1, CH_TILE_THREADS, [&] { kvz_ch_tile_scan(tile_sums.data(), tiles, nchunks, checked, ns, ne, nh, result.data()); });
         emu_launch(tiles, CH_TILE_THREADS, [&] {
-            kvz_ch_offsets(esc_count.data(), sec_count.data(), nchunks, n, chunk, HB, checked, ns, ne, nh,
-                           tile_sums.data(), offsets.data(), result.data());
+            kvz_ch_offsets(esc, sec, nchunks, n, chunk, HB, checked, ns, ne, nh, tile_sums.data(), offsets.data(),
+                           result.data());
         });
+    };
+    auto scan = [&](int checked, long long ns, long long ne, long long nh) {
+        scan_of(esc_count.data(), sec_count.data(), checked, ns, ne, nh);
     };
     if (as<long long>(in[0])[0] == 3) {  // the offsets scan alone
         esc_count = as<u16>(in[1]);
@@ -69,27 +73,34 @@ static std::vector<Bytes> run(const std::vector<Bytes>& in, long long n, int D, 
             emu_launch((int)std::min<long long>(plan.blocks, grid), AUTO_RUN,
                        [&] { kvz_ch_histogram<E, M, T>(src.data(), n, D, hist.data()); });
         emu_launch(D, AUTO_RUN, [&] { kvz_ch_tables<E>(hist.data(), tables.data()); });
-        std::vector<u8> codes(3 * G), rest(R * G), exp_slots(nchunks * (HB * gpc / 3) + 1), high_slots(HB * G + 1);
+        // The payload as kvzip/gpu/channel_pack.py lays it out: codes, rest and esc_count at the
+        // places the layout rule gives them, the rest after the scan (ch_payload).
+        const auto up = [](long long x) { return (x + 15) & ~15ll; };
+        const long long at_rest = up(3 * G), at_esc = up(at_rest + R * G);
+        std::vector<u8> payload(up(at_esc + 2 * nchunks) + HB * G + 64 + 2 * up(2 * nchunks) + 16 * D + 64, 0xAB);
+        u16* esc = reinterpret_cast<u16*>(payload.data() + at_esc);
+        std::vector<u8> exp_slots(nchunks * (HB * gpc / 3) + 1), high_slots(HB * G + 1);
         std::vector<u16> pos_slots(nchunks * (HB * gpc / 3) + 1);
         std::vector<u32> sec_slots(nchunks * cdiv(3 * chunk, 32) + 1);
         if (nchunks)
             emu_launch(blocks(nchunks), 256, [&] {
-                kvz_ch_encode<E, M, T, GPL>(src.data(), n, D, tables.data(), chunk, nchunks, codes.data(), rest.data(),
-                                            esc_count.data(), sec_count.data(), sec_slots.data(), pos_slots.data(),
-                                            exp_slots.data(), high_slots.data());
+                kvz_ch_encode<E, M, T, GPL>(src.data(), n, D, tables.data(), chunk, nchunks, payload.data(),
+                                            payload.data() + at_rest, esc, sec_count.data(), sec_slots.data(),
+                                            pos_slots.data(), exp_slots.data(), high_slots.data());
             });
-        scan(0, 0, 0, 0);
-        std::vector<u8> sec_codes(result[1] + 1), esc_exp(result[2] + 1), exp_high(result[3] + 1);
-        std::vector<u16> esc_pos(result[2] + 1);
-        if (nchunks)
-            emu_launch(blocks(nchunks), 256, [&] {
-                kvz_ch_compact(esc_count.data(), sec_count.data(), nchunks, n, chunk, HB, offsets.data(), sec_slots.data(),
-                               pos_slots.data(), exp_slots.data(), high_slots.data(), sec_codes.data(), esc_pos.data(),
-                               esc_exp.data(), exp_high.data());
-            });
-        sec_codes.resize(result[1]); esc_pos.resize(result[2]); esc_exp.resize(result[2]); exp_high.resize(result[3]);
-        return {bytes_of(tables), bytes_of(codes), bytes_of(rest), bytes_of(esc_count), bytes_of(sec_count),
-                bytes_of(sec_codes), bytes_of(esc_pos), bytes_of(esc_exp), bytes_of(exp_high)};
+        scan_of(esc, sec_count.data(), 0, 0, 0, 0);
+        emu_launch(std::max(1, blocks(nchunks)), 256, [&] {
+            kvz_ch_compact(sec_count.data(), nchunks, n, chunk, HB, R, D, offsets.data(), sec_slots.data(),
+                           pos_slots.data(), exp_slots.data(), high_slots.data(), tables.data(), result.data(),
+                           payload.data());
+        });
+        const ChPayload p = ch_payload(n, R, nchunks, D, result.data());
+        if (p.at[CH_STREAMS] > (long long)payload.size()) return {};
+        payload.resize(p.at[CH_STREAMS]);
+        const auto stream = [&](int k) { return Bytes(payload.begin() + p.at[k], payload.begin() + p.at[k] + p.len[k]); };
+        // payload order: codes, rest, esc_count, esc_pos, esc_exp, exp_high, sec_codes, sec_count, tables
+        return {bytes_of(payload), stream(8), stream(0), stream(1), stream(2), stream(7), stream(6), stream(3), stream(4),
+                stream(5)};
     }
     tables = as<u8>(in[1]);
     const std::vector<u8> codes = as<u8>(in[2]), rest = as<u8>(in[3]);

@@ -74,7 +74,7 @@ def test_gather_and_scatter_kernels_give_the_cpu_bytes_and_digest(seed):
     assert all(torch.equal(o, p) for o, (p, _) in zip(outs, parts))
 
 
-@pytest.mark.parametrize("codec", ["kvzip", "raw", "auto"])
+@pytest.mark.parametrize("codec", ["kvzip", "kvzip-ratio", "raw", "auto"])
 def test_loopback_cuda_round_trip(codec):
     layers = real_layers()
     with transfer.Receiver(engine="loopback", device="cuda", slot_bytes=16 << 20) as rx, \
@@ -85,6 +85,8 @@ def test_loopback_cuda_round_trip(codec):
     assert stats["groups"] >= 2
     if stats["codec"] == "kvzip":
         assert stats["raw_bytes"] / stats["sent_bytes"] > 1.3
+    if stats["codec"] == "kvzip-ratio":
+        assert stats["raw_bytes"] / stats["sent_bytes"] > 1.38
 
 
 def test_streaming_from_a_side_stream_waits_for_the_producer():

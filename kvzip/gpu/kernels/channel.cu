@@ -2,11 +2,11 @@
 // reference (stages/channel_pack_cpu.py), launched by kvzip/gpu/channel_pack.py.
 //
 // Encode: kvz_ch_histogram counts the auto codebook's sample per channel, kvz_ch_tables ranks it
-// into the tables (kvzip/channel_codebook.py's rule, rank_exponents), kvz_ch_encode writes codes
-// and rest in place and each chunk's variable runs (second-level indices, escapes, high exponent
-// bits) into a slot of its own, kvz_ch_offsets scans the per-chunk sizes and kvz_ch_compact moves
-// every run to its place.  Decode: kvz_ch_offsets computes the offsets from the two count streams
-// and checks them, kvz_ch_decode decodes the chunks before the first bad count and checks their
+// into the tables (kvzip/channel_codebook.py's rule, rank_exponents), kvz_ch_encode writes codes,
+// rest and esc_count in place in the payload and each chunk's variable runs (second-level
+// indices, escapes, high exponent bits) into a slot of its own, kvz_ch_offsets scans the
+// per-chunk sizes and kvz_ch_compact moves every run to its place in the payload and completes
+// it.  Decode: kvz_ch_offsets computes the offsets from the two count streams and checks them, kvz_ch_decode decodes the chunks before the first bad count and checks their
 // second-level counts and escapes.  A warp a chunk throughout (the chunk's lanes take 32
 // consecutive 8-value groups a step), as kvz_encode / kvz_decode do.
 

@@ -1,6 +1,7 @@
 // ChannelPack's offsets (kernels/channel.cu): the scan of the chunks' variable-run sizes
 // (kvz_ch_tile_sums, kvz_ch_offsets: the encoder's stream lengths, the decoder's count checks)
-// and the encoder's compaction of the runs from their slots (kvz_ch_compact).  The scan's three
+// and the encoder's last step, which completes the payload (kvz_ch_compact: the runs from their
+// slots to their places, the small streams, the padding).  The scan's three
 // kernels: kvz_ch_tile_sums (a block a tile), kvz_ch_tile_scan (one block), kvz_ch_offsets (a
 // block a tile); every one linear in the chunks.
 #pragma once
@@ -177,24 +178,60 @@ __global__ void __launch_bounds__(CH_TILE_THREADS) kvz_ch_offsets(const u16* __r
     if (err != ~0ull) atomicMin(reinterpret_cast<unsigned long long*>(result), err);
 }
 
-// grid-stride over chunks, a warp a chunk: each chunk's runs from its slots (kvz_ch_encode) to
-// the offsets kvz_ch_offsets found, in the streams of exactly the totals' lengths.
-__global__ void __launch_bounds__(WARPS * 32) kvz_ch_compact(const u16* __restrict__ esc_count,
-                                                             const u16* __restrict__ sec_count, long long nchunks,
-                                                             long long n, int chunk, int HB,
+// The payload of format.md 15.4: its nine streams in canonical order (codes, rest, esc_count,
+// esc_pos, esc_exp, exp_high, sec_codes, sec_count, tables), each at the next 16-byte boundary
+// (the layout rule of 2.4); kvzip/gpu/channel_pack.py's payload_layout is the same rule.
+#define CH_STREAMS 9
+struct ChPayload {
+    long long at[CH_STREAMS + 1], len[CH_STREAMS];  // at[CH_STREAMS]: the payload's length
+};
+
+__device__ __forceinline__ ChPayload ch_payload(long long n, int R, long long nchunks, int channels, const u64* result) {
+    const long long G = (n + 7) >> 3, ns = (long long)result[1], ne = (long long)result[2], nh = (long long)result[3];
+    ChPayload p;
+    const long long len[CH_STREAMS] = {3 * G, R * G, 2 * nchunks, 2 * ne, ne, nh, ns, 2 * nchunks, CH_WIDTH * (long long)channels};
+    long long pos = 0;
+#pragma unroll
+    for (int k = 0; k < CH_STREAMS; k++) {
+        p.at[k] = pos;
+        p.len[k] = len[k];
+        pos = (pos + len[k] + 15) & ~15ll;
+    }
+    p.at[CH_STREAMS] = pos;
+    return p;
+}
+
+// grid-stride over chunks, a warp a chunk, at least one block: completes the payload whose codes,
+// rest and esc_count kvz_ch_encode wrote in place.  Each chunk's runs move from their slots to the
+// offsets kvz_ch_offsets found, inside the variable streams' places, which follow from the totals
+// (result[1..3]); each chunk's sec_count goes in from the encoder's; block 0 copies the tables and
+// zeroes every padding byte (between the streams and after the last).
+__global__ void __launch_bounds__(WARPS * 32) kvz_ch_compact(const u16* __restrict__ sec_count, long long nchunks,
+                                                             long long n, int chunk, int HB, int R, int channels,
                                                              const long long* __restrict__ offsets,
                                                              const u32* __restrict__ sec_slots,
                                                              const u16* __restrict__ pos_slots,
                                                              const u8* __restrict__ exp_slots,
-                                                             const u8* __restrict__ high_slots, u8* __restrict__ sec_codes,
-                                                             u16* __restrict__ esc_pos, u8* __restrict__ esc_exp,
-                                                             u8* __restrict__ exp_high) {
+                                                             const u8* __restrict__ high_slots,
+                                                             const u8* __restrict__ tables,
+                                                             const u64* __restrict__ result, u8* __restrict__ payload) {
     const int lane = threadIdx.x & 31;
     const int gpc = chunk >> 3, full_cap = (HB * gpc) / 3, slot_words = (3 * chunk + 31) >> 5;
     const long long G = (n + 7) >> 3;
+    const ChPayload p = ch_payload(n, R, nchunks, channels, result);
+    const u16* esc_count = reinterpret_cast<const u16*>(payload + p.at[2]);
+    u16* esc_pos = reinterpret_cast<u16*>(payload + p.at[3]);
+    u8 *esc_exp = payload + p.at[4], *exp_high = payload + p.at[5], *sec_codes = payload + p.at[6];
+    u16* sec_count_out = reinterpret_cast<u16*>(payload + p.at[7]);
+    if (blockIdx.x == 0) {
+        for (int k = threadIdx.x; k < CH_WIDTH * channels; k += blockDim.x) payload[p.at[8] + k] = tables[k];
+        for (int s = 0; s < CH_STREAMS; s++)
+            for (long long b = p.at[s] + p.len[s] + threadIdx.x; b < p.at[s + 1]; b += blockDim.x) payload[b] = 0;
+    }
     for (long long c = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); c < nchunks; c += (long long)gridDim.x * WARPS) {
-        const u32 cnt = esc_count[c];
-        const ChunkSizes s = chunk_sizes(cnt, sec_count[c], (int)min((long long)gpc, G - c * gpc), HB);
+        const u32 cnt = esc_count[c], sec = sec_count[c];
+        if (lane == 0) sec_count_out[c] = (u16)sec;
+        const ChunkSizes s = chunk_sizes(cnt, sec, (int)min((long long)gpc, G - c * gpc), HB);
         if (cnt == PLANE) {
             const u8* from = high_slots + c * gpc * HB;
             u8* to = exp_high + offsets[2 * nchunks + c];
