@@ -33,6 +33,19 @@ def test_cupy_tensors_give_the_cpu_blob(fmt):
     np.testing.assert_array_equal(cupy.asnumpy(back).reshape(-1).view(bits.dtype), bits.reshape(-1))
 
 
+def test_streams_for_serialize_where_the_header_is_version_1():
+    """QuantizeFP8 in front: the blob takes a version-1 header, so ChannelPack hands its streams
+    (views of its payload buffer) to Serialize instead of writing the blob itself; the bytes are
+    the CPU's all the same."""
+    import torch
+
+    pipe = kvzip.Pipeline([kvzip.stages.QuantizeFP8("e5m2"), kvzip.stages.ChannelPack(1024), kvzip.stages.Serialize()])
+    x = torch.from_numpy(layers(1)[0].astype(np.int16)).view(torch.bfloat16)
+    blob = pipe.encode(x.cuda())
+    assert bytes(blob.cpu().numpy()) == bytes(pipe.encode(x).numpy())
+    assert torch.equal(kvzip.decompress(blob).cpu(), kvzip.decompress(pipe.encode(x)))
+
+
 def test_version_3_blobs_beside_remembered_layouts():
     host = layers()
     speed = kvzip.compress_many([cupy.asarray(x) for x in host], dtype="bf16")

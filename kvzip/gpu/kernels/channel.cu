@@ -6,9 +6,10 @@
 // rest and esc_count in place in the payload and each chunk's variable runs (second-level
 // indices, escapes, high exponent bits) into a slot of its own, kvz_ch_offsets scans the
 // per-chunk sizes and kvz_ch_compact moves every run to its place in the payload and completes
-// it.  Decode: kvz_ch_offsets computes the offsets from the two count streams and checks them, kvz_ch_decode decodes the chunks before the first bad count and checks their
-// second-level counts and escapes.  A warp a chunk throughout (the chunk's lanes take 32
-// consecutive 8-value groups a step), as kvz_encode / kvz_decode do.
+// it.  Decode: kvz_ch_offsets computes the offsets from the two count streams and checks them,
+// kvz_ch_decode decodes the chunks before the first bad count and checks their second-level
+// counts and escapes.  A warp a chunk throughout (the chunk's lanes take 32 consecutive 8-value
+// groups a step), as kvz_encode / kvz_decode do.
 
 #include "auto_codebook.cu"  // SamplePlan, rank_exponents
 #include "group_io.cuh"
