@@ -175,18 +175,20 @@ def _decode_coded(buf, entries: list[dict], coded: dict, out: list) -> None:
 # ---- codec="auto" ----------------------------------------------------------------------------
 
 # Each stage of the pipeline (encode: pack + digest + codec; decode: digest + codec + unpack)
-# costs, per group, a fixed time plus the group's raw bytes over a rate, for every codec alike.
-# Starting values, per device kind: (fixed seconds, GB/s) per codec and stage, and the ratio, from
-# the H200 runs of benchmarks/bench_transfer.py (benchmarks/NOTES.md, transfer t2 and t8: the
-# ratio mode's ~2.5 ms a 512 MiB group beside the other process's decode) and the 2-core CPU; a connection refines the rates and ratios
-# from its own requests.
+# costs, per group, a fixed time, a time per tensor (a call of the codec: the speed mode batches a
+# group's tensors into one, the ratio mode pays each) and the group's raw bytes over a rate.
+# Starting values, per device kind: (fixed seconds, seconds a tensor, GB/s) per codec and stage,
+# and the ratio, from the H200 runs of benchmarks/bench_transfer.py (benchmarks/NOTES.md, transfer
+# t2 and t8: the ratio mode's ~2.5 ms a group of two 256 MiB tensors, ~5.4 ms of eight 64 MiB
+# ones, beside the other process's decode) and the 2-core CPU; a connection refines the rates
+# and ratios from its own requests.
 _START = {
-    "cuda": {"raw": {"enc": (6e-4, 800.0), "dec": (8e-4, 900.0)},
-             "kvzip": {"enc": (9e-4, 800.0), "dec": (9e-4, 1400.0)},
-             "kvzip-ratio": {"enc": (1e-3, 300.0), "dec": (1e-3, 400.0)}},
-    "cpu": {"raw": {"enc": (2e-4, 3.0), "dec": (1e-4, 3.0)},
-            "kvzip": {"enc": (3e-4, 0.5), "dec": (3e-4, 0.6)},
-            "kvzip-ratio": {"enc": (3e-4, 0.3), "dec": (3e-4, 0.5)}},
+    "cuda": {"raw": {"enc": (6e-4, 0.0, 800.0), "dec": (8e-4, 0.0, 900.0)},
+             "kvzip": {"enc": (9e-4, 0.0, 800.0), "dec": (9e-4, 0.0, 1400.0)},
+             "kvzip-ratio": {"enc": (5e-4, 4.8e-4, 500.0), "dec": (5e-4, 4.8e-4, 500.0)}},
+    "cpu": {"raw": {"enc": (2e-4, 0.0, 3.0), "dec": (1e-4, 0.0, 3.0)},
+            "kvzip": {"enc": (3e-4, 0.0, 0.5), "dec": (3e-4, 0.0, 0.6)},
+            "kvzip-ratio": {"enc": (3e-4, 1e-4, 0.3), "dec": (3e-4, 1e-4, 0.5)}},
 }
 _START_RATIO = {"raw": 1.0, "kvzip": 1.30, "kvzip-ratio": 1.38}
 
@@ -205,34 +207,39 @@ class AutoChooser:
         if not self._fixed_link and seconds > 0 and nbytes >= 1 << 20:
             self.link_gbps = _ewma(self.link_gbps, nbytes / seconds / 1e9)
 
-    def observe(self, kind: str, raw: int, sent: int, groups: int, encode_s: float, decode_s: float) -> None:
-        """A finished request: ``kind`` one of CHOICES, its bytes and summed stage times."""
+    def observe(self, kind: str, raw: int, sent: int, groups: int, encode_s: float, decode_s: float,
+                tensors: int = 0) -> None:
+        """A finished request: ``kind`` one of CHOICES, its bytes, groups, summed stage times and
+        tensors."""
         if kind not in self.stage or raw < 1 << 20 or groups < 1:
             return
         if kind != "raw":
             self.ratio[kind] = _ewma(self.ratio[kind], raw / max(sent, 1))
-        g = raw / groups
+        g, calls = raw / groups, tensors / groups
         for stage, seconds in (("enc", encode_s), ("dec", decode_s)):
-            fixed, rate = self.stage[kind][stage]
+            fixed, per_call, rate = self.stage[kind][stage]
             if seconds > 0:
-                self.stage[kind][stage] = (fixed, _ewma(rate, g / max(seconds / groups - fixed, 1e-6) / 1e9))
+                left = max(seconds / groups - fixed - calls * per_call, 1e-6)
+                self.stage[kind][stage] = (fixed, per_call, _ewma(rate, g / left / 1e9))
 
-    def predict(self, kind: str, group_bytes: list[int]) -> float:
-        """Seconds to move groups of these raw sizes with ``kind``: the pipeline's fill (first
-        encode, last decode) plus every group through its slowest stage."""
+    def predict(self, kind: str, group_bytes: list[int], calls: int = 1) -> float:
+        """Seconds to move groups of these raw sizes, of ``calls`` tensors each, with ``kind``:
+        the pipeline's fill (first encode, last decode) plus every group through its slowest
+        stage."""
         link = self.link_gbps * 1e9
-        (fe, re), (fd, rd) = self.stage[kind]["enc"], self.stage[kind]["dec"]
-        enc = [fe + g / (re * 1e9) for g in group_bytes]
-        dec = [fd + g / (rd * 1e9) for g in group_bytes]
+        (fe, ce, re), (fd, cd, rd) = self.stage[kind]["enc"], self.stage[kind]["dec"]
+        enc = [fe + calls * ce + g / (re * 1e9) for g in group_bytes]
+        dec = [fd + calls * cd + g / (rd * 1e9) for g in group_bytes]
         wire = [g / self.ratio[kind] / link for g in group_bytes]
         return enc[0] + dec[-1] + sum(max(e, w, d) for e, w, d in zip(enc, wire, dec))
 
-    def choose(self, group_bytes: list[int]) -> tuple[str, str]:
-        """(one of CHOICES, the reason in words): the fastest predicted, a codec only where it
-        beats raw by 2 %, the ratio mode only where it beats the speed mode by 2 %."""
+    def choose(self, group_bytes: list[int], calls: int = 1) -> tuple[str, str]:
+        """(one of CHOICES, the reason in words) for groups of ``calls`` tensors: the fastest
+        predicted, a codec only where it beats raw by 2 %, the ratio mode only where it beats the
+        speed mode by 2 %."""
         if self.link_gbps is None:
             return "kvzip", "link speed not measured yet: compressing until it is"
-        t = {kind: self.predict(kind, group_bytes) for kind in CHOICES}
+        t = {kind: self.predict(kind, group_bytes, calls) for kind in CHOICES}
         pick = "raw"
         for kind in CHOICES[1:]:
             if t[kind] < 0.98 * t[pick]:

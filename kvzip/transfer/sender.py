@@ -63,7 +63,7 @@ class SendHandle:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self.stats = {"request": req, "codec": codec_name, "layers": n_layers, "groups": 0,
-                      "raw_bytes": 0, "sent_bytes": 0, "encode_s": 0.0, "decode_s": 0.0,
+                      "tensors": 0, "raw_bytes": 0, "sent_bytes": 0, "encode_s": 0.0, "decode_s": 0.0,
                       "write_s": 0.0, "start": now(), "end": None, "timeline": []}
 
     # -- caller side
@@ -287,7 +287,8 @@ class Sender:
             h._group_bytes = self._group_size(need * h.n_layers)
             if h._auto:
                 n_groups = max(1, -(-need * h.n_layers // h._group_bytes))
-                pick, h.reason = self._auto.choose([h._group_bytes] * n_groups)
+                calls = len(tensors) * max(1, min(h.n_layers, h._group_bytes // need))  # tensors a group
+                pick, h.reason = self._auto.choose([h._group_bytes] * n_groups, calls)
                 h.codec, h._wire = pick, None if pick == "raw" else codec.get(pick)
                 h.stats["codec"] = h.codec
                 h.stats["auto"] = h.reason
@@ -355,6 +356,7 @@ class Sender:
             queued = now()
             slot = self._take(self._free_staging, "a free staging slot")
             tensors = [t for _, ts, _ in layers for t in ts]
+            h.stats["tensors"] += len(tensors)
             wire = None if h.codec == "raw" else h._wire
             base = slot * self.slot_bytes
             t0 = now()
@@ -471,7 +473,8 @@ class Sender:
                 h.stats["receiver_timeline"] = msg.get("timeline") if isinstance(msg.get("timeline"), list) else []
                 if h.codec in codec.CHOICES and self._auto is not None:
                     s = h.stats
-                    self._auto.observe(h.codec, s["raw_bytes"], s["sent_bytes"], s["groups"], s["encode_s"], s["decode_s"])
+                    self._auto.observe(h.codec, s["raw_bytes"], s["sent_bytes"], s["groups"], s["encode_s"], s["decode_s"],
+                                       s["tensors"])
                 self._end(h, None)
             elif kind == "failed":
                 self._end(h, _remote_error(msg, h.request))
