@@ -63,8 +63,8 @@ def launch_by_name(module, name, *a, **k):
 for mod in (channel_pack, channel_rans):
     if hasattr(mod, "launch"):
         mod.launch = launch_by_name
-for mod, name in [(channel_pack, "tables"), (channel_pack, "encode"), (channel_pack, "decode"),
-                  (channel_pack, "_offsets"), (channel_rans, "encode"), (channel_rans, "decode"),
+for mod, name in [(channel_pack, "_encode_into"), (channel_pack, "encode_blob"), (channel_pack, "encode"),
+                  (channel_pack, "decode"), (channel_pack, "_scan"), (channel_rans, "encode"), (channel_rans, "decode"),
                   (staged, "encode_frame"), (staged, "open_blob"), (staged, "decode_opened"),
                   (staged, "export_decoded"), (staged, "to_origin"), (serialize.Serialize, "encode"),
                   (container, "assemble"), (container, "read_head"), (container, "parse_header"),
