@@ -134,6 +134,20 @@ def compact_header(meta: dict, streams: list[tuple[str, str, int]], flags: int, 
     return bytes(head)
 
 
+def ratio_streams(n: int, fmt, channels: int, chunk: int, escapes: int = 0, high_bytes: int = 0,
+                  second_bytes: int = 0) -> list[tuple[str, str, int]]:
+    """The ratio mode's streams [(name, dtype name, nbytes)] in payload order (docs/format.md
+    15.4) for n values of fmt in chunks of chunk, with these escapes, exp_high and sec_codes
+    bytes: what a version-3 header stands for."""
+    from .bitpack import groups
+    from .channel_codebook import CODE_BITS, TABLE_WIDTH
+
+    G, nchunks = groups(n), -(-n // chunk)
+    sizes = (CODE_BITS * G, fmt.rest_bits * G, 2 * nchunks, _layout.ESC_POS_BYTES * escapes, escapes, high_bytes,
+             second_bytes, 2 * nchunks, TABLE_WIDTH * channels)
+    return [(name, dt, nb) for (name, dt), nb in zip(_layout.RATIO_STREAMS, sizes)]
+
+
 def with_counts(head: bytes, escapes: int, high_bytes: int, second_bytes: int, checksum: int = 0) -> bytes:
     """A version-3 header (compact_header's for a tensor) with its three counts and payload
     checksum set and the CRC sealed again: the header of the same tensor's blob with those
@@ -195,7 +209,7 @@ def _parse_compact(head: bytes, blob_len: int | None) -> Header:
     a version-1 one parses to: the metadata and stream table it stands for.  blob_len None: the
     blob is as long as its header's streams say (claimed_length)."""
     from .bitpack import groups
-    from .channel_codebook import CODE_BITS, TABLE_WIDTH, channels_of
+    from .channel_codebook import channels_of
     from .formats import FORMATS
 
     (_, _, flags, header_len, sides, checksum, escapes, high_bytes, _, dtype, chunk_log2, ndim, source,
@@ -242,10 +256,7 @@ def _parse_compact(head: bytes, blob_len: int | None) -> Header:
         if not 3 <= chunk_log2 <= 15:
             raise FormatError(f"bad chunk (2**{chunk_log2}) for the ratio mode")
         meta["pipeline"] = [{"id": "channel_pack", "chunk": 1 << chunk_log2}, serialize]
-        nchunks = -(-n // (1 << chunk_log2))
-        sizes = (CODE_BITS * G, fmt.rest_bits * G, 2 * nchunks, _layout.ESC_POS_BYTES * escapes, escapes, high_bytes,
-                 second_bytes, 2 * nchunks, TABLE_WIDTH * channels_of(shape))
-        table = [(name, dt, nb) for (name, dt), nb in zip(_layout.RATIO_STREAMS, sizes)]
+        table = ratio_streams(n, fmt, channels_of(shape), 1 << chunk_log2, escapes, high_bytes, second_bytes)
     elif flags & FLAG_STORED:
         if chunk_log2 or escapes or high_bytes or source or any(exponents):
             raise FormatError("a stored-raw version-2 header has chunk, escape, codebook fields set")

@@ -148,11 +148,8 @@ def _header(meta_json: str, chunk: int, checksum: bool) -> bytes | None:
     """ChannelPack.blob_header for a tensor frame's metadata (as canonical JSON) and chunk: the
     compact header with every count 0, or None where it cannot stand for the blob's version-1
     header."""
-    from kvzip.gpu.channel_pack import payload_layout
     from kvzip.formats import FORMATS
 
     meta = json.loads(meta_json)
-    streams = payload_layout(meta["n"], FORMATS[meta["format"]], channels_of(meta["shape"]),
-                             chunk)[0]
-    described = [(name, dtype, nbytes) for name, (_, nbytes, dtype) in streams.items()]
-    return container.compact_header(meta, described, container.FLAG_CHECKSUM if checksum else 0)
+    streams = container.ratio_streams(meta["n"], FORMATS[meta["format"]], channels_of(meta["shape"]), chunk)
+    return container.compact_header(meta, streams, container.FLAG_CHECKSUM if checksum else 0)

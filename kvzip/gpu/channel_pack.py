@@ -45,13 +45,11 @@ def _launch(name, fmt, blocks, threads, args, shared=0, grid_stride=True):
 
 def payload_layout(n: int, fmt, channels: int, chunk: int, ns: int = 0, ne: int = 0, nh: int = 0) -> tuple:
     """({stream: (payload offset, bytes, dtype)}, payload length) of the streams of section 15.4
-    with ns sec_codes bytes, ne escapes and nh exp_high bytes: the layout rule (2.4) in
-    canonical order, as channel_offsets.cuh's ch_payload computes it on the device."""
-    G, nchunks = groups(n), -(-n // chunk)
-    nbytes = {"codes": CODE_BITS * G, "rest": fmt.rest_bits * G, "esc_count": 2 * nchunks, "esc_pos": 2 * ne,
-              "esc_exp": ne, "exp_high": nh, "sec_codes": ns, "sec_count": 2 * nchunks, "tables": TABLE_WIDTH * channels}
-    offsets, payload = layout.place([nbytes[name] for name, _ in layout.RATIO_STREAMS])
-    return {name: (off, nbytes[name], dtype) for (name, dtype), off in zip(layout.RATIO_STREAMS, offsets)}, payload
+    (container.ratio_streams) with ns sec_codes bytes, ne escapes and nh exp_high bytes, placed by
+    the layout rule (2.4), as channel_offsets.cuh's ch_payload places them on the device."""
+    streams = container.ratio_streams(n, fmt, channels, chunk, ne, nh, ns)
+    offsets, payload = layout.place([nb for _, _, nb in streams])
+    return {name: (off, nb, dtype) for (name, dtype, nb), off in zip(streams, offsets)}, payload
 
 
 def payload_bound(n: int, fmt, channels: int, chunk: int) -> int:
@@ -85,12 +83,12 @@ def _encode_into(src, n: int, fmt, channels: int, chunk: int, payload: int) -> t
     E, HB = fmt.exp_bits, fmt.exp_bits - CODE_BITS
     G, nchunks, gpc = groups(n), -(-n // chunk), chunk // 8
     full_cap, tiles = HB * gpc // 3, max(1, -(-nchunks // TILE))  # one scan block even without chunks
-    fixed = payload_layout(n, fmt, channels, chunk)[0]
+    fixed = payload_layout(n, fmt, channels, chunk)[0]  # codes, rest and esc_count: placed whatever the counts
     ws = _Workspace(hist=4 * (channels << E), tables=TABLE_WIDTH * channels, sec_count=2 * nchunks,
                     sec_slots=4 * nchunks * (-(-CODE_BITS * chunk // 32)), pos_slots=2 * nchunks * full_cap,
                     exp_slots=nchunks * full_cap, high_slots=HB * G, offsets=8 * 3 * nchunks, tile_sums=8 * 3 * tiles,
                     result=8 * 4)
-    at = {name: np.uint64(payload + off) for name, (off, _, _) in fixed.items() if name in ("codes", "rest", "esc_count")}
+    at = {name: np.uint64(payload + fixed[name][0]) for name in ("codes", "rest", "esc_count")}
     cp.cuda.runtime.memsetAsync(int(ws.ptr("hist")), 0, 4 * (channels << E), cp.cuda.get_current_stream().ptr)
     _launch("histogram", fmt, sample_plan(n).blocks, THREADS, (src, np.int64(n), np.int32(channels), ws.ptr("hist")))
     _launch("tables", fmt, channels, THREADS, (ws.ptr("hist"), ws.ptr("tables")))
