@@ -80,8 +80,8 @@ def encode_frame(pipe, frame: Frame, start: int = 0) -> Frame:
         if isinstance(step, ChannelPack) and i == len(steps) - 1 and set(frame.streams) == {"data"}:
             head = step.blob_header(frame, serialize.checksum)
             if head is not None:  # on a GPU the kernels write the container themselves
-                out = step.encode_blob(frame, head, serialize.checksum)
-                return stored(pipe, before_split) if out is None else out
+                out, payload = step.encode_blob(frame, head, serialize.checksum)
+                return stored(pipe, before_split) if payload > serialize.payload_size(before_split) else out
         frame = step.encode(frame)
     if before_split is not None and serialize.payload_size(frame) > serialize.payload_size(before_split):
         return stored(pipe, before_split)

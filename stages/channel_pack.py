@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from kvzip import container, layout
+from kvzip import container
 from kvzip.bitpack import groups
 from kvzip.channel_codebook import CODE_BITS, TABLE_WIDTH, channels_of, check_tables, encode_lut, rank_tables
 from kvzip.errors import CHANNEL_DECODE_ERRORS, FormatError
@@ -84,18 +84,15 @@ class ChannelPack(Stage):
             return None
         return _header(json.dumps(frame.meta, sort_keys=True), self.chunk, checksum)
 
-    def encode_blob(self, frame: Frame, head: bytes, checksum: bool) -> Frame | None:
-        """The blob frame Serialize(checksum) would make of this stage's streams, written by the
-        GPU kernels in place behind ``head`` (blob_header's); None where the payload would be larger
-        than the values' (the caller stores them raw, as for ``encode``'s streams)."""
+    def encode_blob(self, frame: Frame, head: bytes, checksum: bool) -> tuple[Frame, int]:
+        """(the blob frame Serialize(checksum) would make of this stage's streams, its payload's
+        length): written by the GPU kernels in place behind ``head`` (blob_header's)."""
         from kvzip.gpu import channel_pack as gpu
 
         fmt, n = frame.format, frame.n
         data = frame.expect("data", fmt.uint_dtype, n)
         blob, payload = gpu.encode_blob(data, n, fmt, channels_of(frame.meta["shape"]), self.chunk, head, checksum)
-        if payload > layout.align(data.nbytes):
-            return None
-        return Frame(frame.backend, {"blob": blob}, dict(frame.meta))
+        return Frame(frame.backend, {"blob": blob}, dict(frame.meta)), payload
 
     def check(self, frame: Frame) -> dict:
         """The streams, on the frame's backend, after checking their dtypes, the lengths n implies
