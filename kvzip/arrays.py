@@ -33,7 +33,7 @@ import math
 import re
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from operator import attrgetter, methodcaller
 
 import numpy as np
@@ -117,6 +117,19 @@ class Origin:
         if here:  # the usual torch call: a (cached) CuPy stream is its own context manager
             return _cupy_stream(_torch_stream_ptr(self.device_index), self.device_index)
         return self._switch()
+
+    def memory_context(self):
+        """Take the CuPy allocations of a step-by-step (staged) call from the caller's allocator.
+
+        For a CUDA torch caller, every CuPy allocation inside the context comes from torch's
+        caching allocator on the caller's current stream (where the staged kernels run), so a
+        result handed to torch is torch's own memory and freed memory goes back to torch: CuPy's
+        pool would otherwise keep every block it ever held, out of torch's reach (a receiver
+        decoding GiBs of ratio-mode KV into torch's KV cache ran out of memory that way).  Other
+        callers keep CuPy's pool; on the CPU this is a no-op."""
+        if self.framework != "torch" or self.device != "cuda":
+            return _NO_SWITCH
+        return _cupy().cuda.using_allocator(partial(_torch_allocation, self.device_index))
 
     def working_stream(self):
         """The CuPy stream stream_context() makes kvzip's for this CUDA caller, or None where
@@ -825,6 +838,16 @@ def _torch_dtype(name: str):
     import torch
 
     return getattr(torch, name)
+
+
+def _torch_allocation(device_index: int, nbytes: int):
+    """A CuPy allocator's answer (a MemoryPointer) for nbytes of torch memory on device_index,
+    the tensor kept alive by the memory."""
+    import torch
+
+    cupy = _cupy()
+    t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=torch.device("cuda", device_index))
+    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(t.data_ptr(), t.numel(), t, device_index), 0)
 
 
 def _cupy_over_torch(t, shape: tuple, dtype, device_index: int):

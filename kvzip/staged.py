@@ -51,8 +51,9 @@ def tensor_frame(bits, fmt, shape, backend) -> Frame:
 def encode(pipe, bits, fmt, shape, backend, origin):
     """The blob of one imported tensor, as the caller's 1-D uint8 array (origin: the caller, a
     kvzip.arrays.Origin)."""
-    blob = encode_frame(pipe, tensor_frame(bits, fmt, shape, backend)).streams["blob"]
-    return origin.export_bytes(to_origin(blob, origin))
+    with origin.memory_context():
+        blob = encode_frame(pipe, tensor_frame(bits, fmt, shape, backend)).streams["blob"]
+        return origin.export_bytes(to_origin(blob, origin))
 
 
 # The steps that take the values apart (after them the size fallback can store the values raw).
@@ -112,6 +113,11 @@ def decode(pipe, u8, backend, origin):
     PayloadCheck), not in a pass of its own before; still before any other step reads the
     payload and before any error goes out: a corrupted payload's checksum error wins over the
     errors the header checks or the decode would raise."""
+    with origin.memory_context():
+        return _decode(pipe, u8, backend, origin)
+
+
+def _decode(pipe, u8, backend, origin):
     head = container.read_head(backend, u8)
     hdr = container.parse_header(head, u8.shape[0])
     check = container.PayloadCheck(u8, hdr) if backend.name == "cpu" and hdr.flags & container.FLAG_CHECKSUM \

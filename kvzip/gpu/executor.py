@@ -316,7 +316,8 @@ def decode_general(pipe, rest: list, out: list, labelled: bool = True) -> bool:
             cb = fused.check(frame)
             groups.setdefault((frame.format.name, fused.chunk), []).append((i, frame, origin, recorded, cb, head, u8, hdr))
         else:
-            out[i] = staged.export_decoded(staged.decode_steps(steps, frame), origin)
+            with origin.memory_context():  # stage by stage: CuPy allocates, from the caller's allocator
+                out[i] = staged.export_decoded(staged.decode_steps(steps, frame), origin)
             container.remember_header(head, u8.shape[0], hdr)
     for (_, chunk), members in groups.items():
         dsts = programs.decode_batch([m[1] for m in members], chunk, [m[4] for m in members],

@@ -46,6 +46,30 @@ def test_streams_for_serialize_where_the_header_is_version_1():
     assert torch.equal(kvzip.decompress(blob).cpu(), kvzip.decompress(pipe.encode(x)))
 
 
+@pytest.mark.parametrize("mode", ["ratio", "storage"])
+def test_torch_callers_memory_comes_from_torch(mode):
+    """Stage by stage on a torch caller's tensors, CuPy allocates from torch's caching allocator:
+    the blobs and the decoded tensors are torch's memory, not blocks of CuPy's pool (a
+    receiver decoding GiBs of KV into torch's cache ran out of memory while CuPy's pool held
+    what torch had freed)."""
+    import torch
+
+    host = layers()
+    xs = [torch.from_numpy(x.astype(np.int16)).view(torch.bfloat16).cuda() for x in host]
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    held = pool.total_bytes()
+    blobs = kvzip.compress_many(xs, mode=mode)
+    one = kvzip.compress(xs[0], mode=mode)
+    backs = kvzip.decompress_many(blobs) + [kvzip.decompress(one)]
+    torch.cuda.synchronize()
+    assert pool.total_bytes() - held < min(x.numel() for x in xs)  # none of them is CuPy's
+    for back, x in zip(backs, xs + xs[:1]):
+        assert torch.equal(back, x)
+    for blob, x in zip(blobs, xs):
+        assert bytes(blob.cpu().numpy()) == bytes(kvzip.compress(x.cpu(), mode=mode).numpy())
+
+
 def test_version_3_blobs_beside_remembered_layouts():
     host = layers()
     speed = kvzip.compress_many([cupy.asarray(x) for x in host], dtype="bf16")
