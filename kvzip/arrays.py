@@ -845,17 +845,22 @@ def _torch_allocation(device_index: int, nbytes: int):
     the tensor kept alive by the memory."""
     import torch
 
+    return _torch_memory(torch.empty(max(nbytes, 1), dtype=torch.uint8, device=torch.device("cuda", device_index)),
+                         device_index)
+
+
+def _torch_memory(t, device_index: int):
+    """A CuPy MemoryPointer over a contiguous CUDA torch tensor's own memory (t, its owner, kept
+    alive by it)."""
     cupy = _cupy()
-    t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=torch.device("cuda", device_index))
-    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(t.data_ptr(), t.numel(), t, device_index), 0)
+    memory = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t, device_index)
+    return cupy.cuda.MemoryPointer(memory, 0)
 
 
 def _cupy_over_torch(t, shape: tuple, dtype, device_index: int):
     """A CuPy array of shape and dtype over a contiguous CUDA torch tensor's own memory (t, its
     owner, kept alive by the array)."""
-    cupy = _cupy()
-    memory = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t, device_index)
-    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
+    return _cupy().ndarray(shape, dtype, _torch_memory(t, device_index))
 
 
 def cupy_ndarray():

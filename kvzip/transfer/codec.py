@@ -178,10 +178,9 @@ def _decode_coded(buf, entries: list[dict], coded: dict, out: list) -> None:
 # costs, per group, a fixed time, a time per tensor (a call of the codec: the speed mode batches a
 # group's tensors into one, the ratio mode pays each) and the group's raw bytes over a rate.
 # Starting values, per device kind: (fixed seconds, seconds a tensor, GB/s) per codec and stage,
-# and the ratio, from the H200 runs of benchmarks/bench_transfer.py (benchmarks/NOTES.md, transfer
-# t2 and t8: the ratio mode's ~2.5 ms a group of two 256 MiB tensors, ~5.4 ms of eight 64 MiB
-# ones, beside the other process's decode) and the 2-core CPU; a connection refines the rates
-# and ratios from its own requests.
+# and the ratio, fitted to the H200 runs of benchmarks/bench_transfer.py (benchmarks/NOTES.md,
+# transfer t2, t8, t9) and to the 2-core CPU; a connection refines the rates and ratios from its
+# own requests.
 _START = {
     "cuda": {"raw": {"enc": (6e-4, 0.0, 800.0), "dec": (8e-4, 0.0, 900.0)},
              "kvzip": {"enc": (9e-4, 0.0, 800.0), "dec": (9e-4, 0.0, 1400.0)},
