@@ -15,7 +15,6 @@ import pytest
 import kvzip
 from kvzip import transfer
 from kvzip.transfer import Faults, LoopbackEngine, TransferError
-from kvzip.transfer.sender import GROUP_COUNTS, group_layers
 
 torch = pytest.importorskip("torch")
 
@@ -443,35 +442,6 @@ def test_groups_start_small_and_a_large_last_layer_travels_alone():
         stats = tx.send("g", layers).wait(timeout=60)
         assert all(same(a, b) for a, b in zip(layers, rx.receive("g")))
     assert stats["groups"] == 4
-    assert group_layers(12, 4 << 20, 32 << 20) == [1, 8, 2, 1]  # the plan's picture of it
-
-
-def test_plan_weighs_groupings_by_the_pipeline_model():
-    """Once the link is known, a request's groups are the grouping the model predicts fastest:
-    on the GPU model half a GiB (32 layers of 16 MiB) travels raw in fewer, larger groups on a
-    200 GB/s link than on a 25 GB/s one (a group's fixed cost against the pipeline's fill);
-    a Sender's own group_bytes stays; the groups a run forms are the ones the plan predicted."""
-    from kvzip.transfer.codec import AutoChooser
-
-    def plan(gbps, kinds=("raw",)):
-        groupings = {}
-        for k in GROUP_COUNTS:
-            counts = group_layers(32, 16 << 20, -(-32 // k) * (16 << 20))
-            groupings[-(-32 // k) * (16 << 20)] = ([c << 24 for c in counts], [2 * c for c in counts])
-        return AutoChooser("cuda", gbps).plan(groupings, kinds)
-
-    slow, fast = plan(25.0), plan(200.0)
-    assert slow[0] == fast[0] == "raw" and fast[1] > slow[1]
-    assert plan(25.0, ("raw", "kvzip"))[0] == "kvzip"
-    layers = [(torch.zeros(256, 1024, dtype=torch.bfloat16), torch.ones(256, 1024, dtype=torch.bfloat16))
-              for _ in range(24)]  # 1 MiB a layer
-    with transfer.Receiver(engine="loopback", slot_bytes=16 << 20) as rx:
-        for kw in ({}, {"group_bytes": 2 << 20}):
-            with transfer.Sender(rx.address, engine="loopback", codec="raw", link_gbps=1.0, **kw) as tx:
-                stats = tx.send("p", layers).wait(timeout=60)
-                assert all(same(a, b) for a, b in zip(layers, rx.receive("p")))
-            assert stats["groups"] == len(group_layers(24, 1 << 20, stats["group_bytes"]))
-            assert stats["group_bytes"] == kw.get("group_bytes", stats["group_bytes"])
 
 
 def test_wait_without_timeout_fails_a_stalled_request_only():

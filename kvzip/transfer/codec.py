@@ -221,44 +221,31 @@ class AutoChooser:
                 left = max(seconds / groups - fixed - calls * per_call, 1e-6)
                 self.stage[kind][stage] = (fixed, per_call, _ewma(rate, g / left / 1e9))
 
-    def predict(self, kind: str, group_bytes: list[int], calls=1) -> float:
-        """Seconds to move groups of these raw sizes, of ``calls`` tensors each (one count for
-        all, or one a group), with ``kind``: the pipeline's fill (first encode, last decode) plus
-        every group through its slowest stage."""
+    def predict(self, kind: str, group_bytes: list[int], calls: int = 1) -> float:
+        """Seconds to move groups of these raw sizes, of ``calls`` tensors each, with ``kind``:
+        the pipeline's fill (first encode, last decode) plus every group through its slowest
+        stage."""
         link = self.link_gbps * 1e9
-        per_group = calls if isinstance(calls, (list, tuple)) else [calls] * len(group_bytes)
         (fe, ce, re), (fd, cd, rd) = self.stage[kind]["enc"], self.stage[kind]["dec"]
-        enc = [fe + c * ce + g / (re * 1e9) for g, c in zip(group_bytes, per_group)]
-        dec = [fd + c * cd + g / (rd * 1e9) for g, c in zip(group_bytes, per_group)]
+        enc = [fe + calls * ce + g / (re * 1e9) for g in group_bytes]
+        dec = [fd + calls * cd + g / (rd * 1e9) for g in group_bytes]
         wire = [g / self.ratio[kind] / link for g in group_bytes]
         return enc[0] + dec[-1] + sum(max(e, w, d) for e, w, d in zip(enc, wire, dec))
 
-    def choose(self, group_bytes: list[int], calls=1) -> tuple[str, str]:
-        """(one of CHOICES, the reason in words) for these groups: ``plan`` with one grouping;
-        kvzip while the link is unmeasured."""
+    def choose(self, group_bytes: list[int], calls: int = 1) -> tuple[str, str]:
+        """(one of CHOICES, the reason in words) for groups of ``calls`` tensors: the fastest
+        predicted, a codec only where it beats raw by 2 %, the ratio mode only where it beats the
+        speed mode by 2 %."""
         if self.link_gbps is None:
             return "kvzip", "link speed not measured yet: compressing until it is"
-        kind, _, reason = self.plan({0: (group_bytes, calls)})
-        return kind, reason
-
-    def plan(self, groupings: dict, kinds=CHOICES) -> tuple[str, object, str]:
-        """(kind, grouping key, the reason in words) once the link is known: of ``kinds`` (the
-        first the baseline: raw for codec="auto"), each with its fastest predicted grouping
-        (``groupings``: key -> (group sizes, calls a group)), the fastest, where a later kind
-        must beat the one picked before it by 2 % (a codec beats raw, the ratio mode the speed
-        mode): the model's error is a few per cent (benchmarks/NOTES.md t8)."""
-        best = {}
-        for kind in kinds:
-            best[kind] = min((self.predict(kind, *g), key) for key, g in groupings.items())
-        pick = kinds[0]
-        for kind in kinds[1:]:
-            if best[kind][0] < 0.98 * best[pick][0]:
+        t = {kind: self.predict(kind, group_bytes, calls) for kind in CHOICES}
+        pick = "raw"
+        for kind in CHOICES[1:]:
+            if t[kind] < 0.98 * t[pick]:
                 pick = kind
-        said = ", ".join(f"{kind} {best[kind][0] * 1e3:.3f} ms" for kind in kinds)
-        key = best[pick][1]
-        n = len(groupings[key][0])
-        return pick, key, (f"predicted {said} (link {self.link_gbps:.1f} GB/s, ratios "
-                           f"{self.ratio['kvzip']:.3f} / {self.ratio['kvzip-ratio']:.3f}, {n} groups)")
+        said = ", ".join(f"{kind} {t[kind] * 1e3:.3f} ms" for kind in CHOICES)
+        return pick, (f"predicted {said} (link {self.link_gbps:.1f} GB/s, ratios "
+                      f"{self.ratio['kvzip']:.3f} / {self.ratio['kvzip-ratio']:.3f}, {len(group_bytes)} groups)")
 
 
 def _ewma(old, new, keep=0.5):

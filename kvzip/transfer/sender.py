@@ -41,27 +41,6 @@ TARGET_GROUPS = 8       # enough groups that the pipeline's fill is a small part
 STAGING_SLOTS = 3       # a group being encoded, one being written, one between: the stages overlap
 FIRST_GROUP = 4 << 20   # the first group closes early, so the wire starts after a short encode;
                         # a large last layer travels alone, so the decode after the wire is short
-GROUP_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the groupings a request's plan weighs
-
-
-def closes_before(layers: int, pending: int, need: int, limit: int, last: bool) -> bool:
-    """Whether a group of ``layers`` layers (``pending`` bytes) goes before a layer of ``need``
-    bytes joins it: when the layer would take it past ``limit``, or when that layer is the
-    request's last, at least FIRST_GROUP, and the group holds twice it (it then travels alone)."""
-    return layers > 0 and (pending + need > limit or last and need >= FIRST_GROUP and pending >= 2 * need)
-
-
-def group_layers(n_layers: int, need: int, group_bytes: int) -> list[int]:
-    """Layers a group, for ``n_layers`` layers of ``need`` bytes in groups of ``group_bytes``,
-    as Sender._add_layer forms them (the first group closing at FIRST_GROUP)."""
-    counts, layers = [], 0
-    for i in range(n_layers):
-        limit = min(FIRST_GROUP, group_bytes) if not counts else group_bytes
-        if closes_before(layers, layers * need, need, limit, i == n_layers - 1):
-            counts.append(layers)
-            layers = 0
-        layers += 1
-    return counts + [layers]
 
 
 class SendHandle:
@@ -146,9 +125,7 @@ class Sender:
     this link, see codec.AutoChooser), a kvzip.Pipeline, or the name of a WireCodec registered
     (kvzip.transfer.register_codec) in both processes.
     link_gbps: emulate a link of that rate (benchmarks; pacing.py).  group_bytes: raw bytes per
-    message, at most a ring slot (default: planned per request, ``_plan``: once the link's speed
-    is known the grouping predicted fastest, before that the request split in about 8, at least
-    8 MiB).
+    message (default: the request split in about 8, at least 8 MiB, at most a ring slot).
     timeout: seconds any one step may stall (connect, a credit, an acceptance) before failing.
     """
 
@@ -307,44 +284,27 @@ class Sender:
             if buffers.device_of(t) != self._device:
                 raise ValueError(f"this sender stages {self._device} memory; layer {index} has a tensor on {buffers.device_of(t)}")
         if h._group_bytes is None:
-            self._plan(h, need, len(tensors))
+            h._group_bytes = self._group_size(need * h.n_layers)
+            if h._auto:
+                n_groups = max(1, -(-need * h.n_layers // h._group_bytes))
+                calls = len(tensors) * max(1, min(h.n_layers, h._group_bytes // need))  # tensors a group
+                pick, h.reason = self._auto.choose([h._group_bytes] * n_groups, calls)
+                h.codec, h._wire = pick, None if pick == "raw" else codec.get(pick)
+                h.stats["codec"] = h.codec
+                h.stats["auto"] = h.reason
+                log.info("request %s: codec=auto sends %s: %s", h.request, h.codec, h.reason)
         limit = min(FIRST_GROUP, h._group_bytes) if h._groups_flushed == 0 else h._group_bytes
-        if closes_before(len(h._pending), h._pending_bytes, need, limit, last=len(h._queued) == h.n_layers):
+        last = len(h._queued) == h.n_layers
+        if h._pending and (h._pending_bytes + need > limit
+                           or last and need >= FIRST_GROUP and h._pending_bytes >= 2 * need):
             self._flush(h, last=False)
         h._pending.append((index, tensors, _fence(tensors)))
         h._pending_bytes += need
 
-    def _plan(self, h: SendHandle, need: int, tensors_per_layer: int) -> None:
-        """A request's group size, and for codec="auto" its codec, set at its first layer (the
-        others assumed like it).  Once the link's speed is known (paced, or measured from this
-        connection's writes), the grouping the pipeline model (codec.AutoChooser) predicts
-        fastest among about ten, from one group to 32: a group's fixed costs (host work, one
-        codec call) favour few, the pipeline's fill many.  Before that, or for a codec the
-        model does not know: the request split in TARGET_GROUPS."""
-        total, slot = need * h.n_layers, self.slot_bytes
-        default = min(slot, max(MIN_GROUP, -(-total // TARGET_GROUPS)))
-        kinds = codec.CHOICES if h._auto else (h.codec,) if h.codec in codec.CHOICES else ()
-        if not kinds or self._auto.link_gbps is None:
-            h._group_bytes = min(self._group_bytes, slot) if self._group_bytes else default
-            if h._auto:
-                h.codec, h.reason = "kvzip", "link speed not measured yet: compressing until it is"
-        else:
-            if self._group_bytes:
-                options = {min(self._group_bytes, slot)}
-            else:
-                options = {default} | {min(slot, max(MIN_GROUP, -(-h.n_layers // k) * need)) for k in GROUP_COUNTS}
-            groupings = {}
-            for g in sorted(options):
-                counts = group_layers(h.n_layers, need, g)
-                groupings[g] = ([c * need for c in counts], [c * tensors_per_layer for c in counts])
-            pick, h._group_bytes, reason = self._auto.plan(groupings, kinds)
-            if h._auto:
-                h.codec, h.reason = pick, reason
-        if h._auto:
-            h._wire = None if h.codec == "raw" else codec.get(h.codec)
-            h.stats["codec"], h.stats["auto"] = h.codec, h.reason
-            log.info("request %s: codec=auto sends %s: %s", h.request, h.codec, h.reason)
-        h.stats["group_bytes"] = h._group_bytes
+    def _group_size(self, total: int) -> int:
+        if self._group_bytes is not None:
+            return min(self._group_bytes, self.slot_bytes)
+        return min(self.slot_bytes, max(MIN_GROUP, -(-total // TARGET_GROUPS)))
 
     def _flush(self, h: SendHandle, last: bool) -> None:
         if h._pending:
