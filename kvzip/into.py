@@ -86,10 +86,12 @@ def decompress_into(pipe, blob, out, status_out=None, dtype=None):
     status = _target(status_out, "status_out", origin, (np.int64,), 8) if status_out is not None else None
     _disjoint(("blob", u8.data.ptr, u8.nbytes), ("out", dst, bits.nbytes),
               *((("status_out", status.data.ptr, 8),) if status is not None else ()))
-    layout = None if pipe.body_steps[-1].top16.auto else _layout(_planned(pipe, fmt, shape), shape)
-    if status is not None and layout is None:
-        raise ValueError("decompress_into with status_out decodes blobs of one fixed codebook; codebook='auto' "
-                         "gives each blob its own: decode those without status_out (checked on the host)")
+    try:
+        layout = _layout(_planned(pipe, fmt, shape), shape)
+    except ValueError:  # a version-1 header (2**32 values or more): no layout the device path checks
+        if status is not None:
+            raise
+        layout = None
     short = layout is not None and u8.nbytes < layout.fixed_bytes  # shorter than any blob of the layout
     fast = programs.applicable(get_backend("cuda"), bits.shape[0])
     if status is None and (layout is None or short or not fast):

@@ -146,22 +146,25 @@ def test_status_text():
     assert "escape" in kvzip.status_text(1)
 
 
-def test_the_planned_layout_is_the_blobs_own():
+@pytest.mark.parametrize("codebook", [None, "auto"])
+def test_the_planned_layout_is_the_blobs_own(codebook):
     """decompress_into's kernels check each blob against the layout planned from the encode plan
     (layout_cache.planned), with no blob seen yet: it must be the layout the decoder reads off a
-    real blob's header (its blanked key, the expected header, the fixed streams' offsets)."""
+    real blob's header (its blanked key, the expected header, the fixed streams' offsets); an
+    auto one's guesses take each blob's codebook from its header."""
     from kvzip import api, into as into_mod
     from kvzip.gpu import layout_cache
     from kvzip.gpu.abi import DECODE
 
     x = sample_bf16()
-    blob = bytes(kvzip.compress(x))
+    blob = bytes(kvzip.compress(x, codebook))
     hdr = container.parse_header(blob[:4096], len(blob))
-    lane = into_mod._planned(api._default(None, False, api.DEFAULT_CHUNK), kvzip.get_format("bf16"), x.shape)[0]
+    lane = into_mod._planned(api._default(codebook, False, api.DEFAULT_CHUNK), kvzip.get_format("bf16"), x.shape)[0]
     layout = layout_cache.planned(lane.plan, lane.fmt, x.shape, lane.chunk, lane.codebook)
     key, crc_ok, _, _ = layout_cache._read(blob[:hdr.header_len], len(blob))
     assert crc_ok and layout.key == key and layout.header_len == hdr.header_len
     assert layout.expect == layout_cache._expect(blob[:hdr.header_len], key)
+    assert layout.own_codebook == (codebook == "auto")
     at = {name: hdr.header_len + off for name, _, off, _ in hdr.streams}
     assert layout.esc_pos_offset + hdr.header_len == at["esc_pos"]
     for name in ("codes", "rest", "esc_count"):

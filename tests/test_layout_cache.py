@@ -306,10 +306,12 @@ def test_layouts_are_noted_and_guessed_from_several_threads():
     assert errors == []
 
 
-def test_compact_layouts_take_each_blobs_codebook_and_guesses_follow_the_latest():
-    """Auto codebooks vary between blobs of one layout: the match puts each blob's own codebook
-    in its job row (the layout's key holds none), single and batched alike, and the layout's
-    guesses then expect the latest blob's codebook."""
+def test_compact_layouts_take_each_blobs_codebook():
+    """Codebooks vary between blobs of one compact layout.  The match puts each blob's own in its
+    job row (the layout's key holds none), single and batched alike.  An auto layout's guesses
+    take the codebook from each header (expect leaves it blank; the guess row's dlo 0 and dhi
+    the format's exponent count say so: guess_head); a given codebook's guesses expect the
+    latest blob's."""
     layout_cache.forget()
     bits = real_bits()
     a = kvzip.compress(bits, dtype="bf16", codebook="auto")
@@ -317,12 +319,13 @@ def test_compact_layouts_take_each_blobs_codebook_and_guesses_follow_the_latest(
     assert bytes(a[48:64]) != bytes(b[48:64]) and len(a) == len(b)
     remember_blob(a)
     (layout,) = layout_cache._layouts.values()
-    assert layout.expect[48:64] == bytes(a[48:64])
+    assert layout.own_codebook and layout.expect[48:64] == bytes(16)
+    assert tuple(layout.guess_row[0, 10:12]) == (0, 256)  # DecodeJob's dlo, dhi
     hit = layout_cache.match(head_of(b), b.shape[0])
     assert hit is not None
     got, row = hit
-    assert row[0, 10:12].view(np.uint8).tobytes() == bytes(b[48:64])  # DecodeJob's dlo, dhi
-    assert got.expect[48:64] == bytes(b[48:64]) and layout_cache.guess(b.shape[0]) is got
+    assert row[0, 10:12].view(np.uint8).tobytes() == bytes(b[48:64])
+    assert got is layout and layout_cache.guess(b.shape[0]) is layout
     block = np.zeros((2, 4096), np.uint8)
     for i, blob in enumerate((a, b)):
         block[i, :blob.shape[0]] = np.asarray(blob)[:4096]
@@ -330,4 +333,13 @@ def test_compact_layouts_take_each_blobs_codebook_and_guesses_follow_the_latest(
     assert rest == [] and len(groups) == 1
     _, pos, jobs = groups[0]
     assert [jobs[j, 10:12].view(np.uint8).tobytes() for j in range(2)] == [bytes(a[48:64]), bytes(b[48:64])]
+    layout_cache.forget()
+    books = [kvzip.Codebook(list(a[48:64]), "bf16"), kvzip.Codebook(list(b[48:64]), "bf16")]
+    c, d = (kvzip.compress(bits, dtype="bf16", codebook=cb) for cb in books)
+    remember_blob(c)
+    (given,) = layout_cache._layouts.values()
+    assert not given.own_codebook and given.expect[48:64] == bytes(c[48:64])
+    got, row = layout_cache.match(head_of(d), d.shape[0])
+    assert row[0, 10:12].view(np.uint8).tobytes() == bytes(d[48:64]) and got.expect[48:64] == bytes(d[48:64])
+    assert tuple(got.guess_row[0, 10:12].view(np.uint8).tobytes()) == tuple(d[48:64])
     layout_cache.forget()

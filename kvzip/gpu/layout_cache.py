@@ -68,9 +68,21 @@ _CODEBOOK = blob_layout.COMPACT_FIELD["codebook"].span  # a compact header's 16 
 _DLUT = DECODE.span("dlo", "dhi")
 
 
+_SOURCE = blob_layout.COMPACT_FIELD["codebook_source"].offset
+_AUTO_SOURCE = blob_layout.CODEBOOK_SOURCES.index("auto")
+
+
+def _own_codebook(key: bytes) -> bool:
+    """Whether the blobs of a layout (its key) each carry their own codebook: a compact header's,
+    chosen for its tensor (codebook="auto")."""
+    return len(key) == _COMPACT_SIZE and blob_layout.version_of(key) == blob_layout.COMPACT_VERSION \
+        and key[_SOURCE] == _AUTO_SOURCE
+
+
 def _expect(head: bytes, key: bytes) -> bytes:
-    """Layout.expect of a header whose key is key: a compact header's codebook put back."""
-    if len(key) != _COMPACT_SIZE or blob_layout.version_of(head) != blob_layout.COMPACT_VERSION:
+    """Layout.expect of a header whose key is key: a compact header's codebook put back, unless
+    each blob has its own (the guess then takes it from the header: guess_head)."""
+    if len(key) != _COMPACT_SIZE or blob_layout.version_of(head) != blob_layout.COMPACT_VERSION or _own_codebook(key):
         return key
     b = bytearray(key)
     b[_CODEBOOK] = head[_CODEBOOK]
@@ -102,6 +114,7 @@ class Layout:
                            # a compact one's codebook too: the job row takes each blob's (match)
     expect: bytes          # what a guessed blob's header must be, blanked (guess_head): key, with a
                            # compact header's codebook kept, as the row's dlo/dhi are this one's
+                           # (not where each blob has its own: own_codebook)
     dequantize: tuple | None = None  # (QuantizeFP8 stage, its frame meta, scales offset in the blob)
 
     @property
@@ -116,13 +129,21 @@ class Layout:
         return self.fixed_bytes + 4 * self.n + blob_layout.ESCAPE_SLACK
 
     @cached_property
+    def own_codebook(self) -> bool:
+        """Each blob of this layout carries its own codebook (codebook="auto")."""
+        return _own_codebook(self.key)
+
+    @cached_property
     def guess_row(self) -> np.ndarray:
         """The job row for a blob guessed to be of this layout: esc_pos where the guess puts it
         (the GPU's guess checks that and fills in the other escape fields; n_high stays
-        GUESS_PENDING until it has)."""
+        GUESS_PENDING until it has).  Where each blob has its own codebook, dlo 0 and dhi the
+        format's exponent count: the guess takes the codebook from the header (guess_head)."""
         row = self.row.copy()
         row[:, _ESC_POS] = self.fixed_bytes
         row[:, _N_HIGH] = programs.GUESS_PENDING
+        if self.own_codebook:
+            row[:, _DLUT] = (0, 1 << self.fmt.exp_bits)
         return row
 
 
@@ -205,7 +226,7 @@ def planned(plan, fmt, shape: tuple, chunk: int, codebook) -> Layout:
 def _fixed_row(at: dict, n: int, codebook) -> np.ndarray:
     """A layout's job row: the fixed streams' blob offsets (at: stream name -> offset from the
     blob's start), n, and the codebook's decode words; the escape fields are each blob's."""
-    dlo, dhi = programs.dlut_words(codebook)
+    dlo, dhi = programs.dlut_words(codebook) if codebook is not None else (0, 0)  # None: auto's, each blob's own
     return DECODE.row(codes=at["codes"], rest=at["rest"], esc_count=at["esc_count"], n=n, dlo=dlo, dhi=dhi)
 
 
@@ -318,9 +339,11 @@ def match(head: bytes, nbytes: int) -> tuple[Layout, np.ndarray] | None:
         return None
     if pos_at != layout.esc_pos_offset or not blob_layout.escapes_laid_out(payload, entries):
         return None  # laid out otherwise than layout.escape_layout would: the general path decides
-    if compact:  # the blob's own codebook (the layout's key holds none); later guesses expect it
+    if compact:  # later guesses expect the blob's codebook (the layout's key holds none)
         layout = _expecting(layout, head[_CODEBOOK])
     row = layout.row.copy()
+    if compact:  # and its job row takes it, whatever the layout's guesses expect
+        row[0, _DLUT] = np.frombuffer(bytes(head[_CODEBOOK]), "<u8")
     row[0, _ESCAPE_STREAMS] = (h + pos_at, h + exp_at, h + high_at)
     row[0, _ESCAPE_LENGTHS] = (exp_nb, high_nb)  # escapes; high-exponent bytes
     _note(layout)
@@ -331,9 +354,10 @@ def _expecting(layout: Layout, codebook: bytes) -> Layout:
     """layout, or where its guesses expect another compact codebook, the layout with this one in
     its place (expect and the job row's dlo/dhi), remembered instead: a guess checks the codebook
     (the early chunks of a guessed decode run before the header is read), so blobs of a layout
-    whose codebook changed (auto) go back to guessed decodes from the second one on."""
+    whose codebook changed go back to guessed decodes from the second one on.  A layout whose
+    blobs each have their own codebook (auto) guesses with none: layout itself."""
     codebook = bytes(codebook)
-    if layout.expect[_CODEBOOK] == codebook:
+    if layout.own_codebook or layout.expect[_CODEBOOK] == codebook:
         return layout
     expect = bytearray(layout.expect)
     expect[_CODEBOOK] = codebook

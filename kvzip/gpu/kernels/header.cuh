@@ -27,10 +27,13 @@ __device__ __forceinline__ bool compact_head(const u8* head) {
 
 // The fields of a header that follow the escape count (blanked in a remembered layout's,
 // kvzip/layout.py's VARYING and COMPACT_VARYING): byte i of a version-1 header with its escape
-// entries at `at`, or of a compact one.
-__device__ __forceinline__ bool varying_byte(long long i, bool compact, long long at) {
+// entries at `at`, or of a compact one; with book, a compact one's codebook too (a layout whose
+// blobs each carry their own: Layout.own_codebook).
+__device__ __forceinline__ bool varying_byte(long long i, bool compact, long long at, bool book) {
     const bool crc = i >= KVZ_HEADER_CRC_AT && i < KVZ_HEADER_CRC_AT + KVZ_HEADER_CRC_SIZE;
-    if (compact) return crc || (i >= KVZ_COMPACT_ESCAPES_AT && i < KVZ_COMPACT_HIGH_BYTES_AT + KVZ_COMPACT_HIGH_BYTES_SIZE);
+    if (compact)
+        return crc || (i >= KVZ_COMPACT_ESCAPES_AT && i < KVZ_COMPACT_HIGH_BYTES_AT + KVZ_COMPACT_HIGH_BYTES_SIZE) ||
+               (book && i >= KVZ_COMPACT_CODEBOOK_AT && i < KVZ_COMPACT_CODEBOOK_AT + KVZ_COMPACT_CODEBOOK_SIZE);
     return crc || (i >= KVZ_PAYLOAD_LEN_AT && i < KVZ_PAYLOAD_LEN_AT + KVZ_PAYLOAD_LEN_SIZE) ||
            (i >= at && i < at + KVZ_ESCAPE_ENTRIES_SIZE);
 }
@@ -245,6 +248,11 @@ __device__ __forceinline__ long long claimed_length(const u8* head, long long ca
 // only the fixed streams the host made sure lie inside the blob and kvz_decode skips it, and the
 // host decodes that blob the checked way.  J.n_high, staged as GUESS_PENDING, is written last:
 // the scan blocks that need the verdict wait for it (await_guess).
+// A row staged with dlo = 0 (no codebook has it: its codes 0-7 would share exponent 0) takes the
+// blob's own codebook from its compact header (codebook="auto": each blob has its own), which
+// expect leaves blank: the guess checks that its 16 exponents are distinct and below J.dhi (the
+// format's exponent count, staged there) and writes them into J.dlo, J.dhi, which kvz_decode
+// reads once the scan is done (decode_early_chunk).
 __device__ void guess_head(const u64* heads, int t, int span, const u8* expect, DecodeJob& J, u64* work) {
     __shared__ u32 crc_table[4][256];
     __shared__ __align__(16) u8 head[HEADER_SMEM];
@@ -257,9 +265,10 @@ __device__ void guess_head(const u64* heads, int t, int span, const u8* expect, 
     const bool compact = prefix && compact_head(head);
     const long long h = prefix ? w[KVZ_HEADER_LEN_AT / 4] : 0;
     const long long at = prefix ? KVZ_TABLE_AT + KVZ_ENTRY_SIZE * ((long long)w[KVZ_STREAM_COUNT_AT / 4] - KVZ_ESCAPE_STREAMS) : 0;
+    const bool own_book = J.dlo == 0;
     bool same = prefix && h <= span && h <= len;  // within expect's row: i < h <= span
     for (long long i = threadIdx.x; same && i < h; i += blockDim.x)  // the varying fields are blanked in expect
-        same = (varying_byte(i, compact, at) ? 0 : i < staged ? head[i] : b[i]) == expect[(long long)t * span + i];
+        same = (varying_byte(i, compact, at, own_book) ? 0 : i < staged ? head[i] : b[i]) == expect[(long long)t * span + i];
     same = __syncthreads_and(same);
     if (threadIdx.x >= 32) return;
     u64 out[8];
@@ -274,7 +283,19 @@ __device__ void guess_head(const u64* heads, int t, int span, const u8* expect, 
         out[1] = (u64)var; out[2] = (u64)exp_at; out[3] = (u64)high_at;
         if (var < 0 || align16(high_at + (long long)out[5]) != len - h) out[0] = 0;
     }
-    const bool hit = same && out[0] == 1 && reinterpret_cast<const u8*>(J.esc_pos) == payload + out[1];
+    bool hit = same && out[0] == 1 && reinterpret_cast<const u8*>(J.esc_pos) == payload + out[1];
+    if (hit && own_book) {  // same held a compact header: the codebook lies within its 64 bytes
+        const u64 bound = J.dhi;
+        u64 words[2] = {0, 0}, seen[4] = {0, 0, 0, 0};
+        for (int c = 0; c < KVZ_COMPACT_CODEBOOK_SIZE; c++) {
+            const long long i = KVZ_COMPACT_CODEBOOK_AT + c;
+            const u32 e = i < staged ? head[i] : b[i];
+            hit = hit && e < bound && !((seen[e >> 6] >> (e & 63)) & 1);
+            seen[e >> 6] |= 1ull << (e & 63);
+            words[c >> 3] |= (u64)e << (8 * (c & 7));
+        }
+        if (hit) { J.dlo = words[0]; J.dhi = words[1]; }
+    }
     if (hit) {
         J.esc_exp = payload + out[2];
         J.exp_high = payload + out[3];
