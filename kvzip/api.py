@@ -40,13 +40,15 @@ def storage_pipeline(*, checksum: bool = False, chunk: int = STORAGE_CHUNK) -> P
     return Pipeline([ChannelRans(chunk), Serialize(checksum)])
 
 
-def compress(x, codebook=None, *, mode: str = "speed", checksum: bool = False, chunk: int | None = None,
+def compress(x, codebook="auto", *, mode: str = "speed", checksum: bool = False, chunk: int | None = None,
              dtype=None, backend: str | None = None):
     """Compress a tensor losslessly.
 
     x: a torch / CuPy / NumPy / JAX array of bfloat16, float16, float32, float8_e4m3fn or
-    float8_e5m2, on the CPU or a CUDA GPU.  codebook: None for the shipped default of x's format,
-    a shipped name ("bf16-kv"), a Codebook or its dict (mode="speed" only).  mode: "speed" (the
+    float8_e5m2, on the CPU or a CUDA GPU.  codebook: "auto" (the default: the Top-16 exponents
+    of x itself, chosen on x's device and recorded in the blob; kvzip/auto_codebook.py), None for
+    the shipped default of x's format, a shipped name ("bf16-kv"), a Codebook or its dict
+    (mode="speed" only; the other modes choose per-channel codebooks from x).  mode: "speed" (the
     default: the fused GPU kernels' Top-16 code, ~1.33x on BF16 KV) or "ratio" (per-channel
     two-level codes chosen from x itself, ~1.43x on BF16 KV; on a GPU its CUDA kernels) or
     "storage" (per-channel rANS, ~1.48x on BF16 KV, for offload to host memory or disk; on a GPU
@@ -79,7 +81,7 @@ def decompress(blob, *, backend: str | None = None):
         raise
 
 
-def compress_many(xs, codebook=None, *, mode: str = "speed", checksum: bool = False, chunk: int | None = None,
+def compress_many(xs, codebook="auto", *, mode: str = "speed", checksum: bool = False, chunk: int | None = None,
                   dtype=None, backend: str | None = None, packed: bool = False):
     """compress() for a list of tensors; on a GPU all of them share one set of kernel launches.
     packed=True: the blobs as one packed container, kvzip.pack(the list) (the tensors then must
@@ -90,13 +92,13 @@ def compress_many(xs, codebook=None, *, mode: str = "speed", checksum: bool = Fa
     return packing.pack(blobs) if packed else blobs
 
 
-def compress_bound(x, codebook=None, *, chunk: int = DEFAULT_CHUNK, dtype=None) -> int:
+def compress_bound(x, codebook="auto", *, chunk: int = DEFAULT_CHUNK, dtype=None) -> int:
     """The most bytes compress_into's blob of x can take: the size its dst must have.  x: a
     tensor, or a (shape, dtype) pair such as ((16, 8, 128), "bfloat16")."""
     return into.bound(_default(codebook, False, chunk), x, dtype)
 
 
-def compress_into(x, dst, size_out, codebook=None, *, chunk: int = DEFAULT_CHUNK, dtype=None):
+def compress_into(x, dst, size_out, codebook="auto", *, chunk: int = DEFAULT_CHUNK, dtype=None):
     """compress() into the caller's memory: the blob at the start of dst (a 1-D uint8 array of at
     least compress_bound(x) bytes, 16-byte aligned on a GPU) and its length in size_out[0] (a
     1-D int64 array), both on x's device.  Returns size_out.
@@ -111,7 +113,7 @@ def compress_into(x, dst, size_out, codebook=None, *, chunk: int = DEFAULT_CHUNK
     return into.compress_into(_default(codebook, False, chunk), x, dst, size_out, dtype)
 
 
-def decompress_into(blob, out, status_out=None, codebook=None, *, chunk: int = DEFAULT_CHUNK, dtype=None):
+def decompress_into(blob, out, status_out=None, codebook="auto", *, chunk: int = DEFAULT_CHUNK, dtype=None):
     """decompress() into the caller's tensor: the blob at the start of blob (a 1-D uint8 buffer,
     which may be longer: compress_into's dst) decoded into out, a contiguous tensor of the blob's
     dtype and shape on blob's device.  Returns out.
@@ -119,7 +121,8 @@ def decompress_into(blob, out, status_out=None, codebook=None, *, chunk: int = D
     status_out (a 1-D int64 array on that device) given: on a GPU the call makes no host
     synchronisation and can be captured in a CUDA graph; status_out[0] becomes 0 once decoded,
     else an error code (kvzip.status_text) and out's contents are undefined.  That way decodes
-    blobs of one layout: the default pipeline with codebook (None: the shipped default) for out's
+    blobs of one layout: the default pipeline with codebook ("auto": each blob's own, None: the
+    shipped default) for out's
     dtype and shape, as compress() and compress_into() write them, not stored raw.  Without
     status_out any blob of out's dtype and shape decodes, and errors raise kvzip.FormatError (on
     a GPU the call then waits for the status).  dtype: the format of out when out holds raw bits
@@ -188,7 +191,7 @@ def _preset(mode, codebook, checksum, chunk) -> Pipeline:
         return _default(codebook, checksum, DEFAULT_CHUNK if chunk is None else chunk)
     if type(mode) is str and mode in _FROM_TENSOR:
         build, default_chunk = _FROM_TENSOR[mode]
-        if codebook is not None:
+        if codebook is not None and codebook != "auto":
             raise ValueError(f"mode={mode!r} chooses its per-channel codebooks from each tensor; codebook= is for "
                              "mode='speed'")
         chunk = default_chunk if chunk is None else chunk

@@ -1,7 +1,7 @@
 """The ``kvzip`` command: compress and restore files, inspect them, calibrate codebooks, demo
 and benchmark the codec.
 
-    kvzip compress IN OUT [--mode speed|ratio|storage] [--dtype bf16] [--checksum] [--codebook NAME|FILE.json] [--force]
+    kvzip compress IN OUT [--mode speed|ratio|storage] [--dtype bf16] [--checksum] [--codebook auto|NAME|FILE.json] [--force]
     kvzip decompress IN OUT [--force]
     kvzip info FILE [--json]
     kvzip calibrate kv.safetensors [...] -o my-model.json [--format bf16] [--name NAME]
@@ -110,9 +110,9 @@ def _add_compress(sub) -> None:
                         "from each tensor: smaller files; no --codebook) or storage (per-channel rANS: smaller "
                         "still, slower; no --codebook)")
     p.add_argument("--checksum", action="store_true", help="add a 64-bit payload checksum, verified on decode")
-    p.add_argument("--codebook", metavar="NAME|FILE.json",
-                   help="a shipped codebook name (bf16-kv, ...) or one from `kvzip calibrate` (default: the "
-                        "shipped one of each tensor's format)")
+    p.add_argument("--codebook", metavar="auto|NAME|FILE.json",
+                   help="auto (the default: each tensor's own Top-16, chosen from it), a shipped codebook name "
+                        "(bf16-kv, ...) or one from `kvzip calibrate`")
     p.set_defaults(run=_run_compress)
 
 
@@ -214,12 +214,12 @@ def _run_compress(args) -> int:
     _check_output(args)
     codebook = _codebook(args.codebook)
 
-    if args.mode != "speed" and codebook is not None:
+    if args.mode != "speed" and codebook not in (None, "auto"):
         raise CommandError(EXIT_USAGE, f"--codebook is for --mode speed: the {args.mode} mode chooses its codebooks "
                                        "from each tensor")
 
     def compress(x, dtype):
-        return kvzip.compress(x, codebook=codebook, mode=args.mode, checksum=args.checksum, dtype=dtype,
+        return kvzip.compress(x, codebook="auto" if codebook is None else codebook, mode=args.mode, checksum=args.checksum, dtype=dtype,
                               backend="cpu")
 
     t0 = time.perf_counter()

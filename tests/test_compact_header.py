@@ -13,6 +13,7 @@ import pytest
 import kvzip
 from kvzip import container, layout
 from kvzip import testing as kt
+from kvzip.auto_codebook import auto_codebook
 from kvzip.errors import FormatError
 
 SPEC = struct.Struct("<8sHHI8sQIIIBBBB16s")  # docs/format.md 13.1, written out
@@ -48,6 +49,7 @@ def page(seed=0):
 CASES = [
     ("bf16 page", "bf16", page, {}),
     ("bf16 checksum", "bf16", page, {"checksum": True}),
+    ("bf16 shipped codebook", "bf16", page, {"codebook": None}),
     ("fp32 5-D chunk 64", "fp32", lambda: kt.kv_like_bits("fp32", 720, seed=2).reshape(2, 3, 4, 5, 6), {"chunk": 64}),
     ("e5m2 plane", "e5m2", lambda: np.concatenate([kt.kv_like_bits("e5m2", 4096, seed=3), np.full(256, 0x7D, np.uint8)]),
      {"chunk": 256}),
@@ -85,8 +87,11 @@ def test_fields_as_the_spec_says(case):
         assert 1 << f["chunk_log2"] == kw.get("chunk", 4096)
         assert f["escapes"] == info["escapes"] and f["escapes"] * 2 == info["streams"]["esc_pos"]
         assert f["high_bytes"] == info["streams"]["exp_high"]
-        assert list(f["codebook"]) == list(kvzip.Codebook.default_for(fmt).exponents)
-        assert f["source"] == 0
+        if kw.get("codebook", "auto") == "auto":  # the default: the tensor's own (source 3)
+            want = auto_codebook(np.ascontiguousarray(x).reshape(-1), fmt)
+            assert list(f["codebook"]) == list(want.exponents) and f["source"] == 3
+        else:  # None: the shipped default (source 0)
+            assert list(f["codebook"]) == list(kvzip.Codebook.default_for(fmt).exponents) and f["source"] == 0
     assert bool(f["flags"] & 1) == kw.get("checksum", False)
     if not kw.get("checksum"):
         assert f["checksum"] == 0

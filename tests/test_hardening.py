@@ -337,8 +337,8 @@ def test_info_rejects_what_only_decoding_finds():
     """An escape position out of order is found by the decode kernels, not the header checks:
     info() must reject it too."""
     x = _kv(4096, np.float16)
-    x[::97] = 60000.0  # escapes
-    blob = kvzip.compress(x, chunk=4096).tobytes()
+    x[::97] = 60000.0  # escapes of the shipped codebook
+    blob = kvzip.compress(x, None, chunk=4096).tobytes()
     meta, flags, streams = kt.blob_parts(blob)
     pos = next(np.frombuffer(b, np.uint16).copy() for n, _, b in streams if n == "esc_pos")
     assert pos.size >= 2

@@ -186,23 +186,25 @@ def test_default_pipeline():
 def test_compress_is_the_default_pipeline():
     for fmt in FORMATS.values():
         bits = kt.kv_like_bits(fmt, 5000, escape_rate=0.002, seed=3)
-        for kw in ({}, {"checksum": True}, {"chunk": 64}, {"codebook": f"{fmt.name}-kv"}):
+        for kw in ({}, {"checksum": True}, {"chunk": 64}, {"codebook": f"{fmt.name}-kv"}, {"codebook": None}):
             a = kvzip.compress(bits, dtype=fmt.name, **kw)
-            b = kvzip.splitzip_pipeline(**kw).encode(bits, dtype=fmt.name)
-            np.testing.assert_array_equal(a, b)
+            pipe = kvzip.splitzip_pipeline(**{"codebook": "auto", **kw})  # compress's codebook: "auto" unless given
+            np.testing.assert_array_equal(a, pipe.encode(bits, dtype=fmt.name))
             assert kvzip.info(a)["pipeline"] == (
                 [{"id": "serialize", "checksum": kw.get("checksum", False)}] if kvzip.info(a)["stored_raw"]
-                else kvzip.splitzip_pipeline(**kw).to_config()["stages"])
+                else pipe.to_config()["stages"])
 
 
-def test_default_codebook_is_the_shipped_one_for_the_format():
+def test_default_codebook_is_the_tensors_own_and_none_the_shipped_one():
     for fmt in FORMATS.values():
         bits = kt.kv_like_bits(fmt, 4096, seed=1)
-        blob = kvzip.compress(bits, dtype=fmt.name)
+        auto = kvzip.info(kvzip.compress(bits, dtype=fmt.name))
+        blob = kvzip.compress(bits, None, dtype=fmt.name)
         inf = kvzip.info(blob)
         if inf["stored_raw"]:
             assert fmt.name == "e4m3"
             continue
+        assert auto["pipeline"][1] == {"id": "top16_pack", "codebook": "auto"} and auto["codebook"] is None
         assert inf["codebook"] == f"{fmt.name}-kv"
         # Explicit and default give the same values (the recorded config differs: None vs the codebook).
         blob2 = kvzip.compress(bits, kvzip.Codebook.default_for(fmt), dtype=fmt.name)

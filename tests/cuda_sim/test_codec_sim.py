@@ -5,7 +5,8 @@
 The simulator runs every GPU thread in Python, so inputs stay at a few hundred to a few
 thousand values.  Checked: backend="cuda" writes the very bytes backend="cpu" writes (every
 format, chunk sizes 8/64/4096, escape-free, listed escapes, plane-coded, stored raw, checksum),
-each backend decodes the other's blobs, forged blobs raise FormatError on the CUDA backend (its
+each backend decodes the other's blobs (the shipped codebook, whose escapes these inputs
+have, and codebook="auto"), forged blobs raise FormatError on the CUDA backend (its
 validation is the kernels' own error flag, separate code from the CPU twin), and the CUDA kernels
 really ran (kernel launches counted).
 """
@@ -83,8 +84,8 @@ def test_cuda_bytes_equal_cpu_bytes(fmt, chunk, kind, launches):
     n = (5101 if kind == "plane" else 2003) if chunk == 4096 else 1001
     bits = data_for(fmt, kind, n, chunk).reshape(-1, 1) if n % 2 else data_for(fmt, kind, n, chunk)
     checksum = kind == "listed"
-    cpu = kvzip.compress(bits, dtype=fmt.name, chunk=chunk, checksum=checksum, backend="cpu")
-    gpu = kvzip.compress(bits, dtype=fmt.name, chunk=chunk, checksum=checksum, backend="cuda")
+    cpu = kvzip.compress(bits, None, dtype=fmt.name, chunk=chunk, checksum=checksum, backend="cpu")
+    gpu = kvzip.compress(bits, None, dtype=fmt.name, chunk=chunk, checksum=checksum, backend="cuda")
     np.testing.assert_array_equal(gpu, cpu)
     assert launches["encode_groups"] == 1, dict(launches)  # the CUDA encode kernels ran
     inf = kvzip.info(cpu)
@@ -104,12 +105,25 @@ def test_cuda_bytes_equal_cpu_bytes(fmt, chunk, kind, launches):
 
 
 @pytest.mark.parametrize("fmt", FMTS, ids=[f.name for f in FMTS])
+def test_cuda_auto_codebook_bytes_equal_cpu_bytes(fmt, launches):
+    """codebook="auto" (compress's default; the other tests give None, the shipped codebook whose
+    escapes they are about): the Numba kernels write the CPU's bytes and decode them."""
+    bits = data_for(fmt, "listed", 1001, 64)
+    cpu = kvzip.compress(bits, dtype=fmt.name, chunk=64, backend="cpu")
+    gpu = kvzip.compress(bits, dtype=fmt.name, chunk=64, backend="cuda")
+    np.testing.assert_array_equal(gpu, cpu)
+    assert fmt.name == "e4m3" or kvzip.info(cpu)["pipeline"][1] == {"id": "top16_pack", "codebook": "auto"}
+    for backend in ("cuda", "cpu"):
+        np.testing.assert_array_equal(np.asarray(kvzip.decompress(gpu, backend=backend)).view(fmt.uint_dtype), bits)
+
+
+@pytest.mark.parametrize("fmt", FMTS, ids=[f.name for f in FMTS])
 def test_cuda_staged_path_matches(fmt):
     """fuse=False on the CUDA backend (array-level stages) also writes the same bytes."""
     bits = data_for(fmt, "plane", 600, 64)
     pipe = kvzip.Pipeline(kvzip.splitzip_pipeline(chunk=64).stages, fuse=False)
     a = pipe.encode(bits, dtype=fmt.name, backend="cuda")
-    b = kvzip.compress(bits, dtype=fmt.name, chunk=64, backend="cpu")
+    b = kvzip.compress(bits, None, dtype=fmt.name, chunk=64, backend="cpu")
     np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(np.asarray(CUDA_STAGED.decode(b, backend="cuda")).view(fmt.uint_dtype), bits)
 
@@ -145,8 +159,8 @@ def test_edge_shapes_on_cuda():
             n = int(np.prod(shape, dtype=np.int64))
             bits = kt.kv_like_bits(fmt, n, seed=1).reshape(shape)
             for chunk in (8, 4096):
-                gpu = kvzip.compress(bits, dtype=fmt.name, chunk=chunk, backend="cuda")
-                np.testing.assert_array_equal(gpu, kvzip.compress(bits, dtype=fmt.name, chunk=chunk, backend="cpu"))
+                gpu = kvzip.compress(bits, None, dtype=fmt.name, chunk=chunk, backend="cuda")
+                np.testing.assert_array_equal(gpu, kvzip.compress(bits, None, dtype=fmt.name, chunk=chunk, backend="cpu"))
                 out = kvzip.decompress(gpu, backend="cuda")
                 assert out.shape == shape
                 np.testing.assert_array_equal(np.asarray(out).view(fmt.uint_dtype), bits)
@@ -191,7 +205,7 @@ def get(streams, name):
 
 def _base(fmt="bf16", chunk=64):
     bits = data_for(FORMATS[fmt], "plane", 1000, chunk)
-    blob = bytes(kvzip.compress(bits, dtype=fmt, chunk=chunk, backend="cpu"))
+    blob = bytes(kvzip.compress(bits, None, dtype=fmt, chunk=chunk, backend="cpu"))
     inf = kvzip.info(blob)
     assert inf["escapes"] > 0 and inf["raw_chunks"] > 0 and not inf["stored_raw"], inf
     return unpack(blob)
@@ -248,13 +262,13 @@ def test_forged_blob_raises_on_cuda(name):
 
 def test_read_only_blob_on_simulated_cuda():
     bits = kt.kv_like_bits("bf16", 100, seed=1)
-    blob = bytes(kvzip.compress(bits, dtype="bf16", backend="cpu"))
+    blob = bytes(kvzip.compress(bits, None, dtype="bf16", backend="cpu"))
     np.testing.assert_array_equal(kvzip.decompress(blob, backend="cuda").view(np.uint16), bits)
 
 
 def test_truncated_and_flipped_on_cuda():
     bits = data_for(FORMATS["fp16"], "listed", 800, 64)
-    blob = bytes(kvzip.compress(bits, dtype="fp16", chunk=64, checksum=True, backend="cuda"))
+    blob = bytes(kvzip.compress(bits, None, dtype="fp16", chunk=64, checksum=True, backend="cuda"))
     H = struct.unpack_from("<I", blob, 12)[0]
     for cut in (0, 47, H - 1, H, len(blob) - 1):
         with pytest.raises(FormatError):
@@ -276,8 +290,8 @@ def test_cuda_kernels_match_cpu_on_real_kv_variants(variant):
 
     t = sorted(load_sample("code").items())[0][1]
     bits = np.ascontiguousarray(kt.kv_variant(np.ascontiguousarray(t).view(np.uint16), variant, layer=1)).ravel()[:6000]
-    gpu = kvzip.compress(bits, dtype="bf16", chunk=256, backend="cuda")
-    np.testing.assert_array_equal(np.asarray(gpu), kvzip.compress(bits, dtype="bf16", chunk=256, backend="cpu"))
+    gpu = kvzip.compress(bits, None, dtype="bf16", chunk=256, backend="cuda")
+    np.testing.assert_array_equal(np.asarray(gpu), kvzip.compress(bits, None, dtype="bf16", chunk=256, backend="cpu"))
     np.testing.assert_array_equal(np.asarray(kvzip.decompress(gpu, backend="cuda")).view(np.uint16), bits)
 
 

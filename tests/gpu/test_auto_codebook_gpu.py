@@ -2,6 +2,9 @@
 kvzip/auto_codebook.py's rule, and the blobs are the CPU reference's byte for byte (one tensor,
 a batch of different tensors in one launch, every format, the sampled sizes, tails, a checksum),
 on the fast path and on the Numba kernels."""
+import struct
+import zlib
+
 import numpy as np
 import pytest
 
@@ -112,6 +115,49 @@ def test_checksum_and_repeat_calls():
 def test_auto_beats_the_shipped_codebook_where_it_should():
     """A layer scaled by 2^3 falls off the shipped codebook (stored raw); auto keeps the ratio."""
     x = kt.scale_pow2(real_bf16(1 << 20, 3), 3)
-    fixed = kvzip.compress(cupy.asarray(x), dtype="bf16")
-    auto = kvzip.compress(cupy.asarray(x), dtype="bf16", codebook="auto")
+    fixed = kvzip.compress(cupy.asarray(x), None, dtype="bf16")
+    auto = kvzip.compress(cupy.asarray(x), dtype="bf16")  # the default
     assert x.nbytes / auto.shape[0] > 1.32 and fixed.shape[0] > auto.shape[0] * 1.15
+
+
+def _resealed(blob: bytes, change) -> np.ndarray:
+    """An auto blob with change applied to its compact header and the header CRC made right."""
+    b = bytearray(blob)
+    change(b)
+    b[40:44] = bytes(4)
+    struct.pack_into("<I", b, 40, zlib.crc32(bytes(b[:64])))
+    return np.frombuffer(bytes(b), np.uint8)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "e5m2"])
+def test_auto_blobs_decode_into_with_the_codebook_each_header_carries(fmt):
+    """decompress_into(codebook="auto") decodes each blob by its own header's codebook, on the
+    GPU's guess (status 0 for tensors of different codebooks, one after another on one
+    program); a header whose codebook repeats an exponent, or (E5M2) names one the format does
+    not have, its CRC made right, gives 255 there and FormatError through decompress."""
+    f = FORMATS[fmt]
+    base = of_format(fmt, 64 * 4096)
+    xs = [kt.scale_pow2(base, i - 2) if fmt == "bf16" else np.roll(base, 4099 * i) for i in range(4)]
+    out, status = cupy.zeros(base.shape, f.uint_dtype), cupy.zeros(1, np.int64)
+    blobs = [kvzip.compress(cupy.asarray(x), dtype=fmt, codebook="auto") for x in xs]
+    if fmt == "bf16":
+        assert len({bytes(b[48:64].get()) for b in blobs}) > 1
+    for _ in range(2):
+        for b, x in zip(blobs, xs):
+            status[...] = -1
+            kvzip.decompress_into(b, out, status, dtype=fmt, codebook="auto")
+            assert int(status.get()[0]) == 0
+            np.testing.assert_array_equal(out.get(), x)
+    first = bytes(blobs[0].get())
+    forged = [_resealed(first, lambda b: b.__setitem__(49, b[48]))]  # code 1 = code 0's exponent
+    if fmt == "e5m2":
+        forged.append(_resealed(first, lambda b: b.__setitem__(50, 40)))  # no 5-bit exponent
+    for bad in forged:
+        status[...] = -1
+        kvzip.decompress_into(cupy.asarray(bad), out, status, dtype=fmt, codebook="auto")
+        assert int(status.get()[0]) == programs.GUESS_MISSED
+        with pytest.raises(kvzip.FormatError, match="codebook"):
+            kvzip.decompress(cupy.asarray(bad))
+        with pytest.raises(kvzip.FormatError, match="codebook"):
+            kvzip.decompress_into(cupy.asarray(bad), out, dtype=fmt, codebook="auto")
+

@@ -117,7 +117,7 @@ def test_statuses_of_blobs_not_of_the_layout():
     bad[20] ^= 1  # the header's CRC no longer holds
     assert status_of(bad) == programs.GUESS_MISSED
     other = kvzip.compress(cupy.asarray(bits[::-1].copy()).reshape(256, 256), dtype="bf16")  # another shape
-    assert status_of(kvzip.compress(x, dtype="bf16", codebook="auto")) == programs.GUESS_MISSED  # its own codebook
+    assert status_of(kvzip.compress(x, None, dtype="bf16")) == programs.GUESS_MISSED  # the shipped codebook
     assert status_of(other) == programs.GUESS_MISSED
     raw = kvzip.compress(cupy.asarray(np.random.default_rng(1).integers(0, 1 << 16, 1 << 16, dtype=np.uint16)),
                          dtype="bf16")
@@ -294,8 +294,6 @@ def test_bad_device_arguments_raise_before_any_kernel():
         (lambda: kvzip.compress_into(x, dst, np.zeros(1, np.int64), dtype="bf16"), "one device"),
         (lambda: kvzip.compress_into(x[::2], dst, size, dtype="bf16"), "contiguous"),
         (lambda: kvzip.compress_into(big[:x.nbytes].view(np.uint16), big, size, dtype="bf16"), "overlap"),
-        (lambda: kvzip.decompress_into(dst, x, cupy.zeros(1, np.int64), codebook="auto", dtype="bf16"),
-         "fixed codebook"),
         (lambda: kvzip.decompress_into(dst, x, cupy.zeros(1, np.int32), dtype="bf16"), "int64"),
     ]
     dst.fill(7)

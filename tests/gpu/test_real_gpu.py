@@ -1,6 +1,8 @@
 """Real-GPU checks, run on the device machine (skipped where there is no CUDA GPU):
 the GPU backend writes the same bytes as the CPU backend, decodes either's blobs, keeps the
-caller's framework and stream, and rejects corrupted blobs."""
+caller's framework and stream, and rejects corrupted blobs.  With the shipped codebook
+(codebook=None) throughout: these inputs' escapes are its escapes; codebook="auto", compress's
+default, has test_auto_codebook_gpu.py."""
 import numpy as np
 import pytest
 
@@ -16,6 +18,14 @@ from kvzip.formats import FORMATS
 from kvzip.trace import last_path
 
 rng = np.random.default_rng(1234)
+
+
+def compress(x, **kw):
+    return kvzip.compress(x, None, **kw)
+
+
+def compress_many(xs, **kw):
+    return kvzip.compress_many(xs, None, **kw)
 
 
 def bits_of(a, fmt="bf16"):
@@ -50,7 +60,7 @@ def pipeline(chunk=4096, checksum=False, codebook=None):
 @pytest.mark.parametrize("chunk", [8, 256, 4096, 65536])
 def test_gpu_bytes_equal_cpu_random(fmt, n, chunk, gpu_path):
     bits = random_bits(fmt, n)
-    cpu = kvzip.compress(bits, dtype=fmt.name, chunk=chunk, checksum=True)
+    cpu = compress(bits, dtype=fmt.name, chunk=chunk, checksum=True)
     pipe = pipeline(chunk, checksum=True)
     gpu = pipe.encode(cupy.asarray(bits), dtype=fmt.name)
     assert isinstance(gpu, cupy.ndarray)
@@ -72,7 +82,7 @@ def test_fast_path_runs_and_matches_cpu_on_kv_like_data(fmt, chunk):
     pipe = pipeline(chunk)
     gpu = pipe.encode(cupy.asarray(bits), dtype=fmt)
     assert last_path() == "fast"
-    np.testing.assert_array_equal(kvzip.compress(bits, dtype=fmt, chunk=chunk), gpu.get())
+    np.testing.assert_array_equal(compress(bits, dtype=fmt, chunk=chunk), gpu.get())
     back = pipe.decode(gpu)
     assert last_path() == "fast"
     np.testing.assert_array_equal(bits_of(back, f), bits)
@@ -83,14 +93,14 @@ def test_misaligned_input_takes_numba_path():
     pipe = pipeline()
     blob = pipe.encode(bits, dtype="bf16")
     assert last_path() == "fused"
-    np.testing.assert_array_equal(blob.get(), kvzip.compress(bits.get(), dtype="bf16"))
+    np.testing.assert_array_equal(blob.get(), compress(bits.get(), dtype="bf16"))
 
 
 @pytest.mark.parametrize("n", [1 << 16, (1 << 22) + 5])
 def test_gpu_real_kv_bf16(n, gpu_path):
     bits = real_bf16(n)
-    cpu = kvzip.compress(bits, dtype="bf16")
-    gpu = kvzip.compress(cupy.asarray(bits), dtype="bf16")
+    cpu = compress(bits, dtype="bf16")
+    gpu = compress(cupy.asarray(bits), dtype="bf16")
     np.testing.assert_array_equal(cpu, gpu.get())
     assert kvzip.info(cpu)["ratio"] > 1.3
     np.testing.assert_array_equal(bits_of(kvzip.decompress(gpu)), bits)
@@ -105,13 +115,13 @@ def test_scans_look_back_past_one_round():
     hit = rng.random(n) < 0.01
     bits[hit] = (bits[hit] & 0x807F) | (rng.integers(200, 250, int(hit.sum())) << 7).astype(np.uint16)
     pipe = pipeline(64)
-    cpu = kvzip.compress(bits, dtype="bf16", chunk=64)
+    cpu = compress(bits, dtype="bf16", chunk=64)
     gpu = pipe.encode(cupy.asarray(bits), dtype="bf16")
     np.testing.assert_array_equal(cpu, gpu.get())
     np.testing.assert_array_equal(bits_of(pipe.decode(gpu)), bits)
     xs = [cupy.asarray(bits[:n - 4096]), cupy.asarray(bits)]
     blobs = pipe.encode_many(xs, dtype="bf16")
-    np.testing.assert_array_equal(blobs[0].get(), kvzip.compress(bits[:n - 4096], dtype="bf16", chunk=64))
+    np.testing.assert_array_equal(blobs[0].get(), compress(bits[:n - 4096], dtype="bf16", chunk=64))
     np.testing.assert_array_equal(blobs[1].get(), cpu)
     for x, y in zip(xs, pipe.decode_many(blobs)):
         np.testing.assert_array_equal(bits_of(y), x.get())
@@ -121,8 +131,8 @@ def test_escape_heavy_chunks_plane_coded_on_gpu(gpu_path):
     bits = real_bf16(1 << 18)
     bits[: 1 << 14] = random_bits(FORMATS["bf16"], 1 << 14)  # first chunks full of escapes
     bits[1 << 15: (1 << 15) + 600] = random_bits(FORMATS["bf16"], 600)  # listed, but past the shared buffer
-    cpu = kvzip.compress(bits, dtype="bf16")
-    gpu = kvzip.compress(cupy.asarray(bits), dtype="bf16")
+    cpu = compress(bits, dtype="bf16")
+    gpu = compress(cupy.asarray(bits), dtype="bf16")
     np.testing.assert_array_equal(cpu, gpu.get())
     assert kvzip.info(cpu)["raw_chunks"] > 0
     np.testing.assert_array_equal(bits_of(kvzip.decompress(gpu)), bits)
@@ -150,7 +160,7 @@ def test_listed_escapes_at_every_density_match_cpu(fmt, rate, chunk, gpu_path):
     else:  # exponents 1-6: never among the quantized sample's Top-16
         bits = real_e5m2(n)
         bits[hit] = (bits[hit] & 0x83) | (rng.integers(1, 7, int(hit.sum())) << 2).astype(np.uint8)
-    cpu = kvzip.compress(bits, dtype=fmt, chunk=chunk)
+    cpu = compress(bits, dtype=fmt, chunk=chunk)
     pipe = pipeline(chunk)
     gpu = pipe.encode(cupy.asarray(bits), dtype=fmt)
     np.testing.assert_array_equal(cpu, gpu.get())
@@ -164,19 +174,19 @@ def test_torch_cuda_round_trip_on_callers_stream():
     x = torch.randn(3, 2048, 64, device="cuda", dtype=torch.bfloat16) * 0.1
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
-        blob = kvzip.compress(x)
+        blob = compress(x)
         back = kvzip.decompress(blob)
     s.synchronize()
     assert blob.is_cuda and blob.dtype == torch.uint8
     assert back.is_cuda and back.dtype == torch.bfloat16 and back.shape == x.shape
     assert torch.equal(back.view(torch.int16), x.view(torch.int16))
-    cpu_blob = kvzip.compress(x.cpu())
+    cpu_blob = compress(x.cpu())
     assert torch.equal(cpu_blob, blob.cpu())
 
 
 def test_corrupted_blob_raises_on_gpu(gpu_path):
     bits = real_bf16(1 << 16)
-    blob = kvzip.compress(cupy.asarray(bits), dtype="bf16", checksum=True)
+    blob = compress(cupy.asarray(bits), dtype="bf16", checksum=True)
     bad = blob.copy()
     bad[-100] ^= 1
     with pytest.raises(kvzip.FormatError):
@@ -190,7 +200,7 @@ def test_forged_escapes_raise_on_gpu(gpu_path, forge):
     bits = real_bf16(1 << 16)
     bits[:32] = 0x3F80  # no escapes at the start of chunk 0 ...
     bits[10] = bits[20] = 200 << 7  # ... but two (exponent 200) at positions 10 and 20
-    blob = kvzip.compress(bits, dtype="bf16")
+    blob = compress(bits, dtype="bf16")
     from kvzip import container
     from kvzip.backends import get_backend
 
@@ -235,12 +245,12 @@ def test_batch_api_matches_single_calls_and_uses_one_launch_set():
     sizes = [0, 1, 4096, 100_003, 1 << 20, 77]
     xs = [cupy.asarray(real_bf16(n)) for n in sizes] + [cupy.asarray(random_bits(FORMATS["e5m2"], 5000))]
     dtypes = ["bf16"] * len(sizes) + ["e5m2"]
-    blobs = [kvzip.compress_many([x], dtype=d)[0] for x, d in zip(xs, dtypes)]
-    many_bf16 = kvzip.compress_many(xs[:-1], dtype="bf16")
+    blobs = [compress_many([x], dtype=d)[0] for x, d in zip(xs, dtypes)]
+    many_bf16 = compress_many(xs[:-1], dtype="bf16")
     for a, b in zip(many_bf16, blobs):
         np.testing.assert_array_equal(a.get(), b.get())
     for a, x in zip(many_bf16, xs):
-        np.testing.assert_array_equal(a.get(), kvzip.compress(x.get(), dtype="bf16"))
+        np.testing.assert_array_equal(a.get(), compress(x.get(), dtype="bf16"))
     backs = kvzip.decompress_many(many_bf16 + [blobs[-1]])
     for back, x, d in zip(backs, xs, dtypes):
         np.testing.assert_array_equal(bits_of(back, d), x.get())
@@ -248,7 +258,7 @@ def test_batch_api_matches_single_calls_and_uses_one_launch_set():
 
 def test_batch_decode_reports_the_bad_blob():
     xs = [cupy.asarray(real_bf16(1 << 16)) for _ in range(3)]
-    blobs = kvzip.compress_many(xs, dtype="bf16", checksum=True)
+    blobs = compress_many(xs, dtype="bf16", checksum=True)
     blobs[1] = blobs[1].copy()
     blobs[1][-20] ^= 4
     with pytest.raises(kvzip.FormatError):
@@ -258,7 +268,7 @@ def test_batch_decode_reports_the_bad_blob():
 def test_torch_batch_round_trip():
     torch = pytest.importorskip("torch")
     xs = [torch.randn(3, 512 + i, 64, device="cuda", dtype=torch.bfloat16) for i in range(8)]
-    blobs = kvzip.compress_many(xs)
+    blobs = compress_many(xs)
     assert all(b.is_cuda and b.dtype == torch.uint8 for b in blobs)
     for x, y in zip(xs, kvzip.decompress_many(blobs)):
         assert y.dtype == torch.bfloat16 and torch.equal(x.view(torch.int16), y.view(torch.int16))
@@ -282,7 +292,7 @@ def test_torch_batches_of_like_tensors_skip_the_import_and_match_cpu(monkeypatch
     blobs = pipe.encode_many(xs)
     assert [any(t is x for t in imported) for x in xs] == [True, False, False, True, True, True, True]
     for x, b in zip(xs, blobs):
-        np.testing.assert_array_equal(b.cpu().numpy(), kvzip.compress(x.cpu()).numpy())
+        np.testing.assert_array_equal(b.cpu().numpy(), compress(x.cpu()).numpy())
     bf16 = [(x, b) for x, b in zip(xs, blobs) if b.is_cuda and x.dtype == torch.bfloat16]
     found = arrays.blob_addresses([b for _, b in bf16])
     assert found is not None and found[0].framework == "torch" and found[2] == [b.numel() for _, b in bf16]
@@ -302,7 +312,7 @@ def test_torch_batches_of_like_tensors_skip_the_import_and_match_cpu(monkeypatch
 def test_blobs_at_unaligned_addresses_decode(gpu_path):
     """A blob viewed at an odd offset (its 2-byte streams unaligned) decodes, alone and in a batch."""
     bits = real_bf16(100_003)
-    blob = kvzip.compress(cupy.asarray(bits), dtype="bf16")
+    blob = compress(cupy.asarray(bits), dtype="bf16")
     for shift in (1, 2, 8):
         view = cupy.empty(blob.size + shift, cupy.uint8)[shift:]
         view[...] = blob
@@ -325,13 +335,13 @@ def test_blobs_sized_from_the_published_totals_match_cpu():
             xs[-1] = random_bits(FORMATS["bf16"], 1 << 14)
         blobs = pipe.encode_many([cupy.asarray(x) for x in xs], dtype="bf16")
         for x, b in zip(xs, blobs):
-            np.testing.assert_array_equal(b.get(), kvzip.compress(x, dtype="bf16"))
+            np.testing.assert_array_equal(b.get(), compress(x, dtype="bf16"))
     prog = [e for e in graphs.entries() if isinstance(e, programs._EncodeProgram) and len(e.plans) == len(xs)][-1]
     assert int(prog.ready[0]) == 0 and all(int(w) >> 63 for w in prog.ready[1:len(xs)])  # the empty one has no chunk
     empty = [cupy.asarray(real_bf16(0))] * 2
     for _ in range(2):
         assert [b.get().tobytes() for b in pipe.encode_many(empty, dtype="bf16")] == \
-            [kvzip.compress(real_bf16(0), dtype="bf16").tobytes()] * 2
+            [compress(real_bf16(0), dtype="bf16").tobytes()] * 2
 
 
 def test_torch_batch_on_a_side_stream():
@@ -343,12 +353,12 @@ def test_torch_batch_on_a_side_stream():
         xs = [torch.randn(2, 256, 64, device="cuda", dtype=torch.bfloat16) * (i + 1) for i in range(24)]
         rounds = []
         for _ in range(2):
-            blobs = kvzip.compress_many(xs)
+            blobs = compress_many(xs)
             rounds.append((blobs, kvzip.decompress_many(blobs)))
     side.synchronize()
     for blobs, backs in rounds:
         for x, b, y in zip(xs, blobs, backs):
-            np.testing.assert_array_equal(b.cpu().numpy(), kvzip.compress(x.cpu()).numpy())
+            np.testing.assert_array_equal(b.cpu().numpy(), compress(x.cpu()).numpy())
             assert y.dtype == torch.bfloat16 and torch.equal(x.view(torch.int16), y.view(torch.int16))
 
 
@@ -363,9 +373,9 @@ def test_batches_whose_chunks_pass_through_every_queue_match_cpu(fmt):
     real = {"e5m2": real_e5m2, "bf16": real_bf16}.get(fmt)
     xs = [random_bits(f, n) if i % 2 or real is None else real(n) for i, n in enumerate(sizes)]
     for _ in range(2):  # the second call replays the first one's program
-        blobs = kvzip.compress_many([cupy.asarray(x) for x in xs], dtype=fmt)
+        blobs = compress_many([cupy.asarray(x) for x in xs], dtype=fmt)
         for blob, x in zip(blobs, xs):
-            np.testing.assert_array_equal(blob.get(), kvzip.compress(x, dtype=fmt))
+            np.testing.assert_array_equal(blob.get(), compress(x, dtype=fmt))
     for back, x in zip(kvzip.decompress_many(blobs), xs):
         np.testing.assert_array_equal(bits_of(back, fmt), x)
 
@@ -392,8 +402,8 @@ def test_long_mixed_batches_through_lanes_match_single_calls():
     for d in ("bf16", "e5m2"):
         idx = [i for i, t in enumerate(dtypes) if t == d]
         for _ in range(2):  # the second call goes through the lanes the first one left
-            for i, blob in zip(idx, kvzip.compress_many([xs[i] for i in idx], dtype=d)):
-                np.testing.assert_array_equal(blob.get(), kvzip.compress(xs[i].get(), dtype=d))
+            for i, blob in zip(idx, compress_many([xs[i] for i in idx], dtype=d)):
+                np.testing.assert_array_equal(blob.get(), compress(xs[i].get(), dtype=d))
     assert any(e.shape.graph for e in graphs.entries())  # the lanes' programs replayed
     qpipe = kvzip.Pipeline([S.QuantizeFP8("e5m2"), S.ExponentSplit(), S.Top16Pack("e5m2-kv"), S.EscapeStream(),
                             S.Serialize()])
@@ -419,14 +429,14 @@ def test_batches_mixing_frameworks_shapes_and_formats_match_single_calls():
           half, cu[:8192].reshape(2, 4096)[:, ::2], bits[:4096].view(np.uint16), cu[8192:12288],
           torch.as_tensor(bits[:3000].view(np.int16), device="cuda").view(torch.bfloat16).reshape(30, 100)]
     dtypes = ["bf16", "bf16", None, None, "bf16", "bf16", "bf16", None]
-    singles = [kvzip.compress(x, dtype=d) for x, d in zip(xs, dtypes)]
+    singles = [compress(x, dtype=d) for x, d in zip(xs, dtypes)]
     for round_ in range(2):
-        blobs = [kvzip.compress_many(xs[i:i + 1], dtype=d)[0] for i, d in enumerate(dtypes)] if round_ else []
+        blobs = [compress_many(xs[i:i + 1], dtype=d)[0] for i, d in enumerate(dtypes)] if round_ else []
         raw = [i for i, d in enumerate(dtypes) if d]
         typed = [i for i, d in enumerate(dtypes) if not d]
         many = [None] * len(xs)
         for idx, d in ((raw, "bf16"), (typed, None)):
-            for i, blob in zip(idx, kvzip.compress_many([xs[i] for i in idx], dtype=d)):
+            for i, blob in zip(idx, compress_many([xs[i] for i in idx], dtype=d)):
                 many[i] = blob
         for got, want in zip(many + blobs, singles + (singles if round_ else [])):
             host = lambda b: b.cpu().numpy() if hasattr(b, "cpu") else b.get() if hasattr(b, "get") else b
@@ -499,7 +509,7 @@ def test_replayed_call_shapes_match_cpu_and_still_catch_forgeries(monkeypatch):
         bits[hit] = (bits[hit] & 0x807F) | (rng.integers(200, 250, int(hit.sum())) << 7).astype(np.uint16)
         gpu = pipe.encode(cupy.asarray(bits), dtype="bf16")
         assert last_path() == "fast"
-        np.testing.assert_array_equal(gpu.get(), kvzip.compress(bits, dtype="bf16"))
+        np.testing.assert_array_equal(gpu.get(), compress(bits, dtype="bf16"))
         np.testing.assert_array_equal(bits_of(pipe.decode(gpu)), bits)
     shapes = [e.shape for e in graphs.entries()]
     # The encode lane's program (4 uses), the first decode's (the checked way) and the guessed
@@ -520,17 +530,17 @@ def test_replayed_call_shapes_match_cpu_and_still_catch_forgeries(monkeypatch):
     rnd = random_bits(FORMATS["bf16"], bits.shape[0])  # incompressible: the encode lane hands over, raw is stored
     blob = pipe.encode(cupy.asarray(rnd), dtype="bf16")
     assert last_path() == "stored"
-    np.testing.assert_array_equal(blob.get(), kvzip.compress(rnd, dtype="bf16"))
+    np.testing.assert_array_equal(blob.get(), compress(rnd, dtype="bf16"))
     np.testing.assert_array_equal(bits_of(pipe.decode(blob)), rnd)
     torch = pytest.importorskip("torch")
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         t = torch.as_tensor(bits.view(np.int16), device="cuda").view(torch.bfloat16)
-        blobs = [kvzip.compress(t) for _ in range(3)]
+        blobs = [compress(t) for _ in range(3)]
         backs = [kvzip.decompress(b) for b in blobs]
     s.synchronize()
     for b, y in zip(blobs, backs):
-        np.testing.assert_array_equal(b.cpu().numpy(), kvzip.compress(bits, dtype="bf16"))
+        np.testing.assert_array_equal(b.cpu().numpy(), compress(bits, dtype="bf16"))
         assert torch.equal(y.view(torch.int16), t.view(torch.int16))
 
 
@@ -540,7 +550,7 @@ def test_batch_decode_names_the_bad_blob_by_its_place():
     from kvzip.gpu import layout_cache
 
     xs = [cupy.asarray(real_bf16((1 << 16) + 5)) for _ in range(3)]
-    blobs = kvzip.compress_many(xs, dtype="bf16")
+    blobs = compress_many(xs, dtype="bf16")
     for back, x in zip(kvzip.decompress_many(blobs), xs):  # the layout is remembered from here on
         assert bool(cupy.array_equal(back.reshape(-1).view(x.dtype), x))
     host = blobs[1].get()
@@ -565,11 +575,11 @@ def test_encodes_returning_before_their_scan_give_cpu_bytes_on_any_stream():
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
     xs = [real_bf16(1 << 22), rng.permutation(real_bf16(1 << 22))]
     xs[1][::97] = 250 << 7  # escapes enough to keep the scan busy
-    want = [kvzip.compress(x, dtype="bf16") for x in xs]
+    want = [compress(x, dtype="bf16") for x in xs]
     got = []
     for on, which in [(0, 0), (0, 1), (1, 1), (1, 0), (0, 0), (1, 1)]:  # same stream, then a switch
         with streams[on]:
-            got.append((kvzip.compress(cupy.asarray(xs[which]), dtype="bf16"), which))
+            got.append((compress(cupy.asarray(xs[which]), dtype="bf16"), which))
     detached = [e.shape.detached for e in graphs.entries() if hasattr(e, "publishes")]
     assert any(d is not None for d in detached) == tuning.tuning_for("bf16").early_return
     for s in streams:
@@ -606,9 +616,9 @@ def test_cuda_addresses_is_cuda_address_for_a_whole_batch():
     assert arrays.cuda_addresses([]) is None and arrays.cuda_addresses([base.get()]) is None
     for xs in (alike, refused["misaligned"], refused["strided"]):
         for _ in range(2):  # the second call through the lanes
-            blobs = kvzip.compress_many(xs, dtype="bf16")
+            blobs = compress_many(xs, dtype="bf16")
             for blob, x in zip(blobs, xs):
-                np.testing.assert_array_equal(blob.get(), kvzip.compress(x.get(), dtype="bf16"))
+                np.testing.assert_array_equal(blob.get(), compress(x.get(), dtype="bf16"))
 
 
 @pytest.mark.parametrize("heavy", [False, True], ids=["real", "escape-heavy"])
@@ -626,7 +636,7 @@ def test_broken_escapes_raise_in_first_and_queued_chunks(heavy):
     bits = real_bf16(1 << 24)  # 4096 chunks: more than the decoder's warps (3168 on an H200)
     if heavy:
         bits[::10] = 200 << 7  # an exponent far outside the codebook: ~410 escapes a chunk
-    blob = kvzip.compress(cupy.asarray(bits), dtype="bf16")
+    blob = compress(cupy.asarray(bits), dtype="bf16")
     graphs.release()
     np.testing.assert_array_equal(bits_of(kvzip.decompress(blob)), bits)
     (program,) = [e for e in graphs.entries() if isinstance(e, programs._DecodeProgram)]
