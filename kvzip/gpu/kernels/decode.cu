@@ -275,8 +275,8 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
 // this grid), so no line of it sits in this multiprocessor's L1 when the scan's header guesses
 // write their fields of it: the loads after the wait (await_offsets) then see them.  (Not volatile
 // loads: one at a time, they delayed every warp's start.)  A row staged with dlo = 0 takes its
-// blob's own codebook (guess_head writes it): that chunk waits for the scan first and reads the
-// row again.  A call, not inlined: a second inlined copy of the chunk's code made the decoders'
+// blob's own codebook (guess_head writes it): that chunk waits for the guess's verdict (the
+// scan's first blocks) and reads the row again.  A call, not inlined: a second inlined copy of the chunk's code made the decoders'
 // loops spill.
 template <int E, int M, typename T, int GPL>
 __device__ __noinline__ void decode_early_chunk(const DecodeJob* __restrict__ jobs, int njobs, long long gc, int chunk,
@@ -288,7 +288,8 @@ __device__ __noinline__ void decode_early_chunk(const DecodeJob* __restrict__ jo
 #pragma unroll
     for (int k = 0; k < (int)(sizeof(DecodeJob) / 16); k++) J.words[k] = __ldcg(src + k);
     if (J.row.dlo == 0) {  // the blob's own codebook, which the scan's header guess writes (guess_head)
-        await_offsets(ow);
+        if (lane == 0) await_guess(jobs[job]);
+        __syncwarp();
 #pragma unroll
         for (int k = 0; k < (int)(sizeof(DecodeJob) / 16); k++) J.words[k] = __ldcg(src + k);
     }
