@@ -122,8 +122,8 @@ def decompress_into(blob, out, status_out=None, codebook="auto", *, chunk: int =
     synchronisation and can be captured in a CUDA graph; status_out[0] becomes 0 once decoded,
     else an error code (kvzip.status_text) and out's contents are undefined.  That way decodes
     blobs of one layout: the default pipeline with codebook ("auto": each blob's own, None: the
-    shipped default) for out's
-    dtype and shape, as compress() and compress_into() write them, not stored raw.  Without
+    shipped default) for out's dtype and shape, as compress() and compress_into() write them,
+    not stored raw.  Without
     status_out any blob of out's dtype and shape decodes, and errors raise kvzip.FormatError (on
     a GPU the call then waits for the status).  dtype: the format of out when out holds raw bits
     (a CuPy uint8 array for float8 values, say), as compress()'s dtype."""

@@ -219,8 +219,8 @@ def _run_compress(args) -> int:
                                        "from each tensor")
 
     def compress(x, dtype):
-        return kvzip.compress(x, codebook="auto" if codebook is None else codebook, mode=args.mode, checksum=args.checksum, dtype=dtype,
-                              backend="cpu")
+        return kvzip.compress(x, codebook="auto" if codebook is None else codebook, mode=args.mode,
+                              checksum=args.checksum, dtype=dtype, backend="cpu")
 
     t0 = time.perf_counter()
     with _Errors():

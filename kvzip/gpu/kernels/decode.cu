@@ -276,8 +276,8 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
 // write their fields of it: the loads after the wait (await_offsets) then see them.  (Not volatile
 // loads: one at a time, they delayed every warp's start.)  A row staged with dlo = 0 takes its
 // blob's own codebook (guess_head writes it): that chunk waits for the guess's verdict (the
-// scan's first blocks) and reads the row again.  A call, not inlined: a second inlined copy of the chunk's code made the decoders'
-// loops spill.
+// scan's first blocks) and reads the row again.  A call, not inlined: a second inlined copy of
+// the chunk's code made the decoders' loops spill.
 template <int E, int M, typename T, int GPL>
 __device__ __noinline__ void decode_early_chunk(const DecodeJob* __restrict__ jobs, int njobs, long long gc, int chunk,
                                                 const u64* __restrict__ chunk_off, u64* __restrict__ work, int lane,

@@ -251,8 +251,8 @@ __device__ __forceinline__ long long claimed_length(const u8* head, long long ca
 // A row staged with dlo = 0 (no codebook has it: its codes 0-7 would share exponent 0) takes the
 // blob's own codebook from its compact header (codebook="auto": each blob has its own), which
 // expect leaves blank: the guess checks that its 16 exponents are distinct and below J.dhi (the
-// format's exponent count, staged there) and writes them into J.dlo, J.dhi, which kvz_decode
-// reads once the scan is done (decode_early_chunk).
+// format's exponent count, staged there) and writes them into J.dlo, J.dhi before the verdict,
+// which kvz_decode's chunks of that job wait for (decode_early_chunk).
 __device__ void guess_head(const u64* heads, int t, int span, const u8* expect, DecodeJob& J, u64* work) {
     __shared__ u32 crc_table[4][256];
     __shared__ __align__(16) u8 head[HEADER_SMEM];
