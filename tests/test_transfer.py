@@ -15,6 +15,7 @@ import pytest
 import kvzip
 from kvzip import transfer
 from kvzip.transfer import Faults, LoopbackEngine, TransferError
+from kvzip.transfer.sender import PROBE_WRITES
 
 torch = pytest.importorskip("torch")
 
@@ -161,7 +162,7 @@ def test_streaming_layers_in_any_order(link):
 @pytest.mark.parametrize("where", [5000, 777_777])
 def test_bit_flip_is_caught_by_the_digest(codec, where):
     """A corrupted message fails with FormatError on both sides; never wrong KV."""
-    faults = Faults(flip_bit=(1, where, 3))
+    faults = Faults(flip_bit=(PROBE_WRITES + 1, where, 3))  # the second message, after the link's probe
     with transfer.Receiver(engine="loopback", slot_bytes=1 << 20) as rx, \
             transfer.Sender(rx.address, engine=LoopbackEngine(faults), codec=codec) as tx:
         h = tx.send("bad", real_layers())
@@ -175,7 +176,7 @@ def test_bit_flip_is_caught_by_the_digest(codec, where):
 
 
 def test_engine_failure_fails_the_request_and_frees_registrations():
-    engine = LoopbackEngine(Faults(fail_at=1))
+    engine = LoopbackEngine(Faults(fail_at=PROBE_WRITES + 1))  # the second message
     with transfer.Receiver(engine="loopback", slot_bytes=1 << 20) as rx:
         tx = transfer.Sender(rx.address, engine=engine, timeout=5)
         h = tx.send("f", real_layers())
@@ -187,6 +188,24 @@ def test_engine_failure_fails_the_request_and_frees_registrations():
             rx.receive("f", timeout=10)
         tx.close()
         assert engine.registered == {}
+
+
+def test_an_unpaced_link_is_measured_before_the_first_request():
+    """codec="auto" on a real (unpaced) link: the Sender times PROBE_WRITES writes into the
+    receiver's ring as it first stages, so the first request is chosen by the link's speed
+    rather than compressed while it is unknown; a probe that fails fails the send, clearly,
+    with nothing left registered."""
+    with transfer.Receiver(engine="loopback", slot_bytes=1 << 20) as rx:
+        with transfer.Sender(rx.address, engine="loopback", codec="auto") as tx:
+            stats = tx.send("first", real_layers()).wait(timeout=30)
+            assert all(same(a, b) for a, b in zip(real_layers(), rx.receive("first")))
+        assert stats["auto"].startswith("predicted") and "GB/s" in stats["auto"]
+        engine = LoopbackEngine(Faults(fail_at=0))
+        tx = transfer.Sender(rx.address, engine=engine, codec="auto", timeout=5)
+        with pytest.raises(TransferError, match="injected failure"):
+            tx.send("never", real_layers(2))
+        assert engine.registered == {}
+        tx.close()
 
 
 def test_eight_requests_from_four_threads(link):

@@ -41,6 +41,8 @@ TARGET_GROUPS = 8       # enough groups that the pipeline's fill is a small part
 STAGING_SLOTS = 3       # a group being encoded, one being written, one between: the stages overlap
 FIRST_GROUP = 4 << 20   # the first group closes early, so the wire starts after a short encode;
                         # a large last layer travels alone, so the decode after the wire is short
+PROBE_BYTES = 8 << 20   # an unpaced link's first measure: PROBE_WRITES writes of this (or a slot)
+PROBE_WRITES = 2        # at staging, the last one timed
 
 
 class SendHandle:
@@ -317,17 +319,42 @@ class Sender:
     def _start_staging(self, device: str) -> None:
         """Registered staging memory on the first tensor's device; ``_staging`` is set last, so a
         thread that sees it sees everything else too."""
-        self._device = device
         staging = Buffer(STAGING_SLOTS * self.slot_bytes, device)
         self._engine.register(staging.ptr, staging.nbytes, device)
+        auto = AutoChooser(device, self._link_gbps)
+        if self._link_gbps is None:
+            try:
+                self._probe_link(staging, auto)
+            except BaseException:  # the peer is gone: no staging, nothing left registered
+                self._engine.unregister(staging.ptr)
+                raise
+        self._device, self._auto = device, auto
         for s in range(STAGING_SLOTS):
             self._free_staging.put(s)
-        self._auto = AutoChooser(device, self._link_gbps)
         if device != "cpu":
             import torch
 
             self._stream = torch.cuda.Stream(device=device)
         self._staging = staging
+
+    def _probe_link(self, staging: Buffer, auto: AutoChooser) -> None:
+        """The engine's own speed, before the first request needs it (codec="auto" chooses by it):
+        PROBE_WRITES writes of PROBE_BYTES from the staging memory into a free slot of the
+        receiver's ring, the last one timed (the first pays the engine's connection set-up).  The
+        receiver reads a slot only when a message names it, so the bytes are never looked at."""
+        nbytes = min(PROBE_BYTES, self.slot_bytes)
+        remote = self._take(self._free_remote, "a credit (a free slot in the receiver's ring)")
+        try:
+            for k in range(PROBE_WRITES):
+                timed = k == PROBE_WRITES - 1
+                start = now()
+                self._engine.write(self._peer, staging.ptr, self._remote_base + remote * self.slot_bytes, nbytes)
+                if timed:
+                    auto.observe_link(nbytes, now() - start)
+        except EngineError as e:
+            raise TransferError(f"writing to {self.address} failed: {e}") from None
+        finally:
+            self._free_remote.put(remote)
 
     # ------------------------------------------------------------------ pipeline threads
     def _guard(self, stage, downstream: queue.Queue | None) -> None:
