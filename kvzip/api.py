@@ -240,6 +240,8 @@ def info(blob) -> dict:
         escapes = int(counts[~plane].sum())
     raw = n * fmt.itemsize
     codebook = frame.meta.get("codebook")
+    stages = frame.meta.get("pipeline") or []
+    chosen = any(type(st) is dict and st.get("id") == "top16_pack" and st.get("codebook") == "auto" for st in stages)
     return {
         "dtype": fmt.dtype_name,
         "shape": tuple(frame.meta["shape"]),
@@ -254,5 +256,5 @@ def info(blob) -> dict:
         "checksum": bool(hdr.flags & container.FLAG_CHECKSUM),
         "streams": {name: nb for name, _, _, nb in hdr.streams},
         "pipeline": copy.deepcopy(frame.meta.get("pipeline")),  # parsed headers are cached: hand out a copy
-        "codebook": codebook.get("name") if isinstance(codebook, dict) else None,
+        "codebook": "auto" if chosen else codebook.get("name") if isinstance(codebook, dict) else None,
     }
