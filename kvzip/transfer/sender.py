@@ -317,8 +317,9 @@ class Sender:
             self._to_encode.put(("end", h, None))
 
     def _start_staging(self, device: str) -> None:
-        """Registered staging memory on the first tensor's device; ``_staging`` is set last, so a
-        thread that sees it sees everything else too."""
+        """Registered staging memory on the first tensor's device, and on an unpaced link its
+        speed (_probe_link); ``_staging`` is set last, so a thread that sees it sees everything
+        else too."""
         staging = Buffer(STAGING_SLOTS * self.slot_bytes, device)
         self._engine.register(staging.ptr, staging.nbytes, device)
         auto = AutoChooser(device, self._link_gbps)
