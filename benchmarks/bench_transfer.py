@@ -323,7 +323,23 @@ def summarize(rows, codecs) -> dict:
     if "raw" in out:
         for c, v in out.items():
             v["speedup_vs_raw"] = out["raw"]["median_s"] / v["median_s"]
+            if c != "raw":
+                v["paired_vs_raw"] = paired_speedup(rows, c)
     return out
+
+
+def paired_speedup(rows, codec: str, resamples: int = 2000) -> dict | None:
+    """raw's time over codec's, rep by rep (the reps interleave the codecs, so a pair ran close
+    in time and shares the machine's drift): their median and a bootstrap 90 % interval of it,
+    which says whether a codec is within a few per cent of raw when single runs spread more."""
+    raw = {r["rep"]: r["seconds"] for r in rows if r["codec"] == "raw" and "seconds" in r}
+    pairs = np.array([raw[r["rep"]] / r["seconds"] for r in rows
+                      if r["codec"] == codec and "seconds" in r and r["rep"] in raw])
+    if pairs.size < 2:
+        return None
+    picks = np.random.default_rng(0).integers(0, pairs.size, (resamples, pairs.size))
+    lo, hi = np.percentile(np.median(pairs[picks], axis=1), [5, 95])
+    return {"median": float(np.median(pairs)), "ci90": [float(lo), float(hi)], "pairs": int(pairs.size)}
 
 
 def sender_main(args) -> int:
@@ -395,6 +411,11 @@ def sender_main(args) -> int:
                             log(f"{tag:28s} {gib:6.2f} GiB {label:>8s}: " + "  ".join(
                                 f"{c} {v['median_s'] * 1e3:8.2f} ms x{v.get('speedup_vs_raw', 0):.3f}"
                                 f"{'' if v['exact'] else ' INEXACT'}" for c, v in summ.items()))
+                            paired = summ.get("auto", {}).get("paired_vs_raw")
+                            if paired:
+                                log(f"{'':28s} auto vs raw, rep by rep: x{paired['median']:.3f} "
+                                    f"(90 % interval {paired['ci90'][0]:.3f}-{paired['ci90'][1]:.3f}, "
+                                    f"{paired['pairs']} pairs)")
                             _write(out_path, res)
                         del layers
                         free_gpu_pools(args.device, torch_cache=True)

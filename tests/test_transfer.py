@@ -601,3 +601,23 @@ def test_stats_carry_each_groups_marks_from_both_sides(link):
         assert [mine[k] for k in tx_marks] == sorted(mine[k] for k in tx_marks)
         assert [theirs[k] for k in rx_marks] == sorted(theirs[k] for k in rx_marks)
         assert theirs["decoded"] >= mine["written"]
+
+
+def test_bench_pairs_each_codec_with_raw_rep_by_rep():
+    """benchmarks/bench_transfer.py's paired_speedup: raw's time over the codec's within each rep,
+    their median, and a bootstrap interval that holds it (timing is the benchmark's, not this
+    test's: these rows are made up)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_transfer", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_transfer.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = [{"codec": c, "rep": k, "seconds": t, "exact": True, "ratio": 1.0, "chosen": "raw"}
+            for k, (a, b) in enumerate([(1.0, 1.0), (2.0, 1.6), (1.0, 0.9)]) for c, t in (("raw", a), ("auto", b))]
+    got = bench.paired_speedup(rows, "auto")
+    assert got["pairs"] == 3 and got["median"] == pytest.approx(1 / 0.9)
+    assert got["ci90"][0] <= got["median"] <= got["ci90"][1]
+    assert bench.paired_speedup(rows[:2], "auto") is None  # one pair says nothing
+    assert bench.summarize(rows, ["raw", "auto"])["auto"]["paired_vs_raw"] == got
