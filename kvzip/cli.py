@@ -110,7 +110,7 @@ def _add_compress(sub) -> None:
                         "from each tensor: smaller files; no --codebook) or storage (per-channel rANS: smaller "
                         "still, slower; no --codebook)")
     p.add_argument("--checksum", action="store_true", help="add a 64-bit payload checksum, verified on decode")
-    p.add_argument("--codebook", metavar="auto|NAME|FILE.json",
+    p.add_argument("--codebook", metavar="auto|NAME|FILE.json", default="auto",
                    help="auto (the default: each tensor's own Top-16, chosen from it), a shipped codebook name "
                         "(bf16-kv, ...) or one from `kvzip calibrate`")
     p.set_defaults(run=_run_compress)
@@ -214,13 +214,13 @@ def _run_compress(args) -> int:
     _check_output(args)
     codebook = _codebook(args.codebook)
 
-    if args.mode != "speed" and codebook not in (None, "auto"):
+    if args.mode != "speed" and codebook != "auto":
         raise CommandError(EXIT_USAGE, f"--codebook is for --mode speed: the {args.mode} mode chooses its codebooks "
                                        "from each tensor")
 
     def compress(x, dtype):
-        return kvzip.compress(x, codebook="auto" if codebook is None else codebook, mode=args.mode,
-                              checksum=args.checksum, dtype=dtype, backend="cpu")
+        return kvzip.compress(x, codebook=codebook, mode=args.mode, checksum=args.checksum, dtype=dtype,
+                              backend="cpu")
 
     t0 = time.perf_counter()
     with _Errors():
