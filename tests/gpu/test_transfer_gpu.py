@@ -14,6 +14,7 @@ import cupy  # noqa: F401  tests/conftest.py collects tests/gpu only where CuPy 
 import kvzip
 from kvzip import transfer
 from kvzip.testing import real_kv_layers
+from kvzip.transfer.sender import PROBE_WRITES
 
 if not torch.cuda.is_available():
     pytest.skip("torch has no CUDA", allow_module_level=True)
@@ -106,7 +107,7 @@ def test_streaming_from_a_side_stream_waits_for_the_producer():
 
 
 def test_bit_flip_on_cuda_is_caught():
-    faults = transfer.Faults(flip_bit=(1, 123457, 5))
+    faults = transfer.Faults(flip_bit=(PROBE_WRITES + 1, 123457, 5))  # the second message, after the link's probe
     with transfer.Receiver(engine="loopback", device="cuda", slot_bytes=16 << 20) as rx, \
             transfer.Sender(rx.address, engine=transfer.LoopbackEngine(faults)) as tx:
         tx.send("bad", real_layers())
