@@ -140,6 +140,47 @@ def nvcomp_codec():
     return NvcompAns()
 
 
+# ---------------------------------------------------------------------------------- profiling
+class Profile:
+    """--profile: yappi's CPU clock over every thread of this process while ``on``; ``dump``
+    writes each thread's functions by their own time (where a stage's host time goes)."""
+
+    def __init__(self, path: str | None):
+        self.path, self.running = path, False
+        if path:
+            import importlib
+
+            importlib.import_module("yappi")  # fail at start, not after the run
+
+    def on(self) -> None:
+        if self.path and not self.running:
+            import yappi
+
+            yappi.set_clock_type("cpu")
+            yappi.start(profile_threads=True)
+            self.running = True
+
+    def dump(self, top: int = 30) -> None:
+        if not self.running:
+            return
+        import threading
+
+        import yappi
+
+        yappi.stop()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path, "w") as f:
+            for th in sorted(yappi.get_thread_stats(), key=lambda th: -th.ttot):
+                funcs = yappi.get_func_stats(ctx_id=th.id)
+                f.write(f"== thread {names.get(th.tid, th.name)}: {th.ttot * 1e3:.1f} ms CPU\n")
+                for x in sorted(funcs, key=lambda x: -x.tsub)[:top]:
+                    f.write(f"  {x.tsub * 1e3:9.2f} ms own {x.ttot * 1e3:9.2f} ms total {x.ncall:7d} calls  "
+                            f"{x.name} {os.path.relpath(x.module) if x.module.startswith('/') else x.module}:{x.lineno}\n")
+        yappi.clear_stats()
+        self.running = False
+
+
 # ---------------------------------------------------------------------------------- receiver
 def receiver_main(args) -> None:
     from kvzip import transfer
@@ -150,10 +191,14 @@ def receiver_main(args) -> None:
     rx = transfer.Receiver(engine=args.engine, device=args.device, slot_bytes=args.slot_mib << 20,
                            ring_bytes=args.slots * (args.slot_mib << 20))
     print(rx.address, flush=True)
+    prof = Profile(args.profile and os.path.join(args.profile, "rx.txt"))
     for line in sys.stdin:
         cmd, _, name = line.strip().partition(" ")
         if cmd == "quit":
             break
+        if cmd == "profile":  # the sender's timed requests begin
+            prof.on()
+            continue
         if cmd == "free":  # the sender moves to another shape
             free_gpu_pools(args.device, torch_cache=True)
             continue
@@ -164,6 +209,7 @@ def receiver_main(args) -> None:
             free_gpu_pools(args.device, torch_cache=False)
         except Exception as e:  # noqa: BLE001  the sender reports it
             print(f"error {name} {type(e).__name__}: {str(e)[:200]}", flush=True)
+    prof.dump()
     rx.close()
 
 
@@ -174,6 +220,8 @@ class Peer:
         cmd = [sys.executable, os.path.abspath(__file__), "--role", "rx", "--device", rx_device(args),
                "--engine", args.engine,
                "--slot-mib", str(args.slot_mib), "--slots", str(args.slots)]
+        if args.profile:
+            cmd += ["--profile", args.profile]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.address = self.proc.stdout.readline().strip()
         if ":" not in self.address:
@@ -185,6 +233,10 @@ class Peer:
 
     def free(self) -> None:
         self.proc.stdin.write("free\n")
+        self.proc.stdin.flush()
+
+    def profile(self) -> None:
+        self.proc.stdin.write("profile\n")
         self.proc.stdin.flush()
 
     def result(self) -> tuple[str, str]:
@@ -370,6 +422,7 @@ def sender_main(args) -> int:
                         "TCP transport, unemulated",
            "runs": []}
     out_path = args.out
+    prof = Profile(args.profile and os.path.join(args.profile, "tx.txt"))
     for transport in transports_of(args):
         env = engine_env(transport)
         os.environ.clear()
@@ -397,6 +450,9 @@ def sender_main(args) -> int:
                         # size would otherwise land in whichever codec is measured first.
                         tx.set_link(None)
                         run_link(tx, peer, layers, want, "warm-up", None, codecs, 1, tag, log)
+                        if args.profile:
+                            peer.profile()
+                            prof.on()
                         for link in links:
                             gbps = link if isinstance(link, (int, float)) else None
                             tx.set_link(gbps)
@@ -421,6 +477,7 @@ def sender_main(args) -> int:
                         free_gpu_pools(args.device, torch_cache=True)
                         peer.free()
         finally:
+            prof.dump()
             tx.close()
             peer.close()
     res["seconds"] = time.monotonic() - t_start
@@ -535,6 +592,9 @@ def main(argv=None) -> int:
     ap.add_argument("--minilm", default=None, help="MiniLM-L6 KV safetensors file: a second KV family")
     ap.add_argument("--max-seconds", type=float, default=420, help="stop starting new shapes after this")
     ap.add_argument("--stages", action="store_true", help="print each codec's per-group stage times (last rep)")
+    ap.add_argument("--profile", metavar="DIR", default=None,
+                    help="profile both processes' threads (yappi, CPU clock) over the timed requests into "
+                         "DIR/tx.txt and DIR/rx.txt; the timings are then not representative")
     ap.add_argument("--quick", action="store_true", help="small CPU-sized run: 512 tokens, 10 and 25 GB/s")
     ap.add_argument("--no-mps", dest="mps", action="store_false",
                     help="let the GPU time-slice between the two processes instead of sharing it through MPS")
