@@ -193,7 +193,16 @@ _START_RATIO = {"raw": 1.0, "kvzip": 1.30, "kvzip-ratio": 1.38}
 
 
 class AutoChooser:
-    """Running estimates of the link and of each codec's stage costs and ratio on one connection."""
+    """Running estimates of the link and of each codec's stage costs and ratio on one connection,
+    and, per codec and request size (a power of two), how far whole requests took longer than the
+    model predicted.
+
+    The model sees each stage's own cost; what it cannot see (every Python and torch call of a
+    group costs several times more beside the pipeline's other threads, and the control messages
+    between the stages) weighs most on small requests and fast links, where it can reverse the
+    choice (benchmarks/NOTES.md t6, t12).  So a bulk request's measured time over the model's
+    prediction for it is kept per (codec, size class), and the choices for requests of that
+    class scale their predictions by it."""
 
     def __init__(self, device: str, link_gbps: float | None):
         start = _START["cpu" if device == "cpu" else "cuda"]
@@ -201,29 +210,40 @@ class AutoChooser:
         self.ratio = dict(_START_RATIO)
         self.link_gbps = link_gbps  # known when paced; else measured from the engine's writes
         self._fixed_link = link_gbps is not None
+        self.scale: dict[tuple[str, int], float] = {}  # (codec, size class): measured over modelled time
 
     def observe_link(self, nbytes: int, seconds: float) -> None:
         if not self._fixed_link and seconds > 0 and nbytes >= 1 << 20:
             self.link_gbps = _ewma(self.link_gbps, nbytes / seconds / 1e9)
 
     def observe(self, kind: str, raw: int, sent: int, groups: int, encode_s: float, decode_s: float,
-                tensors: int = 0) -> None:
+                tensors: int = 0, seconds: float | None = None, plan: tuple[list[int], int] | None = None) -> None:
         """A finished request: ``kind`` one of CHOICES, its bytes, groups, summed stage times and
-        tensors."""
+        tensors; ``seconds``, its whole time, where its layers were all given at its start (a
+        bulk send, not one paced by its producer), and ``plan``, the (group sizes, tensors a
+        group) its choice was (or would have been) predicted for."""
         if kind not in self.stage or raw < 1 << 20 or groups < 1:
             return
         if kind != "raw":
             self.ratio[kind] = _ewma(self.ratio[kind], raw / max(sent, 1))
         g, calls = raw / groups, tensors / groups
-        for stage, seconds in (("enc", encode_s), ("dec", decode_s)):
+        for stage, stage_s in (("enc", encode_s), ("dec", decode_s)):
             fixed, per_call, rate = self.stage[kind][stage]
-            if seconds > 0:
-                left = max(seconds / groups - fixed - calls * per_call, 1e-6)
+            if stage_s > 0:
+                left = max(stage_s / groups - fixed - calls * per_call, 1e-6)
                 self.stage[kind][stage] = (fixed, per_call, _ewma(rate, g / left / 1e9))
+        if seconds is not None and seconds > 0 and self.link_gbps is not None:
+            sizes, per_group = plan if plan is not None else ([g] * groups, calls)
+            key = (kind, _size_class(sum(sizes)))
+            self.scale[key] = _ewma(self.scale.get(key), seconds / self._model(kind, sizes, per_group))
 
     def predict(self, kind: str, group_bytes: list[int], calls: int = 1) -> float:
         """Seconds to move groups of these raw sizes, of ``calls`` tensors each, with ``kind``:
-        the pipeline's fill (first encode, last decode) plus every group through its slowest
+        the model's time, scaled by what requests of this size took on this connection."""
+        return self._model(kind, group_bytes, calls) * self.scale.get((kind, _size_class(sum(group_bytes))), 1.0)
+
+    def _model(self, kind: str, group_bytes: list[int], calls: float) -> float:
+        """The pipeline's fill (first encode, last decode) plus every group through its slowest
         stage."""
         link = self.link_gbps * 1e9
         (fe, ce, re), (fd, cd, rd) = self.stage[kind]["enc"], self.stage[kind]["dec"]
@@ -244,8 +264,16 @@ class AutoChooser:
             if t[kind] < 0.98 * t[pick]:
                 pick = kind
         said = ", ".join(f"{kind} {t[kind] * 1e3:.3f} ms" for kind in CHOICES)
+        size = _size_class(sum(group_bytes))
+        seen = [kind for kind in CHOICES if (kind, size) in self.scale]
         return pick, (f"predicted {said} (link {self.link_gbps:.1f} GB/s, ratios "
-                      f"{self.ratio['kvzip']:.3f} / {self.ratio['kvzip-ratio']:.3f}, {len(group_bytes)} groups)")
+                      f"{self.ratio['kvzip']:.3f} / {self.ratio['kvzip-ratio']:.3f}, {len(group_bytes)} groups; "
+                      f"{'scaled by requests of this size seen with ' + ', '.join(seen) if seen else 'model only'})")
+
+
+def _size_class(nbytes: float) -> int:
+    """Requests within a factor of two of each other share what was measured for them."""
+    return max(int(nbytes), 1).bit_length()
 
 
 def _ewma(old, new, keep=0.5):

@@ -43,6 +43,8 @@ FIRST_GROUP = 4 << 20   # the first group closes early, so the wire starts after
                         # a large last layer travels alone, so the decode after the wire is short
 PROBE_BYTES = 8 << 20   # an unpaced link's first measure: PROBE_WRITES writes of this (or a slot)
 PROBE_WRITES = 2        # at staging, the last one timed
+BULK_SHARE = 0.25       # a request whose layers were all given within this share of its time was
+                        # bound by the transfer, not its producer: its time calibrates codec="auto"
 
 
 class SendHandle:
@@ -58,6 +60,8 @@ class SendHandle:
         self._pending: list = []          # layers waiting to fill a group
         self._pending_bytes = 0
         self._group_bytes = None
+        self._plan = None                 # (group sizes, tensors a group): what codec="auto" predicts for
+        self._all_queued = None           # when the last layer was given
         self._groups_flushed = 0
         self._progress = 0                # accepted, groups encoded and written: what wait() watches
         self._accepted = threading.Event()
@@ -82,6 +86,7 @@ class SendHandle:
             self._queued.add(index)
             self._sender._add_layer(self, index, tensors)
             if len(self._queued) == self.n_layers:
+                self._all_queued = now()
                 self._sender._flush(self, last=True)
 
     def wait(self, timeout: float | None = None) -> dict:
@@ -287,10 +292,11 @@ class Sender:
                 raise ValueError(f"this sender stages {self._device} memory; layer {index} has a tensor on {buffers.device_of(t)}")
         if h._group_bytes is None:
             h._group_bytes = self._group_size(need * h.n_layers)
+            n_groups = max(1, -(-need * h.n_layers // h._group_bytes))
+            calls = len(tensors) * max(1, min(h.n_layers, h._group_bytes // need))  # tensors a group
+            h._plan = ([h._group_bytes] * n_groups, calls)
             if h._auto:
-                n_groups = max(1, -(-need * h.n_layers // h._group_bytes))
-                calls = len(tensors) * max(1, min(h.n_layers, h._group_bytes // need))  # tensors a group
-                pick, h.reason = self._auto.choose([h._group_bytes] * n_groups, calls)
+                pick, h.reason = self._auto.choose(*h._plan)
                 h.codec, h._wire = pick, None if pick == "raw" else codec.get(pick)
                 h.stats["codec"] = h.codec
                 h.stats["auto"] = h.reason
@@ -501,8 +507,10 @@ class Sender:
                 h.stats["receiver_timeline"] = msg.get("timeline") if isinstance(msg.get("timeline"), list) else []
                 if h.codec in codec.CHOICES and self._auto is not None:
                     s = h.stats
+                    took = now() - s["start"]
+                    bulk = h._all_queued is not None and h._all_queued - s["start"] <= BULK_SHARE * took
                     self._auto.observe(h.codec, s["raw_bytes"], s["sent_bytes"], s["groups"], s["encode_s"], s["decode_s"],
-                                       s["tensors"])
+                                       s["tensors"], took if bulk else None, h._plan)
                 self._end(h, None)
             elif kind == "failed":
                 self._end(h, _remote_error(msg, h.request))
