@@ -67,9 +67,9 @@ def test_one_tensor_is_the_cpu_reference(fmt, n, gpu_path):
     got = kvzip.compress(x, dtype=fmt, codebook="auto")
     assert bytes(got.get()) == want
     assert last_path() == path  # the path a fixed codebook takes
-    cb = kvzip.info(want)["codebook"]
-    assert cb is None  # an auto codebook has no name
-    if not kvzip.info(want)["stored_raw"]:
+    info = kvzip.info(want)
+    assert info["codebook"] == (None if info["stored_raw"] else "auto")  # chosen for the tensor: no name
+    if not info["stored_raw"]:
         assert list(want[48:64]) == list(auto_codebook(bits, fmt).exponents)
     back = kvzip.decompress(got)
     np.testing.assert_array_equal(back.get().reshape(-1).view(FORMATS[fmt].uint_dtype), bits)
