@@ -30,6 +30,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -42,7 +43,8 @@ from kvzip.testing import real_kv_layers
 SHAPES = {"llama3-8b": 32, "llama3-70b": 80}
 KV_HEADS, HEAD_DIM = 8, 128
 LINKS = [10, 25, 50, 100, 200]
-SMALL_GIB, SMALL_REPS = 2.0, 7  # requests this small take a few ms, and one run varies by ~10 %
+RAW_AGAIN = "raw-again"  # --aa: raw a second time, a control: what identical transfers differ by
+SMALL_GIB, SMALL_REPS = 2.0, 11 # requests this small take a few ms, and one run varies by ~10 %
 
 
 # ---------------------------------------------------------------------------------- KV data
@@ -327,13 +329,17 @@ def stage_breakdown(stats: dict) -> dict:
 def run_link(tx, peer, layers, want: str, link, link_gbps, codecs, reps, tag, log, stages=False) -> list[dict]:
     rows = []
     for rep in range(reps):
-        # Each rep starts one codec further on, so no codec always follows the same one (a
-        # request's allocations land in the receiver's caches as the previous request left them).
-        for c in codecs[rep % len(codecs):] + codecs[:rep % len(codecs)]:
+        # Each rep runs the codecs in an order of its own (shuffled, seeded by the row and rep),
+        # so no codec always follows the same one: a request's allocations land in the
+        # receiver's caches as the previous request left them, and a rotation would keep every
+        # codec's predecessor fixed (NOTES t12).
+        order = list(codecs)
+        random.Random(f"{tag}-{link}-{rep}").shuffle(order)
+        for c in order:
             name = f"{tag}-{link}-{c}-{rep}"
             peer.expect(name)
             t0 = time.perf_counter()
-            h = tx.send(name, layers, codec=c)
+            h = tx.send(name, layers, codec="raw" if c == RAW_AGAIN else c)
             try:
                 stats = h.wait(timeout=900)
             except Exception as e:  # noqa: BLE001
@@ -409,7 +415,8 @@ def sender_main(args) -> int:
     wire = nvcomp_codec() if args.device != "cpu" and not args.no_nvcomp else None
     if wire is not None:
         transfer.register_codec(wire)
-    codecs = ["raw", *args.codecs, "auto"] + (["nvcomp-ans"] if wire is not None else [])
+    codecs = (["raw", *args.codecs, "auto"] + (["nvcomp-ans"] if wire is not None else [])
+              + ([RAW_AGAIN] if args.aa else []))
     fams = real_values(args.minilm)
     res = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
            "device": torch.cuda.get_device_name() if args.device != "cpu" else platform.processor() or "cpu",
@@ -467,11 +474,12 @@ def sender_main(args) -> int:
                             log(f"{tag:28s} {gib:6.2f} GiB {label:>8s}: " + "  ".join(
                                 f"{c} {v['median_s'] * 1e3:8.2f} ms x{v.get('speedup_vs_raw', 0):.3f}"
                                 f"{'' if v['exact'] else ' INEXACT'}" for c, v in summ.items()))
-                            paired = summ.get("auto", {}).get("paired_vs_raw")
-                            if paired:
-                                log(f"{'':28s} auto vs raw, rep by rep: x{paired['median']:.3f} "
-                                    f"(90 % interval {paired['ci90'][0]:.3f}-{paired['ci90'][1]:.3f}, "
-                                    f"{paired['pairs']} pairs)")
+                            for c in ("auto", RAW_AGAIN):
+                                paired = summ.get(c, {}).get("paired_vs_raw")
+                                if paired:
+                                    log(f"{'':28s} {c} vs raw, rep by rep: x{paired['median']:.3f} "
+                                        f"(90 % interval {paired['ci90'][0]:.3f}-{paired['ci90'][1]:.3f}, "
+                                        f"{paired['pairs']} pairs)")
                             _write(out_path, res)
                         del layers
                         free_gpu_pools(args.device, torch_cache=True)
@@ -552,7 +560,8 @@ def plot(json_path: str, png_path: str) -> None:
     for ax, (gib, shape, tokens) in zip(axes[0], sizes):
         mine = sorted((float(r["link"].removesuffix("GBps")), r["summary"]) for r in runs
                       if (r["GiB"], r["shape"], r["tokens"]) == (gib, shape, tokens))
-        for codec, style in (("kvzip", "o-"), ("kvzip-ratio", "D-"), ("auto", "s--"), ("nvcomp-ans", "^:")):
+        for codec, style in (("kvzip", "o-"), ("kvzip-ratio", "D-"), ("auto", "s--"), ("nvcomp-ans", "^:"),
+                             (RAW_AGAIN, "x:")):
             pts = [(link, s[codec]["speedup_vs_raw"]) for link, s in mine if codec in s]
             if pts:
                 ax.plot(*zip(*pts), style, label=codec)
@@ -579,7 +588,7 @@ def main(argv=None) -> int:
                     help="2: the sender on GPU 0, the receiver on GPU 1 (no MPS needed)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768, 131072], help="context lengths")
     ap.add_argument("--links", type=float, nargs="+", default=LINKS, help="emulated link rates, GB/s")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions of each (link, codec), interleaved (at least 7 under 2 GiB)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of each (link, codec), interleaved (at least 11 under 2 GiB)")
     ap.add_argument("--slot-mib", type=int, default=512, help="receive ring slot size, MiB (a layer must fit)")
     ap.add_argument("--slots", type=int, default=4, help="receive ring slots")
     ap.add_argument("--group-mib", type=int, default=0, help="raw MiB per message (0: the sender's default)")
@@ -591,6 +600,9 @@ def main(argv=None) -> int:
                     help="kvzip's wire codecs to measure beside raw and auto")
     ap.add_argument("--minilm", default=None, help="MiniLM-L6 KV safetensors file: a second KV family")
     ap.add_argument("--max-seconds", type=float, default=420, help="stop starting new shapes after this")
+    ap.add_argument("--aa", action="store_true",
+                    help=f"also send raw a second time as {RAW_AGAIN!r}: its paired_vs_raw is the spread of "
+                         "identical transfers, against which auto's is judged")
     ap.add_argument("--stages", action="store_true", help="print each codec's per-group stage times (last rep)")
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="profile both processes' threads (yappi, CPU clock) over the timed requests into "
