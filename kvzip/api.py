@@ -203,14 +203,18 @@ def _preset(mode, codebook, checksum, chunk) -> Pipeline:
 
 def _default(codebook, checksum, chunk) -> Pipeline:
     """The pipeline compress()/decompress() run: built once per setting when the codebook is a
-    name, the default or a Codebook object (by content: its format, exponents and name, all a blob
-    records of it; so the same object comes back for equal codebooks, and the GPU executor's
+    name, the default, a Codebook object or its dict (by content: its format, exponents and name,
+    all a blob records of it; so the same object comes back for equal codebooks, and the GPU executor's
     shortcuts for a call like the last apply); private, so no caller can change it.  Only exact
     types reach the caches: they match keys by equality, and 0 == False, 4096.0 == 4096, which the
     stages refuse; so a cached answer is always the one a fresh build would give."""
     if type(checksum) is bool and type(chunk) is int:
         if codebook is None or type(codebook) is str:
             return _shared(codebook, checksum, chunk)
+        if type(codebook) is dict and isinstance(codebook.get("provenance"), (dict, type(None))):
+            # Checked as from_dict checks it, less the provenance (a calibration record: no blob
+            # holds it, and copying it would cost more than the encode's host work).
+            codebook = Codebook.from_dict({k: v for k, v in codebook.items() if k != "provenance"})
         if type(codebook) is Codebook and (codebook.name is None or len(codebook.name) <= 256):
             return _shared_by_content(codebook.format.name, codebook.exponents, codebook.name, checksum, chunk)
     return splitzip_pipeline(codebook, checksum=checksum, chunk=chunk)

@@ -55,10 +55,12 @@ class Codebook:
         if len(exps) != N_CODES:
             raise ValueError(f"a codebook needs exactly {N_CODES} exponents, got {len(exps)}")
         for e in exps:
-            # bool is an Integral too, but True as an exponent is surely a mistake.
-            if isinstance(e, bool) or not isinstance(e, Integral):
+            # bool is an Integral too, but True as an exponent is surely a mistake.  A plain int
+            # is decided without the ABC check, which costs a microsecond (compress may build a
+            # codebook per call).
+            if type(e) is not int and (isinstance(e, bool) or not isinstance(e, Integral)):
                 raise ValueError(f"codebook exponents must be ints, got {e!r} ({type(e).__name__})")
-        exps = tuple(int(e) for e in exps)
+        exps = tuple(map(int, exps))
         limit = 1 << fmt.exp_bits
         bad = [e for e in exps if not 0 <= e < limit]
         if bad:
@@ -73,20 +75,22 @@ class Codebook:
             if isinstance(coverage, bool) or not isinstance(coverage, Real) or not 0.0 <= coverage <= 1.0:
                 raise ValueError(f"coverage must be a fraction in [0, 1] or None, got {coverage!r}")
             coverage = float(coverage)
-        if provenance is None:
-            provenance = {}
-        if not isinstance(provenance, dict):
+        if provenance is not None and not isinstance(provenance, dict):
             raise ValueError(f"provenance must be a dict, got {type(provenance).__name__}")
-        try:
-            json.dumps(provenance)
-        except (TypeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep to copy
-            raise ValueError(f"provenance must be JSON-able: {type(e).__name__}: {str(e)[:200]}") from None
+        if provenance:  # an empty one needs neither the check nor a copy
+            try:
+                json.dumps(provenance)
+            except (TypeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep to copy
+                raise ValueError(f"provenance must be JSON-able: {type(e).__name__}: {str(e)[:200]}") from None
+            provenance = copy.deepcopy(provenance)
+        else:
+            provenance = {}  # a new one, not the caller's (they may fill it later)
         set_ = object.__setattr__
         set_(self, "format", fmt)
         set_(self, "exponents", exps)
         set_(self, "name", name)
         set_(self, "coverage", coverage)
-        set_(self, "_provenance", copy.deepcopy(provenance))
+        set_(self, "_provenance", provenance)
 
     def __setattr__(self, key, value):
         raise AttributeError("Codebook is immutable; build a new one")

@@ -82,3 +82,21 @@ def test_compress_reuses_one_pipeline_for_equal_codebook_objects():
     np.testing.assert_array_equal(kvzip.compress(bits, codebook=a, dtype="bf16"),
                                   kvzip.splitzip_pipeline(a).encode(bits, dtype="bf16"))
     assert kvzip.info(kvzip.compress(bits, codebook=b, dtype="bf16"))["codebook"] == "mine"
+    # its dict too (to_dict's, provenance and all), checked as from_dict checks it
+    assert api._default(a.to_dict(), False, 4096) is api._default(a, False, 4096)
+    np.testing.assert_array_equal(kvzip.compress(bits, codebook=a.to_dict(), dtype="bf16"),
+                                  kvzip.splitzip_pipeline(a.to_dict()).encode(bits, dtype="bf16"))
+    for bad, why in (({**a.to_dict(), "extra": 1}, "unknown codebook key"),
+                     ({**a.to_dict(), "exponents": list(a.exponents[:15])}, "exactly 16"),
+                     ({**a.to_dict(), "coverage": 2.0}, "coverage"),
+                     ({**a.to_dict(), "provenance": 3}, "provenance must be a dict")):
+        with pytest.raises(ValueError, match=why):
+            kvzip.compress(bits, codebook=bad, dtype="bf16")
+
+
+def test_a_codebook_keeps_its_own_provenance():
+    """An empty provenance the caller fills afterwards does not change the (immutable) codebook."""
+    record: dict = {}
+    cb = kvzip.Codebook(tuple(range(16)), "bf16", provenance=record)
+    record["later"] = 1
+    assert cb.provenance == {}
