@@ -48,8 +48,10 @@ def _timer(cupy, repeat, warmup=3):
 def _versions(cupy):
     import numba
 
+    from .bench_cpu import code_commit
+
     v = {"kvzip": __import__("kvzip.version").version.__version__, "numba": numba.__version__, "cupy": cupy.__version__,
-         "numpy": np.__version__, "python": platform.python_version(),
+         "numpy": np.__version__, "python": platform.python_version(), "commit": code_commit(),
          "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(), "cuda_driver": cupy.cuda.runtime.driverGetVersion()}
     try:
         from importlib.metadata import version

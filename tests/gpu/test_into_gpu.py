@@ -318,3 +318,64 @@ def test_torch_tensors():
     status = torch.full((1,), -1, dtype=torch.int64, device="cuda")
     kvzip.decompress_into(dst, out, status)
     assert int(status.item()) == 0 and torch.equal(out.view(torch.int16), x.view(torch.int16))
+
+
+@pytest.mark.parametrize("codebook", [None, "auto"])
+@pytest.mark.parametrize("how", ["eager", "graph", "forked"])
+def test_many_tensors_in_a_graph_and_on_forked_streams(codebook, how):
+    """bench_into's pattern: k different tensors compress_into'd, then decompress_into'd, one call
+    each, eagerly, as one graph on one stream, and as one graph forked over four streams (each
+    its own workspace): every blob is compress_many's, every status 0, every tensor back."""
+    k, n, ways = 16, 1 << 20, 4
+    x = cupy.asarray(real_bf16(k * n, 3))
+    parts = [x[i * n:(i + 1) * n] for i in range(k)]
+    bound = kvzip.compress_bound(parts[0], codebook, dtype="bf16")
+    dst, sizes = cupy.zeros(k * bound, np.uint8), cupy.zeros(k, np.int64)
+    outs, status = cupy.zeros((k, n), np.uint16), cupy.full(k, -1, np.int64)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    branches = [cupy.cuda.Stream(non_blocking=True) for _ in range(ways)]
+
+    def enc(i):
+        kvzip.compress_into(parts[i], dst[i * bound:(i + 1) * bound], sizes[i:i + 1], codebook, dtype="bf16")
+
+    def dec(i):
+        kvzip.decompress_into(dst[i * bound:(i + 1) * bound], outs[i], status[i:i + 1], codebook, dtype="bf16")
+
+    def issue(call):
+        if how != "forked":
+            for i in range(k):
+                call(i)
+            return
+        fork = cupy.cuda.Event()
+        fork.record(stream)
+        for j, branch in enumerate(branches):
+            branch.wait_event(fork)
+            with branch:
+                for i in range(j, k, ways):
+                    call(i)
+            join = cupy.cuda.Event()
+            join.record(branch)
+            stream.wait_event(join)
+
+    def run(call):
+        with stream:
+            if how == "eager":
+                issue(call)
+            else:
+                stream.begin_capture(cupy.cuda.runtime.streamCaptureModeGlobal)
+                try:
+                    issue(call)
+                finally:
+                    graph = stream.end_capture()
+                graph.launch(stream)
+        stream.synchronize()
+
+    run(enc)
+    want = [bytes(b.get()) for b in kvzip.compress_many(parts, codebook, dtype="bf16")]
+    got = [bytes(dst[i * bound:i * bound + int(s)].get()) for i, s in enumerate(sizes.get())]
+    assert [len(g) for g in got] == [len(w) for w in want]
+    assert got == want
+    run(dec)
+    assert status.get().tolist() == [0] * k
+    for i in range(k):
+        same_bits(cupy.asnumpy(outs[i]), cupy.asnumpy(parts[i]), f"tensor {i}")
