@@ -38,6 +38,7 @@ import numpy as np
 
 import kvzip
 from kvzip import auto_codebook as auto
+from kvzip.bench_cpu import code_commit
 from kvzip.calibrate import choose_exponents, exponent_histogram
 from kvzip.formats import FORMATS
 from kvzip.testing import KV_VARIANTS as VARIANTS, kv_variant, scale_pow2
@@ -278,7 +279,7 @@ def main(argv=None) -> int:
               "seconds": round(time.perf_counter() - t0, 1),
               "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()},
               "versions": {"kvzip": kvzip.__version__, "numpy": np.__version__, "torch": torch.__version__,
-                           "python": platform.python_version()},
+                           "python": platform.python_version(), "commit": code_commit()},
               "data": args.data, "stride": args.stride, "auto_rule": rule,
               "summary": table, "summary_large": table_large, "summary_e5m2": table_e5m2, "rows": rows,
               "rows_large": large, "rows_e5m2": e5m2}
