@@ -319,9 +319,17 @@ def bench_into(cupy, timeit, x, k: int = 64):
                          f"graph_of_{k}_on_{BRANCHES}_streams_GBps": round(k * parts[0].nbytes / t_wide / 1e9, 1)}
             print("into", name, res[name], flush=True)
         stream.synchronize()
-    lengths = [int(b.nbytes) for b in kvzip.compress_many(parts, dtype="bf16")]
-    res["sizes_match_compress"] = sizes.get().tolist() == lengths
-    res["lossless"] = bool((status == 0).all()) and all(bool(cupy.array_equal(outs[i], parts[i])) for i in range(k))
+    want = kvzip.compress_many(parts, dtype="bf16")
+    got = sizes.get().tolist()
+    res["sizes_match_compress"] = got == [int(b.nbytes) for b in want]
+    codes = status.get().tolist()
+    wrong = [i for i in range(k) if not bool(cupy.array_equal(outs[i], parts[i]))]
+    res["lossless"] = all(c == 0 for c in codes) and not wrong
+    if not res["lossless"]:  # what failed, for whoever reads the results
+        unlike = [i for i in range(k) if got[i] != int(want[i].nbytes)
+                  or not bool(cupy.array_equal(dst[i * bound:i * bound + got[i]], want[i]))]
+        res["failures"] = {"statuses": {str(c): codes.count(c) for c in sorted(set(codes))},
+                           "tensors_not_back": wrong[:16], "blobs_unlike_compress": unlike[:16]}
     res["targets"] = {"graph_call_us": 12, f"graph_of_{k}_GBps": 1500}
     return res
 
