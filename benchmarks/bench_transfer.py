@@ -44,7 +44,7 @@ SHAPES = {"llama3-8b": 32, "llama3-70b": 80}
 KV_HEADS, HEAD_DIM = 8, 128
 LINKS = [10, 25, 50, 100, 200]
 RAW_AGAIN = "raw-again"  # --aa: raw a second time, a control: what identical transfers differ by
-SMALL_GIB, SMALL_REPS = 2.0, 11 # requests this small take a few ms, and one run varies by ~10 %
+SMALL_GIB, SMALL_REPS = 2.0, 11  # requests this small take a few ms, and one run varies by ~10 %
 
 
 # ---------------------------------------------------------------------------------- KV data

@@ -1,8 +1,8 @@
 """What the choice of codebook costs on the GPU, interleaved: the shipped name (codebook=None),
 a Codebook object with the shipped exponents (made once; and a new equal one every call: the
 cache is by content), one calibrated on the tensor itself (kvzip.calibrate), the shipped
-codebook's dict, and codebook="auto" (chosen on the device per call), through kvzip.compress / kvzip.decompress on CuPy arrays of the shipped KV
-sample tiled to 2^N values.  Issue 27's targets: an object within 2 % of the shipped name, the
+codebook's dict, and codebook="auto" (chosen on the device per call), through kvzip.compress /
+kvzip.decompress on CuPy arrays of the shipped KV sample tiled to 2^N values.  Issue 27's targets: an object within 2 % of the shipped name, the
 auto codebook at most 5 % of encode speed against a fixed one.
 
 Each round times every variant once (the median of --repeat calls each, CUDA events), in an
