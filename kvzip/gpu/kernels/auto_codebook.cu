@@ -37,31 +37,47 @@ struct SamplePlan {
 // rank[e] for each of the BINS exponents of histogram c (shared memory, c[e] written by thread e),
 // by the key (unseen, seen ? -count : |e - mode|, e) ascending, with mode the lowest exponent of
 // the largest count (0 when nothing was seen): the rule of kvzip/calibrate.py and
-// kvzip/channel_codebook.py.  Seen exponents rank among themselves by count (ties to the lower
-// exponent), the mode is the first of them, the unseen ones follow by their distance to it; each
-// thread ranks its exponent against all BINS, in parallel.  Called by every thread of a block of
-// at least BINS threads (it has barriers); rank is valid after it returns.
-template <int BINS>
+// kvzip/channel_codebook.py.  Exact for the ranks below TOP, the only ones the callers keep (the
+// first TOP exponents); an exponent ranked TOP or later may get any value >= TOP (BINS).  Seen
+// exponents rank among themselves by count (ties to the lower exponent), each thread against the
+// list of the seen ones (KV has a few dozen of 256); the mode is the first of them; the unseen
+// ones follow by their distance to it, ranked only where fewer than TOP were seen.  Called by
+// every thread of a block of at least BINS threads (it has barriers); rank is valid after it
+// returns.
+template <int BINS, int TOP>
 __device__ __forceinline__ void rank_exponents(const u32* c, u32* rank) {
-    __shared__ int mode;
+    __shared__ int mode, nseen;
+    __shared__ u32 seen_e[BINS], seen_c[BINS];  // the seen exponents and their counts, in no order
     const int e = threadIdx.x;
-    if (e == 0) mode = 0;
-    const u32 seen = (u32)__syncthreads_count(e < BINS && c[e] != 0);
-    if (e < BINS && c[e] != 0) {
+    if (e == 0) { mode = 0; nseen = 0; }
+    __syncthreads();
+    const bool is_seen = e < BINS && c[e] != 0;
+    if (is_seen) {
+        const int j = atomicAdd(&nseen, 1);
+        seen_e[j] = (u32)e;
+        seen_c[j] = c[e];
+    }
+    __syncthreads();
+    const int seen = nseen;
+    if (is_seen) {
+        const u32 ce = c[e];
         u32 r = 0;
-#pragma unroll 16
-        for (int f = 0; f < BINS; f++) r += c[f] > c[e] || (c[f] == c[e] && f < e);
+#pragma unroll 4
+        for (int j = 0; j < seen; j++) r += seen_c[j] > ce || (seen_c[j] == ce && seen_e[j] < (u32)e);
         rank[e] = r;
         if (r == 0) mode = e;  // the one seen exponent of rank 0
     }
     __syncthreads();
-    if (e < BINS && c[e] == 0) {
-        const int d = abs(e - mode);
-        u32 r = seen;
+    if (e < BINS && !is_seen) {
+        u32 r = BINS;  // ranked seen or later: >= TOP
+        if (seen < TOP) {
+            const int d = abs(e - mode);
+            r = (u32)seen;
 #pragma unroll 16
-        for (int f = 0; f < BINS; f++) {
-            const int df = abs(f - mode);
-            r += c[f] == 0 && (df < d || (df == d && f < e));
+            for (int f = 0; f < BINS; f++) {
+                const int df = abs(f - mode);
+                r += c[f] == 0 && (df < d || (df == d && f < e));
+            }
         }
         rank[e] = r;
     }
@@ -126,7 +142,7 @@ __global__ void __launch_bounds__(AUTO_RUN) kvz_auto_codebook(const EncodeJob* _
     static_assert(BINS <= AUTO_RUN, "rank_exponents: a thread an exponent");
     const int e = threadIdx.x;
     if (e < BINS) c[e] = *reinterpret_cast<volatile u32*>(&th[e]);
-    rank_exponents<BINS>(c, rank);
+    rank_exponents<BINS, 16>(c, rank);
     const bool zero_out = rank[0] >= 16;  // exponent 0 takes code 15 from the exponent ranked 16th
     __syncthreads();
     if (zero_out && e < BINS) rank[e] = e == 0 ? 15u : rank[e] == 15 ? (u32)BINS : rank[e];

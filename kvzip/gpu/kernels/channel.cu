@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(AUTO_RUN) kvz_ch_tables(const u32* __restrict_
     __shared__ u32 rank[BINS];
     const int d = blockIdx.x, e = threadIdx.x;
     if (e < BINS) c[e] = hist[((long long)d << E) | e];
-    rank_exponents<BINS>(c, rank);
+    rank_exponents<BINS, CH_WIDTH>(c, rank);
     if (e < BINS && rank[e] < CH_WIDTH) tables[d * CH_WIDTH + rank[e]] = (u8)e;
 }
 
