@@ -275,9 +275,9 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
 // this grid), so no line of it sits in this multiprocessor's L1 when the scan's header guesses
 // write their fields of it: the loads after the wait (await_offsets) then see them.  (Not volatile
 // loads: one at a time, they delayed every warp's start.)  A row staged with dlo = 0 takes its
-// blob's own codebook (guess_head writes it): that chunk waits for the guess's verdict (the
-// scan's first blocks) and reads the row again.  A call, not inlined: a second inlined copy of
-// the chunk's code made the decoders' loops spill.
+// blob's own codebook: that chunk waits until the scan's header guess has put it in the row
+// (publish_book, before the guess checks the header) and reads the row again.  A call, not
+// inlined: a second inlined copy of the chunk's code made the decoders' loops spill.
 template <int E, int M, typename T, int GPL>
 __device__ __noinline__ void decode_early_chunk(const DecodeJob* __restrict__ jobs, int njobs, long long gc, int chunk,
                                                 const u64* __restrict__ chunk_off, u64* __restrict__ work, int lane,
@@ -287,8 +287,8 @@ __device__ __noinline__ void decode_early_chunk(const DecodeJob* __restrict__ jo
     const uint4* src = reinterpret_cast<const uint4*>(jobs + job);
 #pragma unroll
     for (int k = 0; k < (int)(sizeof(DecodeJob) / 16); k++) J.words[k] = __ldcg(src + k);
-    if (J.row.dlo == 0) {  // the blob's own codebook, which the scan's header guess writes (guess_head)
-        if (lane == 0) await_guess(jobs[job]);
+    if (J.row.dlo == 0) {  // the blob's own codebook, which the scan's header guess writes first (publish_book)
+        if (lane == 0) await_book(jobs[job]);
         __syncwarp();
 #pragma unroll
         for (int k = 0; k < (int)(sizeof(DecodeJob) / 16); k++) J.words[k] = __ldcg(src + k);

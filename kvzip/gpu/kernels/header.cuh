@@ -240,6 +240,20 @@ __device__ __forceinline__ long long claimed_length(const u8* head, long long ca
     return claim >= h && claim <= capacity ? claim : 0;
 }
 
+// The 16 codebook bytes of blob t's compact header (or whatever its bytes there are: the guess
+// has not checked the header yet) as J.dhi, then J.dlo: a row whose dlo is no longer the staged 0
+// has its dhi too (a chunk that reads the row with dlo != 0 uses both; one that read 0 waits for
+// it to change, await_book).  The host made sure the blob is at least its layout's fixed bytes
+// long, so the bytes lie inside it.
+__device__ __forceinline__ void publish_book(const u64* heads, int t, DecodeJob& J) {
+    const u8* b = reinterpret_cast<const u8*>(heads[2 * t]) + KVZ_COMPACT_CODEBOOK_AT;
+    u64 words[2] = {0, 0};
+    for (int c = 0; c < KVZ_COMPACT_CODEBOOK_SIZE; c++) words[c >> 3] |= (u64)b[c] << (8 * (c & 7));
+    J.dhi = words[1];
+    __threadfence();
+    *reinterpret_cast<volatile u64*>(&J.dlo) = words[0];
+}
+
 // A decode launched on guessed layouts (layout_cache.guess) starts its scan with one block a blob
 // doing this: blob t's header must hang together (as kvz_check_heads says), equal expect's row t
 // once the fields that follow the escape count are blanked (payload length, CRC, escape entries),
@@ -250,14 +264,20 @@ __device__ __forceinline__ long long claimed_length(const u8* head, long long ca
 // the scan blocks that need the verdict wait for it (await_guess).
 // A row staged with dlo = 0 (no codebook has it: its codes 0-7 would share exponent 0) takes the
 // blob's own codebook from its compact header (codebook="auto": each blob has its own), which
-// expect leaves blank: the guess checks that its 16 exponents are distinct and below J.dhi (the
-// format's exponent count, staged there) and writes them into J.dlo, J.dhi before the verdict,
-// which kvz_decode's chunks of that job wait for (decode_early_chunk).
+// expect leaves blank.  Its 16 bytes go into J.dlo, J.dhi first, unchecked (publish_book), so
+// kvz_decode's first chunks of that job start on them (decode_early_chunk) while the header is
+// checked; then the guess checks that the 16 exponents are distinct and below the format's
+// exponent count (staged in J.dhi) and they count for the verdict like the rest of the header: a
+// miss throws the speculative decode away, as it does any guessed decode's.
 __device__ void guess_head(const u64* heads, int t, int span, const u8* expect, DecodeJob& J, u64* work) {
     __shared__ u32 crc_table[4][256];
     __shared__ __align__(16) u8 head[HEADER_SMEM];
     const u8* b;
     long long len;
+    const bool own_book = J.dlo == 0;  // every thread reads the staged row before publish_book changes it
+    const u64 bound = J.dhi;
+    __syncthreads();
+    if (own_book && threadIdx.x == 0) publish_book(heads, t, J);
     const long long staged = stage_head(heads, t, span, head, crc_table, b, len);
     const u32* w = reinterpret_cast<const u32*>(head);
     if (heads[2 * t + 1] & HEAD_LEN_CAPACITY) len = claimed_length(head, len, reinterpret_cast<const u8*>(J.esc_pos) - b);
@@ -265,7 +285,6 @@ __device__ void guess_head(const u64* heads, int t, int span, const u8* expect, 
     const bool compact = prefix && compact_head(head);
     const long long h = prefix ? w[KVZ_HEADER_LEN_AT / 4] : 0;
     const long long at = prefix ? KVZ_TABLE_AT + KVZ_ENTRY_SIZE * ((long long)w[KVZ_STREAM_COUNT_AT / 4] - KVZ_ESCAPE_STREAMS) : 0;
-    const bool own_book = J.dlo == 0;
     bool same = prefix && h <= span && h <= len;  // within expect's row: i < h <= span
     for (long long i = threadIdx.x; same && i < h; i += blockDim.x)  // the varying fields are blanked in expect
         same = (varying_byte(i, compact, at, own_book) ? 0 : i < staged ? head[i] : b[i]) == expect[(long long)t * span + i];
@@ -284,17 +303,14 @@ __device__ void guess_head(const u64* heads, int t, int span, const u8* expect, 
         if (var < 0 || align16(high_at + (long long)out[5]) != len - h) out[0] = 0;
     }
     bool hit = same && out[0] == 1 && reinterpret_cast<const u8*>(J.esc_pos) == payload + out[1];
-    if (hit && own_book) {  // same held a compact header: the codebook lies within its 64 bytes
-        const u64 bound = J.dhi;
-        u64 words[2] = {0, 0}, seen[4] = {0, 0, 0, 0};
+    if (hit && own_book) {  // same held a compact header: the codebook (in J since publish_book) lies within its 64 bytes
+        u64 seen[4] = {0, 0, 0, 0};
         for (int c = 0; c < KVZ_COMPACT_CODEBOOK_SIZE; c++) {
             const long long i = KVZ_COMPACT_CODEBOOK_AT + c;
             const u32 e = i < staged ? head[i] : b[i];
             hit = hit && e < bound && !((seen[e >> 6] >> (e & 63)) & 1);
             seen[e >> 6] |= 1ull << (e & 63);
-            words[c >> 3] |= (u64)e << (8 * (c & 7));
         }
-        if (hit) { J.dlo = words[0]; J.dhi = words[1]; }
     }
     if (hit) {
         J.esc_exp = payload + out[2];
@@ -311,5 +327,15 @@ __device__ void guess_head(const u64* heads, int t, int span, const u8* expect, 
 // Wait for guess_head's verdict on J (one thread).
 __device__ __forceinline__ void await_guess(const DecodeJob& J) {
     while (*reinterpret_cast<const volatile long long*>(&J.n_high) == GUESS_PENDING) __nanosleep(64);
+    __threadfence();
+}
+
+// Wait for a blob's own codebook in J (publish_book: dlo no longer 0) or for the guess's
+// verdict, whichever comes first (one thread); a forged codebook whose codes 0-7 are all
+// exponent 0 waits for the verdict.
+__device__ __forceinline__ void await_book(const DecodeJob& J) {
+    while (*reinterpret_cast<const volatile u64*>(&J.dlo) == 0 &&
+           *reinterpret_cast<const volatile long long*>(&J.n_high) == GUESS_PENDING)
+        __nanosleep(32);
     __threadfence();
 }
