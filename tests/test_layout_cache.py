@@ -247,7 +247,8 @@ def test_guess_picks_the_recent_layout_with_the_most_fixed_bytes_a_blob_can_have
 def test_a_guess_span_holds_exactly_the_lengths_guess_gives_its_layout():
     """_guess_span (what decode_again checks a blob's length against): while the guess table
     stands, guess(n) is the layout for every n in [lo, hi) and not for the lengths just outside;
-    none for a layout that shares its band; a new layout's note replaces the table."""
+    in a band of several layouts, only for the one decoded last (shared: decode_again then checks
+    that it still is); a new layout's note replaces the table."""
     layout_cache.forget()
     small = kvzip.compress(real_bits()[:10_000], dtype="bf16")
     large = with_escapes(0.01)
@@ -255,16 +256,22 @@ def test_a_guess_span_holds_exactly_the_lengths_guess_gives_its_layout():
     remember_blob(large)
     for blob in (small, large):
         layout = layout_cache.guess(blob.shape[0])
-        table, lo, hi = layout_cache._guess_span(layout, blob.shape[0])
-        assert table is layout_cache._table and lo <= blob.shape[0] < hi
+        table, lo, hi, shared = layout_cache._guess_span(layout, blob.shape[0])
+        assert table is layout_cache._table and lo <= blob.shape[0] < hi and not shared
         inside = [lo, hi - 1] + rng.integers(lo, hi, 50).tolist()
         assert all(layout_cache.guess(n) is layout for n in inside)
         assert layout_cache.guess(lo - 1) is not layout and layout_cache.guess(hi) is not layout
     lo_layout = layout_cache.guess(small.shape[0])
-    remember_blob(kvzip.compress(real_bits()[:10_000].reshape(100, 100), dtype="bf16"))  # same band
+    again = kvzip.compress(real_bits()[:10_000].reshape(100, 100), dtype="bf16")
+    remember_blob(again)  # another layout of the same band, decoded last
     assert layout_cache._table is not table  # the new layout's note dropped the table
-    assert layout_cache._guess_span(lo_layout, small.shape[0]) is None
-    assert layout_cache._guess_span(layout_cache.guess(large.shape[0]), large.shape[0]) is not None
+    other = layout_cache.guess(again.shape[0])
+    assert other is not lo_layout and layout_cache._latest == other.key
+    assert layout_cache._guess_span(lo_layout, small.shape[0])[3]  # shared, and not the latest: no repeat
+    table, lo, hi, shared = layout_cache._guess_span(other, again.shape[0])
+    assert shared and lo <= again.shape[0] < hi
+    assert all(layout_cache.guess(n) is other for n in [lo, hi - 1] + rng.integers(lo, hi, 50).tolist())
+    assert layout_cache._guess_span(layout_cache.guess(large.shape[0]), large.shape[0])[3] is False
     layout_cache.forget()
 
 

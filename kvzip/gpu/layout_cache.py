@@ -245,13 +245,15 @@ def forget() -> None:
 
 _stamps: dict = {}  # key -> when its layout was last decoded (a counter), for ties between guesses
 _clock = iter(range(1 << 62))
+_latest = None     # the key of the layout decoded last (the highest stamp)
 
 
 def _note(layout: Layout) -> None:
     """Record that a blob of layout was just decoded (what guess() goes by)."""
-    global _table
+    global _table, _latest
     with _lock:
         _stamps[layout.key] = next(_clock)
+        _latest = layout.key
         known = _recent.get(layout.key)
         if known is not None:
             _recent.move_to_end(layout.key)
@@ -538,7 +540,7 @@ class GuessedDecode:
         self.layout, self.origin, self.program = layout, origin, program
         self.views = _views((layout,), pair, origin)
         self.scale_at = layout.dequantize[2] if pair is not None else None
-        self.span = None  # (guess table, lo, hi): the lengths guess() gives this layout for, while that table stands
+        self.span = None  # (guess table, lo, hi, shared): _guess_span's
 
     def run(self, ptr: int, nbytes: int, stream):
         """Decode the blob of nbytes at ptr on stream (programs._DecodeProgram.run_one):
@@ -586,8 +588,8 @@ def decode_again(call, found):
     if found is None or found[0] is not call.origin:
         return None
     (ptr,), (nbytes,) = found[1], found[2]
-    table, lo, hi = call.span
-    if _table is not table or not lo <= nbytes < hi:
+    table, lo, hi, shared = call.span
+    if _table is not table or not lo <= nbytes < hi or (shared and _latest != call.layout.key):
         return None
     if call.scale_at is not None and ((ptr + call.scale_at) % 16 or not quantize_kernels.ENABLED):
         return None  # the dequantizing kernels need the scale aligned (and may be switched off)
@@ -596,17 +598,17 @@ def decode_again(call, found):
 
 
 def _guess_span(layout: Layout, nbytes: int) -> tuple | None:
-    """(guess table, lo, hi): while that table stands (no layout remembered, noted anew or
-    forgotten), guess(n) gives layout for every lo <= n < hi, as it did for nbytes; None where
-    layout shares its band with others (then the most recently decoded wins: more than a
-    length decides)."""
+    """(guess table, lo, hi, shared): while that table stands (no layout remembered, noted anew or
+    forgotten), guess(n) gives layout for every lo <= n < hi, as it did for nbytes; where layout
+    shares its band with others (shared), only while it is the layout decoded last (guess() then
+    goes by recency).  None where guess(nbytes) would not give layout."""
     table = _guess_table()
     starts, bands = table
     i = bisect.bisect_right(starts, nbytes) - 1
-    if i < 0 or len(bands[i]) != 1 or bands[i][0] is not layout:
+    if i < 0 or not any(x is layout for x in bands[i]):
         return None
     hi = starts[i + 1] if i + 1 < len(starts) else 1 << 62
-    return table, max(starts[i], layout.fixed_bytes), min(hi, layout.most_bytes + 1)
+    return table, max(starts[i], layout.fixed_bytes), min(hi, layout.most_bytes + 1), len(bands[i]) > 1
 
 
 def _views(layouts, pair, origin, distinct=None):

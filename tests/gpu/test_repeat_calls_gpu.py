@@ -153,3 +153,29 @@ def test_a_dequantizing_decode_repeats_until_its_kernels_are_switched_off(taken,
     again = pipe.decode(blobs[1])
     assert taken[-1] is False
     np.testing.assert_array_equal(again.reshape(-1).view(cupy.uint16).get(), want[1].reshape(-1).view(np.uint16))
+
+
+def test_decompress_repeats_a_layout_that_shares_its_band_while_it_is_the_last_decoded(taken):
+    """Blobs of one shape with the auto and with a fixed codebook: two layouts of about the same
+    length (one guess band, where guess() goes by recency).  A run of one layout's blobs is
+    repeated once its call is kept; a blob of the other is never decoded as the kept one's, and
+    every value comes back."""
+    n = int(np.prod(SHAPE))
+    bits = [real_bf16(n, rate) for rate in (0.0, 0.002, 0.01)]
+    auto = [kvzip.compress(cupy.asarray(b).reshape(SHAPE), dtype="bf16") for b in bits]
+    fixed = [kvzip.compress(cupy.asarray(b).reshape(SHAPE), None, dtype="bf16") for b in bits]  # the shipped codebook
+    taken.clear()
+
+    def check(blob, host):
+        out = kvzip.decompress(blob)
+        np.testing.assert_array_equal(out.reshape(-1).view(cupy.uint16).get(), host)
+        return taken[-1]
+
+    check(auto[0], bits[0])
+    check(auto[1], bits[1])
+    check(fixed[0], bits[0])
+    check(fixed[1], bits[1])
+    assert any(len(band) > 1 for band in layout_cache._guess_table()[1])  # the two layouts share one
+    for blobs in (auto, fixed, auto):
+        got = [check(blobs[i], bits[i]) for i in (0, 1, 2, 0, 1)]
+        assert got[2:] == [True] * 3, got  # the run's third call on: repeated
