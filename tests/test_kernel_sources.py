@@ -62,7 +62,8 @@ def test_every_tuning_field_is_rendered():
         units = loader.fused_units()
         (macros,) = {m for m, names in units if loader.instances(fmt)[0] in names}
         host = (programs._decode_split(fmt, 10_000, 3168), programs.slot_size(1024, "e5m2"), programs.slot_size(8192, "e5m2"),
-                tuning.tuning_for("e5m2").early_return, tuning.tuning_for("e5m2").early_verdict)
+                tuning.tuning_for("e5m2").early_return, tuning.tuning_for("e5m2").early_verdict,
+                programs.heavy_escapes(fmt, 10_000))
         return macros, loader._format_names(fmt), host
 
     before = seen()

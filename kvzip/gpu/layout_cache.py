@@ -90,6 +90,7 @@ def _expect(head: bytes, key: bytes) -> bytes:
 # Job row columns (kvzip/gpu/abi.py's DecodeJob): the six stream addresses, the escape streams',
 # their lengths; and the columns of what kvz_check_heads finds of a header (CHECKS).
 _STREAMS = DECODE.span("codes", "exp_high")
+_N_ESC = DECODE.col("n_esc")
 _ESC_POS, _ESCAPE_STREAMS, _ESCAPE_LENGTHS = DECODE.col("esc_pos"), DECODE.span("esc_pos", "exp_high"), \
     DECODE.span("n_esc", "n_high")
 _N_HIGH = DECODE.col("n_high")
@@ -560,14 +561,22 @@ def decode_one_guessed(layout: Layout, blob, origin=None):
     """decode_guessed for one blob, with the least host work (GuessedDecode: the program keeps
     the layout's row staged).  Returns the result, or None if the guess was wrong."""
     pair = _fused_dequantize((layout,), (blob,))
-    program, stream = programs.decode_program(layout.fmt, layout.chunk, (layout.n,), pair, (layout.expect,))
+    nbytes = blob.shape[0]
+    heavy = programs.heavy(layout.fmt, layout.n, _escapes_at_most(layout, nbytes), pair)
+    program, stream = programs.decode_program(layout.fmt, layout.chunk, (layout.n,), pair, (layout.expect,), heavy)
     call = GuessedDecode(layout, origin, pair, program)
-    got = call.run(blob.data.ptr, blob.shape[0], stream)
+    got = call.run(blob.data.ptr, nbytes, stream)
     if got is None:
         return None
     if call.views is not None and graphs.KEEP:  # results come out as the caller's: decode_again can repeat it
-        call.span = _guess_span(layout, blob.shape[0])
-        if call.span is not None:
+        span = _guess_span(layout, nbytes)
+        if span is not None and pair is None:  # only for blobs whose length picks the same decoder instance
+            table, lo, hi, shared = span
+            # the shortest blob of the layout with heavy_escapes escapes at most (_escapes_at_most)
+            heavy_from = layout.fixed_bytes + _BYTES_PER_ESCAPE * programs.heavy_escapes(layout.fmt, layout.n)
+            span = (table, max(lo, heavy_from), hi, shared) if heavy else (table, lo, min(hi, heavy_from), shared)
+        if span is not None:
+            call.span = span
             graphs.remember("decode", call)
     return _handed_out([got], [blob], (layout,), pair, call.views, origin)[0]
 
@@ -655,8 +664,11 @@ def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None, origi
     guessed = None
     if heads is not None:
         guessed = ((first.expect,) * k if same else tuple(layout.expect for layout in layouts), heads)
+        escapes = sum(_escapes_at_most(layout, int(n)) for layout, n in zip(layouts, heads[:, _HEAD_LEN]))
+    else:
+        escapes = int(jobs[:, _N_ESC].sum())
     got = programs.decode_jobs(fmt, chunk, ns, jobs, labels, dequantize=pair, views=views,
-                                 origin=origin if views is not None else None, guessed=guessed)
+                                 origin=origin if views is not None else None, guessed=guessed, escapes=escapes)
     got, misses = got if guessed is not None else (got, [])
     if misses:
         got = list(got)
@@ -668,6 +680,16 @@ def decode_rows(layouts: list, jobs: np.ndarray, blobs: list, labels=None, origi
             _note(layout)
     got = _handed_out(got, blobs, layouts, pair, views, origin)
     return (got, misses) if guessed is not None else got
+
+
+_BYTES_PER_ESCAPE = 3  # its esc_pos (uint16) and esc_exp (uint8) entries
+
+
+def _escapes_at_most(layout: Layout, nbytes: int) -> int:
+    """A bound on the escapes of a blob of layout that is nbytes long (all its bytes past the
+    fixed ones taken for escape entries), without its header: what chooses the decoder's
+    instance (programs.heavy) for a guessed decode."""
+    return max(0, nbytes - layout.fixed_bytes) // _BYTES_PER_ESCAPE
 
 
 def _fused_dequantize(layouts: list, blobs: list) -> tuple | None:

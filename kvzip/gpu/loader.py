@@ -72,6 +72,14 @@ def instances(fmt) -> tuple:
             f"kvz_decode<{args},{dg},{db}>")
 
 
+def heavy_decode(fmt) -> str:
+    """kvz_decode's escape-heavy instance of a format (decode.cu's SCATTER_MIN: chunks of many
+    escapes patched in memory)."""
+    t = tuning.tuning_for(fmt.name)
+    g, b = t.decode_shape
+    return f"kvz_decode<{_args(fmt)},{g},{b},false,{t.scatter_min}>"
+
+
 def auto_codebook(fmt) -> str:
     """kvz_auto_codebook of a format: each tensor's own codebook, chosen on the device."""
     return f"kvz_auto_codebook<{_args(fmt)}>"
@@ -95,7 +103,7 @@ def _format_names(fmt) -> tuple:
     names = instances(fmt)
     if fmt.itemsize == 1:
         names += (dequantizing_decode(fmt), *quantizing_encode(fmt))
-    return names
+    return names + (heavy_decode(fmt),)
 
 
 @lru_cache(maxsize=None)
@@ -114,6 +122,7 @@ def fused_units() -> tuple:
         names += tuple(x for fmt in fmts if fmt.itemsize == 1
                        for x in (dequantizing_decode(fmt), *quantizing_encode(fmt)))
         names += tuple(auto_codebook(fmt) for fmt in fmts)
+        names += tuple(heavy_decode(fmt) for fmt in fmts)
         out.append((macros, names))
     return tuple(out)
 

@@ -696,9 +696,10 @@ class _DecodeProgram:
     fields of its row."""
 
     def __init__(self, fmt, chunk: int, ns: tuple, device: int, dequantize: tuple | None = None,
-                 expect: tuple | None = None, into: bool = False):
+                 expect: tuple | None = None, into: bool = False, heavy: bool = False):
         """into: for kvzip/gpu/into.py, which issues the program itself: no verdict is
-        downloaded for the host (the status stays in the work region)."""
+        downloaded for the host (the status stays in the work region).  heavy: decode with
+        kvz_decode's escape-heavy instance (for blobs of many escapes: heavy())."""
         k = len(ns)
         out_at, chunk_base, sb_base, fixed = 0, 0, 0, []
         self.ns, self.offsets = ns, []  # values of each blob, and the byte offset of its output
@@ -713,8 +714,9 @@ class _DecodeProgram:
         self.fixed = np.array(fixed, np.uint64).reshape(k, 3)
         # The downloads: the scan's ticket, each blob's error, and the scan's deferred checks.
         self.out_bytes, self.dtype, self.errors_nb = out_at, out_fmt.uint_dtype, 8 * (2 + k)
+        self.heavy = heavy
         _, _, scan, dec = loader.instances(fmt)
-        dec = loader.dequantizing_decode(fmt) if dequantize else dec
+        dec = loader.dequantizing_decode(fmt) if dequantize else loader.heavy_decode(fmt) if heavy else dec
         # Workspace: jobs (| heads: blob address and length) | zeroed work (scan ticket, per-tensor
         # errors, deferred checks, scan blocks done, the line of scan blocks whose offsets are
         # written, look-back, decode chunk queue) | chunk offsets
@@ -856,26 +858,39 @@ class _DecodeProgram:
 
 
 def decode_jobs(fmt, chunk: int, ns: tuple, jobs: np.ndarray, labels=None, dequantize: tuple | None = None,
-                views=None, origin=None, guessed: tuple | None = None):
+                views=None, origin=None, guessed: tuple | None = None, escapes: int = 0):
     """Decode blobs from their job rows (kvz_decode's DecodeJob; dst, chunk_base, sb_base filled in here).
     dequantize: (FP8 format, 16-bit format): blobs of a QuantizeFP8 (per tensor) pipeline, to
     16-bit values, each with the scale column DQ_SCALE points at.  views, origin: as
     _DecodeProgram.run.  guessed: (expected blanked headers, (k, 2) blob addresses and lengths)
     for rows built from guessed layouts whose escape fields the GPU fills in from each header;
-    then returns (results, misses) as _DecodeProgram.run."""
+    then returns (results, misses) as _DecodeProgram.run.  escapes: the blobs' escapes (or a
+    bound on them), which choose the decoder's instance (heavy())."""
     expect, heads = guessed if guessed is not None else (None, None)
-    prog, stream = decode_program(fmt, chunk, ns, dequantize, expect)
+    prog, stream = decode_program(fmt, chunk, ns, dequantize, expect, heavy(fmt, sum(ns), escapes, dequantize))
     return prog.run(jobs, stream, labels, views, origin, heads)
 
 
-def decode_program(fmt, chunk: int, ns: tuple, dequantize, expect) -> tuple:
+def decode_program(fmt, chunk: int, ns: tuple, dequantize, expect, heavy: bool = False) -> tuple:
     """(this thread's _DecodeProgram for the call shape on the current device, the current
     stream): one key for decode_jobs and layout_cache' single blobs, so a layout's single and
     batched decodes share a program."""
     device, stream = _current()
-    prog = graphs.cached(("decode", device, fmt.name, chunk, ns, dequantize, expect),
-                              lambda: _DecodeProgram(fmt, chunk, ns, device, dequantize, expect))
+    prog = graphs.cached(("decode", device, fmt.name, chunk, ns, dequantize, expect, heavy),
+                              lambda: _DecodeProgram(fmt, chunk, ns, device, dequantize, expect, heavy=heavy))
     return prog, stream
+
+
+def heavy_escapes(fmt, n: int) -> int:
+    """The escapes from which a decode of n values of fmt takes kvz_decode's escape-heavy
+    instance (Tuning.heavy_share of the values; benchmarks/NOTES.md, e3)."""
+    return math.ceil(tuning_for(fmt.name).heavy_share * n)
+
+
+def heavy(fmt, n: int, escapes: int, dequantize=None) -> bool:
+    """Whether blobs of n values in all with this many escapes decode with the escape-heavy
+    instance (the dequantizing decoder has none)."""
+    return not dequantize and escapes >= heavy_escapes(fmt, n) and escapes > 0
 
 
 def decode_batch(frames: list[Frame], chunk: int, codebooks: list, labels=None) -> list:
@@ -889,7 +904,8 @@ def decode_batch(frames: list[Frame], chunk: int, codebooks: list, labels=None) 
                                st["esc_pos"].data.ptr, st["esc_exp"].data.ptr, st["exp_high"].data.ptr, frame.n,
                                st["esc_pos"].shape[0], st["exp_high"].shape[0], *dlut_words(cb)))
     jobs = np.array(rows, np.uint64).reshape(len(frames), DECODE_COLUMNS)
-    return decode_jobs(frames[0].format, chunk, tuple(f.n for f in frames), jobs, labels)
+    escapes = sum(f.streams["esc_pos"].shape[0] for f in frames)
+    return decode_jobs(frames[0].format, chunk, tuple(f.n for f in frames), jobs, labels, escapes=escapes)
 
 
 _batch_row = DECODE.maker("codes", "rest", "esc_count", "esc_pos", "esc_exp", "exp_high", "n", "n_esc", "n_high",

@@ -62,3 +62,33 @@ def test_broken_escapes_raise():
         pos[at] = pos[at - 1] if value is None else value
         with pytest.raises(kvzip.FormatError):
             kvzip.decompress(cupy.asarray(bad))
+
+
+def test_escape_heavy_blobs_decode_with_the_escape_heavy_instance(monkeypatch):
+    """A blob with many escapes (programs.heavy) decodes with kvz_decode's escape-heavy instance,
+    one with few with the common one: on the general path, on a guessed layout and repeated
+    (decode_again keeps to blobs of its own instance's lengths), alternating, and in a batch;
+    every value back."""
+    from kvzip.gpu import graphs, layout_cache, programs
+
+    ran = []
+    for name in ("run", "run_one"):
+        def spy(self, *args, _real=getattr(programs._DecodeProgram, name), **kwargs):
+            ran.append(self.heavy)
+            return _real(self, *args, **kwargs)
+        monkeypatch.setattr(programs._DecodeProgram, name, spy)
+    graphs.release()
+    layout_cache.forget()
+    n = 4096 * 64
+    light, heavy = real_bf16(n), escape_heavy_bf16(n)
+    blobs = {False: kvzip.compress(cupy.asarray(light), dtype="bf16"),
+             True: kvzip.compress(cupy.asarray(heavy), dtype="bf16")}
+    bits = {False: light, True: heavy}
+    for want in (False, False, False, True, True, True, False, True, False, True):
+        ran.clear()
+        out = kvzip.decompress(blobs[want])
+        np.testing.assert_array_equal(cupy.asnumpy(out).view(np.uint16).reshape(-1), bits[want])
+        assert ran and ran[-1] is want, (want, ran)
+    for got, want in zip(kvzip.decompress_many([blobs[False], blobs[True], blobs[False]]), (light, heavy, light)):
+        np.testing.assert_array_equal(cupy.asnumpy(got).view(np.uint16).reshape(-1), want)
+    graphs.release()

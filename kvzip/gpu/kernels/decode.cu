@@ -107,22 +107,12 @@ __device__ __forceinline__ void await_offsets(OffsetsWait w) {
     __syncwarp();
 }
 
-// kvz_decode's early chunk gc of tensor job (below), its dense decode stored: wait for kvz_scan's
-// offsets (await_offsets), then, unless it found the tensor broken, write each escape's exponent
-// over its value (stored with code 0's); a lane per escape, 32 at a time, checked as load_escapes
-// checks them.
+// A stored chunk's cnt escapes (its first at esc_off of the escape streams), each exponent written
+// over its value in dst (the chunk's values, stored with code 0's exponent there) by the lane
+// holding it, 32 escapes a round, checked as load_escapes checks them.
 template <int E, int M, typename T>
-__device__ __forceinline__ void finish_early_chunk(const DecodeJob* __restrict__ jobs, int job, long long gc, int chunk,
-                                                   const u64* __restrict__ chunk_off, u64* __restrict__ work, int lane,
-                                                   OffsetsWait ow) {
-    await_offsets(ow);
-    const DecodeJob& J = jobs[job];
-    u64* err = work + 1 + job;
-    if (*reinterpret_cast<volatile u64*>(err) != 0) return;
-    const long long c = gc - J.chunk_base;
-    const int cnt = J.esc_count[c], len = (int)min((long long)chunk, J.n - c * chunk);
-    const long long esc_off = (long long)(chunk_off[gc] >> 31);
-    T* __restrict__ dst = static_cast<T*>(J.dst) + c * chunk;
+__device__ __forceinline__ void patch_escapes(const DecodeJob& J, long long esc_off, int cnt, int len,
+                                              T* __restrict__ dst, int lane, u64* err) {
     __syncwarp();  // every lane's stores of the chunk come before any lane rewrites a value
     int before = -1;
     for (int base = 0; base < cnt; base += 32) {
@@ -134,11 +124,29 @@ __device__ __forceinline__ void finish_early_chunk(const DecodeJob* __restrict__
     }
 }
 
+// kvz_decode's early chunk gc of tensor job (below), its dense decode stored: wait for kvz_scan's
+// offsets (await_offsets), then, unless it found the tensor broken, patch its escapes in memory.
+template <int E, int M, typename T>
+__device__ __forceinline__ void finish_early_chunk(const DecodeJob* __restrict__ jobs, int job, long long gc, int chunk,
+                                                   const u64* __restrict__ chunk_off, u64* __restrict__ work, int lane,
+                                                   OffsetsWait ow) {
+    await_offsets(ow);
+    const DecodeJob& J = jobs[job];
+    u64* err = work + 1 + job;
+    if (*reinterpret_cast<volatile u64*>(err) != 0) return;
+    const long long c = gc - J.chunk_base;
+    const int cnt = J.esc_count[c], len = (int)min((long long)chunk, J.n - c * chunk);
+    patch_escapes<E, M, T>(J, (long long)(chunk_off[gc] >> 31), cnt, len, static_cast<T*>(J.dst) + c * chunk, lane, err);
+}
+
 // kvz_decode's work on chunk gc (a batch-wide index) of tensor job, whose row is J: all its groups,
 // or with part (kvz_decode's tail) a share of its steps.  EARLY:
 // the warp's first chunk, which it may reach before kvz_scan is done (not for DQ, whose values
-// cannot be patched after the table).
-template <int E, int M, typename T, int GPL, bool DQ, bool EARLY>
+// cannot be patched after the table).  SCATTER (a whole chunk, not plane-coded, not DQ, of many
+// escapes: decode_scattered_chunk): the chunk is stored without its escapes, then patched in
+// memory (patch_escapes), a lane an escape, where each_escape's warp-wide broadcast pays a round
+// an escape.
+template <int E, int M, typename T, int GPL, bool DQ, bool EARLY, bool SCATTER = false>
 __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob* __restrict__ jobs, int job,
                                              long long gc, int chunk, const u64* __restrict__ chunk_off,
                                              u64* __restrict__ work, int lane, OffsetsWait ow = OffsetsWait{nullptr, 0},
@@ -161,7 +169,7 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
         off = chunk_off[gc];
         if (*reinterpret_cast<volatile u64*>(err) != 0) return;  // kvz_scan found this tensor broken
     }
-    int cnt = plane || early ? 0 : (int)stored;
+    int cnt = plane || early || SCATTER ? 0 : (int)stored;
     const long long esc_off = (long long)(off >> 31);
     // (EARLY: J is the row as read before the wait, which a header guess may have changed since;
     // plane-coded chunks read exp_high after it)
@@ -201,6 +209,7 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
             decode_e5m2_quads<GPL >= 2 ? GPL / 2 : 1>(J, codes, rest, dst, gpc / 4, esc_off, cnt, len, (u32)(dlo << 2),
                                                       (u32)(dlo >> 30), (u32)(dhi << 2), (u32)(dhi >> 30), lane, err);
             if (early) finish_early_chunk<E, M, T>(jobs, job, gc, chunk, chunk_off, work, lane, ow);
+            if constexpr (SCATTER) patch_escapes<E, M, T>(J, esc_off, (int)stored, len, reinterpret_cast<T*>(dst), lane, err);
             return;
         }
     }
@@ -268,6 +277,17 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
         }
     }
     if (early) finish_early_chunk<E, M, T>(jobs, job, gc, chunk, chunk_off, work, lane, ow);
+    if constexpr (SCATTER) patch_escapes<E, M, T>(J, esc_off, (int)stored, len, reinterpret_cast<T*>(dst), lane, err);
+}
+
+// decode_chunk<..., SCATTER> for chunk gc of tensor job (kvz_decode's escape-heavy instance asks,
+// for chunks of SCATTER_MIN escapes or more): a call, not inlined, so that instance's common
+// chunks keep their code and registers.
+template <int E, int M, typename T, int GPL>
+__device__ __noinline__ void decode_scattered_chunk(const DecodeJob* __restrict__ jobs, int job, long long gc,
+                                                    int chunk, const u64* __restrict__ chunk_off,
+                                                    u64* __restrict__ work, int lane) {
+    decode_chunk<E, M, T, GPL, false, false, true>(jobs[job], jobs, job, gc, chunk, chunk_off, work, lane);
 }
 
 // A warp's first chunk, gc, before kvz_scan is known to be done.  The job table is read past L1
@@ -316,7 +336,11 @@ __device__ __noinline__ void decode_early_chunk(const DecodeJob* __restrict__ jo
 // fits the BF16 decoder's 80 registers only since the claim holds one: benchmarks/NOTES.md, v27.)
 // Each thread ends with griddepcontrol.wait (the scan long done by then), so the kernel's end
 // still implies the scan's for what follows it in the stream.
-template <int E, int M, typename T, int GPL, int MINB, bool DQ = false>
+// SCATTER_MIN > 0: the escape-heavy instance (programs.heavy_decode chooses it per call): a whole
+// later chunk of that many escapes or more is stored, then patched in memory
+// (decode_scattered_chunk).  The common instance (0) has no such path: its presence alone slowed
+// the decoder on common KV (benchmarks/NOTES.md, e1).
+template <int E, int M, typename T, int GPL, int MINB, bool DQ = false, int SCATTER_MIN = 0>
 __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* __restrict__ jobs, int njobs,
                                                                 long long units, int chunk,
                                                                 const u64* __restrict__ chunk_off, u64* __restrict__ work,
@@ -345,6 +369,13 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* 
             part = (int)(r & ((1 << part_shift) - 1)) << 8 | part_shift;
         }
         const int job = find_job(jobs, njobs, gc, &DecodeJob::chunk_base);
+        if constexpr (!DQ && SCATTER_MIN > 0) {
+            const u32 listed = jobs[job].esc_count[gc - jobs[job].chunk_base];
+            if (part == 0 && listed >= SCATTER_MIN && listed != PLANE) {
+                decode_scattered_chunk<E, M, T, GPL>(jobs, job, gc, chunk, chunk_off, work, lane);
+                continue;
+            }
+        }
         decode_chunk<E, M, T, GPL, DQ, false>(jobs[job], jobs, job, gc, chunk, chunk_off, work, lane, ow, part);
     }
     await_predecessor();
