@@ -69,10 +69,10 @@ def encode_many(pipe, xs, *, dtype=None, backend=None) -> list:
         return chosen.lane_for(bits) if chosen is not None else None
 
     rest, groups = _lane_groups(xs, dtype, lane_of)
-    rest = sorted(rest + gpu.run_lanes(groups, out))
+    rest.update((i, None) for i in gpu.run_lanes(groups, out))
     members = []  # (index, ShapeEncoder, tensor frame, origin): the GPU executor's, without a lane
-    for i in rest:
-        bits, fmt, shape, origin = arrays.import_tensor(xs[i], dtype)
+    for i in sorted(rest):
+        bits, fmt, shape, origin = rest[i] or arrays.import_tensor(xs[i], dtype)
         be = get_backend(backend or origin.backend_name)
         chosen = encoder(pipe, fmt, shape, be, origin)
         if chosen is not None and gpu.fits(be, shape):
@@ -86,11 +86,12 @@ def encode_many(pipe, xs, *, dtype=None, backend=None) -> list:
     return out
 
 
-def _lane_groups(xs: list, dtype, lane_of) -> tuple[list, list]:
+def _lane_groups(xs: list, dtype, lane_of) -> tuple[dict, list]:
     """The tensors of xs that have a lane (lane_of(bits, fmt, shape, origin): the lane of an
     imported tensor's ShapeEncoder, or None), grouped for gpu.run_lanes by format and caller
-    ([indices, inputs, lanes, device addresses, origin]); and the indices of the others."""
-    rest, groups = [], {}  # (format, id of the origin) -> group
+    ([indices, inputs, lanes, device addresses, origin]); and the others, index -> their import
+    (bits, fmt, shape, origin), so that it is not done twice."""
+    rest, groups = {}, {}  # (format, id of the origin) -> group
     # A serving loop's batch: tensors all alike, the first imported in full and the others only
     # their addresses read, a property at a time over the list (arrays.cuda_addresses).
     alike = arrays.cuda_addresses(xs) if len(xs) > 1 else None
@@ -99,7 +100,7 @@ def _lane_groups(xs: list, dtype, lane_of) -> tuple[list, list]:
         lane = lane_of(bits, fmt, shape, origin)
         if lane is not None and origin is alike[0] and bits.data.ptr == alike[1][0] \
                 and (origin.framework == "cupy" or not lane.quantize):  # torch's quantizing lanes read CuPy arrays
-            return [], [[list(range(len(xs))), [bits, *xs[1:]], [lane] * len(xs), alike[1], origin]]
+            return {}, [[list(range(len(xs))), [bits, *xs[1:]], [lane] * len(xs), alike[1], origin]]
     nd, tt = arrays.cupy_ndarray(), arrays.torch_tensor()
     run = None  # (type, dtype, shape, origin, lane, group) of the last input imported in full that had a lane
     for i, x in enumerate(xs):
@@ -115,10 +116,11 @@ def _lane_groups(xs: list, dtype, lane_of) -> tuple[list, list]:
                 group[2].append(run[4])
                 group[3].append(ptr)
                 continue
-        bits, fmt, shape, origin = arrays.import_tensor(x, dtype)
+        imported = arrays.import_tensor(x, dtype)
+        bits, fmt, shape, origin = imported
         lane = lane_of(bits, fmt, shape, origin)
         if lane is None:
-            rest.append(i)
+            rest[i] = imported
             run = None
             continue
         group = groups.get((fmt.name, id(origin)))
