@@ -148,16 +148,21 @@ def ratio_streams(n: int, fmt, channels: int, chunk: int, escapes: int = 0, high
     return [(name, dt, nb) for (name, dt), nb in zip(_layout.RATIO_STREAMS, sizes)]
 
 
-def with_counts(head: bytes, escapes: int, high_bytes: int, second_bytes: int, checksum: int = 0) -> bytes:
-    """A version-3 header (compact_header's for a tensor) with its three counts and payload
+def with_counts(head: bytes, escapes: int, high_bytes: int, second_bytes: int = 0, checksum: int = 0) -> bytes:
+    """A version-2 or version-3 header (compact_header's for a tensor) with its counts and payload
     checksum set and the CRC sealed again: the header of the same tensor's blob with those
-    streams' lengths (the counts are all a version-3 header says of them)."""
-    fields = list(_layout.RATIO.unpack(head))
-    names = [f.name for f in _layout.RATIO_FIELDS]
-    for name, value in (("escapes", escapes), ("high_bytes", high_bytes), ("second_bytes", second_bytes),
-                        ("checksum", checksum), ("header_crc", 0)):
-        fields[names.index(name)] = value
-    raw = bytearray(_layout.RATIO.pack(*fields))
+    streams' lengths (the counts are all a compact header says of them; second_bytes: version
+    3's sec_codes bytes)."""
+    raw = bytearray(head)
+    fields = [("escapes", escapes), ("high_bytes", high_bytes), ("checksum", checksum), ("header_crc", 0)]
+    version = _layout.version_of(head)
+    if version == _layout.RATIO_VERSION:
+        fields.append(("second_bytes", second_bytes))
+    elif version != _layout.COMPACT_VERSION or second_bytes:
+        raise ValueError(f"with_counts takes a version-2 or version-3 header, not version {version}")
+    for name, value in fields:
+        f = _layout.RATIO_FIELD[name]  # the fields version 2 has too sit where version 3 has them
+        raw[f.offset:f.offset + f.size] = value.to_bytes(f.size, "little")
     _layout.seal(raw)
     return bytes(raw)
 

@@ -236,9 +236,11 @@ class FusedSplitPackEscape:
         flags = layout.FLAG_CHECKSUM if checksum else 0
         cap = HB * G // 3
         fixed = [4 * G, R * G, 2 * nchunks]
-        # The header's length does not follow the escape counts: sized with none.
-        header_len = len(container.header_for(meta, [(k, t, nb) for k, t, nb in zip(names, dtypes, fixed + [0, 0, 0])],
-                                              flags))
+        # The header's length does not follow the escape counts: sized with none.  A compact one
+        # (the preset pipeline's) is that header with its counts set once they are known.
+        head = container.header_for(meta, [(k, t, nb) for k, t, nb in zip(names, dtypes, fixed + [0, 0, 0])], flags)
+        header_len = len(head)
+        compact = layout.version_of(head) == layout.COMPACT_VERSION
         most = layout.place(fixed + [layout.ESC_POS_BYTES * cap, cap, HB * G])[1]
         # Pages past the blob's end are never written, so never take memory.
         buf = np.empty(header_len + most, np.uint8)
@@ -260,9 +262,12 @@ class FusedSplitPackEscape:
                 blob[header_len + off:header_len + off + a.nbytes] = a.view(np.uint8)
             end = off + a.nbytes
         blob[header_len + end:] = 0
-        described = [(k, t, a.nbytes) for k, t, a in zip(names, dtypes, streams)]
         total = sum64(np, blob[header_len:]) if checksum else 0
-        blob[:header_len] = np.frombuffer(container.header_for(meta, described, flags, total), np.uint8)
+        if compact:
+            head = container.with_counts(head, ne, nh, checksum=total)
+        else:
+            head = container.header_for(meta, [(k, t, a.nbytes) for k, t, a in zip(names, dtypes, streams)], flags, total)
+        blob[:header_len] = np.frombuffer(head, np.uint8)
         return Frame(frame.backend, {"blob": blob}, meta)
 
     def check(self, frame: Frame):
