@@ -211,3 +211,24 @@ def test_reader_refuses_stored_raw_with_split_fields_and_bad_lengths():
             kvzip.decompress(blob[:cut])
     with pytest.raises(FormatError):
         kvzip.decompress(blob + bytes(16))
+
+
+@pytest.mark.parametrize("mode", ["speed", "ratio"])
+def test_counts_set_on_a_header_are_the_header_of_those_counts(mode):
+    """with_counts (what the CPU encode and the ratio mode's GPU encode finish a header with):
+    a compact header built with no escapes, its counts and checksum then set, is byte for byte
+    the header compact_header builds for those counts; a version-1 header is refused."""
+    x = kt.kv_like_bits("bf16", 3 * 4096 + 5, escape_rate=0.01, seed=3)
+    blob = np.asarray(kvzip.compress(x, dtype="bf16", mode=mode, checksum=True))
+    hdr = container.parse_header(container.read_head(kvzip.backends.get_backend("cpu"), blob), blob.shape[0])
+    varying = {"esc_pos", "esc_exp", "exp_high", "sec_codes"}
+    streams = [(name, dt, nb) for name, dt, _, nb in hdr.streams]
+    none = [(name, dt, 0 if name in varying else nb) for name, dt, nb in streams]
+    f = fields(blob)
+    sizes = {name: nb for name, _, nb in streams}
+    head = container.compact_header(hdr.meta, none, hdr.flags)
+    set_ = container.with_counts(head, f["escapes"], f["high_bytes"], sizes.get("sec_codes", 0), f["checksum"])
+    assert set_ == bytes(blob[:len(set_)]) == container.compact_header(hdr.meta, streams, hdr.flags, f["checksum"])
+    assert f["escapes"] > 0
+    with pytest.raises(ValueError, match="version"):
+        container.with_counts(container.build_header(hdr.meta, streams, hdr.flags), 1, 1)
