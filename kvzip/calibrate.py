@@ -94,6 +94,18 @@ def calibrate(samples, format=None, name=None, *, always_include=(0,), provenanc
     ``provenance``: extra entries (model, dataset, ...) merged into the recorded provenance.
     ``progress``: called with each tensor's size in bytes once it is counted (a progress bar).
     """
+    fmt, hist, record = count_samples(samples, format, lambda bits, fmt: exponent_histogram(bits, fmt), progress)
+    exps = choose_exponents(hist, always_include)
+    record["always_include"] = [int(e) for e in always_include]
+    record["exponent_histogram"] = {str(e): int(c) for e, c in enumerate(hist) if c}
+    record.update(provenance or {})
+    coverage = int(hist[list(exps)].sum()) / int(hist.sum())
+    return Codebook(exps, fmt, name=name, coverage=coverage, provenance=record)
+
+
+def count_samples(samples, format, count, progress) -> tuple:
+    """(format, the sum of count(bits, format) over every sample tensor, the provenance record:
+    sources, tensors, values, version, date), after checking the samples' formats agree."""
     want = _as_format(format) if format is not None else None
     fmt: FloatFormat | None = want
     hist = None
@@ -115,7 +127,7 @@ def calibrate(samples, format=None, name=None, *, always_include=(0,), provenanc
                 raise ValueError(f"{source}: values are {own.name}, but format={want.name} was asked for")
             raise ValueError(f"all samples must be of one format: {source} holds {own.name}, "
                              f"earlier samples {fmt.name}")
-        h = exponent_histogram(bits, fmt)
+        h = count(bits, fmt)
         hist = h if hist is None else hist + h
         n_tensors += 1
         if progress is not None:
@@ -124,23 +136,10 @@ def calibrate(samples, format=None, name=None, *, always_include=(0,), provenanc
             sources.append(source)
     if hist is None or hist.sum() == 0:
         raise ValueError("no values to calibrate on")
-
-    exps = choose_exponents(hist, always_include)
-    total = int(hist.sum())
     from .version import __version__
 
-    record = {
-        "sources": sources,
-        "tensors": n_tensors,
-        "values": total,
-        "always_include": [int(e) for e in always_include],
-        "exponent_histogram": {str(e): int(c) for e, c in enumerate(hist) if c},
-        "kvzip_version": __version__,
-        "date": _today(),
-    }
-    record.update(provenance or {})
-    coverage = int(hist[list(exps)].sum()) / total
-    return Codebook(exps, fmt, name=name, coverage=coverage, provenance=record)
+    return fmt, hist, {"sources": sources, "tensors": n_tensors, "values": int(hist.sum()),
+                       "kvzip_version": __version__, "date": _today()}
 
 
 def _today() -> str:

@@ -69,22 +69,11 @@ class Codebook:
         if len(set(exps)) != N_CODES:
             dups = sorted({e for e in exps if exps.count(e) > 1})
             raise ValueError(f"codebook exponents must be distinct; repeated: {dups}")
-        if name is not None and not isinstance(name, str):
-            raise ValueError(f"codebook name must be a string or None, got {type(name).__name__}")
         if coverage is not None:
             if isinstance(coverage, bool) or not isinstance(coverage, Real) or not 0.0 <= coverage <= 1.0:
                 raise ValueError(f"coverage must be a fraction in [0, 1] or None, got {coverage!r}")
             coverage = float(coverage)
-        if provenance is not None and not isinstance(provenance, dict):
-            raise ValueError(f"provenance must be a dict, got {type(provenance).__name__}")
-        if provenance:  # an empty one needs neither the check nor a copy
-            try:
-                json.dumps(provenance)
-            except (TypeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep to copy
-                raise ValueError(f"provenance must be JSON-able: {type(e).__name__}: {str(e)[:200]}") from None
-            provenance = copy.deepcopy(provenance)
-        else:
-            provenance = {}  # a new one, not the caller's (they may fill it later)
+        name, provenance = checked_label(name, provenance)
         set_ = object.__setattr__
         set_(self, "format", fmt)
         set_(self, "exponents", exps)
@@ -145,6 +134,8 @@ class Codebook:
     def from_dict(cls, d) -> "Codebook":
         if not isinstance(d, dict):
             raise ValueError(f"a codebook must be a dict, got {type(d).__name__}")
+        if "tables" in d and "exponents" not in d:
+            raise ValueError("this is the ratio mode's channel codebook (mode='ratio'), not a Top-16 codebook")
         unknown = sorted(set(d) - set(_DICT_KEYS))
         if unknown:
             raise ValueError(f"unknown codebook key(s) {unknown}; expected {list(_DICT_KEYS)}")
@@ -177,19 +168,7 @@ class Codebook:
     @classmethod
     def from_json(cls, text_or_path) -> "Codebook":
         """Parse JSON text, or read a file when given a path (anything not starting with '{')."""
-        if isinstance(text_or_path, (bytes, bytearray)):
-            text_or_path = text_or_path.decode("utf-8")
-        if isinstance(text_or_path, os.PathLike) or not str(text_or_path).lstrip().startswith("{"):
-            with open(text_or_path, encoding="utf-8") as f:
-                text = f.read()
-            where = os.fspath(text_or_path)
-        else:
-            text, where = text_or_path, "codebook JSON"
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not valid JSON: {e}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(read_json(text_or_path, "codebook JSON"))
 
     # ---- shipped codebooks ---------------------------------------------------------------
 
@@ -226,6 +205,40 @@ class Codebook:
     def __reduce__(self):
         # __slots__ + a blocking __setattr__ need an explicit recipe for pickle and copy.
         return (Codebook, (self.exponents, self.format.name, self.name, self.coverage, self._provenance))
+
+
+def checked_label(name, provenance) -> tuple:
+    """(name, provenance) of a codebook after their checks (ValueError): a name is a string or
+    None; a provenance a JSON-able dict (copied: the caller may change theirs later) or None
+    ({})."""
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"codebook name must be a string or None, got {type(name).__name__}")
+    if provenance is not None and not isinstance(provenance, dict):
+        raise ValueError(f"provenance must be a dict, got {type(provenance).__name__}")
+    if not provenance:  # an empty one needs neither the check nor a copy
+        return name, {}
+    try:
+        json.dumps(provenance)
+    except (TypeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep to copy
+        raise ValueError(f"provenance must be JSON-able: {type(e).__name__}: {str(e)[:200]}") from None
+    return name, copy.deepcopy(provenance)
+
+
+def read_json(text_or_path, what: str):
+    """The value of JSON text, or of a file's when given a path (anything not starting with '{');
+    ValueError naming the file (or ``what``) where it is not valid JSON."""
+    if isinstance(text_or_path, (bytes, bytearray)):
+        text_or_path = text_or_path.decode("utf-8")
+    if isinstance(text_or_path, os.PathLike) or not str(text_or_path).lstrip().startswith("{"):
+        with open(text_or_path, encoding="utf-8") as f:
+            text = f.read()
+        where = os.fspath(text_or_path)
+    else:
+        text, where = text_or_path, what
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON: {e}") from None
 
 
 @lru_cache(maxsize=None)
