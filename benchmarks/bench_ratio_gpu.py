@@ -11,6 +11,9 @@ median of REPEAT after warm-up: kvzip.bench._timer) of kvzip.compress / decompre
 ratio and storage mode (every run checked lossless), and of nvCOMP's codecs on the same bytes where
 nvidia.nvcomp imports (kvzip.bench.bench_nvcomp: ANS with data_type '<f2', ANS on bytes,
 Bitcomp, Cascaded, LZ4, GDeflate, Zstd), BF16 at both sizes, the FP8 formats at 2^24.
+Then batches (bench_batches): 8 tensors of 8 MiB through compress_many / decompress_many against
+a loop of single calls, the speed mode and the ratio mode with each tensor's own and with
+calibrated tables, interleaved (--batches: only these, written to OUT/ratio-batch-h200.json).
 --quick: 2^24 only, BF16 and E5M2, fewer repeats, no nvCOMP (under a minute).  --replot JSON:
 redraw the PNG of a results file (one cut short before its plot, say).
 
@@ -52,9 +55,48 @@ def run(sizes, formats, repeat, nvcomp_at, out_dir):
             print("   nvcomp", row["nvcomp"], flush=True)
         del x
         path.write_text(json.dumps(res, indent=1))  # after every row: a cut-short run keeps what it measured
+    res["batches"] = bench_batches(cupy, timeit, next(tiled_kv_inputs(cupy, (BATCH_LOG2,), ("bf16",), HEAD_DIM))[2])
+    path.write_text(json.dumps(res, indent=1))
     plot(res, out / "ratio-mode-h200.png")
     print("wrote", path)
     return res
+
+
+BATCH = 8               # tensors a batch: a transfer group of Llama-3-8B KV at 4K tokens (8 x 8 MiB)
+BATCH_LOG2 = 25         # 32 Mi values: 4 batches of 8 x 8 MiB tensors
+
+
+def bench_batches(cupy, timeit, x):
+    """Per mode, BATCH tensors of 8 MiB (rows of x) through compress_many / decompress_many
+    against a loop of compress / decompress over the same tensors, interleaved rep by rep (each
+    a median of the timer's repeats): GB/s of uncompressed input, and whether every tensor came
+    back.  "ratio-calibrated": the ratio mode with channel tables calibrated on the batch
+    (kvzip.calibrate_channels), which skips each tensor's histogram and ranking kernels."""
+    rows = x.reshape(-1, 4 << 20)  # 8 MiB of BF16 a row
+    parts = [rows[i].reshape(-1, HEAD_DIM) for i in range(BATCH)]
+    total = sum(p.nbytes for p in parts)
+    calibrated = kvzip.calibrate_channels(parts, format="bf16")
+    out = {"tensors": BATCH, "tensor_MiB": 8, "shape": list(parts[0].shape)}
+    for label, mode, kw in (("speed", "speed", {}), ("ratio", "ratio", {}),
+                            ("ratio-calibrated", "ratio", {"codebook": calibrated})):
+        figures = {}
+        for rep in range(3):
+            for how in ("many", "loop"):
+                if how == "many":
+                    t_enc, blobs = timeit(lambda: kvzip.compress_many(parts, dtype="bf16", mode=mode, **kw))
+                    t_dec, backs = timeit(lambda: kvzip.decompress_many(blobs))
+                else:
+                    t_enc, blobs = timeit(lambda: [kvzip.compress(p, dtype="bf16", mode=mode, **kw) for p in parts])
+                    t_dec, backs = timeit(lambda: [kvzip.decompress(b) for b in blobs])
+                ok = all(bool(cupy.array_equal(p.reshape(-1), b.reshape(-1).view(p.dtype))) for p, b in zip(parts, backs))
+                f = figures.setdefault(how, {"encode_GBps": [], "decode_GBps": [], "lossless": True})
+                f["encode_GBps"].append(round(total / t_enc / 1e9, 1))
+                f["decode_GBps"].append(round(total / t_dec / 1e9, 1))
+                f["lossless"] &= ok
+                f["ratio"] = round(total / sum(int(b.nbytes) for b in blobs), 5)
+        out[label] = figures
+        print("batch", label, figures, flush=True)
+    return out
 
 
 def points(res):
@@ -101,8 +143,17 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG beside a results JSON")
+    ap.add_argument("--batches", action="store_true", help="only the batches: OUT/ratio-batch-h200.json")
     a = ap.parse_args(argv)
-    if a.replot:
+    if a.batches:
+        import cupy
+
+        res = tiled_kv_results(cupy, a.repeat, HEAD_DIM)
+        x = next(tiled_kv_inputs(cupy, (BATCH_LOG2,), ("bf16",), HEAD_DIM))[2]
+        res["batches"] = bench_batches(cupy, _timer(cupy, a.repeat), x)
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "ratio-batch-h200.json").write_text(json.dumps(res, indent=1))
+    elif a.replot:
         plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
     elif a.quick:
         run((24,), ("bf16", "e5m2"), min(a.repeat, 5), set(), a.out)

@@ -32,6 +32,7 @@ from .errors import FormatError  # noqa: F401,E402
 from .formats import FORMATS, FloatFormat, get_format  # noqa: F401,E402
 from .codebook import Codebook  # noqa: F401,E402
 from .calibrate import calibrate  # noqa: F401,E402
+from .channel_codebook import ChannelCodebook, calibrate_channels  # noqa: F401,E402
 from .pipeline import Pipeline  # noqa: F401,E402
 from .api import (compress, compress_bound, compress_into, compress_many, decompress, decompress_into,  # noqa: F401,E402
                   decompress_many, info, ratio_pipeline, splitzip_pipeline,
@@ -42,5 +43,6 @@ from . import stages  # noqa: F401,E402  (kvzip.stages: the stage classes)
 
 from .version import __version__  # noqa: E402
 __all__ = ["compress", "decompress", "compress_many", "decompress_many", "compress_into", "decompress_into",
-           "compress_bound", "status_text", "info", "pack", "unpack", "calibrate", "Codebook", "Pipeline",
+           "compress_bound", "status_text", "info", "pack", "unpack", "calibrate", "calibrate_channels", "Codebook",
+           "ChannelCodebook", "Pipeline",
            "FormatError", "stages", "splitzip_pipeline", "ratio_pipeline", "storage_pipeline", "FloatFormat", "get_format", "FORMATS"]

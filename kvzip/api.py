@@ -14,6 +14,7 @@ import numpy as np
 
 from . import arrays, container, execution, into, packed as packing
 from .backends import get_backend
+from .channel_codebook import ChannelCodebook
 from .codebook import Codebook
 from .errors import FormatError
 from .pipeline import Pipeline
@@ -30,9 +31,10 @@ def splitzip_pipeline(codebook=None, *, checksum: bool = False, chunk: int = DEF
     return Pipeline([ExponentSplit(), Top16Pack(codebook), EscapeStream(chunk), Serialize(checksum)])
 
 
-def ratio_pipeline(*, checksum: bool = False, chunk: int = DEFAULT_CHUNK) -> Pipeline:
-    """The ratio mode's lossless pipeline: ChannelPack -> Serialize (codebooks from each tensor)."""
-    return Pipeline([ChannelPack(chunk), Serialize(checksum)])
+def ratio_pipeline(codebook=None, *, checksum: bool = False, chunk: int = DEFAULT_CHUNK) -> Pipeline:
+    """The ratio mode's lossless pipeline: ChannelPack -> Serialize (codebook None: the tables
+    from each tensor; a ChannelCodebook or its dict: calibrated ones)."""
+    return Pipeline([ChannelPack(chunk, codebook), Serialize(checksum)])
 
 
 def storage_pipeline(*, checksum: bool = False, chunk: int = STORAGE_CHUNK) -> Pipeline:
@@ -47,8 +49,9 @@ def compress(x, codebook="auto", *, mode: str = "speed", checksum: bool = False,
     x: a torch / CuPy / NumPy / JAX array of bfloat16, float16, float32, float8_e4m3fn or
     float8_e5m2, on the CPU or a CUDA GPU.  codebook: "auto" (the default: the Top-16 exponents
     of x itself, chosen on x's device and recorded in the blob; kvzip/auto_codebook.py), None for
-    the shipped default of x's format, a shipped name ("bf16-kv"), a Codebook or its dict
-    (mode="speed" only; the other modes choose per-channel codebooks from x).  mode: "speed" (the
+    the shipped default of x's format, a shipped name ("bf16-kv"), a Codebook or its dict; with
+    mode="ratio", "auto" or None (per-channel tables chosen from x) or a ChannelCodebook
+    (kvzip.calibrate_channels) or its dict; mode="storage" takes none.  mode: "speed" (the
     default: the fused GPU kernels' Top-16 code, ~1.33x on BF16 KV) or "ratio" (per-channel
     two-level codes chosen from x itself, ~1.43x on BF16 KV; on a GPU its CUDA kernels) or
     "storage" (per-channel rANS, ~1.48x on BF16 KV, for offload to host memory or disk; on a GPU
@@ -183,22 +186,37 @@ def _shared_from_tensor(mode, checksum, chunk) -> Pipeline:
     return _FROM_TENSOR[mode][0](checksum=checksum, chunk=chunk)
 
 
+@lru_cache(maxsize=64)
+def _shared_calibrated(codebook: ChannelCodebook, checksum, chunk) -> Pipeline:
+    return ratio_pipeline(codebook, checksum=checksum, chunk=chunk)
+
+
 def _preset(mode, codebook, checksum, chunk) -> Pipeline:
-    """The pipeline compress() runs for mode (ValueError for an unknown mode, or a codebook given
-    with mode="ratio" or "storage", whose codebooks come from each tensor); chunk None: the mode's
-    default."""
+    """The pipeline compress() runs for mode (ValueError for an unknown mode, or a codebook the
+    mode does not take); chunk None: the mode's default."""
     if mode == "speed" and type(mode) is str:
         return _default(codebook, checksum, DEFAULT_CHUNK if chunk is None else chunk)
     if type(mode) is str and mode in _FROM_TENSOR:
         build, default_chunk = _FROM_TENSOR[mode]
-        if codebook is not None and codebook != "auto":
-            raise ValueError(f"mode={mode!r} chooses its per-channel codebooks from each tensor; codebook= is for "
-                             "mode='speed'")
         chunk = default_chunk if chunk is None else chunk
-        if type(checksum) is bool and type(chunk) is int:  # exact types only reach the cache (_default says why)
-            return _shared_from_tensor(mode, checksum, chunk)
-        return build(checksum=checksum, chunk=chunk)
+        exact = type(checksum) is bool and type(chunk) is int  # only exact types reach the caches (_default says why)
+        if codebook is None or (type(codebook) is str and codebook == "auto"):
+            return _shared_from_tensor(mode, checksum, chunk) if exact else build(checksum=checksum, chunk=chunk)
+        if mode == "ratio" and isinstance(codebook, (ChannelCodebook, dict)):
+            if type(codebook) is dict:
+                codebook = ChannelCodebook.from_dict(codebook)
+            return _shared_calibrated(codebook, checksum, chunk) if exact else \
+                ratio_pipeline(codebook, checksum=checksum, chunk=chunk)
+        takes = ("\"auto\", None or a ChannelCodebook (kvzip.calibrate_channels) or its dict" if mode == "ratio" else
+                 "no codebook: its tables come from each tensor")
+        raise ValueError(f"mode={mode!r} takes {takes}; got {type(codebook).__name__} {_short(codebook)}"
+                         + (" (a Top-16 codebook is for mode='speed')" if isinstance(codebook, (Codebook, str)) else ""))
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def _short(x) -> str:
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _default(codebook, checksum, chunk) -> Pipeline:

@@ -36,9 +36,15 @@ the speed mode's exponent 0: a channel whose values are often zero ranks 0 by it
 """
 from __future__ import annotations
 
+import copy
+import json
+from numbers import Integral
+
 import numpy as np
 
 from .auto_codebook import FULL_READ_BELOW, sample_indices
+from .calibrate import count_samples
+from .codebook import _as_format, checked_label, read_json
 from .errors import FormatError
 
 CODE_BITS = 3        # a value's code in the code plane; also the width of a second-level index
@@ -60,15 +66,28 @@ def channel_histogram(bits: np.ndarray, fmt, channels: int) -> np.ndarray:
     reference; ChannelPack counts with stages/channel_pack_cpu.py's compiled pass).  bits: the
     tensor's raw bits, flat, in the format's unsigned dtype."""
     n = bits.shape[0]
-    E, M = fmt.exp_bits, fmt.mant_bits
     if n < FULL_READ_BELOW:
-        values, where = bits, None
-    else:
-        where = sample_indices(n)
-        values = bits[where]
-    e = (values >> M).astype(np.intp) & ((1 << E) - 1)
+        return _count(bits, np.arange(n, dtype=np.intp), fmt, channels)
+    where = sample_indices(n)
+    return _count(bits[where], where.astype(np.intp), fmt, channels)
+
+
+def channel_counts(bits: np.ndarray, fmt, channels: int, step: int = 1 << 20) -> np.ndarray:
+    """int64[channels, 2**E]: exponent counts of every value of each channel (calibration counts
+    all of them; a tensor's own tables come from channel_histogram's sample).  bits: flat raw
+    bits; counted ``step`` values at a time, so the temporaries stay small."""
+    out = np.zeros((channels, 1 << fmt.exp_bits), np.int64)
+    for at in range(0, bits.shape[0], step):
+        part = bits[at:at + step]
+        out += _count(part, np.arange(at, at + part.shape[0], dtype=np.intp), fmt, channels)
+    return out
+
+
+def _count(values: np.ndarray, index: np.ndarray, fmt, channels: int) -> np.ndarray:
+    """int64[channels, 2**E]: counts of the values (at positions ``index``) by channel and exponent."""
+    E = fmt.exp_bits
+    e = (values >> fmt.mant_bits).astype(np.intp) & ((1 << E) - 1)
     if channels > 1:
-        index = np.arange(n, dtype=np.intp) if where is None else where.astype(np.intp)
         e |= (index & (channels - 1)) << E
     return np.bincount(e, minlength=channels << E).reshape(channels, 1 << E)
 
@@ -108,3 +127,159 @@ def check_tables(tables: np.ndarray, fmt) -> None:
     ordered = np.sort(rows, axis=1)
     if (ordered[:, 1:] == ordered[:, :-1]).any():
         raise FormatError("a channel table repeats an exponent")
+
+
+def calibrate_channels(samples, format=None, name=None, *, provenance=None, progress=None) -> ChannelCodebook:
+    """Calibrate the ratio mode's per-channel tables on sample tensors (``mode="ratio"`` with
+    ``codebook=`` the result codes every tensor with them instead of choosing tables from it).
+
+    ``samples`` as for ``calibrate``; every tensor must have the same channels (its last axis,
+    when a power of two up to 256: KV's head_dim) and format.  Every value is counted; each
+    channel's table follows the rule a tensor's own tables follow (kvzip/channel_codebook.py), on
+    the counts of all samples.  ``provenance`` and ``progress`` as for ``calibrate``.
+    """
+    channels = []
+
+    def count(bits, fmt):
+        d = channels_of(bits.shape)
+        if channels and d != channels[0]:
+            raise ValueError(f"all samples must have the same channels: a tensor of shape {bits.shape} has {d}, "
+                             f"earlier ones {channels[0]} (the last axis, when a power of two up to 256; else 1)")
+        channels[:1] = [d]
+        return channel_counts(bits.reshape(-1), fmt, d)
+
+    fmt, hist, record = count_samples(samples, format, count, progress)
+    record["channels"] = channels[0]
+    record.update(provenance or {})
+    return ChannelCodebook(rank_tables(hist), fmt, name=name, provenance=record)
+
+
+class ChannelCodebook:
+    """The ratio mode's tables chosen offline: for each of D channels (a power of two, at most
+    MAX_CHANNELS) the TABLE_WIDTH exponents of its table in rank order (entries 0..6 take codes
+    0..6, entries 7..14 code 7 and second-level indices 0..7), for one float format.
+
+    ``kvzip.compress(x, codebook=cb, mode="ratio")`` codes every tensor of D channels with these
+    tables instead of choosing them from the tensor.  The blob still holds the tables (docs/format.md
+    section 15), so a decoder needs nothing else.  Made by ``kvzip.calibrate_channels`` (``kvzip
+    calibrate --mode ratio``), kept as JSON like a Codebook.  Immutable; equal by format and tables.
+    """
+
+    __slots__ = ("format", "tables", "name", "_provenance", "_array")
+    KIND = "channel_codebook"
+    _KEYS = ("kind", "name", "format", "tables", "provenance")
+
+    def __init__(self, tables, format, name=None, provenance=None):
+        fmt = _as_format(format)
+        try:
+            rows = [tuple(row) for row in tables]
+        except TypeError:
+            raise ValueError(f"channel tables must be a sequence of rows of {TABLE_WIDTH} exponents, "
+                             f"got {type(tables).__name__}") from None
+        D = len(rows)
+        if not (1 <= D <= MAX_CHANNELS and D & (D - 1) == 0):
+            raise ValueError(f"a channel codebook holds a power of two of channels, 1 to {MAX_CHANNELS}; got {D}")
+        for d, row in enumerate(rows):
+            if len(row) != TABLE_WIDTH:
+                raise ValueError(f"channel {d}'s table has {len(row)} exponents; each needs {TABLE_WIDTH}")
+            for e in row:
+                if type(e) is not int and (isinstance(e, bool) or not isinstance(e, Integral)):
+                    raise ValueError(f"channel {d}'s table: exponents must be ints, got {e!r} ({type(e).__name__})")
+        array = np.array(rows, dtype=np.int64).reshape(D, TABLE_WIDTH)
+        if array.min() < 0 or array.max() >= 1 << fmt.exp_bits:
+            raise ValueError(f"channel tables hold exponents outside {fmt.name}'s 0..{(1 << fmt.exp_bits) - 1}")
+        try:
+            check_tables(array, fmt)
+        except FormatError:
+            d = int(np.nonzero((np.diff(np.sort(array, axis=1), axis=1) == 0).any(axis=1))[0][0])
+            raise ValueError(f"channel {d}'s table repeats an exponent: {list(map(int, array[d]))}") from None
+        name, provenance = checked_label(name, provenance)
+        set_ = object.__setattr__
+        set_(self, "format", fmt)
+        set_(self, "tables", tuple(tuple(map(int, row)) for row in array))
+        set_(self, "name", name)
+        set_(self, "_provenance", provenance)
+        set_(self, "_array", array.astype(np.uint8).reshape(-1))
+
+    def __setattr__(self, key, value):
+        raise AttributeError("ChannelCodebook is immutable; build a new one")
+
+    @property
+    def channels(self) -> int:
+        return len(self.tables)
+
+    @property
+    def provenance(self) -> dict:
+        """Where the tables came from (a copy)."""
+        return copy.deepcopy(self._provenance)
+
+    def tables_stream(self) -> np.ndarray:
+        """uint8[channels * TABLE_WIDTH]: the blob's tables stream (a copy)."""
+        return self._array.copy()
+
+    def check_tensor(self, fmt, shape) -> None:
+        """ValueError unless a tensor of this format and shape can be coded with these tables."""
+        if fmt != self.format:
+            raise ValueError(f"the channel codebook is for {self.format.name}; the tensor is {fmt.name}")
+        d = channels_of(shape)
+        if d != self.channels:
+            raise ValueError(f"the channel codebook has {self.channels} channels; a tensor of shape {tuple(shape)} "
+                             f"has {d} (its last axis, when a power of two up to {MAX_CHANNELS}; else 1)")
+
+    # ---- (de)serialisation ---------------------------------------------------------------
+    def to_dict(self, *, provenance: bool = True) -> dict:
+        d = {"kind": self.KIND, "name": self.name, "format": self.format.name,
+             "tables": [list(row) for row in self.tables]}
+        if provenance:
+            d["provenance"] = self.provenance
+        return d
+
+    @classmethod
+    def from_dict(cls, d) -> "ChannelCodebook":
+        if not isinstance(d, dict):
+            raise ValueError(f"a channel codebook must be a dict, got {type(d).__name__}")
+        if "exponents" in d and "tables" not in d:
+            raise ValueError("this is a Top-16 codebook (mode='speed'), not the ratio mode's channel tables")
+        unknown = sorted(set(d) - set(cls._KEYS))
+        if unknown:
+            raise ValueError(f"unknown channel codebook key(s) {unknown}; expected {list(cls._KEYS)}")
+        if d.get("kind", cls.KIND) != cls.KIND:
+            raise ValueError(f"'kind' of a channel codebook is {cls.KIND!r}, got {d.get('kind')!r}")
+        missing = [k for k in ("format", "tables") if k not in d]
+        if missing:
+            raise ValueError(f"channel codebook dict lacks {missing}")
+        if not isinstance(d["format"], str) or not isinstance(d["tables"], list):
+            raise ValueError("a channel codebook's 'format' is a string and its 'tables' a list of lists")
+        return cls(d["tables"], d["format"], name=d.get("name"), provenance=d.get("provenance"))
+
+    def to_json(self, path=None) -> str:
+        """The codebook as JSON text, a channel's table a line; also written to ``path`` when given."""
+        d = self.to_dict()
+        rows = ",\n    ".join(json.dumps(row) for row in d["tables"])
+        text = json.dumps({**d, "tables": None}, indent=2).replace(
+            '\n  "tables": null', '\n  "tables": [\n    ' + rows + "\n  ]", 1) + "\n"
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path) -> "ChannelCodebook":
+        """Parse JSON text, or read a file when given a path (anything not starting with '{')."""
+        return cls.from_dict(read_json(text_or_path, "channel codebook JSON"))
+
+    # ---- identity --------------------------------------------------------------------------
+    def __eq__(self, other):
+        if not isinstance(other, ChannelCodebook):
+            return NotImplemented
+        return self.format == other.format and self.tables == other.tables
+
+    def __hash__(self):
+        return hash((self.format.name, self.tables))
+
+    def __repr__(self):
+        label = f"{self.name!r}, " if self.name else ""
+        return f"ChannelCodebook({label}{self.format.name}, {self.channels} channels)"
+
+    def __reduce__(self):
+        return (ChannelCodebook, (self.tables, self.format.name, self.name, self._provenance))

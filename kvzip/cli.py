@@ -4,7 +4,7 @@ and benchmark the codec.
     kvzip compress IN OUT [--mode speed|ratio|storage] [--dtype bf16] [--checksum] [--codebook auto|NAME|FILE.json] [--force]
     kvzip decompress IN OUT [--force]
     kvzip info FILE [--json]
-    kvzip calibrate kv.safetensors [...] -o my-model.json [--format bf16] [--name NAME]
+    kvzip calibrate kv.safetensors [...] -o my-model.json [--mode speed|ratio] [--format bf16] [--name NAME]
     kvzip demo [--backend cpu|cuda] [--repeat N]
     kvzip bench [--device cpu|cuda] [...]
 
@@ -107,12 +107,13 @@ def _add_compress(sub) -> None:
                         "2-byte void items); not needed otherwise")
     p.add_argument("--mode", choices=("speed", "ratio", "storage"), default="speed",  # kvzip.api.MODES
                    help="speed (default: the Top-16 code the GPU kernels run), ratio (per-channel codes chosen "
-                        "from each tensor: smaller files; no --codebook) or storage (per-channel rANS: smaller "
-                        "still, slower; no --codebook)")
+                        "from each tensor, or from `kvzip calibrate --mode ratio`: smaller files) or storage "
+                        "(per-channel rANS: smaller still, slower; no --codebook)")
     p.add_argument("--checksum", action="store_true", help="add a 64-bit payload checksum, verified on decode")
     p.add_argument("--codebook", metavar="auto|NAME|FILE.json", default="auto",
-                   help="auto (the default: each tensor's own Top-16, chosen from it), a shipped codebook name "
-                        "(bf16-kv, ...) or one from `kvzip calibrate`")
+                   help="auto (the default: each tensor's own codebook, chosen from it), a shipped codebook name "
+                        "(bf16-kv, ...; --mode speed) or a file from `kvzip calibrate` (--mode speed) or "
+                        "`kvzip calibrate --mode ratio` (--mode ratio)")
     p.set_defaults(run=_run_compress)
 
 
@@ -164,13 +165,23 @@ def _check_output(args) -> None:
         raise CommandError(EXIT_FAILED, "IN and OUT are the same file")
 
 
-def _codebook(arg):
-    if arg is None or not arg.endswith(".json"):
+def _codebook(arg: str, mode: str):
+    """--codebook for --mode: "auto", a shipped name (speed), or a JSON file of the mode's kind."""
+    if arg == "auto":
         return arg
+    if mode == "storage":
+        raise CommandError(EXIT_USAGE, "--codebook is for --mode speed or ratio: the storage mode chooses its tables "
+                                       "from each tensor")
+    if mode == "ratio" and not arg.endswith(".json"):
+        raise CommandError(EXIT_USAGE, f"--mode ratio takes --codebook auto or a FILE.json from `kvzip calibrate --mode "
+                                       f"ratio`, not {arg!r}")
+    if not arg.endswith(".json"):
+        return arg
+    from .channel_codebook import ChannelCodebook
     from .codebook import Codebook
 
     try:
-        return Codebook.from_json(arg)
+        return (ChannelCodebook if mode == "ratio" else Codebook).from_json(arg)
     except (OSError, ValueError, TypeError) as e:
         raise CommandError(EXIT_FAILED, f"cannot load codebook {arg}: {e}") from None
 
@@ -212,11 +223,7 @@ def _run_compress(args) -> int:
 
     kind = _existing_kind(args.input)
     _check_output(args)
-    codebook = _codebook(args.codebook)
-
-    if args.mode != "speed" and codebook != "auto":
-        raise CommandError(EXIT_USAGE, f"--codebook is for --mode speed: the {args.mode} mode chooses its codebooks "
-                                       "from each tensor")
+    codebook = _codebook(args.codebook, args.mode)
 
     def compress(x, dtype):
         return kvzip.compress(x, codebook=codebook, mode=args.mode, checksum=args.checksum, dtype=dtype,
@@ -482,38 +489,55 @@ def _print_archive_info(d: dict) -> None:
 # ---- calibrate -------------------------------------------------------------------------------
 
 def _add_calibrate(sub) -> None:
-    p = sub.add_parser("calibrate", help="calibrate a Top-16 codebook on .safetensors KV files",
+    p = sub.add_parser("calibrate", help="calibrate a codebook on .safetensors KV files",
                        description="Count exponents in every tensor of the given .safetensors files and "
-                                   "write the Top-16 codebook as JSON (use it with "
-                                   "kvzip.compress(x, codebook=kvzip.Codebook.from_json(path))).")
+                                   "write a codebook as JSON: the speed mode's Top-16 (use it with "
+                                   "kvzip.compress(x, codebook=kvzip.Codebook.from_json(path)) or kvzip compress "
+                                   "--codebook) or, with --mode ratio, the ratio mode's per-channel tables "
+                                   "(kvzip.compress(x, mode='ratio', codebook=kvzip.ChannelCodebook.from_json(path)) "
+                                   "or kvzip compress --mode ratio --codebook).")
     p.add_argument("files", nargs="+", type=Path, metavar="FILE", help=".safetensors file(s) of KV tensors")
     p.add_argument("-o", "--output", required=True, type=Path, metavar="OUT.json", help="codebook to write")
+    p.add_argument("--mode", choices=("speed", "ratio"), default="speed",
+                   help="speed (default: a Top-16 codebook) or ratio (a table of 15 exponents for each channel, "
+                        "the tensors' last axis: every tensor must have the same)")
     p.add_argument("--format", help="float format (bf16, fp16, fp32, e4m3, e5m2); needed only if the "
                                     "files hold raw integer bits, else checked against them")
     p.add_argument("--name", help="codebook name (default: the output file's stem)")
-    p.add_argument("--always-include", type=int, nargs="*", default=[0], metavar="EXP",
-                   help="exponents the codebook must hold (default: 0, for zeros and subnormals; "
+    p.add_argument("--always-include", type=int, nargs="*", default=None, metavar="EXP",
+                   help="--mode speed: exponents the codebook must hold (default: 0, for zeros and subnormals; "
                         "give none for the plain Top-16)")
     p.set_defaults(run=_run_calibrate)
 
 
 def _run_calibrate(args) -> int:
     from .calibrate import calibrate
+    from .channel_codebook import calibrate_channels
 
     missing = [str(f) for f in args.files if not f.is_file()]
     if missing:
         return _fail("calibrate", f"no such file: {', '.join(missing)}")
+    if args.mode == "ratio" and args.always_include is not None:
+        return _fail("calibrate", "--always-include is for --mode speed: a channel's table holds its 15 most frequent "
+                                  "exponents", EXIT_USAGE)
     name = args.name or args.output.stem
     try:
         with _progress(sum(f.stat().st_size for f in args.files), "calibrate", False) as bar:
-            cb = calibrate(args.files, format=args.format, name=name, always_include=tuple(args.always_include),
-                           progress=bar.update)
+            if args.mode == "ratio":
+                cb = calibrate_channels(args.files, format=args.format, name=name, progress=bar.update)
+            else:
+                include = (0,) if args.always_include is None else tuple(args.always_include)
+                cb = calibrate(args.files, format=args.format, name=name, always_include=include, progress=bar.update)
     except (ValueError, TypeError, ImportError) as e:
         return _fail("calibrate", e)
     prov = cb.provenance
-    print(f"{name}: {cb.format.name} codebook from {prov['values']:,} values in {prov['tensors']} tensors")
-    print(f"coverage {cb.coverage:.4%} (escape rate {1 - cb.coverage:.4%})")
-    print(f"exponents, code 0 first: {list(cb.exponents)}")
+    if args.mode == "ratio":
+        print(f"{name}: {cb.format.name} tables of {cb.channels} channels from {prov['values']:,} values in "
+              f"{prov['tensors']} tensors")
+    else:
+        print(f"{name}: {cb.format.name} codebook from {prov['values']:,} values in {prov['tensors']} tensors")
+        print(f"coverage {cb.coverage:.4%} (escape rate {1 - cb.coverage:.4%})")
+        print(f"exponents, code 0 first: {list(cb.exponents)}")
     try:
         cb.to_json(args.output)
     except OSError as e:

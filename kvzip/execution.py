@@ -71,16 +71,20 @@ def encode_many(pipe, xs, *, dtype=None, backend=None) -> list:
     rest, groups = _lane_groups(xs, dtype, lane_of)
     rest.update((i, None) for i in gpu.run_lanes(groups, out))
     members = []  # (index, ShapeEncoder, tensor frame, origin): the GPU executor's, without a lane
+    by_stage = []  # (index, bits, fmt, shape, backend, origin): the staged executor's
     for i in sorted(rest):
         bits, fmt, shape, origin = rest[i] or arrays.import_tensor(xs[i], dtype)
         be = get_backend(backend or origin.backend_name)
         chosen = encoder(pipe, fmt, shape, be, origin)
-        if chosen is not None and gpu.fits(be, shape):
+        if chosen is None:
+            by_stage.append((i, bits, fmt, shape, be, origin))
+        elif gpu.fits(be, shape):
             members.append((i, chosen, staged.tensor_frame(bits, fmt, shape, be), origin))
         else:
             with origin.stream_context():
-                out[i] = chosen.encode(pipe, xs[i], dtype, bits, be, origin) if chosen is not None else \
-                    staged.encode(pipe, bits, fmt, shape, be, origin)
+                out[i] = chosen.encode(pipe, xs[i], dtype, bits, be, origin)
+    if by_stage:
+        staged.encode_many(pipe, by_stage, out)
     if members:
         gpu.encode_many_general(members, out)
     return out

@@ -22,7 +22,7 @@ class Pipeline:
     """stages: the chain (ending with Serialize).  fuse: run ExponentSplit, Top16Pack,
     EscapeStream as one fused step (same bytes; False runs them one by one, the reference)."""
 
-    __slots__ = ("_stages", "_fuse", "_configs", "_body_steps", "_key")
+    __slots__ = ("_stages", "_fuse", "_configs", "_recorded", "_body_steps", "_key")
 
     def __init__(self, stages: Iterable, *, fuse: bool = True):
         stages = tuple(stages)
@@ -47,6 +47,7 @@ class Pipeline:
         object.__setattr__(self, "_stages", stages)
         object.__setattr__(self, "_fuse", fuse)
         object.__setattr__(self, "_configs", [st.get_config() for st in stages])
+        object.__setattr__(self, "_recorded", [st.recorded_config() for st in stages])
         object.__setattr__(self, "_body_steps", _fused_steps(stages[:-1]) if fuse else stages[:-1])
         # What executors cache by: equal keys, equal pipelines (repr, not ==: 14.0 == 14 and
         # False == 0, which the stages refuse).
@@ -71,8 +72,9 @@ class Pipeline:
 
     @property
     def stage_configs(self) -> list:
-        """to_config()["stages"], built once: blobs record it (callers must not change it)."""
-        return self._configs
+        """What blobs record of the stages (each one's recorded_config: to_config()["stages"] less
+        encoder-only choices), built once (callers must not change it)."""
+        return self._recorded
 
     @property
     def key(self) -> tuple:

@@ -20,7 +20,8 @@ import numpy as np
 from . import container, trace
 from .errors import FormatError
 from .frame import Frame
-from .stages import ChannelPack, ChannelRans, ExponentSplit, FusedSplitPackEscape, Serialize
+from .stages import ChannelPack, ChannelRans, ExponentSplit, FusedSplitPackEscape, Serialize, channel_pack
+from .stages.base import on_device
 from .stages.serialize import frame_from_header
 
 
@@ -89,6 +90,44 @@ def encode_frame(pipe, frame: Frame, start: int = 0) -> Frame:
     return serialize.encode(frame)
 
 
+def encode_many(pipe, items: list, out: list) -> None:
+    """encode of each (index, bits, fmt, shape, backend, origin) into out[index].  The ratio
+    mode's tensors on a GPU ([ChannelPack, Serialize], the kernels writing the blobs) go per caller
+    in one batch, every tensor's kernels queued before one wait for all (stages/channel_pack.py
+    encode_blobs); the others one by one."""
+    steps = pipe.body_steps
+    batched = {}  # id(origin) -> (origin, [(index, bits, fmt, shape, backend)])
+    for i, bits, fmt, shape, be, origin in items:
+        if len(steps) == 1 and isinstance(steps[0], ChannelPack) and on_device(be):
+            batched.setdefault(id(origin), (origin, []))[1].append((i, bits, fmt, shape, be))
+        else:
+            with origin.stream_context():
+                out[i] = encode(pipe, bits, fmt, shape, be, origin)
+    for origin, members in batched.values():
+        with origin.stream_context(), origin.memory_context():
+            _encode_channel_batch(pipe, members, origin, out)
+
+
+def _encode_channel_batch(pipe, members: list, origin, out: list) -> None:
+    stage, serialize = pipe.body_steps[0], pipe.stages[-1]
+    at, frames, heads = [], [], []
+    for i, bits, fmt, shape, be in members:
+        frame = tensor_frame(bits, fmt, shape, be)
+        frame.meta["pipeline"] = pipe.stage_configs
+        head = stage.blob_header(frame, serialize.checksum)
+        if head is None:  # a blob the compact header cannot hold: Serialize writes it
+            out[i] = origin.export_bytes(to_origin(encode_frame(pipe, frame).streams["blob"], origin))
+            continue
+        at.append(i)
+        frames.append(frame)
+        heads.append(head)
+    trace.note("staged")
+    for i, frame, (blob, payload) in zip(at, frames, channel_pack.encode_blobs(stage, frames, heads, serialize.checksum)):
+        if payload > serialize.payload_size(frame):
+            blob = stored(pipe, frame)
+        out[i] = origin.export_bytes(to_origin(blob.streams["blob"], origin))
+
+
 def stored(pipe, before_split: Frame) -> Frame:
     """The values raw (after any stages ahead of the split), flagged as the size fallback."""
     split_at = next(i for i, s in enumerate(pipe.stages) if isinstance(s, SPLITTING))
@@ -133,6 +172,31 @@ def _decode(pipe, u8, backend, origin):
     out = export_decoded(frame, origin)
     container.remember_header(head, u8.shape[0], hdr)
     return out
+
+
+def decode_channel_many(members: list, out: list) -> None:
+    """Decode opened blobs of the ratio mode on a GPU ([ChannelPack, Serialize] recorded):
+    members are (index, opened frame, origin, ChannelPack stage, head, blob, parsed header) and
+    out[index] gets each tensor, per caller in one batch (stages/channel_pack.py decode_many:
+    one copy of all the tables, one wait for all the kernels).  The first (by index) blob that
+    fails raises its FormatError once the batch is done."""
+    trace.note("staged")
+    by_origin: dict = {}
+    for m in members:
+        by_origin.setdefault(id(m[2]), []).append(m)
+    failed = {}
+    for group in by_origin.values():
+        origin = group[0][2]
+        with origin.memory_context():
+            decoded = channel_pack.decode_many([(m[3], m[1]) for m in group])
+        for (i, _, _, _, head, u8, hdr), frame in zip(group, decoded):
+            if isinstance(frame, Exception):
+                failed[i] = frame
+                continue
+            out[i] = export_decoded(frame, origin)
+            container.remember_header(head, u8.shape[0], hdr)
+    if failed:
+        raise failed[min(failed)]
 
 
 def decode_frame(pipe, frame: Frame) -> Frame:

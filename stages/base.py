@@ -51,6 +51,11 @@ class Stage:
         """JSON-able parameters, with ``id``; ``from_config(get_config())`` rebuilds the stage."""
         return {"id": self.id}
 
+    def recorded_config(self) -> dict[str, Any]:
+        """What a blob records of this stage: the parameters its decoder needs (by default all of
+        them; a stage whose blobs carry an encoder-only choice leaves that out)."""
+        return self.get_config()
+
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Stage":
         params = {k: v for k, v in config.items() if k != "id"}

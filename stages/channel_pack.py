@@ -1,7 +1,8 @@
 """ChannelPack: the ratio mode's lossless code, tensor -> streams in one step.
 
 Each value's exponent is coded through its channel's two-level table (kvzip/channel_codebook.py:
-the channels, and the tables chosen from the tensor itself): a fixed 3-bit code a value, codes
+the channels, and the tables chosen from the tensor itself, or calibrated offline and given as a
+ChannelCodebook): a fixed 3-bit code a value, codes
 0..6 the channel's 7 most frequent exponents, code 7 "a 3-bit second-level index follows" for
 the next 8; any other exponent is an escape (a uint16 position in its chunk and the exponent
 byte, as EscapeStream lists them).  The sign+mantissa bits (the "rest") stay raw, packed as
@@ -28,7 +29,8 @@ import numpy as np
 
 from kvzip import container
 from kvzip.bitpack import groups
-from kvzip.channel_codebook import CODE_BITS, TABLE_WIDTH, channels_of, check_tables, encode_lut, rank_tables
+from kvzip.channel_codebook import (CODE_BITS, TABLE_WIDTH, ChannelCodebook, channels_of, check_tables, encode_lut,
+                                   rank_tables)
 from kvzip.errors import CHANNEL_DECODE_ERRORS, FormatError
 from kvzip.frame import Frame
 
@@ -48,22 +50,47 @@ class ChannelPack(Stage):
     consumes = ("data",)
     produces = ("tables", "codes", "rest", "esc_count", "sec_count") + tuple(name for name, _ in VARIABLE_STREAMS)
 
-    def __init__(self, chunk: int = 4096):
+    def __init__(self, chunk: int = 4096, codebook=None):
+        """codebook: None (each tensor's own tables, chosen from it) or a ChannelCodebook (or its
+        dict) calibrated offline, whose tables code every tensor of its format and channels."""
         self.chunk = check_chunk(chunk, MAX_CHUNK)
+        if isinstance(codebook, dict):
+            codebook = ChannelCodebook.from_dict(codebook)
+        if codebook is not None and not isinstance(codebook, ChannelCodebook):
+            raise ValueError(f"channel_pack's codebook is a ChannelCodebook (kvzip.calibrate_channels), its dict or "
+                             f"None, got {type(codebook).__name__}")
+        self.codebook = codebook
 
     def get_config(self):
+        config = {"id": self.id, "chunk": self.chunk}
+        if self.codebook is not None:
+            config["codebook"] = self.codebook.to_dict(provenance=False)
+        return config
+
+    def recorded_config(self):
+        """The blob holds the tables it was coded with, whatever chose them: a decoder needs the
+        chunk only (and the compact header can stand for this config)."""
         return {"id": self.id, "chunk": self.chunk}
+
+    def tables_for(self, frame: Frame):
+        """The calibrated tables stream for this tensor frame (ValueError where its format or
+        channels differ from the codebook's), or None: the tensor's own."""
+        if self.codebook is None:
+            return None
+        self.codebook.check_tensor(frame.format, frame.meta["shape"])
+        return self.codebook.tables_stream()
 
     def encode(self, frame: Frame) -> Frame:
         fmt, backend, n, C = frame.format, frame.backend, frame.n, self.chunk
         data = frame.expect("data", fmt.uint_dtype, n)
         channels = channels_of(frame.meta["shape"])
+        given = self.tables_for(frame)
         if on_device(backend):
             from kvzip.gpu import channel_pack as gpu
 
-            return frame.replace(drop=("data",), **gpu.encode(data, n, fmt, channels, C))
+            return frame.replace(drop=("data",), **gpu.encode(data, n, fmt, channels, C, given))
         src = backend.to_numpy(data)
-        tables = rank_tables(channel_pack_cpu.histogram(src, fmt, channels)).reshape(-1)
+        tables = given if given is not None else rank_tables(channel_pack_cpu.histogram(src, fmt, channels)).reshape(-1)
         G, nchunks = groups(n), -(-n // C)
         codes, rest = np.empty(CODE_BITS * G, np.uint8), np.empty(fmt.rest_bits * G, np.uint8)
         esc_count, sec_count = np.empty(nchunks, np.uint16), np.empty(nchunks, np.uint16)
@@ -91,13 +118,14 @@ class ChannelPack(Stage):
 
         fmt, n = frame.format, frame.n
         data = frame.expect("data", fmt.uint_dtype, n)
-        blob, payload = gpu.encode_blob(data, n, fmt, channels_of(frame.meta["shape"]), self.chunk, head, checksum)
+        blob, payload = gpu.encode_blob(data, n, fmt, channels_of(frame.meta["shape"]), self.chunk, head, checksum,
+                                        self.tables_for(frame))
         return Frame(frame.backend, {"blob": blob}, dict(frame.meta)), payload
 
-    def check(self, frame: Frame) -> dict:
+    def check(self, frame: Frame, tables: bool = True) -> dict:
         """The streams, on the frame's backend, after checking their dtypes, the lengths n implies
-        and the tables (copied to the host for it; the per-chunk counts are checked by the decode
-        kernels)."""
+        and, with ``tables``, the tables (copied to the host for it; decode_many checks a batch's
+        with one copy; the per-chunk counts are checked by the decode kernels)."""
         fmt, n = frame.format, frame.n
         G = groups(n)
         # The codes stream's length bounds n by the blob's size: checked before anything is sized by n.
@@ -116,7 +144,8 @@ class ChannelPack(Stage):
             out[name] = a
         if out["esc_pos"].shape[0] != out["esc_exp"].shape[0]:
             raise FormatError("esc_pos and esc_exp differ in length")
-        check_tables(frame.backend.to_numpy(out["tables"]), fmt)
+        if tables:
+            check_tables(frame.backend.to_numpy(out["tables"]), fmt)
         return out
 
     def decode(self, frame: Frame) -> Frame:
@@ -138,6 +167,50 @@ class ChannelPack(Stage):
         if code:
             raise FormatError(CHANNEL_DECODE_ERRORS[code])
         return frame.replace(drop=self.produces, data=dst)
+
+
+def encode_blobs(stage: ChannelPack, frames: list, heads: list, checksum: bool) -> list[tuple[Frame, int]]:
+    """stage.encode_blob of each tensor frame (on a GPU, ``on_device``) under its blob_header,
+    with one wait for all of them (kvzip/gpu/channel_pack.py's encode_blobs)."""
+    from kvzip.gpu import channel_pack as gpu
+
+    jobs = []
+    for frame, head in zip(frames, heads):
+        fmt, n = frame.format, frame.n
+        jobs.append((frame.expect("data", fmt.uint_dtype, n), n, fmt, channels_of(frame.meta["shape"]), stage.chunk,
+                     head, checksum, stage.tables_for(frame)))
+    return [(Frame(frame.backend, {"blob": blob}, dict(frame.meta)), payload)
+            for frame, (blob, payload) in zip(frames, gpu.encode_blobs(jobs))]
+
+
+def decode_many(items: list) -> list:
+    """ChannelPack.decode of each (stage, opened frame) on a GPU (``on_device``), in order: the
+    decoded frame, or the FormatError its blob raises.  The tables of all of them come to the host
+    in one copy and their kernels run with one wait for all (kvzip/gpu/channel_pack.py)."""
+    from kvzip.gpu import channel_pack as gpu
+
+    out, checked = [None] * len(items), []
+    for k, (stage, frame) in enumerate(items):
+        try:
+            checked.append((k, stage.check(frame, tables=False)))
+        except FormatError as e:
+            out[k] = e
+    if not checked:
+        return out
+    tables = items[checked[0][0]][1].backend.read_many([s["tables"] for _, s in checked])
+    jobs = []
+    for (k, s), t in zip(checked, tables):
+        stage, frame = items[k]
+        try:
+            check_tables(t, frame.format)
+        except FormatError as e:
+            out[k] = e
+            continue
+        jobs.append((k, (s, frame.n, frame.format, channels_of(frame.meta["shape"]), stage.chunk)))
+    for (k, _), (dst, code) in zip(jobs, gpu.decode_many([job for _, job in jobs])):
+        stage, frame = items[k]
+        out[k] = FormatError(CHANNEL_DECODE_ERRORS[code]) if code else frame.replace(drop=stage.produces, data=dst)
+    return out
 
 
 @lru_cache(maxsize=256)

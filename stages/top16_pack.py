@@ -15,6 +15,7 @@ import numpy as np
 
 from kvzip.auto_codebook import AUTO, auto_codebook_on
 from kvzip.bitpack import groups, pack_bits, unpack_bits
+from kvzip.channel_codebook import ChannelCodebook
 from kvzip.codebook import Codebook, codebook_meta, resolve_codebook
 from kvzip.frame import Frame
 
@@ -43,7 +44,8 @@ class Top16Pack(Stage):
         elif isinstance(codebook, str):
             codebook = Codebook.load(codebook)
         elif codebook is not None and not isinstance(codebook, Codebook):
-            raise TypeError(f"codebook must be None, a name, a dict or a Codebook, got {type(codebook).__name__}")
+            hint = " (the ratio mode's: mode='ratio')" if isinstance(codebook, ChannelCodebook) else ""
+            raise TypeError(f"codebook must be None, a name, a dict or a Codebook, got {type(codebook).__name__}{hint}")
         self.codebook = codebook
 
     @property

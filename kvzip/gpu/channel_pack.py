@@ -2,17 +2,23 @@
 kvzip/gpu/kernels/channel.cu on CuPy arrays, on the current device and stream, giving the CPU
 reference's bytes (stages/channel_pack_cpu.py).  CuPy is imported on first use.
 
-    streams = encode(src, n, fmt, channels, chunk)   # src: the values' bits, 1-D CuPy array
-    blob, payload = encode_blob(src, n, fmt, channels, chunk, head, checksum)
+    streams = encode(src, n, fmt, channels, chunk[, tables])   # src: the values' bits, 1-D CuPy array
+    blob, payload = encode_blob(src, n, fmt, channels, chunk, head, checksum[, tables])
     dst, code = decode(streams, n, fmt, channels, chunk)
+    [(blob, payload), ...] = encode_blobs([(src, n, fmt, channels, chunk, head, checksum, tables), ...])
+    [(dst, code), ...] = decode_many([(streams, n, fmt, channels, chunk), ...])
 
 The encoder writes a blob's payload (format.md 15.4) in place: encode_blob behind the header,
 with no copy (the staged executor's way for [channel_pack, serialize] on a GPU), encode into a
 payload buffer whose streams it returns as views (for Serialize, where other stages or a
 version-1 header are involved).  Each call synchronises with the host once: encode reads the
-three totals of the variable streams (their lengths), decode reads the error word.
+three totals of the variable streams (their lengths), decode reads the error word; the batch
+forms (encode_blobs, decode_many) queue every tensor's kernels first and wait once for all of
+them (compress_many and decompress_many of the ratio mode: kvzip/staged.py).
 """
 from __future__ import annotations
+
+from functools import lru_cache
 
 import numpy as np
 
@@ -31,6 +37,7 @@ TILE_THREADS = 256       # CH_TILE_THREADS: the offsets scan's blocks
 TILE = 8 * TILE_THREADS  # CH_TILE: chunks a block of the scan
 
 
+@lru_cache(maxsize=None)
 def _names(fmt) -> dict:
     args, gpl = loader._args(fmt), loader.channel_gpl(fmt)
     return {"histogram": f"kvz_ch_histogram<{args}>", "tables": f"kvz_ch_tables<{fmt.exp_bits}>",
@@ -43,15 +50,19 @@ def _launch(name, fmt, blocks, threads, args, shared=0, grid_stride=True):
     launch(loader.channel_kernel, _names(fmt)[name], blocks, threads, args, shared, grid_stride=grid_stride)
 
 
+@lru_cache(maxsize=1024)
 def payload_layout(n: int, fmt, channels: int, chunk: int, ns: int = 0, ne: int = 0, nh: int = 0) -> tuple:
     """({stream: (payload offset, bytes, dtype)}, payload length) of the streams of section 15.4
     (container.ratio_streams) with ns sec_codes bytes, ne escapes and nh exp_high bytes, placed by
-    the layout rule (2.4), as channel_offsets.cuh's ch_payload places them on the device."""
+    the layout rule (2.4), as channel_offsets.cuh's ch_payload places them on the device.
+    Cached per call's arguments (a shape's layout is asked for three times a tensor): callers
+    must not change the dict."""
     streams = container.ratio_streams(n, fmt, channels, chunk, ne, nh, ns)
     offsets, payload = layout.place([nb for _, _, nb in streams])
     return {name: (off, nb, dtype) for (name, dtype, nb), off in zip(streams, offsets)}, payload
 
 
+@lru_cache(maxsize=256)
 def payload_bound(n: int, fmt, channels: int, chunk: int) -> int:
     """The most bytes the payload can take: a chunk's variable runs never take more than its
     values' high exponent bits, (E - 3) bytes a group (format.md 15.5), so the variable streams
@@ -68,16 +79,21 @@ class _Workspace:
         self.memory = cupy().empty(max(total, layout.ALIGN), cupy().uint8)
         base = self.memory.data.ptr
         self._at = {name: base + off for name, off in zip(nbytes, offsets)}
+        self.result = None  # the device address of the call's 4 result words
+        self.src = None     # the (aligned) values the kernels read
 
     def ptr(self, name: str):
         return np.uint64(self._at[name])
 
 
-def _encode_into(src, n: int, fmt, channels: int, chunk: int, payload: int) -> tuple[int, int, int]:
-    """Encode the n values src (1-D CuPy array of fmt's unsigned dtype) into the payload at device
-    address `payload` (payload_bound bytes, 16-byte aligned): the tables from the values, the
-    encode, the offsets scan, then the compaction, on the current stream.  Returns (sec_codes
-    bytes, escapes, exp_high bytes) after the one wait, for the streams' lengths (payload_layout)."""
+def _launch_encode(src, n: int, fmt, channels: int, chunk: int, payload: int, result=None, tables=None) -> _Workspace:
+    """Queue the encode of the n values src (1-D CuPy array of fmt's unsigned dtype) into the
+    payload at device address `payload` (payload_bound bytes, 16-byte aligned): the tables from
+    the values (or `tables`, the host's uint8[channels * TABLE_WIDTH] of a calibration, copied
+    up), the encode, the offsets scan, then the compaction, on the current stream.  The three
+    totals (sec_codes bytes, escapes, exp_high bytes: the streams' lengths, payload_layout) land
+    in words 1..3 of `result` (the device address of 4 uint64; None: the workspace's own).
+    Returns the workspace, which must stay alive until the stream has run the kernels."""
     cp = cupy()
     src = aligned(src)
     E, HB = fmt.exp_bits, fmt.exp_bits - CODE_BITS
@@ -87,51 +103,92 @@ def _encode_into(src, n: int, fmt, channels: int, chunk: int, payload: int) -> t
     ws = _Workspace(hist=4 * (channels << E), tables=TABLE_WIDTH * channels, sec_count=2 * nchunks,
                     sec_slots=4 * nchunks * (-(-CODE_BITS * chunk // 32)), pos_slots=2 * nchunks * full_cap,
                     exp_slots=nchunks * full_cap, high_slots=HB * G, offsets=8 * 3 * nchunks, tile_sums=8 * 3 * tiles,
-                    result=8 * 4)
+                    result=0 if result is not None else 8 * 4)
+    ws.result = np.uint64(result) if result is not None else ws.ptr("result")
+    ws.src = src  # kept with the workspace: an aligned copy lives as long as the kernels reading it
     at = {name: np.uint64(payload + fixed[name][0]) for name in ("codes", "rest", "esc_count")}
-    cp.cuda.runtime.memsetAsync(int(ws.ptr("hist")), 0, 4 * (channels << E), cp.cuda.get_current_stream().ptr)
-    _launch("histogram", fmt, sample_plan(n).blocks, THREADS, (src, np.int64(n), np.int32(channels), ws.ptr("hist")))
-    _launch("tables", fmt, channels, THREADS, (ws.ptr("hist"), ws.ptr("tables")))
+    stream = cp.cuda.get_current_stream().ptr
+    if tables is not None:  # a pageable source: the copy has read it when the call returns
+        tables = np.ascontiguousarray(tables, np.uint8)
+        cp.cuda.runtime.memcpyAsync(int(ws.ptr("tables")), tables.ctypes.data, tables.nbytes,
+                                    cp.cuda.runtime.memcpyHostToDevice, stream)
+    else:
+        cp.cuda.runtime.memsetAsync(int(ws.ptr("hist")), 0, 4 * (channels << E), stream)
+        _launch("histogram", fmt, sample_plan(n).blocks, THREADS, (src, np.int64(n), np.int32(channels), ws.ptr("hist")))
+        _launch("tables", fmt, channels, THREADS, (ws.ptr("hist"), ws.ptr("tables")))
     _launch("encode", fmt, -(-nchunks // WARPS), THREADS,
             (src, np.int64(n), np.int32(channels), ws.ptr("tables"), np.int32(chunk), np.int64(nchunks), at["codes"],
              at["rest"], at["esc_count"], ws.ptr("sec_count"), ws.ptr("sec_slots"), ws.ptr("pos_slots"),
              ws.ptr("exp_slots"), ws.ptr("high_slots")), shared=channels << E)
     _scan(at["esc_count"], ws.ptr("sec_count"), nchunks, n, fmt, chunk, tiles, ws.ptr("tile_sums"), ws.ptr("offsets"),
-          ws.ptr("result"))
+          ws.result)
     _launch("compact", fmt, max(1, -(-nchunks // WARPS)), THREADS,
             (ws.ptr("sec_count"), np.int64(nchunks), np.int64(n), np.int32(chunk), np.int32(HB),
              np.int32(fmt.rest_bits), np.int32(channels), ws.ptr("offsets"), ws.ptr("sec_slots"), ws.ptr("pos_slots"),
-             ws.ptr("exp_slots"), ws.ptr("high_slots"), ws.ptr("tables"), ws.ptr("result"), np.uint64(payload)))
+             ws.ptr("exp_slots"), ws.ptr("high_slots"), ws.ptr("tables"), ws.result, np.uint64(payload)))
+    return ws
+
+
+def _encode_into(src, n: int, fmt, channels: int, chunk: int, payload: int, tables=None) -> tuple[int, int, int]:
+    """_launch_encode, then its one wait: returns (sec_codes bytes, escapes, exp_high bytes)."""
+    cp = cupy()
+    ws = _launch_encode(src, n, fmt, channels, chunk, payload, tables=tables)
     totals = np.empty(3, np.uint64)
-    cp.cuda.runtime.memcpyAsync(totals.ctypes.data, int(ws.ptr("result")) + 8, 24,
+    cp.cuda.runtime.memcpyAsync(totals.ctypes.data, int(ws.result) + 8, 24,
                                 cp.cuda.runtime.memcpyDeviceToHost, cp.cuda.get_current_stream().ptr)
     cp.cuda.get_current_stream().synchronize()  # the one wait: the streams' lengths (ws is free after it)
     return tuple(int(x) for x in totals)
 
 
-def encode(src, n: int, fmt, channels: int, chunk: int) -> dict:
+def encode(src, n: int, fmt, channels: int, chunk: int, tables=None) -> dict:
     """The streams of section 15.4 of the n values src (1-D CuPy array of fmt's unsigned dtype),
-    as CuPy arrays: views of one payload buffer, laid out as a blob's payload."""
+    as CuPy arrays: views of one payload buffer, laid out as a blob's payload.  tables: None (the
+    values' own) or a calibration's tables stream (host uint8)."""
     cp = cupy()
     buf = cp.empty(payload_bound(n, fmt, channels, chunk), cp.uint8)
-    streams = payload_layout(n, fmt, channels, chunk, *_encode_into(src, n, fmt, channels, chunk, buf.data.ptr))[0]
+    totals = _encode_into(src, n, fmt, channels, chunk, buf.data.ptr, tables)
+    streams = payload_layout(n, fmt, channels, chunk, *totals)[0]
     return {name: _view(buf, off, nb, dtype) for name, (off, nb, dtype) in streams.items()}
 
 
-def encode_blob(src, n: int, fmt, channels: int, chunk: int, head: bytes, checksum: bool):
+def encode_blob(src, n: int, fmt, channels: int, chunk: int, head: bytes, checksum: bool, tables=None):
     """(the blob, its payload's length) of the n values src under the version-3 header `head`
     (container.compact_header's for this tensor, any counts): the kernels write the payload in
     place behind the header, whose counts (and checksum) are then set; the blob is a view of a
-    buffer of payload_bound's size, as the speed mode's blobs are of theirs."""
+    buffer of payload_bound's size, as the speed mode's blobs are of theirs.  tables: as encode's."""
+    return encode_blobs([(src, n, fmt, channels, chunk, head, checksum, tables)])[0]
+
+
+SCRATCH_PER_WAIT = 256 << 20  # encode_blobs waits once per this much workspace in flight (at least a tensor)
+
+
+def encode_blobs(jobs: list) -> list[tuple]:
+    """encode_blob of each job (src, n, fmt, channels, chunk, head, checksum, tables), in order: every
+    tensor's kernels queued one after the other on the current stream and one wait for all their
+    totals (one per SCRATCH_PER_WAIT of workspace, which is held until the wait)."""
     cp = cupy()
-    H = len(head)
-    buf = cp.empty(H + payload_bound(n, fmt, channels, chunk), cp.uint8)
-    ns, ne, nh = _encode_into(src, n, fmt, channels, chunk, buf.data.ptr + H)
-    payload = payload_layout(n, fmt, channels, chunk, ns, ne, nh)[1]
-    blob = buf[:H + payload]
-    total = sum64(cp, blob[H:]) if checksum else 0
-    buf[:H].set(np.frombuffer(container.with_counts(head, ne, nh, ns, checksum=total), np.uint8))
-    return blob, payload
+    out, start = [], 0
+    while start < len(jobs):
+        results = cp.empty((len(jobs) - start, 4), cp.uint64)
+        held, scratch, end = [], 0, start
+        while end < len(jobs) and (end == start or scratch < SCRATCH_PER_WAIT):
+            src, n, fmt, channels, chunk, head, _, tables = jobs[end]
+            buf = cp.empty(len(head) + payload_bound(n, fmt, channels, chunk), cp.uint8)
+            ws = _launch_encode(src, n, fmt, channels, chunk, buf.data.ptr + len(head),
+                                results.data.ptr + 32 * (end - start), tables)
+            held.append((buf, ws))
+            scratch += ws.memory.nbytes
+            end += 1
+        totals = results.get()  # the one wait: every tensor's streams' lengths
+        for (buf, _), row, (_, n, fmt, channels, chunk, head, checksum, _) in zip(held, totals, jobs[start:end]):
+            ns, ne, nh = (int(x) for x in row[1:])
+            H, payload = len(head), payload_layout(n, fmt, channels, chunk, ns, ne, nh)[1]
+            blob = buf[:H + payload]
+            total = sum64(cp, blob[H:]) if checksum else 0
+            buf[:H].set(np.frombuffer(container.with_counts(head, ne, nh, ns, checksum=total), np.uint8))
+            out.append((blob, payload))
+        start = end
+    return out
 
 
 def _view(buf, offset: int, nbytes: int, dtype):
@@ -155,17 +212,28 @@ def decode(s: dict, n: int, fmt, channels: int, chunk: int):
     """(the n values' bits as a CuPy array, 0 or the error code of CHANNEL_DECODE_ERRORS) of the
     streams s (CuPy arrays whose dtypes, the lengths n implies and the tables the caller has
     checked: ChannelPack.check)."""
+    return decode_many([(s, n, fmt, channels, chunk)])[0]
+
+
+def decode_many(jobs: list) -> list[tuple]:
+    """decode of each job (streams, n, fmt, channels, chunk), in order: every tensor's kernels
+    queued one after the other on the current stream, one wait for all their error words."""
     cp = cupy()
-    s = {name: aligned(a) for name, a in s.items()}
-    nchunks = s["esc_count"].shape[0]
-    tiles = max(1, -(-nchunks // TILE))
-    offsets, result, tile_sums = cp.empty(3 * nchunks, cp.int64), cp.empty(4, cp.uint64), cp.empty(3 * tiles, cp.int64)
-    _scan(s["esc_count"], s["sec_count"], nchunks, n, fmt, chunk, tiles, tile_sums, offsets, result,
-          (s["sec_codes"].shape[0], s["esc_pos"].shape[0], s["exp_high"].shape[0]))
-    dst = cp.empty(n, fmt.uint_dtype)
-    _launch("decode", fmt, -(-nchunks // WARPS), THREADS,
-            (s["codes"], s["rest"], s["tables"], np.int32(channels), s["esc_count"], s["sec_count"], offsets,
-             s["sec_codes"], s["esc_pos"], s["esc_exp"], s["exp_high"], np.int64(n), np.int32(chunk),
-             np.int64(nchunks), result, dst))
-    err = int(result[0].get())  # the one wait
-    return dst, 0 if err == NO_ERROR else err % 8
+    results = cp.empty((len(jobs), 4), cp.uint64)
+    dsts = []
+    for k, (s, n, fmt, channels, chunk) in enumerate(jobs):
+        s = {name: aligned(a) for name, a in s.items()}
+        nchunks = s["esc_count"].shape[0]
+        tiles = max(1, -(-nchunks // TILE))
+        result = results[k]
+        offsets, tile_sums = cp.empty(3 * nchunks, cp.int64), cp.empty(3 * tiles, cp.int64)
+        _scan(s["esc_count"], s["sec_count"], nchunks, n, fmt, chunk, tiles, tile_sums, offsets, result,
+              (s["sec_codes"].shape[0], s["esc_pos"].shape[0], s["exp_high"].shape[0]))
+        dst = cp.empty(n, fmt.uint_dtype)
+        _launch("decode", fmt, -(-nchunks // WARPS), THREADS,
+                (s["codes"], s["rest"], s["tables"], np.int32(channels), s["esc_count"], s["sec_count"], offsets,
+                 s["sec_codes"], s["esc_pos"], s["esc_exp"], s["exp_high"], np.int64(n), np.int32(chunk),
+                 np.int64(nchunks), result, dst))
+        dsts.append(dst)
+    errors = results.get()[:, 0]  # the one wait
+    return [(dst, 0 if int(err) == NO_ERROR else int(err) % 8) for dst, err in zip(dsts, errors)]

@@ -25,7 +25,8 @@ import numpy as np
 from kvzip import container, staged, trace
 from kvzip.backends import get_backend
 from kvzip.frame import Frame
-from kvzip.stages import FusedSplitPackEscape, QuantizeFP8
+from kvzip.stages import ChannelPack, FusedSplitPackEscape, QuantizeFP8
+from kvzip.stages.base import on_device
 
 from . import graphs, layout_cache, programs, quantize_kernels
 from .abi import aligned
@@ -305,6 +306,7 @@ def decode_general(pipe, rest: list, out: list, labelled: bool = True) -> bool:
     other pipelines stage by stage; layouts the kernels decoded are remembered.  labelled: errors
     name the blob by its index (a batch).  Returns whether any fused run was made."""
     groups: dict = {}
+    channel = []  # the ratio mode's blobs: staged.decode_channel_many's members
     for (i, u8, origin, be), head in rest:
         hdr = container.parse_header(head, u8.shape[0])
         frame = staged.frame_from_header(be, u8, hdr)
@@ -315,10 +317,14 @@ def decode_general(pipe, rest: list, out: list, labelled: bool = True) -> bool:
             fused = steps[-1]
             cb = fused.check(frame)
             groups.setdefault((frame.format.name, fused.chunk), []).append((i, frame, origin, recorded, cb, head, u8, hdr))
+        elif len(steps) == 1 and isinstance(steps[0], ChannelPack) and on_device(be):
+            channel.append((i, frame, origin, steps[0], head, u8, hdr))
         else:
             with origin.memory_context():  # stage by stage: CuPy allocates, from the caller's allocator
                 out[i] = staged.export_decoded(staged.decode_steps(steps, frame), origin)
             container.remember_header(head, u8.shape[0], hdr)
+    if channel:
+        staged.decode_channel_many(channel, out)
     for (_, chunk), members in groups.items():
         dsts = programs.decode_batch([m[1] for m in members], chunk, [m[4] for m in members],
                                      [m[0] for m in members] if labelled else None)

@@ -160,3 +160,85 @@ def forged_blobs():
 
 def test_forged_blobs_fail_as_on_the_cpu():
     channel_modes.assert_forgeries_fail_as_on_the_cpu(forged_blobs())
+
+
+# ----------------------------------------------------------------------------- batches
+def batch_inputs():
+    """A compress_many batch of every kind the batch path meets: real layers, another format,
+    a last axis of one channel, an empty tensor, random bits (stored raw), tiny tensors."""
+    f = FORMATS["e5m2"]
+    return [(x, "bf16") for x in layers(3)] + [
+        (kt.kv_like_bits(f, 3 * 512 * 64, escape_rate=0.01, seed=4).reshape(3, 512, 64), "e5m2"),
+        (layers(1)[0].reshape(-1, 96)[:40], "bf16"),
+        (np.zeros((0, 64), np.uint16), "bf16"),
+        (kt._rng_bits(2, FORMATS["bf16"], 3 * 4096).reshape(-1, 64), "bf16"),
+        (layers(1)[0].reshape(-1)[:5], "bf16")]
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_compress_many_gives_each_tensors_cpu_blob(checksum):
+    """compress_many of the ratio mode queues every tensor's kernels before one wait: each blob
+    is the CPU's byte for byte, and decompress_many (one copy of the tables, one wait) returns
+    every tensor."""
+    import torch
+
+    for dt in ("bf16", "e5m2"):
+        items = [(bits, fmt) for bits, fmt in batch_inputs() if fmt == dt]
+        torch_dtype = {"bf16": torch.bfloat16, "e5m2": torch.float8_e5m2}[dt]
+        xs = [torch.from_numpy(b.astype(np.int16) if dt == "bf16" else b).view(torch_dtype).cuda() for b, _ in items]
+        blobs = kvzip.compress_many(xs, mode="ratio", checksum=checksum)
+        for blob, (bits, fmt) in zip(blobs, items):
+            assert bytes(blob.cpu().numpy()) == cpu_blob(bits, fmt, checksum=checksum)
+        for back, x in zip(kvzip.decompress_many(blobs), xs):
+            assert back.shape == x.shape and back.dtype == x.dtype
+            assert not x.numel() or torch.equal(back.view(torch.uint8), x.view(torch.uint8))
+
+
+def test_decompress_many_batch_of_cpu_blobs_and_modes():
+    """Ratio blobs made on the CPU, beside speed and storage blobs, in one decompress_many of
+    CuPy blobs: every tensor back, in order."""
+    items = batch_inputs()
+    blobs = [cupy.asarray(np.frombuffer(cpu_blob(b, fmt), np.uint8)) for b, fmt in items]
+    blobs.insert(2, kvzip.compress(cupy.asarray(layers(1)[0]), dtype="bf16"))
+    blobs.insert(5, kvzip.compress(cupy.asarray(layers(1)[0]), dtype="bf16", mode="storage"))
+    want = [b for b, _ in items]
+    want.insert(2, layers(1)[0])
+    want.insert(5, layers(1)[0])
+    for got, bits in zip(kvzip.decompress_many(blobs), want):
+        np.testing.assert_array_equal(cupy.asnumpy(got).reshape(-1).view(bits.dtype), bits.reshape(-1))
+
+
+def test_a_forged_blob_in_a_batch_fails_as_alone():
+    """Forged tables or counts in a batch of good blobs: decompress_many raises the error that
+    blob raises alone (the first forged one by position, whichever check finds it)."""
+    good = [cupy.asarray(np.frombuffer(cpu_blob(x, "bf16"), np.uint8)) for x in layers(3)]
+    forged = dict(forged_blobs())
+    count = next(k for k in forged if k.startswith("esc_count[1]="))
+    second = next(k for k in forged if k.startswith("sec_count[0]="))
+    for first, second in [("tables repeat", count), (count, "tables repeat"), (second, count),
+                          ("codes[7]", "tables repeat")]:
+        a, b = (cupy.asarray(np.frombuffer(forged[k], np.uint8)) for k in (first, second))
+        want = channel_modes.outcome(forged[first], True)
+        if want[0] == "ok":
+            continue
+        with pytest.raises(kvzip.FormatError) as e:
+            kvzip.decompress_many([good[0], a, good[1], b, good[2]])
+        assert str(e.value) == want[1], (first, second)
+
+
+# ----------------------------------------------------------------------------- calibrated tables
+def test_calibrated_tables_give_the_cpu_blob():
+    """A ChannelCodebook's tables, copied up instead of the histogram and ranking kernels: the
+    blob is the CPU's byte for byte (alone, in a compress_many batch beside tensors coded with
+    their own tables' pipeline, and as streams for Serialize), and decodes on the GPU."""
+    host = layers(3)
+    cb = kvzip.calibrate_channels(host[:1], format="bf16")
+    blobs = kvzip.compress_many([cupy.asarray(x) for x in host], codebook=cb, dtype="bf16", mode="ratio")
+    for blob, x in zip(blobs, host):
+        assert blob.get().tobytes() == bytes(kvzip.compress(x, codebook=cb, dtype="bf16", mode="ratio"))
+        np.testing.assert_array_equal(cupy.asnumpy(kvzip.decompress(blob)).view(np.uint16), x)
+    one = kvzip.compress(cupy.asarray(host[1]), codebook=cb, dtype="bf16", mode="ratio")
+    assert one.get().tobytes() == blobs[1].get().tobytes()
+    pipe = kvzip.Pipeline([kvzip.stages.ChannelPack(1024, cb), kvzip.stages.Serialize(checksum=True)])
+    assert pipe.encode(cupy.asarray(host[2]), dtype="bf16").get().tobytes() == bytes(
+        pipe.encode(host[2], dtype="bf16", backend="cpu"))
