@@ -12,6 +12,14 @@ first 16 tokens of each layer tensor ([heads, 16, head_dim], a paged cache's blo
 tensor's own tables come from a few dozen values a channel; and for variants of the held-out
 tensors that the calibration never saw (kvzip.testing.kv_variant: per-layer and per-channel
 power-of-two scales, exact zeros, a wide exponent range).  Every blob is decoded and checked.
+
+The storage mode is asked the same question, although it takes no calibrated tables: its
+tables are made from the prose file's counts by its own writer's rule (stages/channel_rans.py:
+choose_shift, group_tables, every escape given a count of 1 so that unseen exponents stay
+codable), each held-out layer tensor is coded with them by its CPU kernels
+(channel_rans_cpu.encode), and the blob's size is what its compact header and layout give
+(the kernels' streams placed by kvzip/layout.py, as Serialize places them).  "storage_layers":
+own tables (kvzip.compress(mode="storage")) against those.
 Writes DIR/ratio-calibration-cpu.json (machine, versions, commit and date inside).
 """
 from __future__ import annotations
@@ -59,6 +67,52 @@ def row(tensors: list, codebook) -> dict:
             "calibrated_vs_own": round(cal / own, 5)}
 
 
+def storage_calibrated_size(x: np.ndarray, tables: np.ndarray) -> int:
+    """Bytes of x's storage-mode blob had it been coded with the tables stream ``tables``."""
+    from kvzip import layout
+    from kvzip.bitpack import groups
+    from kvzip.formats import FORMATS
+    from kvzip.stages import ChannelRans, channel_rans as cr, channel_rans_cpu
+
+    fmt, n, C = FORMATS["bf16"], x.size, ChannelRans.DEFAULT_CHUNK
+    channels = x.shape[-1]
+    shift, freq, cum, _ = cr.parse_tables(tables, channels, fmt.exp_bits)
+    nchunks = -(-n // C)
+    rest = np.empty(fmt.rest_bits * groups(n), np.uint8)
+    states = np.empty(cr.LANES * nchunks, np.uint32)
+    counts = np.empty(nchunks, np.uint32), np.empty(nchunks, np.uint32)
+    words, esc_exp = channel_rans_cpu.encode(x.reshape(-1), n, fmt, channels, shift, freq, cum, C, rest, states, *counts)
+    streams = [rest.nbytes, states.nbytes, words.nbytes, counts[0].nbytes, counts[1].nbytes, esc_exp.nbytes, tables.nbytes]
+    return layout.COMPACT_SIZE + layout.place(streams)[1]
+
+
+def storage_tables(tensors: list) -> np.ndarray:
+    """The storage mode's tables stream from the counts of every value of the tensors (the
+    writer's rule; every group's escape count at least 1)."""
+    from kvzip.channel_codebook import channel_counts
+    from kvzip.formats import FORMATS
+    from kvzip.stages import channel_rans as cr
+
+    fmt = FORMATS["bf16"]
+    hist = sum(channel_counts(x.reshape(-1), fmt, x.shape[-1]) for x in tensors)
+    shift = cr.choose_shift(hist, fmt.exp_bits)
+    merged = cr._merged(hist, shift)
+    groups = []
+    for row, (lo, hi, _) in zip(merged, cr.group_tables(hist, shift)):
+        inside = row[lo:hi + 1]
+        groups.append((lo, hi, cr._freqs(np.concatenate(([max(1, int(row.sum() - inside.sum()))], inside)))))
+    return cr.tables_bytes(shift, groups)
+
+
+def storage_row(calibration: list, tensors: list) -> dict:
+    tables = storage_tables(calibration)
+    raw = sum(x.nbytes for x in tensors)
+    own = raw / sum(len(kvzip.compress(x, dtype="bf16", mode="storage")) for x in tensors)
+    cal = raw / sum(storage_calibrated_size(x, tables) for x in tensors)
+    return {"tensors": len(tensors), "own": round(own, 5), "calibrated": round(cal, 5),
+            "calibrated_vs_own": round(cal / own, 5)}
+
+
 def run(data: Path) -> dict:
     out = {}
     for family, files in FAMILIES.items():
@@ -70,6 +124,8 @@ def run(data: Path) -> dict:
             res[f] = {"layers": row(xs, cb), "pages": row([np.ascontiguousarray(x[:, :PAGE_TOKENS]) for x in xs], cb)}
             print(family, f, res[f], flush=True)
         held_out = [x for f in files[1:] for x in layers[f].values()]
+        res["storage_layers"] = storage_row(list(layers[files[0]].values()), held_out)
+        print(family, "storage", res["storage_layers"], flush=True)
         res["variants"] = {}
         for variant in KV_VARIANTS:
             xs = [kv_variant(x, variant, layer=i) for i, x in enumerate(held_out)]
