@@ -96,14 +96,14 @@ def encode_many(pipe, items: list, out: list) -> None:
     in one batch, every tensor's kernels queued before one wait for all (stages/channel_pack.py
     encode_blobs); the others one by one."""
     steps = pipe.body_steps
-    batched = {}  # id(origin) -> (origin, [(index, bits, fmt, shape, backend)])
+    batched = {}  # origin -> [(index, bits, fmt, shape, backend)]: Origins are equal by value, one a caller
     for i, bits, fmt, shape, be, origin in items:
         if len(steps) == 1 and isinstance(steps[0], ChannelPack) and on_device(be):
-            batched.setdefault(id(origin), (origin, []))[1].append((i, bits, fmt, shape, be))
+            batched.setdefault(origin, []).append((i, bits, fmt, shape, be))
         else:
             with origin.stream_context():
                 out[i] = encode(pipe, bits, fmt, shape, be, origin)
-    for origin, members in batched.values():
+    for origin, members in batched.items():
         with origin.stream_context(), origin.memory_context():
             _encode_channel_batch(pipe, members, origin, out)
 
@@ -183,7 +183,7 @@ def decode_channel_many(members: list, out: list) -> None:
     trace.note("staged")
     by_origin: dict = {}
     for m in members:
-        by_origin.setdefault(id(m[2]), []).append(m)
+        by_origin.setdefault(m[2], []).append(m)  # Origins are equal by value: one group a caller
     failed = {}
     for group in by_origin.values():
         origin = group[0][2]

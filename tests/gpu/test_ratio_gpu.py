@@ -242,3 +242,20 @@ def test_calibrated_tables_give_the_cpu_blob():
     pipe = kvzip.Pipeline([kvzip.stages.ChannelPack(1024, cb), kvzip.stages.Serialize(checksum=True)])
     assert pipe.encode(cupy.asarray(host[2]), dtype="bf16").get().tobytes() == bytes(
         pipe.encode(host[2], dtype="bf16", backend="cpu"))
+
+
+def test_a_torch_batch_is_one_batch(monkeypatch):
+    """Each torch tensor imports with an Origin of its own (equal by value): compress_many and
+    decompress_many must still queue all of a caller's tensors as one batch, one wait."""
+    import torch
+
+    from kvzip.gpu import channel_pack as gpu
+
+    calls = {"encode": [], "decode": []}
+    encode_blobs, decode_many = gpu.encode_blobs, gpu.decode_many
+    monkeypatch.setattr(gpu, "encode_blobs", lambda jobs: calls["encode"].append(len(jobs)) or encode_blobs(jobs))
+    monkeypatch.setattr(gpu, "decode_many", lambda jobs: calls["decode"].append(len(jobs)) or decode_many(jobs))
+    xs = [torch.from_numpy(x.astype(np.int16)).view(torch.bfloat16).cuda() for x in layers(3)]
+    backs = kvzip.decompress_many(kvzip.compress_many(xs, mode="ratio"))
+    assert calls == {"encode": [3], "decode": [3]}
+    assert all(torch.equal(b, x) for b, x in zip(backs, xs))
