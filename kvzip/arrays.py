@@ -502,7 +502,7 @@ def _borrow_torch(t):
             raise _unsupported(name, "torch") from None
     if t.device.type == "cpu":
         return np.from_dlpack(t), name, Origin("torch")
-    origin = Origin("torch", "cuda", t.device.index)
+    origin = _cuda_origin("torch", t.device.index)
     with origin.stream_context():  # consumer stream = producer stream: DLPack needs no event
         return _cupy().from_dlpack(t), name, origin
 
@@ -549,7 +549,7 @@ def _borrow_jax(x):
             x = jax.lax.bitcast_convert_type(x, _INT_OF_WIDTH[x.dtype.itemsize])
         except (KeyError, TypeError, ValueError):
             raise _unsupported(name, "jax") from None
-    return _cupy().from_dlpack(x), name, Origin("jax", "cuda", int(device_id))
+    return _cupy().from_dlpack(x), name, _cuda_origin("jax", int(device_id))
 
 
 def _borrow_foreign(x):
@@ -560,7 +560,7 @@ def _borrow_foreign(x):
     if on_cuda:
         cupy = _cupy()
         arr = cupy.asarray(x) if hasattr(x, "__cuda_array_interface__") else cupy.from_dlpack(x)
-        return arr, arr.dtype.name, Origin("cupy", "cuda", int(arr.device.id))
+        return arr, arr.dtype.name, _cuda_origin("cupy", int(arr.device.id))
     if hasattr(x, "__array_interface__") or hasattr(x, "__array_struct__"):
         arr = _native(np.asarray(x))
     elif hasattr(x, "__dlpack__"):

@@ -245,8 +245,8 @@ def test_calibrated_tables_give_the_cpu_blob():
 
 
 def test_a_torch_batch_is_one_batch(monkeypatch):
-    """Each torch tensor imports with an Origin of its own (equal by value): compress_many and
-    decompress_many must still queue all of a caller's tensors as one batch, one wait."""
+    """compress_many and decompress_many queue all of a caller's tensors as one batch, one wait
+    (the batch is keyed by the caller's Origin)."""
     import torch
 
     from kvzip.gpu import channel_pack as gpu
