@@ -133,6 +133,14 @@ def histogram(w, hist, stream) -> None:
        abi.W_HISTOGRAM_ARGS(w=w.data_ptr(), n=w.numel(), hist=hist.data_ptr()), stream=stream)
 
 
+def codebook(hist, book, code_of, stream) -> None:
+    """book (16 uint8) and code_of (256 uint8) from hist (the 256-bin exponent histogram), by
+    kvzip/weights/tiled.py's choose_codebook and _code_of, in one launch."""
+    fn, _, _ = kernel("kvz_w_codebook", hist.device.index)
+    fn((1,), (256,), abi.W_CODEBOOK_ARGS(hist=hist.data_ptr(), book=book.data_ptr(), code_of=code_of.data_ptr()),
+       stream=stream)
+
+
 def encode_blocks(w, code_of, blocks, counts, stream) -> None:
     """The blocks of W (contiguous M x K BF16) and counts[block] = its escapes."""
     (m, k), device = w.shape, w.device.index

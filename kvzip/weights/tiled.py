@@ -215,8 +215,9 @@ def _encode_cuda(w: torch.Tensor) -> TiledWeight:
     bands, chunks = grid(w.shape)
     hist = torch.zeros(256, dtype=torch.int32, device=w.device)
     gpu.histogram(w, hist, stream)
-    book = choose_codebook(hist)
-    code_of = _code_of(book).to(torch.uint8)
+    book = torch.empty(CODES, dtype=torch.uint8, device=w.device)
+    code_of = torch.empty(256, dtype=torch.uint8, device=w.device)
+    gpu.codebook(hist, book, code_of, stream)  # choose_codebook and _code_of in one launch
     blocks = torch.empty(bands, chunks, BLOCK_BYTES, dtype=torch.uint8, device=w.device)
     counts = torch.empty(bands * chunks, dtype=torch.int32, device=w.device)
     gpu.encode_blocks(w, code_of, blocks, counts, stream)
@@ -228,7 +229,7 @@ def _encode_cuda(w: torch.Tensor) -> TiledWeight:
         gpu.encode_escapes(w, code_of, counts, (ends - counts).to(torch.int32), esc_pos, esc_val, stream)
     esc_off = torch.zeros(bands + 1, dtype=torch.int32, device=w.device)
     esc_off[1:] = ends.view(bands, chunks)[:, -1]  # escapes up to each band's end
-    return TiledWeight((int(w.shape[0]), int(w.shape[1])), blocks, book.to(torch.uint8), esc_off, esc_pos, esc_val)
+    return TiledWeight((int(w.shape[0]), int(w.shape[1])), blocks, book, esc_off, esc_pos, esc_val)
 
 
 def cuda_stream(device_index: int):

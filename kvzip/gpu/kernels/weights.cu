@@ -18,3 +18,4 @@
 #include "weights_tile.cuh"
 #include "weights_gemm.cuh"
 #include "weights_codec.cuh"
+#include "weights_book.cuh"
