@@ -11,28 +11,18 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_weights import SHAPES, TARGETS, environment, synthetic  # noqa: E402
+from bench_weights import SHAPES, TARGETS, encode_s, environment, synthetic  # noqa: E402
 
 from kvzip.gpu import weights as gpu  # noqa: E402
 from kvzip.weights import tiled  # noqa: E402
 
 REPS = 7
-
-
-def encode_s(w) -> float:
-    """Seconds of one synchronised tiled.encode(w)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    tiled.encode(w)
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 @contextmanager
