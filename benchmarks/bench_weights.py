@@ -10,9 +10,12 @@ Method.  Weights are synthetic with the statistics of trained ones (Student-t, 5
 freedom, per-row log-normal scales), BF16.  Each timing is a CUDA graph of calls over rotating
 copies of the weight (working set >= 400 MB, so L2 holds none of it), replayed 5 times; the
 median replay over its calls is the time of one call.  The encoder: the median of 5 synchronised
-calls (benchmarks/weights_encode.py times it alone, with an A/B).  cuBLAS is torch's: F.linear (and torch.mv
-at N = 1; the better counts).  kvzip: the fused kernel (N <= 64) and decode + cuBLAS; the better
-of the two is what ZipLinear's routing should take, and the speedup is cuBLAS time over it.
+calls (benchmarks/weights_encode.py times it alone, with an A/B).  cuBLAS is torch's: F.linear
+(and torch.mv at N = 1; the better counts).  kvzip: the fused kernel (N <= 64) and decode +
+cuBLAS; the better of the two is what ZipLinear's routing should take, and the speedup is cuBLAS
+time over it.  DFloat11, where the `dfloat11` package is installed: its format of the same weight
+(benchmarks/dfloat11_baseline.py), its own decoder alone and into a scratch W before cuBLAS, on
+rotating copies as well.
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # dfloat11_baseline, beside this file
 
 import kvzip.weights as kw
 from kvzip.bench_cpu import code_commit
@@ -106,6 +111,7 @@ def bench_shape(m, k, seed, progress):
     row["decode"] = {"ms": decode_ms, "tbs_out": m * k * 2 / decode_ms / 1e9, "copy_ms": copy_ms,
                      "copy_tbs_out": m * k * 2 / copy_ms / 1e9}
     assert torch.equal(zl.decompress_weight(), w)
+    df11_copies = _dfloat11_copies(w, row, decoded, progress)
 
     for n in NS:
         x = torch.randn(n, k, device="cuda").to(torch.bfloat16)
@@ -120,7 +126,10 @@ def bench_shape(m, k, seed, progress):
             entry["fused_ms"] = graph_ms([lambda z=z: z(x) for z in _cycle(zip_copies, calls)])
         entry["decode_cublas_ms"] = graph_ms([lambda z=z: F.linear(x, z.decompress_weight()) for z in
                                               _cycle(zip_copies, calls)])
-        ours = min(v for key, v in entry.items() if not key.startswith("cublas"))
+        if df11_copies:  # DFloat11's decoder into a scratch W, then cuBLAS: its way of running a Linear
+            entry["dfloat11_cublas_ms"] = graph_ms([lambda d=d: F.linear(x, _dfloat11_decoded(d, decoded[0], m, k))
+                                                    for d in _cycle(df11_copies, max(20, len(df11_copies)))])
+        ours = min(v for key, v in entry.items() if key in ("fused_ms", "decode_cublas_ms"))
         entry.update(best_cublas_ms=best_cublas, kvzip_ms=ours, speedup=best_cublas / ours,
                      route="fused" if ours == entry.get("fused_ms") else "decode_cublas")
         if n == 16:
@@ -132,6 +141,33 @@ def bench_shape(m, k, seed, progress):
         progress(f"  {m}x{k} N={n}: cuBLAS {best_cublas * 1e3:.1f} us, kvzip {ours * 1e3:.1f} us "
                  f"({entry['route']}), {best_cublas / ours:.3f}x")
     return row
+
+
+def _dfloat11_copies(w, row, decoded, progress) -> list:
+    """DFloat11's format of w on rotating copies (row["dfloat11"]: ratio, its standalone decoder's
+    time, checked exact), or [] where the dfloat11 package is not installed."""
+    import dfloat11_baseline as df11
+
+    if df11.package_dir() is None:
+        return []
+    m, k = w.shape
+    state = df11.encode(w)
+    df11.decode(state, decoded[0].view(-1))
+    assert torch.equal(decoded[0].view(torch.int16), w.view(torch.int16)), "DFloat11 did not decode w exactly"
+    size = df11.nbytes(state)
+    copies = [state] + [{key: v.clone() if torch.is_tensor(v) else v for key, v in state.items()}
+                        for _ in range(rotation(size) - 1)]
+    ms = graph_ms([lambda d=d, o=decoded[i % 2]: df11.decode(d, o.view(-1)) for i, d in enumerate(_cycle(copies, 20))])
+    row["dfloat11"] = {"ratio": 2 * m * k / size, "copies": len(copies), "decode_ms": ms, "decode_tbs_out": 2 * m * k / ms / 1e9}
+    progress(f"  {m}x{k} DFloat11: ratio {2 * m * k / size:.4f}, decode {2 * m * k / ms / 1e9:.2f} TB/s")
+    return copies
+
+
+def _dfloat11_decoded(state, out, m, k):
+    import dfloat11_baseline as df11
+
+    df11.decode(state, out.view(-1))
+    return out
 
 
 def _decode_into(z, out):
@@ -157,6 +193,10 @@ def summary(rows):
         "decode_tbs_min": min(r["decode"]["tbs_out"] for r in rows),
         "encode_gbs_min": min(r["encode_gbs"] for r in rows),
     }
+    if all("dfloat11" in r for r in rows):  # the same run's DFloat11: its decoder, and kvzip's time against its Linear
+        out["dfloat11_decode_tbs_max"] = max(r["dfloat11"]["decode_tbs_out"] for r in rows)
+        out["vs_dfloat11_min"] = {n: min(r["n"][n]["dfloat11_cublas_ms"] / r["n"][n]["kvzip_ms"] for r in rows)
+                                  for n in rows[0]["n"]}
     out["met"] = {"n1_largest": min(out["n1_largest"].values()) >= TARGETS["n1_largest"],
                   "n1_4096": out["n1_4096"] is not None and out["n1_4096"] >= TARGETS["n1_4096"],
                   "n16": out["n16_min"] >= TARGETS["n16"], "n64": out["n64_min"] >= TARGETS["n64"],
