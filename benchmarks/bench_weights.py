@@ -13,7 +13,9 @@ median replay over its calls is the time of one call.  The encoder: the median o
 calls (benchmarks/weights_encode.py times it alone, with an A/B).  cuBLAS is torch's: F.linear
 (and torch.mv at N = 1; the better counts).  kvzip: the fused kernel (N <= 64) and decode +
 cuBLAS; the better of the two is what ZipLinear's routing should take, and the speedup is cuBLAS
-time over it.  DFloat11, where the `dfloat11` package is installed: its format of the same weight
+time over it.  For N above the fused kernel's, also the candidate route of weights_sliced.py
+(band slices decoded into L2-sized scratch, overlapping the GEMMs; sliced_speedup).  DFloat11,
+where the `dfloat11` package is installed: its format of the same weight
 (benchmarks/dfloat11_baseline.py), its own decoder alone and into a scratch W before cuBLAS, on
 rotating copies as well.
 """
@@ -32,11 +34,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # dfloat11_baseline, beside this file
-
 import kvzip.weights as kw
 from kvzip.bench_cpu import code_commit
 from kvzip.weights import tiled
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the baselines and candidates beside this file
+from weights_sliced import SlicedProduct  # noqa: E402
 
 SHAPES = {"llama3-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1024, 4096)],
           "llama3-70b": [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)]}
@@ -112,6 +115,9 @@ def bench_shape(m, k, seed, progress):
                      "copy_tbs_out": m * k * 2 / copy_ms / 1e9}
     assert torch.equal(zl.decompress_weight(), w)
     df11_copies = _dfloat11_copies(w, row, decoded, progress)
+    sliced = [SlicedProduct(z.tiled) for z in zip_copies]
+    x_check = torch.randn(64, k, device="cuda").to(torch.bfloat16)
+    assert _close(sliced[0](x_check), F.linear(x_check, w)), "the sliced route's product is not the Linear's"
 
     for n in NS:
         x = torch.randn(n, k, device="cuda").to(torch.bfloat16)
@@ -126,6 +132,9 @@ def bench_shape(m, k, seed, progress):
             entry["fused_ms"] = graph_ms([lambda z=z: z(x) for z in _cycle(zip_copies, calls)])
         entry["decode_cublas_ms"] = graph_ms([lambda z=z: F.linear(x, z.decompress_weight()) for z in
                                               _cycle(zip_copies, calls)])
+        if n > kw.ZipLinear.route_n:  # the candidate wide-x route (weights_sliced.py), not ZipLinear's yet
+            entry["sliced_ms"] = graph_ms([lambda p=p: p(x) for p in _cycle(sliced, calls)])
+            entry["sliced_speedup"] = best_cublas / entry["sliced_ms"]
         if df11_copies:  # DFloat11's decoder into a scratch W, then cuBLAS: its way of running a Linear
             entry["dfloat11_cublas_ms"] = graph_ms([lambda d=d: F.linear(x, _dfloat11_decoded(d, decoded[0], m, k))
                                                     for d in _cycle(df11_copies, max(20, len(df11_copies)))])
@@ -141,6 +150,11 @@ def bench_shape(m, k, seed, progress):
         progress(f"  {m}x{k} N={n}: cuBLAS {best_cublas * 1e3:.1f} us, kvzip {ours * 1e3:.1f} us "
                  f"({entry['route']}), {best_cublas / ours:.3f}x")
     return row
+
+
+def _close(a, b) -> bool:
+    """Within BF16 rounding of each other (the sliced route's GEMMs may order sums differently)."""
+    return bool(torch.allclose(a.float(), b.float(), rtol=2 ** -7, atol=1e-3 * float(b.float().abs().max())))
 
 
 def _dfloat11_copies(w, row, decoded, progress) -> list:
@@ -193,6 +207,8 @@ def summary(rows):
         "decode_tbs_min": min(r["decode"]["tbs_out"] for r in rows),
         "encode_gbs_min": min(r["encode_gbs"] for r in rows),
     }
+    out["sliced_min"] = {n: min(r["n"][n]["sliced_speedup"] for r in rows) for n in rows[0]["n"]
+                         if "sliced_speedup" in rows[0]["n"][n]}
     if all("dfloat11" in r for r in rows):  # the same run's DFloat11: its decoder, and kvzip's time against its Linear
         out["dfloat11_decode_tbs_max"] = max(r["dfloat11"]["decode_tbs_out"] for r in rows)
         out["vs_dfloat11_min"] = {n: min(r["n"][n]["dfloat11_cublas_ms"] / r["n"][n]["kvzip_ms"] for r in rows)

@@ -125,6 +125,19 @@ class TiledWeight:
     def arrays(self) -> tuple:
         return self.blocks, self.codebook, self.esc_off, self.esc_pos, self.esc_val
 
+    def band_slice(self, first: int, end: int) -> "TiledWeight":
+        """Rows 16 first .. 16 end (clipped to M) as a TiledWeight of their own: its blocks and
+        escape lists are views of these, its esc_off rebased to start at 0 (a new tensor of
+        end - first + 1 entries), so every decoder takes it as a whole matrix."""
+        bands, _ = grid(self.shape)
+        if not (type(first) is int and type(end) is int and 0 <= first < end <= bands):
+            raise ValueError(f"a band slice of a weight of {bands} bands needs 0 <= first < end <= {bands}, "
+                             f"got {first}, {end}")
+        lo, hi = int(self.esc_off[first]), int(self.esc_off[end])
+        rows = min(BAND * end, self.shape[0]) - BAND * first
+        return TiledWeight((rows, self.shape[1]), self.blocks[first:end], self.codebook,
+                           (self.esc_off[first:end + 1] - lo).contiguous(), self.esc_pos[lo:hi], self.esc_val[lo:hi])
+
     def escape_bands(self) -> torch.Tensor:
         """The band of each escape (int64), from esc_off."""
         off = self.esc_off.to(torch.int64)

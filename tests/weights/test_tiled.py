@@ -172,3 +172,24 @@ def test_real_weights_ratio():
         raw += w.numel() * 2
         stored += tw.nbytes
     assert raw / stored > 1.331  # docs/weights.md: 1.3314 pooled on MiniLM-L6's 38 matrices
+
+
+@settings(max_examples=examples(30))
+@given(m=st.integers(1, 90), k=st.integers(1, 150), seed=st.integers(0, 2 ** 31), data=st.data())
+def test_a_band_slice_decodes_to_its_rows(m, k, seed, data):
+    g = torch.Generator().manual_seed(seed)
+    w = bf16(torch.randint(0, 65536, (m, k), generator=g))  # every bit pattern: escapes in most bands
+    tw = tiled.encode(w)
+    bands = -(-m // 16)
+    first = data.draw(st.integers(0, bands - 1))
+    end = data.draw(st.integers(first + 1, bands))
+    part = tw.band_slice(first, end).validate()
+    assert same_bits(tiled.decode(part), w[16 * first:16 * end])
+    assert part.blocks.data_ptr() == tw.blocks[first].data_ptr()  # a view, not a copy
+
+
+def test_band_slice_bounds():
+    tw = tiled.encode(torch.zeros(40, 64, dtype=torch.bfloat16))
+    for first, end in ((0, 0), (2, 4), (-1, 1), (1, 0)):
+        with pytest.raises(ValueError, match="band slice"):
+            tw.band_slice(first, end)
