@@ -147,8 +147,10 @@ def bench_shape(m, k, seed, progress):
             entry["max_err_rel_to_max"] = {"kvzip": float((zl(x).float() - ref).abs().max() / scale),
                                            "cublas": float((F.linear(x, w).float() - ref).abs().max() / scale)}
         row["n"][str(n)] = entry
+        others = "".join(f", {name} {entry[key] * 1e3:.1f} us" for name, key in
+                         (("sliced", "sliced_ms"), ("DFloat11+cuBLAS", "dfloat11_cublas_ms")) if key in entry)
         progress(f"  {m}x{k} N={n}: cuBLAS {best_cublas * 1e3:.1f} us, kvzip {ours * 1e3:.1f} us "
-                 f"({entry['route']}), {best_cublas / ours:.3f}x")
+                 f"({entry['route']}), {best_cublas / ours:.3f}x{others}")
     return row
 
 
