@@ -224,6 +224,8 @@ class Peer:
                "--slot-mib", str(args.slot_mib), "--slots", str(args.slots)]
         if args.profile:
             cmd += ["--profile", args.profile]
+        if args.switch_interval is not None:
+            cmd += ["--switch-interval", str(args.switch_interval)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.address = self.proc.stdout.readline().strip()
         if ":" not in self.address:
@@ -607,6 +609,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="profile both processes' threads (yappi, CPU clock) over the timed requests into "
                          "DIR/tx.txt and DIR/rx.txt; the timings are then not representative")
+    ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                    help="set both processes' sys.setswitchinterval (Python's default: 0.005 s): does the GIL's hand-over "
+                         "between the pipeline's threads bound small requests? (NOTES t14)")
     ap.add_argument("--quick", action="store_true", help="small CPU-sized run: 512 tokens, 10 and 25 GB/s")
     ap.add_argument("--no-mps", dest="mps", action="store_false",
                     help="let the GPU time-slice between the two processes instead of sharing it through MPS")
@@ -617,6 +622,8 @@ def main(argv=None) -> int:
     if args.replot:
         plot(args.replot, args.replot.removesuffix(".json") + ".png")
         return 0
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if args.role == "rx":
         receiver_main(args)
         return 0
