@@ -39,6 +39,7 @@ from kvzip.bench_cpu import code_commit
 from kvzip.weights import tiled
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the baselines and candidates beside this file
+import dfloat11_baseline as df11  # noqa: E402
 from weights_sliced import SlicedProduct  # noqa: E402
 
 SHAPES = {"llama3-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1024, 4096)],
@@ -105,8 +106,8 @@ def bench_shape(m, k, seed, progress):
     raw_copies = [w] + [w.clone() for _ in range(rotation(w.numel() * 2) - 1)]
     zip_copies = [zl] + [kw.ZipLinear(tiled.TiledWeight(tw.shape, *(a.clone() for a in tw.arrays())))
                          for _ in range(rotation(tw.nbytes) - 1)]
-    row = {"shape": [m, k], "ratio": tw.ratio, "escapes": tw.escapes, "encode_gbs": m * k * 2 / statistics.median(encode_times) / 1e9,
-           "copies": [len(raw_copies), len(zip_copies)], "n": {}}
+    row = {"shape": [m, k], "ratio": tw.ratio, "escapes": tw.escapes,
+           "encode_gbs": m * k * 2 / statistics.median(encode_times) / 1e9, "copies": [len(raw_copies), len(zip_copies)], "n": {}}
 
     decoded = [torch.empty(m, k, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
     decode_ms = graph_ms([lambda z=z, o=decoded[i % 2]: _decode_into(z, o) for i, z in enumerate(_cycle(zip_copies, 20))])
@@ -136,7 +137,7 @@ def bench_shape(m, k, seed, progress):
             entry["sliced_ms"] = graph_ms([lambda p=p: p(x) for p in _cycle(sliced, calls)])
             entry["sliced_speedup"] = best_cublas / entry["sliced_ms"]
         if df11_copies:  # DFloat11's decoder into a scratch W, then cuBLAS: its way of running a Linear
-            entry["dfloat11_cublas_ms"] = graph_ms([lambda d=d: F.linear(x, _dfloat11_decoded(d, decoded[0], m, k))
+            entry["dfloat11_cublas_ms"] = graph_ms([lambda d=d: F.linear(x, _dfloat11_decoded(d, decoded[0]))
                                                     for d in _cycle(df11_copies, max(20, len(df11_copies)))])
         ours = min(v for key, v in entry.items() if key in ("fused_ms", "decode_cublas_ms"))
         entry.update(best_cublas_ms=best_cublas, kvzip_ms=ours, speedup=best_cublas / ours,
@@ -162,8 +163,6 @@ def _close(a, b) -> bool:
 def _dfloat11_copies(w, row, decoded, progress) -> list:
     """DFloat11's format of w on rotating copies (row["dfloat11"]: ratio, its standalone decoder's
     time, checked exact), or [] where the dfloat11 package is not installed."""
-    import dfloat11_baseline as df11
-
     if df11.package_dir() is None:
         return []
     m, k = w.shape
@@ -174,14 +173,13 @@ def _dfloat11_copies(w, row, decoded, progress) -> list:
     copies = [state] + [{key: v.clone() if torch.is_tensor(v) else v for key, v in state.items()}
                         for _ in range(rotation(size) - 1)]
     ms = graph_ms([lambda d=d, o=decoded[i % 2]: df11.decode(d, o.view(-1)) for i, d in enumerate(_cycle(copies, 20))])
-    row["dfloat11"] = {"ratio": 2 * m * k / size, "copies": len(copies), "decode_ms": ms, "decode_tbs_out": 2 * m * k / ms / 1e9}
+    row["dfloat11"] = {"ratio": 2 * m * k / size, "copies": len(copies), "decode_ms": ms,
+                       "decode_tbs_out": 2 * m * k / ms / 1e9}
     progress(f"  {m}x{k} DFloat11: ratio {2 * m * k / size:.4f}, decode {2 * m * k / ms / 1e9:.2f} TB/s")
     return copies
 
 
-def _dfloat11_decoded(state, out, m, k):
-    import dfloat11_baseline as df11
-
+def _dfloat11_decoded(state, out):
     df11.decode(state, out.view(-1))
     return out
 
