@@ -19,9 +19,11 @@ DYNAMIC_SHARED = re.compile(r"extern __shared__ (\w+) (\w+)\[\];")
 
 def build(unit: str, main: str, out: Path) -> Path:
     """The harness main (a .cpp here) around the kernel source unit (a file of kvzip/gpu/kernels/),
-    built in out."""
-    src = loader.sources()[unit]
-    (out / unit).write_text(DYNAMIC_SHARED.sub(r"\1* \2 = reinterpret_cast<\1*>(emu_dynamic_shared);", src))
+    built in out, where every kernel file is copied with its dynamic shared arrays made pointers
+    into emu.h's buffer (out comes first on the include path)."""
+    assert unit in loader.sources(), unit
+    for name, src in loader.sources().items():  # every file: headers declare dynamic shared arrays too
+        (out / name).write_text(DYNAMIC_SHARED.sub(r"\1* \2 = reinterpret_cast<\1*>(emu_dynamic_shared);", src))
     defines = [o for o in loader.options(tuning.tuning_for(None).macros()) if o.startswith("-D")]
     exe = out / Path(main).stem
     subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-w", *defines, f"-I{out}", f"-I{HERE}",

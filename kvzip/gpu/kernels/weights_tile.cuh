@@ -14,11 +14,17 @@ typedef unsigned int u32;
                                // 8 q + c of row g + const is bank g + 8 q + const (no conflicts)
 
 // Streams read once bypass L1, which keeps x (read by every band) there.
+// (Without __CUDA_ARCH__ these helpers are plain C++: tests/cuda_host runs the codec kernels on the
+// CPU.  NVRTC always defines it, so the device code is the same either way.)
 __device__ __forceinline__ uint4 load_once(const uint4* p) {
+#ifdef __CUDA_ARCH__
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
+#else
+    return *p;
+#endif
 }
 
 __device__ __forceinline__ float bf16_value(u32 bits) { return __uint_as_float(bits << 16); }
@@ -83,8 +89,12 @@ __device__ __forceinline__ Block load_block(const uint4* __restrict__ block, int
 #define W_DECODE_STAGES 4
 
 __device__ __forceinline__ void copy16_async(uint4* smem_dst, const uint4* src) {
+#ifdef __CUDA_ARCH__
     const unsigned dst = (unsigned)__cvta_generic_to_shared(smem_dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+#else
+    *smem_dst = *src;
+#endif
 }
 
 __device__ __forceinline__ void ring_issue(uint4* ring, int slot, const uint4* __restrict__ block, bool real, int lane) {
@@ -94,12 +104,16 @@ __device__ __forceinline__ void ring_issue(uint4* ring, int slot, const uint4* _
         copy16_async(dst + 32 + lane, block + 32 + lane);
         copy16_async(dst + 64 + lane, block + 64 + lane);
     }
+#ifdef __CUDA_ARCH__
     asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
 }
 
 template <int STAGES>
 __device__ __forceinline__ Block ring_take(const uint4* ring, int slot, int lane) {
+#ifdef __CUDA_ARCH__
     asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+#endif
     const uint4* src = ring + slot * W_BLOCK_U4;
     return Block{src[lane], src[32 + lane], src[64 + lane]};
 }

@@ -1,0 +1,61 @@
+// kvzip/gpu/kernels/weights.cu's codec kernels run on the host (emu.h), in the order
+// kvzip/weights/tiled.py and kvzip/gpu/weights.py launch them, for
+// tests/weights/test_weights_kernels_host.py.  argv: input file, output file (records.h).
+// Input: int64[4] {op (0 encode, 1 decode), M, K, grid}, then encode: W (uint16, M x K);
+// decode: blocks, codebook, esc_off, esc_pos, esc_val (a TiledWeight's arrays).
+// Output: encode: hist (uint32[256]), book (16), code_of (256), blocks, counts (uint32 a block),
+// esc_pos (uint32), esc_val (uint16); decode: W (uint16, M x K).
+#include <numeric>
+
+#include "emu.h"
+#include "records.h"
+#include "weights.cu"
+
+static std::vector<Bytes> encode(const std::vector<Bytes>& in, int M, int K, int grid) {
+    const std::vector<u16> w = as<u16>(in[1]);
+    const int bands = (M + 15) / 16, chunks = (K + W_CHUNK - 1) / W_CHUNK, blocks_n = bands * chunks;
+    std::vector<u32> hist(256, 0), counts(blocks_n);
+    std::vector<u8> book(16, 0xAB), code_of(256, 0xAB), blocks(size_t(blocks_n) * W_BLOCK_U4 * 16, 0xAB);
+    const long long n = (long long)M * K;
+    emu_launch(grid, W_WARPS * 32, [&] { kvz_w_histogram(w.data(), n, hist.data()); });
+    emu_launch(1, 256, [&] { kvz_w_codebook(hist.data(), book.data(), code_of.data()); });
+    emu_launch(grid, W_WARPS * 32, [&] {
+        kvz_w_encode(w.data(), M, K, code_of.data(), reinterpret_cast<uint4*>(blocks.data()), counts.data(), bands, chunks);
+    });
+    std::vector<u32> starts(blocks_n);
+    std::exclusive_scan(counts.begin(), counts.end(), starts.begin(), 0u);
+    const u32 total = blocks_n ? starts.back() + counts.back() : 0;
+    std::vector<u32> esc_pos(total);
+    std::vector<u16> esc_val(total);
+    if (total)
+        emu_launch(grid, W_WARPS * 32, [&] {
+            kvz_w_escapes(w.data(), M, K, code_of.data(), counts.data(), starts.data(), esc_pos.data(), esc_val.data(),
+                          bands, chunks);
+        });
+    return {bytes_of(hist), bytes_of(book), bytes_of(code_of), bytes_of(blocks), bytes_of(counts), bytes_of(esc_pos),
+            bytes_of(esc_val)};
+}
+
+static std::vector<Bytes> decode(const std::vector<Bytes>& in, int M, int K, int grid) {
+    const std::vector<u8> blocks = as<u8>(in[1]), book = as<u8>(in[2]);
+    const std::vector<u32> esc_off = as<u32>(in[3]), esc_pos = as<u32>(in[4]);
+    const std::vector<u16> esc_val = as<u16>(in[5]);
+    const int bands = (M + 15) / 16, chunks = (K + W_CHUNK - 1) / W_CHUNK;
+    std::vector<u16> out(size_t(M) * K, 0xABCD);
+    emu_launch(grid, W_WARPS * 32, [&] {
+        kvz_w_decode(reinterpret_cast<const uint4*>(blocks.data()), book.data(), out.data(), M, K, bands, chunks);
+    });
+    if (!esc_pos.empty())
+        emu_launch((int)((esc_pos.size() + 255) / 256), 256, [&] {
+            kvz_w_patch(esc_off.data(), esc_pos.data(), esc_val.data(), bands, out.data(), K);
+        });
+    return {bytes_of(out)};
+}
+
+int main(int argc, char** argv) {
+    const std::vector<Bytes> in = read_records(argv[1]);
+    const std::vector<long long> p = as<long long>(in[0]);
+    const int M = (int)p[1], K = (int)p[2], grid = (int)p[3];
+    write_records(argv[2], p[0] == 0 ? encode(in, M, K, grid) : decode(in, M, K, grid));
+    return 0;
+}

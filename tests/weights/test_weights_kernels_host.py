@@ -1,0 +1,77 @@
+"""The weights' GPU codec kernels (kvzip/gpu/kernels/weights.cu: kvz_w_histogram, kvz_w_codebook,
+kvz_w_encode, kvz_w_escapes; kvz_w_decode, kvz_w_patch) run on the host (tests/cuda_host/emu.h)
+in kvzip/weights/tiled.py's order: the encoder must write tiled.encode_reference's bytes and the
+decoder give W back, escapes and ragged edges included, whole and as band slices.  Needs g++."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from cuda_host import harness
+
+from kvzip.weights import tiled
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the host harness")
+
+
+@pytest.fixture(scope="module")
+def exe(tmp_path_factory):
+    return harness.build("weights.cu", "weights_host.cpp", tmp_path_factory.mktemp("weights_host"))
+
+
+def weight(m, k, kind, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "bits":  # every bit pattern: escapes everywhere, NaNs, subnormals
+        bits = torch.randint(0, 65536, (m, k), generator=g, dtype=torch.int32)
+        return bits.to(torch.int16).view(torch.bfloat16)
+    w = torch.randn(m, k, generator=g) * 0.02 * torch.exp(torch.randn(m, 1, generator=g))
+    w[m // 2, k // 3] = 1e30  # an escape in a trained-like matrix
+    return w.to(torch.bfloat16)
+
+
+def u16(w):
+    return w.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+CASES = [(16, 64, "trained"), (40, 200, "trained"), (33, 72, "bits"), (5, 7, "bits"), (64, 128, "trained")]
+
+
+@pytest.mark.parametrize("m,k,kind", CASES)
+def test_encoder_kernels_write_the_reference_bytes(exe, tmp_path, m, k, kind):
+    w = weight(m, k, kind)
+    hist, book, code_of, blocks, counts, esc_pos, esc_val = harness.call(exe, tmp_path, [0, m, k, 3], [u16(w)])
+    ref = tiled.encode_reference(w)
+    exps = (w.view(torch.int16).to(torch.int32) >> 7) & 0xFF
+    assert np.frombuffer(hist, np.uint32).tolist() == torch.bincount(exps.reshape(-1), minlength=256).tolist()
+    assert list(book) == ref.codebook.tolist()
+    assert list(code_of) == tiled._code_of(ref.codebook.to(torch.int32)).tolist()
+    assert blocks == ref.blocks.numpy().tobytes()
+    counts = np.frombuffer(counts, np.uint32)
+    assert counts.sum() == ref.escapes
+    # the escape lists in the reference's order: by band, then position (blocks are band-major)
+    assert np.frombuffer(esc_pos, np.uint32).tolist() == ref.esc_pos.tolist()
+    assert np.frombuffer(esc_val, np.uint16).tolist() == (ref.esc_val.to(torch.int32) & 0xFFFF).tolist()
+
+
+def decode(exe, tmp_path, tw):
+    m, k = tw.shape
+    arrays = [tw.blocks.numpy(), tw.codebook.numpy(), tw.esc_off.numpy().view(np.uint32),
+              tw.esc_pos.numpy().view(np.uint32), tw.esc_val.numpy().view(np.uint16)]
+    (out,) = harness.call(exe, tmp_path, [1, m, k, 2], arrays)
+    return np.frombuffer(out, np.uint16).reshape(m, k)
+
+
+@pytest.mark.parametrize("m,k,kind", CASES)
+def test_decoder_kernels_give_w_back(exe, tmp_path, m, k, kind):
+    w = weight(m, k, kind, seed=1)
+    tw = tiled.encode_reference(w)
+    assert (decode(exe, tmp_path, tw) == u16(w)).all()
+
+
+def test_band_slices_through_the_decoder(exe, tmp_path):
+    w = weight(70, 136, "bits", seed=2)
+    tw = tiled.encode_reference(w)
+    for first, end in ((0, 1), (1, 3), (3, 5), (0, 5)):
+        assert (decode(exe, tmp_path, tw.band_slice(first, end)) == u16(w[16 * first:16 * end])).all()
