@@ -1,5 +1,5 @@
 """Building and calling the host harnesses (channel_host.cpp, channel_rans_host.cpp,
-weights_book_host.cpp): a kernel unit of kvzip/gpu/kernels/ compiled with tests/cuda_host/emu.h into a program that reads its
+weights_host.cpp): a kernel unit of kvzip/gpu/kernels/ compiled with tests/cuda_host/emu.h into a program that reads its
 arguments from a file of records and writes its results to another (records.h)."""
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
 // kvzip/gpu/kernels/weights.cu's codec kernels run on the host (emu.h), in the order
 // kvzip/weights/tiled.py and kvzip/gpu/weights.py launch them, for
 // tests/weights/test_weights_kernels_host.py.  argv: input file, output file (records.h).
-// Input: int64[4] {op (0 encode, 1 decode), M, K, grid}, then encode: W (uint16, M x K);
-// decode: blocks, codebook, esc_off, esc_pos, esc_val (a TiledWeight's arrays).
+// Input: int64[4] {op (0 encode, 1 decode, 2 codebooks), M, K, grid}, then encode: W (uint16,
+// M x K); decode: blocks, codebook, esc_off, esc_pos, esc_val (a TiledWeight's arrays);
+// codebooks: uint32 histograms of 256 bins, one after another.
 // Output: encode: hist (uint32[256]), book (16), code_of (256), blocks, counts (uint32 a block),
-// esc_pos (uint32), esc_val (uint16); decode: W (uint16, M x K).
+// esc_pos (uint32), esc_val (uint16); decode: W (uint16, M x K); codebooks: each histogram's book
+// (16 bytes) and code_of (256 bytes), kvz_w_codebook's alone.
 #include <numeric>
 
 #include "emu.h"
@@ -52,10 +54,22 @@ static std::vector<Bytes> decode(const std::vector<Bytes>& in, int M, int K, int
     return {bytes_of(out)};
 }
 
+static std::vector<Bytes> codebooks(const std::vector<Bytes>& in) {
+    const std::vector<u32> hists = as<u32>(in[1]);
+    std::vector<Bytes> out;
+    for (size_t h = 0; h + 256 <= hists.size(); h += 256) {
+        std::vector<u8> book(16, 0xAB), code_of(256, 0xAB);  // every byte must be written
+        emu_launch(1, 256, [&] { kvz_w_codebook(hists.data() + h, book.data(), code_of.data()); });
+        out.push_back(bytes_of(book));
+        out.push_back(bytes_of(code_of));
+    }
+    return out;
+}
+
 int main(int argc, char** argv) {
     const std::vector<Bytes> in = read_records(argv[1]);
     const std::vector<long long> p = as<long long>(in[0]);
     const int M = (int)p[1], K = (int)p[2], grid = (int)p[3];
-    write_records(argv[2], p[0] == 0 ? encode(in, M, K, grid) : decode(in, M, K, grid));
+    write_records(argv[2], p[0] == 0 ? encode(in, M, K, grid) : p[0] == 1 ? decode(in, M, K, grid) : codebooks(in));
     return 0;
 }

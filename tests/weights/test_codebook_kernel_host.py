@@ -33,9 +33,9 @@ def histograms() -> list[np.ndarray]:
 
 
 def test_codebook_kernel_gives_the_reference_tables(tmp_path):
-    exe = harness.build("weights_book.cuh", "weights_book_host.cpp", tmp_path)
+    exe = harness.build("weights.cu", "weights_host.cpp", tmp_path)
     hists = histograms()
-    records = harness.call(exe, tmp_path, [0], [np.concatenate(hists)])
+    records = harness.call(exe, tmp_path, [2, 0, 0, 1], [np.concatenate(hists)])
     assert len(records) == 2 * len(hists)
     for i, h in enumerate(hists):
         book = tiled.choose_codebook(torch.from_numpy(h.astype(np.int64)))

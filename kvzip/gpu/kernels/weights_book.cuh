@@ -1,6 +1,6 @@
 // kvz_w_codebook: the tiled layout's codebook and code table from the exponent histogram, on the
-// device, by kvzip/weights/tiled.py's rule (choose_codebook, _code_of).  Kept apart from the other
-// weights kernels (no inline PTX) so that tests/cuda_host can run it on the host.
+// device, by kvzip/weights/tiled.py's rule (choose_codebook, _code_of): the GPU encoder's step
+// between kvz_w_histogram and kvz_w_encode.
 #pragma once
 
 // One block of 256 threads, a thread an exponent e.  hist[e]: weights with exponent e.
