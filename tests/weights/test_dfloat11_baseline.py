@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import dfloat11_baseline as df11  # noqa: E402
 
 pytestmark = pytest.mark.skipif(df11.package_dir() is None or importlib.util.find_spec("dahuffman") is None,
