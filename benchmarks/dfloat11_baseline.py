@@ -6,7 +6,7 @@ measured is DFloat11's.
 Why an encoder here: the package's encoder (dfloat11_utils.encode) walks the weights one at a time
 in Python, minutes for one 4096 x 14336 matrix; the benchmark's nine shapes would take hours.
 `encode` below writes the same bytes from whole-tensor torch operations (on the weight's device);
-tests/test_dfloat11_baseline.py checks it against the package's encoder, byte for byte.  The code
+tests/weights/test_dfloat11_baseline.py checks it against the package's encoder, byte for byte.  The code
 table itself comes from the package (dfloat11_utils.get_codec, get_32bit_codec, get_luts: a
 256-bin histogram's work).
 
