@@ -1,12 +1,14 @@
 // kvzip/gpu/kernels/weights.cu's codec kernels run on the host (emu.h), in the order
 // kvzip/weights/tiled.py and kvzip/gpu/weights.py launch them, for
 // tests/weights/test_weights_kernels_host.py.  argv: input file, output file (records.h).
-// Input: int64[4] {op (0 encode, 1 decode, 2 codebooks), M, K, grid}, then encode: W (uint16,
-// M x K); decode: blocks, codebook, esc_off, esc_pos, esc_val (a TiledWeight's arrays);
-// codebooks: uint32 histograms of 256 bins, one after another.
+// Input: int64[4] {op (0 encode, 1 decode, 2 codebooks, 3 gemm), M, K, grid}, then encode: W
+// (uint16, M x K); decode: blocks, codebook, esc_off, esc_pos, esc_val (a TiledWeight's arrays);
+// codebooks: uint32 histograms of 256 bins, one after another; gemm: the five arrays, then x
+// (uint16, N x K), bias (uint16, M; empty: none), int64[3] {N, splits, per_split}.
 // Output: encode: hist (uint32[256]), book (16), code_of (256), blocks, counts (uint32 a block),
 // esc_pos (uint32), esc_val (uint16); decode: W (uint16, M x K); codebooks: each histogram's book
-// (16 bytes) and code_of (256 bytes), kvz_w_codebook's alone.
+// (16 bytes) and code_of (256 bytes), kvz_w_codebook's alone; gemm: y (uint16, N x M), then the
+// tickets (uint32, a band: zero again after the call).
 #include <numeric>
 
 #include "emu.h"
@@ -66,10 +68,41 @@ static std::vector<Bytes> codebooks(const std::vector<Bytes>& in) {
     return out;
 }
 
+template <int NT>
+static std::vector<Bytes> gemm(const std::vector<Bytes>& in, int M, int K) {
+    const std::vector<u8> blocks = as<u8>(in[1]), book = as<u8>(in[2]);
+    const std::vector<u32> esc_off = as<u32>(in[3]), esc_pos = as<u32>(in[4]);
+    const std::vector<u16> esc_val = as<u16>(in[5]), x = as<u16>(in[6]), bias = as<u16>(in[7]);
+    const std::vector<long long> p = as<long long>(in[8]);
+    const int N = (int)p[0], splits = (int)p[1], per_split = (int)p[2];
+    const int bands = (M + 15) / 16, chunks = (K + W_CHUNK - 1) / W_CHUNK;
+    std::vector<u16> y(size_t(N) * M, 0xABCD);
+    std::vector<float> partial(size_t(bands) * splits * 16 * N);
+    std::vector<u32> tickets(bands, 0);
+    gridDim.y = splits;
+    for (int split = 0; split < splits; ++split)  // emu_launch's grid is one-dimensional: y by hand
+        emu_launch(bands, W_WARPS * 32, [&] {
+            blockIdx.y = split;
+            kvz_w_gemm<NT>(reinterpret_cast<const uint4*>(blocks.data()), book.data(), esc_off.data(), esc_pos.data(),
+                           esc_val.data(), x.data(), K, bias.empty() ? nullptr : bias.data(), y.data(), M,
+                           partial.data(), tickets.data(), M, K, N, chunks, per_split);
+        });
+    gridDim.y = 1;
+    return {bytes_of(y), bytes_of(tickets)};
+}
+
 int main(int argc, char** argv) {
     const std::vector<Bytes> in = read_records(argv[1]);
     const std::vector<long long> p = as<long long>(in[0]);
     const int M = (int)p[1], K = (int)p[2], grid = (int)p[3];
-    write_records(argv[2], p[0] == 0 ? encode(in, M, K, grid) : p[0] == 1 ? decode(in, M, K, grid) : codebooks(in));
+    std::vector<Bytes> out;
+    if (p[0] == 0) out = encode(in, M, K, grid);
+    else if (p[0] == 1) out = decode(in, M, K, grid);
+    else if (p[0] == 2) out = codebooks(in);
+    else {
+        const int N = (int)as<long long>(in[8])[0];
+        out = N <= 8 ? gemm<1>(in, M, K) : N <= 16 ? gemm<2>(in, M, K) : gemm<4>(in, M, K);
+    }
+    write_records(argv[2], out);
     return 0;
 }

@@ -1,7 +1,9 @@
-"""The weights' GPU codec kernels (kvzip/gpu/kernels/weights.cu: kvz_w_histogram, kvz_w_codebook,
-kvz_w_encode, kvz_w_escapes; kvz_w_decode, kvz_w_patch) run on the host (tests/cuda_host/emu.h)
-in kvzip/weights/tiled.py's order: the encoder must write tiled.encode_reference's bytes and the
-decoder give W back, escapes and ragged edges included, whole and as band slices.  Needs g++."""
+"""The weights' GPU kernels (kvzip/gpu/kernels/weights.cu: kvz_w_histogram, kvz_w_codebook,
+kvz_w_encode, kvz_w_escapes; kvz_w_decode, kvz_w_patch; kvz_w_gemm) run on the host
+(tests/cuda_host/emu.h) in kvzip/weights/tiled.py's and kvzip/gpu/weights.py's order: the encoder
+must write tiled.encode_reference's bytes, the decoder give W back (escapes and ragged edges
+included, whole and as band slices), and the fused GEMM, its mma.sync emulated from the PTX ISA's
+fragment layout, the product.  Needs g++."""
 from __future__ import annotations
 
 import shutil
@@ -75,3 +77,26 @@ def test_band_slices_through_the_decoder(exe, tmp_path):
     tw = tiled.encode_reference(w)
     for first, end in ((0, 1), (1, 3), (3, 5), (0, 5)):
         assert (decode(exe, tmp_path, tw.band_slice(first, end)) == u16(w[16 * first:16 * end])).all()
+
+
+@pytest.mark.parametrize("m,k,n,splits,per_split", [(16, 64, 1, 1, 1), (40, 192, 3, 1, 3), (40, 192, 8, 3, 1),
+                                                    (33, 128, 12, 2, 1), (64, 256, 32, 2, 2), (20, 640, 5, 4, 3)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_gemm_kernel_is_the_product(exe, tmp_path, m, k, n, splits, per_split, with_bias):
+    """kvz_w_gemm (mma.sync emulated by its PTX fragment layout) against an FP64 product: within BF16
+    rounding, escapes and bias included, the split tickets zero again afterwards."""
+    w = weight(m, k, "trained", seed=m + n)
+    tw = tiled.encode_reference(w)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(m, generator=g).to(torch.bfloat16) if with_bias else None
+    arrays = [tw.blocks.numpy(), tw.codebook.numpy(), tw.esc_off.numpy().view(np.uint32),
+              tw.esc_pos.numpy().view(np.uint32), tw.esc_val.numpy().view(np.uint16), u16(x),
+              u16(bias) if with_bias else np.zeros(0, np.uint16), np.array([n, splits, per_split], np.int64)]
+    y, tickets = harness.call(exe, tmp_path, [3, m, k, 1], arrays)
+    y = torch.from_numpy(np.frombuffer(y, np.uint16).astype(np.int32)).to(torch.int16).view(torch.bfloat16).reshape(n, m)
+    ref = x.double() @ w.double().T + (bias.double() if with_bias else 0)
+    # BF16's rounding of y, and FP32 sums of k terms: bounded by the terms' magnitudes, element by element
+    terms = x.double().abs() @ w.double().abs().T + (bias.double().abs() if with_bias else 0)
+    assert ((y.double() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-5 * terms).all()
+    assert not np.frombuffer(tickets, np.uint32).any()

@@ -63,10 +63,36 @@ __device__ __forceinline__ void decode_step(const u32* lane_table, u32 codes, u3
 }
 
 __device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
+#ifdef __CUDA_ARCH__
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    // The PTX ISA's fragments of m16n8k16 (lane = 4 g + q): a[i] holds A[g + 8 (i & 1)][2 q + 8 (i >> 1) ..
+    // + 1], b0 / b1 B[2 q .. + 1][g] / B[2 q + 8 .. + 1][g], c[i] C[g + 8 (i >> 1)][2 q + (i & 1)]; the
+    // warp's 32 lanes meet (emu.h) and each sums its four outputs over k in order, in FP32.
+    u32 all_a[4][32], all_b[2][32];
+    for (int i = 0; i < 4; ++i) emu_gather(a[i], all_a[i]);
+    emu_gather(b0, all_b[0]);
+    emu_gather(b1, all_b[1]);
+    float A[16][16], B[16][8];
+    for (int l = 0; l < 32; ++l) {
+        const int g = l >> 2, q = l & 3;
+        for (int i = 0; i < 4; ++i)
+            for (int h = 0; h < 2; ++h)
+                A[g + 8 * (i & 1)][2 * q + 8 * (i >> 1) + h] = bf16_value(all_a[i][l] >> (16 * h) & 0xFFFFu);
+        for (int i = 0; i < 2; ++i)
+            for (int h = 0; h < 2; ++h) B[2 * q + 8 * i + h][g] = bf16_value(all_b[i][l] >> (16 * h) & 0xFFFFu);
+    }
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 4; ++i) {
+        const int r = g + 8 * (i >> 1), n = 2 * q + (i & 1);
+        float v = c[i];
+        for (int k = 0; k < 16; ++k) v += A[r][k] * B[k][n];
+        c[i] = v;
+    }
+#endif
 }
 
 struct Block {
