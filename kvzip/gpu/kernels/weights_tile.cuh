@@ -14,7 +14,7 @@ typedef unsigned int u32;
                                // 8 q + c of row g + const is bank g + 8 q + const (no conflicts)
 
 // Streams read once bypass L1, which keeps x (read by every band) there.
-// (Without __CUDA_ARCH__ these helpers are plain C++: tests/cuda_host runs the codec kernels on the
+// (Without __CUDA_ARCH__ these helpers are plain C++: tests/cuda_host runs the weights kernels on the
 // CPU.  NVRTC always defines it, so the device code is the same either way.)
 __device__ __forceinline__ uint4 load_once(const uint4* p) {
 #ifdef __CUDA_ARCH__
