@@ -1,4 +1,4 @@
-// kvzip/gpu/kernels/weights.cu's codec kernels run on the host (emu.h), in the order
+// kvzip/gpu/kernels/weights.cu's kernels run on the host (emu.h), in the order
 // kvzip/weights/tiled.py and kvzip/gpu/weights.py launch them, for
 // tests/weights/test_weights_kernels_host.py.  argv: input file, output file (records.h).
 // Input: int64[4] {op (0 encode, 1 decode, 2 codebooks, 3 gemm), M, K, grid}, then encode: W
