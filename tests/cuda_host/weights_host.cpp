@@ -40,18 +40,25 @@ static std::vector<Bytes> encode(const std::vector<Bytes>& in, int M, int K, int
             bytes_of(esc_val)};
 }
 
+// A TiledWeight's five arrays, records 1-5 of the input.
+struct Layout {
+    std::vector<u8> blocks, book;
+    std::vector<u32> esc_off, esc_pos;
+    std::vector<u16> esc_val;
+    explicit Layout(const std::vector<Bytes>& in)
+        : blocks(as<u8>(in[1])), book(as<u8>(in[2])), esc_off(as<u32>(in[3])), esc_pos(as<u32>(in[4])),
+          esc_val(as<u16>(in[5])) {}
+    const uint4* block_words() const { return reinterpret_cast<const uint4*>(blocks.data()); }
+};
+
 static std::vector<Bytes> decode(const std::vector<Bytes>& in, int M, int K, int grid) {
-    const std::vector<u8> blocks = as<u8>(in[1]), book = as<u8>(in[2]);
-    const std::vector<u32> esc_off = as<u32>(in[3]), esc_pos = as<u32>(in[4]);
-    const std::vector<u16> esc_val = as<u16>(in[5]);
+    const Layout t(in);
     const int bands = (M + 15) / 16, chunks = (K + W_CHUNK - 1) / W_CHUNK;
     std::vector<u16> out(size_t(M) * K, 0xABCD);
-    emu_launch(grid, W_WARPS * 32, [&] {
-        kvz_w_decode(reinterpret_cast<const uint4*>(blocks.data()), book.data(), out.data(), M, K, bands, chunks);
-    });
-    if (!esc_pos.empty())
-        emu_launch((int)((esc_pos.size() + 255) / 256), 256, [&] {
-            kvz_w_patch(esc_off.data(), esc_pos.data(), esc_val.data(), bands, out.data(), K);
+    emu_launch(grid, W_WARPS * 32, [&] { kvz_w_decode(t.block_words(), t.book.data(), out.data(), M, K, bands, chunks); });
+    if (!t.esc_pos.empty())
+        emu_launch((int)((t.esc_pos.size() + 255) / 256), 256, [&] {
+            kvz_w_patch(t.esc_off.data(), t.esc_pos.data(), t.esc_val.data(), bands, out.data(), K);
         });
     return {bytes_of(out)};
 }
@@ -70,9 +77,8 @@ static std::vector<Bytes> codebooks(const std::vector<Bytes>& in) {
 
 template <int NT>
 static std::vector<Bytes> gemm(const std::vector<Bytes>& in, int M, int K) {
-    const std::vector<u8> blocks = as<u8>(in[1]), book = as<u8>(in[2]);
-    const std::vector<u32> esc_off = as<u32>(in[3]), esc_pos = as<u32>(in[4]);
-    const std::vector<u16> esc_val = as<u16>(in[5]), x = as<u16>(in[6]), bias = as<u16>(in[7]);
+    const Layout t(in);
+    const std::vector<u16> x = as<u16>(in[6]), bias = as<u16>(in[7]);
     const std::vector<long long> p = as<long long>(in[8]);
     const int N = (int)p[0], splits = (int)p[1], per_split = (int)p[2];
     const int bands = (M + 15) / 16, chunks = (K + W_CHUNK - 1) / W_CHUNK;
@@ -83,9 +89,9 @@ static std::vector<Bytes> gemm(const std::vector<Bytes>& in, int M, int K) {
     for (int split = 0; split < splits; ++split)  // emu_launch's grid is one-dimensional: y by hand
         emu_launch(bands, W_WARPS * 32, [&] {
             blockIdx.y = split;
-            kvz_w_gemm<NT>(reinterpret_cast<const uint4*>(blocks.data()), book.data(), esc_off.data(), esc_pos.data(),
-                           esc_val.data(), x.data(), K, bias.empty() ? nullptr : bias.data(), y.data(), M,
-                           partial.data(), tickets.data(), M, K, N, chunks, per_split);
+            kvz_w_gemm<NT>(t.block_words(), t.book.data(), t.esc_off.data(), t.esc_pos.data(), t.esc_val.data(), x.data(),
+                           K, bias.empty() ? nullptr : bias.data(), y.data(), M, partial.data(), tickets.data(), M, K, N,
+                           chunks, per_split);
         });
     gridDim.y = 1;
     return {bytes_of(y), bytes_of(tickets)};

@@ -3,7 +3,7 @@ kvz_w_encode, kvz_w_escapes; kvz_w_decode, kvz_w_patch; kvz_w_gemm) run on the h
 (tests/cuda_host/emu.h) in kvzip/weights/tiled.py's and kvzip/gpu/weights.py's order: the encoder
 must write tiled.encode_reference's bytes, the decoder give W back (escapes and ragged edges
 included, whole and as band slices), and the fused GEMM, its mma.sync emulated from the PTX ISA's
-fragment layout, the product.  Needs g++."""
+fragment layout, the product; and kvz_w_codebook alone on histograms of every kind.  Needs g++."""
 from __future__ import annotations
 
 import shutil
@@ -57,11 +57,15 @@ def test_encoder_kernels_write_the_reference_bytes(exe, tmp_path, m, k, kind):
     assert np.frombuffer(esc_val, np.uint16).tolist() == (ref.esc_val.to(torch.int32) & 0xFFFF).tolist()
 
 
+def layout_arrays(tw) -> list:
+    """A TiledWeight's five arrays as weights_host.cpp reads them."""
+    return [tw.blocks.numpy(), tw.codebook.numpy(), tw.esc_off.numpy().view(np.uint32),
+            tw.esc_pos.numpy().view(np.uint32), tw.esc_val.numpy().view(np.uint16)]
+
+
 def decode(exe, tmp_path, tw):
     m, k = tw.shape
-    arrays = [tw.blocks.numpy(), tw.codebook.numpy(), tw.esc_off.numpy().view(np.uint32),
-              tw.esc_pos.numpy().view(np.uint32), tw.esc_val.numpy().view(np.uint16)]
-    (out,) = harness.call(exe, tmp_path, [1, m, k, 2], arrays)
+    (out,) = harness.call(exe, tmp_path, [1, m, k, 2], layout_arrays(tw))
     return np.frombuffer(out, np.uint16).reshape(m, k)
 
 
@@ -90,9 +94,8 @@ def test_fused_gemm_kernel_is_the_product(exe, tmp_path, m, k, n, splits, per_sp
     g = torch.Generator().manual_seed(n)
     x = torch.randn(n, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(m, generator=g).to(torch.bfloat16) if with_bias else None
-    arrays = [tw.blocks.numpy(), tw.codebook.numpy(), tw.esc_off.numpy().view(np.uint32),
-              tw.esc_pos.numpy().view(np.uint32), tw.esc_val.numpy().view(np.uint16), u16(x),
-              u16(bias) if with_bias else np.zeros(0, np.uint16), np.array([n, splits, per_split], np.int64)]
+    arrays = [*layout_arrays(tw), u16(x), u16(bias) if with_bias else np.zeros(0, np.uint16),
+              np.array([n, splits, per_split], np.int64)]
     y, tickets = harness.call(exe, tmp_path, [3, m, k, 1], arrays)
     y = torch.from_numpy(np.frombuffer(y, np.uint16).astype(np.int32)).to(torch.int16).view(torch.bfloat16).reshape(n, m)
     ref = x.double() @ w.double().T + (bias.double() if with_bias else 0)
@@ -100,3 +103,32 @@ def test_fused_gemm_kernel_is_the_product(exe, tmp_path, m, k, n, splits, per_sp
     terms = x.double().abs() @ w.double().abs().T + (bias.double().abs() if with_bias else 0)
     assert ((y.double() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-5 * terms).all()
     assert not np.frombuffer(tickets, np.uint32).any()
+
+
+def histograms() -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    out = [np.zeros(256, np.uint32)]                       # an all-zero matrix
+    h = np.zeros(256, np.uint32); h[0] = 1000; out.append(h)  # zeros only: no code used
+    h = np.zeros(256, np.uint32); h[[3, 200, 255]] = [5, 5, 9]; out.append(h)  # fewer than 15, NaN/inf exponent
+    out.append(np.full(256, 7, np.uint32))                  # every count tied: the 15 smallest exponents
+    h = np.zeros(256, np.uint32); h[100:130] = 4; h[128] = 5; out.append(h)  # ties at the cut
+    h = np.zeros(256, np.uint32); h[1:17] = 2 ** 31 - 1 - np.arange(16, dtype=np.uint32); out.append(h)  # large counts
+    for _ in range(40):  # trained-weight-like: a peak of exponents, a tail, random ties
+        h = np.zeros(256, np.uint32)
+        centre = rng.integers(100, 130)
+        h[centre - 12:centre + 6] = rng.integers(0, 4, 18) * rng.integers(1, 10 ** 6)
+        h[rng.integers(0, 256, 5)] += rng.integers(0, 3, 5).astype(np.uint32)
+        out.append(h)
+    return out
+
+
+def test_codebook_kernel_gives_the_reference_tables(exe, tmp_path):
+    """kvz_w_codebook alone, on any histogram: choose_codebook's book and _code_of's table."""
+    hists = histograms()
+    records = harness.call(exe, tmp_path, [2, 0, 0, 1], [np.concatenate(hists)])
+    assert len(records) == 2 * len(hists)
+    for i, h in enumerate(hists):
+        book = tiled.choose_codebook(torch.from_numpy(h.astype(np.int64)))
+        code_of = tiled._code_of(book)
+        assert list(records[2 * i]) == book.tolist(), (i, h.nonzero())
+        assert list(records[2 * i + 1]) == code_of.tolist(), i
