@@ -7,8 +7,8 @@ Why an encoder here: the package's encoder (dfloat11_utils.encode) walks the wei
 in Python, minutes for one 4096 x 14336 matrix; the benchmark's nine shapes would take hours.
 `encode` below writes the same bytes from whole-tensor torch operations (on the weight's device);
 tests/weights/test_dfloat11_baseline.py checks it against the package's encoder, byte for byte.  The code
-table itself comes from the package (dfloat11_utils.get_codec, get_32bit_codec, get_luts: a
-256-bin histogram's work).
+table itself comes from the package (dfloat11_utils.get_32bit_codec and get_luts, on a 256-bin
+histogram counted on the weight's device).
 
 The format, as the package writes it (threads_per_block T = 512, bytes_per_thread B = 8):
 - each weight's 8 exponent bits are Huffman-coded (codes of at most 32 bits, most significant bit
@@ -62,13 +62,17 @@ def utils():
     return module
 
 
-def code_table(w: torch.Tensor):
-    """The package's length-limited Huffman codec of w's exponents (its get_codec and
-    get_32bit_codec, as its compress_model calls them)."""
-    u = utils()
-    _, counter = u.get_codec(w.reshape(-1).cpu())
+def exponent_counts(exps: torch.Tensor) -> dict:
+    """{exponent: how many weights have it}, ascending, from a histogram on the exponents' device:
+    the counter the package's get_codec builds with torch.unique on a CPU copy of the weights."""
+    return {e: c for e, c in enumerate(torch.bincount(exps.reshape(-1), minlength=256).tolist()) if c}
+
+
+def code_table(counter: dict):
+    """The package's length-limited Huffman codec (get_32bit_codec, as its compress_model calls it)
+    for exponent counts, and its code table."""
     with contextlib.redirect_stdout(io.StringIO()):  # it prints its length-limiting steps
-        codec, _, table = u.get_32bit_codec(counter)
+        codec, _, table = utils().get_32bit_codec(counter)
     return codec, table
 
 
@@ -79,11 +83,10 @@ def encode(w: torch.Tensor, threads: int = THREADS, bytes_per_thread: int = BYTE
         raise ValueError(f"DFloat11 codes non-empty bfloat16 tensors, got {w.dtype} of {w.numel()} values")
     if bytes_per_thread < 4:  # then a thread's bytes may hold no code's start, which gaps cannot say
         raise ValueError(f"bytes_per_thread must be at least 4 (codes take up to 32 bits), got {bytes_per_thread}")
-    u = utils()
-    codec, table = code_table(w)
     dev = w.device
     bits16 = w.reshape(-1).view(torch.int16).to(torch.int32)
     exps = (bits16 >> 7) & 0xFF
+    codec, table = code_table(exponent_counts(exps))
     sign_mantissa = (((bits16 >> 8) & 0x80) | (bits16 & 0x7F)).to(torch.uint8)
     lens = torch.zeros(256, dtype=torch.int64)
     vals = torch.zeros(256, dtype=torch.int64)
@@ -119,11 +122,11 @@ def encode(w: torch.Tensor, threads: int = THREADS, bytes_per_thread: int = BYTE
     packed_gaps = torch.from_numpy(np.packbits(gap_bits.reshape(-1).to(torch.uint8).cpu().numpy()))
 
     block_at = torch.arange(last // block_bits + 1, device=dev, dtype=torch.int64) * block_bits
-    positions = torch.cat([torch.searchsorted(all_starts, block_at), torch.tensor([n], device=dev)]).to(torch.int64)
+    positions = torch.cat([torch.searchsorted(all_starts, block_at), torch.tensor([n], device=dev)])
     output_positions = positions.to(torch.int32)  # < 2^31 weights: the package's uint32 bits
     span = int((positions[1:] - positions[:-1]).max())
     with contextlib.redirect_stdout(io.StringIO()):  # it prints each table
-        luts = u.get_luts(table)
+        luts = utils().get_luts(table)
     return {"luts": luts.to(dev), "encoded": encoded, "sign_mantissa": sign_mantissa,
             "output_positions": output_positions.view(torch.uint8), "gaps": packed_gaps.to(dev),
             "shared_mem": threads * 4 + 4 + span * 2, "n": n, "threads": threads, "bytes_per_thread": bytes_per_thread}
@@ -143,7 +146,8 @@ def reference_encode(w: torch.Tensor, threads: int, bytes_per_thread: int) -> di
     """The package's own encoder (dfloat11_utils.encode_weights) on the CPU: the oracle of the
     tests, for small tensors (a Python loop a weight)."""
     u = utils()
-    codec, _ = code_table(w)
+    _, counter = u.get_codec(w.reshape(-1).cpu())  # the package's own count, not exponent_counts
+    codec, _ = code_table(counter)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress
         encoded, sign_mantissa, output_positions, gaps, _ = u.encode_weights([w.reshape(-1).cpu()], codec,
                                                                              bytes_per_thread, threads)
