@@ -17,9 +17,10 @@
 #define CH_WIDTH 15          // channel_codebook.TABLE_WIDTH: entries of a channel's table
 #define CH_PRIMARY 7         // channel_codebook.PRIMARY: codes 0..6; code 7 = a second-level index follows
 #define CH_MAX_CHANNELS 256  // channel_codebook.MAX_CHANNELS
-// A warp's second-level bits in flight: a step's 32 groups hold at most 256 indices (768 bits),
-// after up to 31 bits carried from the step before: 25 words, one more that stays zero.
-#define CH_SEC_WORDS 26
+// A warp's second-level bits in flight: a step's 32 GPL groups hold at most 256 GPL indices
+// (768 GPL bits), after up to 31 bits carried from the step before: 24 GPL + 1 words, one more
+// that stays zero.
+#define CH_SEC_WORDS(GPL) (24 * (GPL) + 2)
 
 #include "channel_offsets.cuh"  // kvz_ch_tile_sums, kvz_ch_offsets, kvz_ch_compact
 
@@ -180,23 +181,37 @@ __device__ __forceinline__ void encode_channel_group(const Raw<T>& v, long long 
     for (u32 m = secs; m; m &= m - 1, at += 3) o.sec |= (u32)((all >> (8 * (__ffs(m) - 1) + 4)) & 7u) << at;
 }
 
-// The warp's second-level indices of one step, in lane order, appended to the chunk's run: sb (the
-// warp's shared words; word 0 holds the run's bits past its last whole word, the rest are zero)
-// collects them, whole words go to the chunk's slot sw.  Returns the run's new length in bits.
-__device__ __forceinline__ int append_second(u32* sb, u32* __restrict__ sw, int bits, u32 sec, u32 nsec, int lane) {
-    int total;
-    const int before = warp_exclusive_count(nsec, lane, &total);
+// The warp's second-level indices of one step, in group order (the step's q-th 32 groups after
+// its (q-1)-th), appended to the chunk's run: lane l's group of part q holds nsec[q] indices,
+// 3 bits each in sec[q].  sb (the warp's shared words; word 0 holds the run's bits past its last
+// whole word, the rest are zero) collects them, whole words go to the chunk's slot sw.  Returns
+// the run's new length in bits.
+template <int GPL>
+__device__ __forceinline__ int append_second(u32* sb, u32* __restrict__ sw, int bits, const u32 sec[GPL],
+                                             const u32 nsec[GPL], int lane) {
+    static_assert(GPL == 1 || GPL == 2, "a step's counts share one packed scan");
+    u32 packed = 0, sums;
+#pragma unroll
+    for (int q = 0; q < GPL; q++) packed |= nsec[q] << (16 * q);
+    const u32 before = warp_exclusive_pair(packed, lane, &sums);
+    const int first = (int)(sums & 0xFFFFu), total = first + (int)(sums >> 16);
     if (total == 0) return bits;  // warp-uniform
-    const int at = (bits & 31) + 3 * before, end = (bits & 31) + 3 * total, full = end >> 5;
-    if (nsec) {
-        atomicOr(&sb[at >> 5], sec << (at & 31));
-        if ((at & 31) + 3 * (int)nsec > 32) atomicOr(&sb[(at >> 5) + 1], sec >> (32 - (at & 31)));
+    const int carry = bits & 31, end = carry + 3 * total, full = end >> 5;
+#pragma unroll
+    for (int q = 0; q < GPL; q++) {
+        if (nsec[q]) {
+            const int at = carry + 3 * ((int)((before >> (16 * q)) & 0xFFFFu) + (q ? first : 0));
+            atomicOr(&sb[at >> 5], sec[q] << (at & 31));
+            if ((at & 31) + 3 * (int)nsec[q] > 32) atomicOr(&sb[(at >> 5) + 1], sec[q] >> (32 - (at & 31)));
+        }
     }
-    __syncwarp();
-    if (lane < full) sw[(bits >> 5) + lane] = sb[lane];
+    __syncwarp();  // full <= 24 GPL: GPL words a lane cover the whole words and the partial one
+#pragma unroll
+    for (int k = 0; k < GPL; k++) if (lane + 32 * k < full) sw[(bits >> 5) + lane + 32 * k] = sb[lane + 32 * k];
     const u32 left = sb[full];
     __syncwarp();
-    if (lane <= full) sb[lane] = lane == 0 ? left : 0u;
+#pragma unroll
+    for (int k = 0; k < GPL; k++) if (lane + 32 * k <= full) sb[lane + 32 * k] = lane + k == 0 ? left : 0u;
     __syncwarp();
     return bits + 3 * total;
 }
@@ -217,11 +232,11 @@ __global__ void __launch_bounds__(WARPS * 32) kvz_ch_encode(const T* __restrict_
                                                             u8* __restrict__ exp_slots, u8* __restrict__ high_slots) {
     constexpr int R = M + 1, HB = E - 3, EMASK = (1 << E) - 1, STEP = 32 * GPL;
     extern __shared__ u32 lut_words[];
-    __shared__ u32 sec_words[WARPS][CH_SEC_WORDS];
+    __shared__ u32 sec_words[WARPS][CH_SEC_WORDS(GPL)];
     u8* lut = reinterpret_cast<u8*>(lut_words);
     const int D = channels;
     for (int i = threadIdx.x; i < (D << E) / 4; i += blockDim.x) lut_words[i] = 0x01010101u * CH_LUT_ESCAPE;
-    for (int i = threadIdx.x; i < WARPS * CH_SEC_WORDS; i += blockDim.x) (&sec_words[0][0])[i] = 0;
+    for (int i = threadIdx.x; i < WARPS * CH_SEC_WORDS(GPL); i += blockDim.x) (&sec_words[0][0])[i] = 0;
     __syncthreads();
     for (int i = threadIdx.x; i < D * CH_WIDTH; i += blockDim.x) lut[tables[i] * D + i / CH_WIDTH] = lut_entry(i % CH_WIDTH);
     __syncthreads();
@@ -244,24 +259,31 @@ __global__ void __launch_bounds__(WARPS * 32) kvz_ch_encode(const T* __restrict_
                 if (first + 32 <= ng && (g0 + first + 32) * 8 <= n) load_raw_full(src, g0 + gi, v[q]);
                 else load_raw(src, gi < ng ? n : 0, g0 + gi, v[q]);  // past the chunk: zeros
             }
+            ChannelGroup o[GPL];
 #pragma unroll
             for (int q = 0; q < GPL; q++) {
                 const int first = s0 + q * 32, gi = first + lane;
                 const bool valid = gi < ng, whole = first + 32 <= ng && (g0 + first + 32) * 8 <= n;
-                ChannelGroup o;
-                if (whole && D >= 8) encode_channel_group<E, M, T, true, true>(v[q], g0 + gi, n, lut, D, o);
-                else encode_channel_group<E, M, T, false, false>(v[q], g0 + gi, valid ? n : 0, lut, D, o);
-                put_codes(codes, g0 + gi, g0 + first, o.word, whole, valid, lane);
+                if (whole && D >= 8) encode_channel_group<E, M, T, true, true>(v[q], g0 + gi, n, lut, D, o[q]);
+                else encode_channel_group<E, M, T, false, false>(v[q], g0 + gi, valid ? n : 0, lut, D, o[q]);
+                put_codes(codes, g0 + gi, g0 + first, o[q].word, whole, valid, lane);
                 if constexpr (R == 8) {
-                    if (valid) *reinterpret_cast<u64*>(rest + 8 * (g0 + gi)) = o.rest8;
+                    if (valid) *reinterpret_cast<u64*>(rest + 8 * (g0 + gi)) = o[q].rest8;
                 } else {
-                    put_rest<R>(rest, g0 + gi, g0 + first, o.r, whole, valid, lane);
+                    put_rest<R>(rest, g0 + gi, g0 + first, o[q].r, whole, valid, lane);
                 }
-                bits = append_second(sb, sw, bits, o.sec, o.nsec, lane);
-                if (__any_sync(FULL_MASK, o.esc)) {  // rare: in position order, the first cap kept
+            }
+            u32 sec[GPL], nsec[GPL];
+#pragma unroll
+            for (int q = 0; q < GPL; q++) sec[q] = o[q].sec, nsec[q] = o[q].nsec;
+            bits = append_second<GPL>(sb, sw, bits, sec, nsec, lane);
+#pragma unroll
+            for (int q = 0; q < GPL; q++) {
+                if (__any_sync(FULL_MASK, o[q].esc)) {  // rare: in position order, the first cap kept
+                    const int gi = s0 + q * 32 + lane;
                     int total;
-                    int at = esc + warp_exclusive_count(__popc(o.esc), lane, &total);
-                    for (u32 m = o.esc; m; m &= m - 1, at++) {
+                    int at = esc + warp_exclusive_count(__popc(o[q].esc), lane, &total);
+                    for (u32 m = o[q].esc; m; m &= m - 1, at++) {
                         const int j = __ffs(m) - 1;
                         if (at < cap) {
                             spos[at] = (u16)(gi * 8 + j);
@@ -427,25 +449,31 @@ __global__ void __launch_bounds__(WARPS * 32) kvz_ch_decode(const u8* __restrict
                     word[q] = valid ? get_codes(codes, g0 + gi) : 0u;
                     get_rest_raw<R>(rest, g0 + gi, g0 + first, rr[q], whole, valid, lane);
                 }
+                // bit 3j of sevens[q]: value j's code is 7 (values past n: padding, not counted)
+                u32 sevens[GPL], packed = 0, sums;
+#pragma unroll
+                for (int q = 0; q < GPL; q++) {
+                    const long long g = g0 + s0 + q * 32 + lane;
+                    const int left = s0 + q * 32 + lane < ng ? (int)min(8ll, n - g * 8) : 0;
+                    sevens[q] = word[q] & (word[q] >> 1) & (word[q] >> 2) & 0x249249u & ((1u << (3 * left)) - 1u);
+                    packed |= (u32)__popc(sevens[q]) << (16 * q);
+                }
+                const u32 before = warp_exclusive_pair(packed, lane, &sums);
 #pragma unroll
                 for (int q = 0; q < GPL; q++) {
                     const int first = s0 + q * 32, gi = first + lane;
                     const long long g = g0 + gi;
-                    const int left = gi < ng ? (int)min(8ll, n - g * 8) : 0;
-                    // bit 3j: value j's code is 7 (values past n: padding, not counted)
-                    const u32 sevens = word[q] & (word[q] >> 1) & (word[q] >> 2) & 0x249249u & ((1u << (3 * left)) - 1u);
-                    const int nsev = __popc(sevens);
-                    int total;
-                    const int t = hits + warp_exclusive_count((u32)nsev, lane, &total);
+                    const int nsev = __popc(sevens[q]);
+                    const int t = hits + (int)((before >> (16 * q)) & 0xFFFFu) + (q ? (int)(sums & 0xFFFFu) : 0);
                     // the group's indices, unless the run is shorter (an error: hits != want below)
                     const u32 sec = nsev && t + nsev <= (int)want ? read_bits(run, 3 * t, 3 * nsev) : 0u;
-                    hits += total;
                     const u32 base = (u32)(g << 3) & DM;
                     u32 e[8];
-                    if (D >= 8) listed_exponents<true>(word[q], sevens, sec, tab, base, D, DM, e);
-                    else listed_exponents<false>(word[q], sevens, sec, tab, base, D, DM, e);
+                    if (D >= 8) listed_exponents<true>(word[q], sevens[q], sec, tab, base, D, DM, e);
+                    else listed_exponents<false>(word[q], sevens[q], sec, tab, base, D, DM, e);
                     if (gi < ng) store_values<E, M, T>(dst, n, g, rr[q], e);
                 }
+                hits += (int)(sums & 0xFFFFu) + (int)(sums >> 16);
             }
         }
         int code = 0;

@@ -112,6 +112,20 @@ __device__ __forceinline__ int warp_exclusive_count(u32 k, int lane, int* total)
     return before;
 }
 
+// Two per-lane counts packed in one word (lo | hi << 16, each half's warp sum < 2^16): both
+// halves' exclusive prefixes over the lanes, and (in *total) the warp's sums, by one shuffle scan
+// of the packed word: a step's GPL groups a lane cost one scan, not GPL ballot counts.
+__device__ __forceinline__ u32 warp_exclusive_pair(u32 packed, int lane, u32* total) {
+    u32 x = packed;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const u32 y = __shfl_up_sync(FULL_MASK, x, d);
+        if (lane >= d) x += y;
+    }
+    *total = __shfl_sync(FULL_MASK, x, 31);
+    return x - packed;
+}
+
 // The tensor that batch-wide index key (a chunk, or a scan block) belongs to: the last job whose
 // base <= key (jobs are in order; empty tensors share their successor's base and are skipped).
 // PAST_L1: the bases read with ld.global.cg (kvz_decode's early chunk: decode_early_chunk).
