@@ -1,5 +1,6 @@
 """A/B of bench_codec.py between two kvzip trees in one device lease: the runs interleaved
-(before, after, before, after, ...), the median of each figure, and the after/before ratio.
+(tree_ab.interleave: before, after, then after, before, ...), the median of each figure, and the
+after/before ratio.  benchmarks/tree_ab.py does the same for any command's printed figures.
 
     python benchmarks/ab_codec.py --before SITE_A --after SITE_B [--runs 3] [--out DIR]
 
@@ -11,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tree_ab import interleave, tree_env  # noqa: E402
 
 # (name, path into a bench_codec result): the figures the redesign issue holds within 3 %.
 FIGURES = [
@@ -38,7 +41,7 @@ def _get(result: dict, path: tuple):
 
 
 def run_once(site: str, out: Path, values_log2: int, repeat: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, os.environ.get("PYTHONPATH", "")]))
+    env = tree_env(site)
     code = ("import sys; from kvzip.bench import main; "
             f"sys.exit(main(['--values-log2', '{values_log2}', '--repeat', '{repeat}', '--quick', '--out', '{out}']))")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd="/tmp")
@@ -58,11 +61,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     out = Path(args.out)
-    runs = {"before": [], "after": []}
-    for i in range(args.runs):
-        for side in ("before", "after"):
-            print(f"run {i + 1}/{args.runs}: {side}", flush=True)
-            runs[side].append(run_once(getattr(args, side), out / f"{side}-{i}", args.values_log2, args.repeat))
+    runs = interleave(args.runs, {side: (lambda i, side=side: run_once(getattr(args, side), out / f"{side}-{i}",
+                                                                       args.values_log2, args.repeat))
+                                  for side in ("before", "after")})
     medians = {side: {name: statistics.median(v for v in (_get(r, path) for r in results) if v is not None)
                       for name, path in FIGURES if all(_get(r, path) is not None for r in results)}
                for side, results in runs.items()}
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     first = runs["after"][0]
     record = {"gpu": first.get("gpu"), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "versions": first.get("versions"), "values_log2": args.values_log2, "repeat": args.repeat,
-              "runs": args.runs, "order": "interleaved: before, after per round", "rows": rows,
+              "runs": args.runs, "order": "interleaved: before, after; then after, before; ...", "rows": rows,
               "worst_change": round(worst, 4), "within_3_percent": worst >= -0.03, "raw": runs}
     name = (first.get("gpu") or "gpu").lower().replace("nvidia ", "").replace(" ", "-")
     (out / f"ab-{name}.json").write_text(json.dumps(record, indent=1))

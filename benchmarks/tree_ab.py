@@ -25,9 +25,27 @@ import time
 from pathlib import Path
 
 
+def tree_env(tree) -> dict:
+    """os.environ with the source tree `tree` first on PYTHONPATH (its kvzip before an installed one)."""
+    rest = os.environ.get("PYTHONPATH", "")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), rest]) if rest else str(tree))
+
+
+def interleave(rounds: int, sides: dict) -> dict:
+    """{side: [each round's result]} of sides' callables (side -> f(round)), run in turn, the
+    order reversed every other round, so that drift in the machine's state falls on both."""
+    names, runs = list(sides), {side: [] for side in sides}
+    for r in range(rounds):
+        for side in (names if r % 2 == 0 else names[::-1]):
+            t = time.perf_counter()
+            runs[side].append(sides[side](r))
+            print(f"round {r + 1}/{rounds} {side}: {time.perf_counter() - t:.0f} s", flush=True)
+    return runs
+
+
 def run_once(tree: Path, command: list[str], patterns: list[re.Pattern], timeout: float) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+    """{label: number} of the figures the patterns find in command's output, run in tree."""
+    done = subprocess.run(command, cwd=tree, env=tree_env(tree), capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise SystemExit(f"{command} failed in {tree} ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     found: dict = {}
@@ -66,13 +84,8 @@ def main(argv=None) -> dict:
         if not (tree / "kvzip" / "__init__.py").exists():
             ap.error(f"{tree} is not a kvzip source tree")
     patterns = [re.compile(m) for m in args.match]
-    runs = {"A": [], "B": []}
-    for r in range(args.rounds):
-        for side in ("AB" if r % 2 == 0 else "BA"):
-            tree = (args.a if side == "A" else args.b).resolve()
-            t = time.perf_counter()
-            runs[side].append(run_once(tree, command, patterns, args.timeout))
-            print(f"round {r + 1} {side}: {time.perf_counter() - t:.0f} s, {len(runs[side][-1])} figures", flush=True)
+    runs = interleave(args.rounds, {side: (lambda r, tree=tree.resolve(): run_once(tree, command, patterns, args.timeout))
+                                    for side, tree in (("A", args.a), ("B", args.b))})
     labels = [k for k in runs["A"][0] if all(k in x for x in runs["A"] + runs["B"])]
     rows = {}
     for k in labels:
