@@ -57,39 +57,54 @@ __global__ void __launch_bounds__(AUTO_RUN) kvz_ch_tables(const u32* __restrict_
 }
 
 // ------------------------------------------------------------------ stream pieces of a group
-// A group's 3-bit codes (one 24-bit word) to codes: across the warp as whole words on a whole step
-// (store_rest24_warp; step_g = the step's first group, so 3 step_g is 4-byte aligned), else bytes.
-__device__ __forceinline__ void put_codes(u8* __restrict__ codes, long long g, long long step_g, u32 word, bool whole,
-                                          bool valid, int lane) {
+// A group's 24 bits (its 3-bit codes, or E5M2's 3-bit rest fields) to bytes [3g, 3g + 3) of a
+// stream: across the warp as whole words on a whole step (store_rest24_warp; step_g = the step's
+// first group, so 3 step_g is 4-byte aligned), else bytes.
+__device__ __forceinline__ void put24(u8* __restrict__ stream, long long g, long long step_g, u32 word, bool whole,
+                                      bool valid, int lane) {
     if (whole) {
-        store_rest24_warp(codes + 3 * step_g, word, lane);
+        store_rest24_warp(stream + 3 * step_g, word, lane);
     } else if (valid) {
-        u8* p = codes + 3 * g;
+        u8* p = stream + 3 * g;
         p[0] = (u8)word; p[1] = (u8)(word >> 8); p[2] = (u8)(word >> 16);
     }
 }
 
-__device__ __forceinline__ u32 get_codes(const u8* __restrict__ codes, long long g) {
-    const u8* p = codes + 3 * g;
+__device__ __forceinline__ u32 get24(const u8* __restrict__ stream, long long g) {
+    const u8* p = stream + 3 * g;
     return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16);
 }
 
-// A group's rest fields (Top16Pack's layout): R = 3 and 11 as whole words across the warp on a
-// whole step (their byte stores were the slow ones in kvz_encode), the other widths as the aligned
-// words store_rest writes.
+// A group's rest fields of more than 8 bits (Top16Pack's layout; FP16's 11, FP32's 24): R = 11 as
+// whole words across the warp on a whole step (its byte stores were the slow ones in kvz_encode),
+// 24 as the aligned words store_rest writes.
 template <int R>
 __device__ __forceinline__ void put_rest(u8* __restrict__ rest, long long g, long long step_g, const u32 r[8],
                                          bool whole, bool valid, int lane) {
-    if constexpr (R == 3 || R == 11) {
+    if constexpr (R == 11) {
         if (whole) {
             u64 lo, hi;
             pack_rest<R>(r, &lo, &hi);
-            if constexpr (R == 3) store_rest24_warp(rest + 3 * step_g, (u32)lo, lane);
-            else store_rest11_warp(rest + 11 * step_g, lo, (u32)hi, lane);
+            store_rest11_warp(rest + 11 * step_g, lo, (u32)hi, lane);
             return;
         }
     }
     if (valid) store_rest<R>(rest, g, r);
+}
+
+// A group's rest fields packed whole (R <= 8: ChannelGroup::rest_bits): BF16's 8 and E4M3's 4
+// bytes as one aligned word, E5M2's 3 across the warp on a whole step (store_rest24_warp).
+template <int R>
+__device__ __forceinline__ void put_rest_bits(u8* __restrict__ rest, long long g, long long step_g, u64 bits,
+                                              bool whole, bool valid, int lane) {
+    if constexpr (R == 8) {
+        if (valid) *reinterpret_cast<u64*>(rest + 8 * g) = bits;
+    } else if constexpr (R == 4) {
+        if (valid) *reinterpret_cast<u32*>(rest + 4 * g) = (u32)bits;
+    } else {
+        static_assert(R == 3, "the rest widths of at most 8 bits: 3, 4, 8");
+        put24(rest, g, step_g, (u32)bits, whole, valid, lane);
+    }
 }
 
 template <int R>
@@ -142,13 +157,34 @@ __device__ __forceinline__ u32 pack3x4(u32 c) {
     return (t & 0x3Fu) | ((t >> 10) & 0xFC0u);
 }
 
+// 4 bytes < 16 packed 4 bits a byte (byte i -> bits 4i..4i+3).
+__device__ __forceinline__ u32 pack4x4(u32 c) {
+    return __byte_perm(c | (c >> 4), 0u, 0x4420u);  // bytes 0 and 2 hold c0 | c1 << 4, c2 | c3 << 4
+}
+
+// The inverses, for the 12 (16) low bits of x: bits 3i..3i+2 (4i..4i+3) -> byte i.
+__device__ __forceinline__ u32 unpack3x4(u32 x) {
+    const u32 t = (x & 0x3Fu) | ((x & 0xFC0u) << 10);  // c0 | c1 << 3 in byte 0, c2 | c3 << 3 in byte 2
+    return (t & 0x00070007u) | ((t << 5) & 0x07000700u);
+}
+__device__ __forceinline__ u32 unpack4x4(u32 x) {
+    const u32 t = __byte_perm(x, 0u, 0x4140u);  // c0 | c1 << 4 in byte 0, c2 | c3 << 4 in byte 2
+    return (t & 0x000F000Fu) | ((t << 4) & 0x0F000F00u);
+}
+
+// Rest fields of at most 8 bits (BF16: 8, E5M2: 3, E4M3: 4) are built a word at a time, packed as
+// store_rest packs them (value j at bits R j of the group's 8 R bits); wider ones a value at a time.
+template <int R>
+constexpr bool WORD_REST = R <= 8;
+
 // A group's codes and rest through its channels' LUT (lut[e * D + d]: lut_entry of e's place in
 // channel d's table), with its second-level indices (nsec of them, 3 bits each, in value order)
 // and its escapes' mask; values at or past n: code 0, rest 0, neither.  WHOLE: the group holds 8
 // values.  NO_WRAP (D >= 8): its channels are base..base+7, at constant offsets from one row.
 struct ChannelGroup {
-    u32 word, r[8], sec, nsec, esc;
-    u64 rest8;  // rest fields of 8 bits (BF16), packed as store_rest packs them; r is then unused
+    u32 word, sec, nsec, esc;
+    u64 rest_bits;  // WORD_REST: the packed rest fields
+    u32 r[8];       // otherwise: each value's rest field
 };
 template <int E, int M, typename T, bool WHOLE, bool NO_WRAP>
 __device__ __forceinline__ void encode_channel_group(const Raw<T>& v, long long g, long long n, const u8* lut, int D,
@@ -158,16 +194,34 @@ __device__ __forceinline__ void encode_channel_group(const Raw<T>& v, long long 
     const long long left = WHOLE ? 8 : n - g * 8;
     const u8* t = NO_WRAP ? lut + base : lut;
     u32 pk[2] = {0u, 0u};  // the values' LUT bytes, 4 a word
-    if constexpr (M + 1 == 8) {  // BF16 (the one 8-bit rest): two rest bytes a word of input, four a word of rest
+    u32 e4[2];              // FP8: the values' exponents, a byte each, 4 a word
+    if constexpr (sizeof(T) == 2 && M + 1 == 8) {  // BF16: two rest bytes a word of input, four a word of rest
         u32 r2[4];
 #pragma unroll
         for (int k = 0; k < 4; k++) r2[k] = (v.w[k] & 0x007F007Fu) | ((v.w[k] >> 8) & 0x00800080u);
-        o.rest8 = (u64)__byte_perm(r2[0], r2[1], 0x6420u) | ((u64)__byte_perm(r2[2], r2[3], 0x6420u) << 32);
+        o.rest_bits = (u64)__byte_perm(r2[0], r2[1], 0x6420u) | ((u64)__byte_perm(r2[2], r2[3], 0x6420u) << 32);
+    } else if constexpr (sizeof(T) == 1) {  // FP8, four values a word: the sign (bit 7) to bit M of its byte
+        constexpr u32 ONES = 0x01010101u;
+        u32 r4[2];
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            e4[k] = (v.w[k] >> M) & (ONES * EMASK);  // the bits shifted in from the next byte sit above E
+            r4[k] = ((v.w[k] >> E) & (ONES << M)) | (v.w[k] & (ONES * MMASK));
+        }
+        static_assert(M + 1 == 3 || M + 1 == 4, "E5M2 or E4M3");
+        if constexpr (M + 1 == 3) o.rest_bits = pack3x4(r4[0]) | (pack3x4(r4[1]) << 12);
+        else o.rest_bits = pack4x4(r4[0]) | (pack4x4(r4[1]) << 16);
     }
 #pragma unroll
     for (int j = 0; j < 8; j++) {
-        const u32 x = raw_value(v, j), e = (x >> M) & EMASK;
-        if constexpr (M + 1 != 8) o.r[j] = ((x >> (E + M)) << M) | (x & MMASK);
+        u32 e;
+        if constexpr (sizeof(T) == 1) {
+            e = __byte_perm(e4[j >> 2], 0u, 0x4440u | (j & 3));
+        } else {
+            const u32 x = raw_value(v, j);
+            e = (x >> M) & EMASK;
+            if constexpr (!WORD_REST<M + 1>) o.r[j] = ((x >> (E + M)) << M) | (x & MMASK);
+        }
         const u32 b = NO_WRAP ? t[e * D + j] : lut[e * D + ((base + j) & DM)];
         if (WHOLE || j < left) pk[j >> 2] |= b << (8 * (j & 3));
     }
@@ -266,12 +320,9 @@ __global__ void __launch_bounds__(WARPS * 32) kvz_ch_encode(const T* __restrict_
                 const bool valid = gi < ng, whole = first + 32 <= ng && (g0 + first + 32) * 8 <= n;
                 if (whole && D >= 8) encode_channel_group<E, M, T, true, true>(v[q], g0 + gi, n, lut, D, o[q]);
                 else encode_channel_group<E, M, T, false, false>(v[q], g0 + gi, valid ? n : 0, lut, D, o[q]);
-                put_codes(codes, g0 + gi, g0 + first, o[q].word, whole, valid, lane);
-                if constexpr (R == 8) {
-                    if (valid) *reinterpret_cast<u64*>(rest + 8 * (g0 + gi)) = o[q].rest8;
-                } else {
-                    put_rest<R>(rest, g0 + gi, g0 + first, o[q].r, whole, valid, lane);
-                }
+                put24(codes, g0 + gi, g0 + first, o[q].word, whole, valid, lane);
+                if constexpr (WORD_REST<R>) put_rest_bits<R>(rest, g0 + gi, g0 + first, o[q].rest_bits, whole, valid, lane);
+                else put_rest<R>(rest, g0 + gi, g0 + first, o[q].r, whole, valid, lane);
             }
             u32 sec[GPL], nsec[GPL];
 #pragma unroll
@@ -311,7 +362,7 @@ __global__ void __launch_bounds__(WARPS * 32) kvz_ch_encode(const T* __restrict_
                     word |= (e & 7u) << (3 * j);
                     high |= (u64)(e >> 3) << (HB * j);
                 }
-                put_codes(codes, g, g0, word, false, true, lane);
+                put24(codes, g, g0, word, false, true, lane);
                 u8* h = high_slots + HB * g;
 #pragma unroll
                 for (int k = 0; k < HB; k++) h[k] = (u8)(high >> (8 * k));
@@ -364,6 +415,7 @@ __device__ __forceinline__ u32 bf16_pair(u32 rest4, int half, u32 e0, u32 e1) {
 template <int E, int M, typename T>
 __device__ __forceinline__ void store_values(T* __restrict__ dst, long long n, long long g, const RestRaw<M + 1>& rr,
                                              const u32 e[8]) {
+    constexpr u32 MMASK = (1u << M) - 1u;
     if constexpr (E == 8 && M == 7) {
         const u32 lo = (u32)rr.q[0], hi = (u32)(rr.q[0] >> 32);
         const uint4 w = make_uint4(bf16_pair(lo, 0, e[0], e[1]), bf16_pair(lo, 1, e[2], e[3]),
@@ -374,6 +426,22 @@ __device__ __forceinline__ void store_values(T* __restrict__ dst, long long n, l
             const u32 words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
             for (int j = 0; j < 8; j++) if (g * 8 + j < n) dst[g * 8 + j] = (T)(words[j >> 1] >> (16 * (j & 1)));
+        }
+    } else if constexpr (sizeof(T) == 1) {  // FP8, four values a word: the rest fields spread to bytes
+        constexpr u32 ONES = 0x01010101u;
+        const u32 bits = (u32)rr.q[0];
+        u32 w[2];
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const u32 r4 = M + 1 == 3 ? unpack3x4(bits >> (12 * k)) : unpack4x4(bits >> (16 * k));
+            const u32 e4 = e[4 * k] | (e[4 * k + 1] << 8) | (e[4 * k + 2] << 16) | (e[4 * k + 3] << 24);
+            w[k] = ((r4 & (ONES << M)) << E) | (e4 << M) | (r4 & (ONES * MMASK));  // sign: bit M -> bit 7
+        }
+        if (g * 8 + 8 <= n) {
+            *reinterpret_cast<uint2*>(dst + g * 8) = make_uint2(w[0], w[1]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; j++) if (g * 8 + j < n) dst[g * 8 + j] = (T)(w[j >> 2] >> (8 * (j & 3)));
         }
     } else {
         u32 r[8], v[8];
@@ -427,7 +495,7 @@ __global__ void __launch_bounds__(WARPS * 32) kvz_ch_decode(const u8* __restrict
                 const bool valid = gi < ng;
                 u32 r[8], v[8];
                 get_rest<R>(rest, g0 + gi, g0 + s0, r, s0 + 32 <= ng, valid, lane);
-                const u32 word = valid ? get_codes(codes, g0 + gi) : 0u;
+                const u32 word = valid ? get24(codes, g0 + gi) : 0u;
                 u64 high = 0;
 #pragma unroll
                 for (int k = 0; k < HB; k++) high |= valid ? (u64)highs[HB * gi + k] << (8 * k) : 0ull;
@@ -446,7 +514,7 @@ __global__ void __launch_bounds__(WARPS * 32) kvz_ch_decode(const u8* __restrict
                 for (int q = 0; q < GPL; q++) {  // the step's loads first
                     const int first = s0 + q * 32, gi = first + lane;
                     const bool valid = gi < ng, whole = first + 32 <= ng;
-                    word[q] = valid ? get_codes(codes, g0 + gi) : 0u;
+                    word[q] = valid ? get24(codes, g0 + gi) : 0u;
                     get_rest_raw<R>(rest, g0 + gi, g0 + first, rr[q], whole, valid, lane);
                 }
                 // bit 3j of sevens[q]: value j's code is 7 (values past n: padding, not counted)
