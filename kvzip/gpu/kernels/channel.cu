@@ -456,8 +456,13 @@ __device__ __forceinline__ void store_values(T* __restrict__ dst, long long n, l
 // chunk.  A chunk's error (its code-7 values against its second-level count, then its escapes in
 // order: position, then exponent) goes to result[0] by atomicMin of 8 c + code, so the error
 // kept is the lowest chunk's, as the CPU reference reports it.  dst: 16-byte aligned.
+// Blocks an SM the decoder's registers must allow: BF16's keeps 6 (40 registers, as it had before
+// the one scan a step, and no spills); the other formats would spill at 40, so 0 leaves them the
+// compiler's choice.
+template <int E, int M>
+constexpr int CH_DECODE_MIN_BLOCKS = E == 8 && M == 7 ? 6 : 0;
 template <int E, int M, typename T, int GPL>
-__global__ void __launch_bounds__(WARPS * 32) kvz_ch_decode(const u8* __restrict__ codes, const u8* __restrict__ rest,
+__global__ void __launch_bounds__(WARPS * 32, CH_DECODE_MIN_BLOCKS<E, M>) kvz_ch_decode(const u8* __restrict__ codes, const u8* __restrict__ rest,
                                                             const u8* __restrict__ tables, int channels,
                                                             const u16* __restrict__ esc_count,
                                                             const u16* __restrict__ sec_count,
