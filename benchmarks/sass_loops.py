@@ -1,7 +1,8 @@
 """Static SASS of kvzip's kernels, without a GPU: compiles a loader unit with NVRTC for sm_90,
 disassembles it with nvdisasm and prints, for one kernel, every loop (a backward branch and the
 instructions from its target to it) with its instruction count and the source lines that
-issue the most of them, and with --blocks its basic blocks (to follow one path by hand).  A
+issue the most of them, and with --blocks its basic blocks (to follow one path by hand); first
+ptxas's registers and spills for it.  A
 loop body's count is an upper bound on what one iteration issues: branches inside it skip
 some, and a kernel's whole-group and partial-group paths are both in it; a path's count,
 divided by the values it handles, predicts what ncu's `smsp__inst_executed` would measure a
@@ -45,23 +46,38 @@ def nvdisasm() -> str:
     raise SystemExit("nvdisasm not found: pip install nvidia-cuda-nvdisasm")
 
 
-def compile_cubin(unit: dict) -> tuple[bytes, dict]:
-    """(cubin for sm_90, {name expression: lowered name}) of one loader unit."""
+def compile_cubin(unit: dict, log: list | None = None) -> tuple[bytes, dict]:
+    """(cubin for sm_90, {name expression: lowered name}) of one loader unit; ptxas's report
+    (registers, spills, a line per kernel) appended to `log` where one is given."""
     from cuda.bindings import nvrtc
 
     prog = _check(nvrtc.nvrtcCreateProgram(unit["code"].encode(), b"kvzip.cu", 0, [], []))
     for name in unit["names"]:
         _check(nvrtc.nvrtcAddNameExpression(prog, name.encode()))
-    opts = [o.encode() for o in unit["options"]] + [ARCH]
-    if int(nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]) != 0:
-        log = b" " * _check(nvrtc.nvrtcGetProgramLogSize(prog))
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        raise RuntimeError(log.decode(errors="replace"))
+    opts = [o.encode() for o in unit["options"]] + [ARCH] + ([b"--ptxas-options=-v"] if log is not None else [])
+    ok = int(nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]) == 0
+    text = b" " * _check(nvrtc.nvrtcGetProgramLogSize(prog))
+    nvrtc.nvrtcGetProgramLog(prog, text)
+    if not ok:
+        raise RuntimeError(text.decode(errors="replace"))
+    if log is not None:
+        log.extend(text.decode(errors="replace").splitlines())
     cubin = b" " * _check(nvrtc.nvrtcGetCUBINSize(prog))
     _check(nvrtc.nvrtcGetCUBIN(prog, cubin))
     lowered = {n: _check(nvrtc.nvrtcGetLoweredName(prog, n.encode())).decode() for n in unit["names"]}
     nvrtc.nvrtcDestroyProgram(prog)
     return cubin, lowered
+
+
+def registers(log: list, symbol: str) -> str:
+    """ptxas's registers and spills line for one kernel of a compile_cubin log."""
+    out, mine = [], False
+    for line in log:
+        if "Compiling entry function" in line:
+            mine = f"'{symbol}'" in line
+        elif mine and ("Used" in line or "spill" in line):
+            out.append(line.split(":", 1)[-1].strip().removeprefix("ptxas").strip(" ."))
+    return "; ".join(out)
 
 
 def function_sass(cubin: bytes, symbol: str) -> list[tuple[int, str, tuple[str, int], str | None]]:
@@ -120,7 +136,8 @@ def report(unit_name: str, kernel: str, values: int, top: int, show_blocks: bool
         raise SystemExit(f"no unit {unit_name!r}: {[u['unit'] for u in loader.units()]}")
     if kernel not in unit["names"]:
         raise SystemExit(f"{kernel!r} is not a name expression of {unit_name}: {unit['names']}")
-    cubin, lowered = compile_cubin(unit)
+    log: list = []
+    cubin, lowered = compile_cubin(unit, log)
     sass = function_sass(cubin, lowered[kernel])
     files = {}
 
@@ -132,7 +149,7 @@ def report(unit_name: str, kernel: str, values: int, top: int, show_blocks: bool
         lines = files[name]
         return f"{Path(name).name}:{line}", lines[line - 1].strip() if 0 < line <= len(lines) else "?"
 
-    print(f"{kernel}: {len(sass)} instructions")
+    print(f"{kernel}: {len(sass)} instructions; {registers(log, lowered[kernel])}")
     for first, last in loops(sass):
         body = sass[first:last + 1]
         per = f", {len(body) / values:.1f} a value" if values > 1 else ""

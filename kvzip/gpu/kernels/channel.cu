@@ -277,8 +277,12 @@ __device__ __forceinline__ int append_second(u32* sb, u32* __restrict__ sw, int 
 // chunk holds: the first cap of them are kept, and a chunk with more is plane-coded), high bits at
 // high_slots + (E - 3) g of each group g (plane-coded chunks only).  Every chunk's runs are shorter
 // than its slots, so kvz_ch_compact may move them forward in chunk order.
+// Blocks an SM the encoder's registers must allow: FP8's 5 (48 registers, no spill); the wider
+// formats would spill at 48, so 0 leaves them the compiler's choice.
+template <typename T>
+constexpr int CH_ENCODE_MIN_BLOCKS = sizeof(T) == 1 ? 5 : 0;
 template <int E, int M, typename T, int GPL>
-__global__ void __launch_bounds__(WARPS * 32) kvz_ch_encode(const T* __restrict__ src, long long n, int channels,
+__global__ void __launch_bounds__(WARPS * 32, CH_ENCODE_MIN_BLOCKS<T>) kvz_ch_encode(const T* __restrict__ src, long long n, int channels,
                                                             const u8* __restrict__ tables, int chunk, long long nchunks,
                                                             u8* __restrict__ codes, u8* __restrict__ rest,
                                                             u16* __restrict__ esc_count, u16* __restrict__ sec_count,
