@@ -66,6 +66,16 @@ def _check(result):
     return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
 
 
+def nvrtc_read(prog, size_of, read) -> bytes:
+    """One of NVRTC's outputs (log, PTX, cubin) copied out through a fresh bytearray. NVRTC
+    writes into the buffer it is given; a bytes object there is unsafe, since `b" " * 1` is
+    CPython's shared one-byte singleton and an empty log (size 1) would overwrite it for the
+    whole process."""
+    buf = bytearray(_check(size_of(prog)))
+    _check(read(prog, buf))
+    return bytes(buf)
+
+
 def compile_ptx(code: str, options: list, names: list) -> tuple[str, dict]:
     """(module PTX, {name expression: lowered name})."""
     from cuda.bindings import nvrtc
@@ -76,13 +86,9 @@ def compile_ptx(code: str, options: list, names: list) -> tuple[str, dict]:
     opts = [o.encode() for o in options if not o.startswith("-DKVZ_SOURCES")] + [ARCH.encode()]
     result = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     if int(result[0]) != 0:
-        size = _check(nvrtc.nvrtcGetProgramLogSize(prog))
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
+        log = nvrtc_read(prog, nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog)
         raise RuntimeError(log.decode(errors="replace"))
-    size = _check(nvrtc.nvrtcGetPTXSize(prog))
-    ptx = b" " * size
-    _check(nvrtc.nvrtcGetPTX(prog, ptx))
+    ptx = nvrtc_read(prog, nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX)
     lowered = {n: _check(nvrtc.nvrtcGetLoweredName(prog, n.encode())).decode() for n in names}
     nvrtc.nvrtcDestroyProgram(prog)
     return ptx.rstrip(b"\0 ").decode(), lowered

@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ptx_identity import _check  # noqa: E402  (NVRTC's (status, value) results)
+from ptx_identity import _check, nvrtc_read  # noqa: E402  (NVRTC's (status, value) results, its outputs)
 
 ARCH = b"-arch=sm_90"
 _INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -56,14 +56,12 @@ def compile_cubin(unit: dict, log: list | None = None) -> tuple[bytes, dict]:
         _check(nvrtc.nvrtcAddNameExpression(prog, name.encode()))
     opts = [o.encode() for o in unit["options"]] + [ARCH] + ([b"--ptxas-options=-v"] if log is not None else [])
     ok = int(nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]) == 0
-    text = b" " * _check(nvrtc.nvrtcGetProgramLogSize(prog))
-    nvrtc.nvrtcGetProgramLog(prog, text)
+    text = nvrtc_read(prog, nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog)
     if not ok:
         raise RuntimeError(text.decode(errors="replace"))
     if log is not None:
         log.extend(text.decode(errors="replace").splitlines())
-    cubin = b" " * _check(nvrtc.nvrtcGetCUBINSize(prog))
-    _check(nvrtc.nvrtcGetCUBIN(prog, cubin))
+    cubin = nvrtc_read(prog, nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN)
     lowered = {n: _check(nvrtc.nvrtcGetLoweredName(prog, n.encode())).decode() for n in unit["names"]}
     nvrtc.nvrtcDestroyProgram(prog)
     return cubin, lowered
