@@ -186,9 +186,9 @@ def scan(exe, tmp_path, esc_count, sec_count, n, chunk, lengths=None):
 
 
 def test_offsets_scan_over_many_tiles(exe, tmp_path):
-    """The scan alone, over 301 tiles (more than a block's threads: kvz_ch_tile_scan gives each
-    thread several): the CPU reference's offsets and totals, its lowest count error, and the
-    totals' errors past the last chunk."""
+    """The scan alone, over 301 tiles (each tile's start from the look-back over the ones before
+    it): the CPU reference's offsets and totals, its lowest count error, and the totals' errors
+    past the last chunk."""
     HB, chunk = FORMATS["bf16"].exp_bits - cc.CODE_BITS, 8
     nchunks = 300 * 2048 + 77
     n = nchunks * chunk
@@ -219,6 +219,28 @@ def test_offsets_scan_over_many_tiles(exe, tmp_path):
     bad[[200 * 2048 + 5, 280 * 2048 + 1]] = 9  # two chunks' counts past their 8 values: the lower wins
     _, err, _ = scan(exe, tmp_path, esc_count, bad, n, chunk, totals)
     assert err == reference_error(esc_count, bad, totals) == 8 * (200 * 2048 + 5) + 1
+
+
+@pytest.mark.parametrize("fill", [0, 2**64 - 1])
+def test_look_back_waits_for_every_word_it_needs(exe, tmp_path, fill):
+    """The scan's look-back (channel_offsets.cuh's tile_look_back) over words that start zeroed or as 0xFF
+    bytes and are published while it waits, out of order: aggregates (flag 1) of every tile
+    before it, inclusive prefixes (flag 2) of a few, the window of 32 stepped back twice.  The
+    prefix is the tiles' sum whichever inclusive word it stops at, and it publishes its own."""
+    c, mine = 70, 12345
+    rng = np.random.default_rng(7)
+    own = rng.integers(0, 1 << 40, c)
+    inclusive = np.cumsum(own)
+    order = []
+    for t in rng.permutation(c):
+        order += [t, (1 << 62) | int(own[t])]
+    for t in (0, 5, 11):  # late inclusive words, far behind tile c: the look-back stops at none of them early
+        order += [t, (2 << 62) | int(inclusive[t])]
+    got, status = call(exe, tmp_path, 4, FORMATS["bf16"], 0, 1, 8,
+                       [np.array([fill], np.uint64), np.array(order, np.uint64), np.array([c, mine], np.int64)])
+    (prefix,) = struct.unpack("<Q", got)
+    assert prefix == int(inclusive[-1])
+    assert np.frombuffer(status, np.uint64)[c] == (2 << 62) | (int(inclusive[-1]) + mine)
 
 
 def test_harness_constants_are_the_codebooks():

@@ -37,13 +37,17 @@ TILE_THREADS = 256       # CH_TILE_THREADS: the offsets scan's blocks
 TILE = 8 * TILE_THREADS  # CH_TILE: chunks a block of the scan
 
 
+def _tiles(nchunks: int) -> int:
+    """The offsets scan's blocks (one even without chunks), each with three look-back words."""
+    return max(1, -(-nchunks // TILE))
+
+
 @lru_cache(maxsize=None)
 def _names(fmt) -> dict:
     args, gpl = loader._args(fmt), loader.channel_gpl(fmt)
     return {"histogram": f"kvz_ch_histogram<{args}>", "tables": f"kvz_ch_tables<{fmt.exp_bits}>",
             "encode": f"kvz_ch_encode<{args},{gpl}>", "decode": f"kvz_ch_decode<{args},{gpl}>",
-            "tile_sums": "kvz_ch_tile_sums", "tile_scan": "kvz_ch_tile_scan", "offsets": "kvz_ch_offsets",
-            "compact": "kvz_ch_compact"}
+            "scan": "kvz_ch_scan", "compact": "kvz_ch_compact"}
 
 
 def _launch(name, fmt, blocks, threads, args, shared=0, grid_stride=True):
@@ -98,30 +102,31 @@ def _launch_encode(src, n: int, fmt, channels: int, chunk: int, payload: int, re
     src = aligned(src)
     E, HB = fmt.exp_bits, fmt.exp_bits - CODE_BITS
     G, nchunks, gpc = groups(n), -(-n // chunk), chunk // 8
-    full_cap, tiles = HB * gpc // 3, max(1, -(-nchunks // TILE))  # one scan block even without chunks
+    full_cap, tiles = HB * gpc // 3, _tiles(nchunks)
     fixed = payload_layout(n, fmt, channels, chunk)[0]  # codes, rest and esc_count: placed whatever the counts
-    ws = _Workspace(hist=4 * (channels << E), tables=TABLE_WIDTH * channels, sec_count=2 * nchunks,
-                    sec_slots=4 * nchunks * (-(-CODE_BITS * chunk // 32)), pos_slots=2 * nchunks * full_cap,
-                    exp_slots=nchunks * full_cap, high_slots=HB * G, offsets=8 * 3 * nchunks, tile_sums=8 * 3 * tiles,
-                    result=0 if result is not None else 8 * 4)
+    # hist and status first, side by side: one memset zeroes both
+    ws = _Workspace(status=8 * 3 * tiles, hist=4 * (channels << E), tables=TABLE_WIDTH * channels,
+                    sec_count=2 * nchunks, sec_slots=4 * nchunks * (-(-CODE_BITS * chunk // 32)),
+                    pos_slots=2 * nchunks * full_cap, exp_slots=nchunks * full_cap, high_slots=HB * G,
+                    offsets=8 * 3 * nchunks, result=0 if result is not None else 8 * 4)
     ws.result = np.uint64(result) if result is not None else ws.ptr("result")
     ws.src = src  # kept with the workspace: an aligned copy lives as long as the kernels reading it
     at = {name: np.uint64(payload + fixed[name][0]) for name in ("codes", "rest", "esc_count")}
     stream = cp.cuda.get_current_stream().ptr
+    zeroed = int(ws.ptr("hist")) + (4 * (channels << E) if tables is None else 0) - int(ws.ptr("status"))
+    cp.cuda.runtime.memsetAsync(int(ws.ptr("status")), 0, zeroed, stream)  # the scan's look-back words (and hist)
     if tables is not None:  # a pageable source: the copy has read it when the call returns
         tables = np.ascontiguousarray(tables, np.uint8)
         cp.cuda.runtime.memcpyAsync(int(ws.ptr("tables")), tables.ctypes.data, tables.nbytes,
                                     cp.cuda.runtime.memcpyHostToDevice, stream)
     else:
-        cp.cuda.runtime.memsetAsync(int(ws.ptr("hist")), 0, 4 * (channels << E), stream)
         _launch("histogram", fmt, sample_plan(n).blocks, THREADS, (src, np.int64(n), np.int32(channels), ws.ptr("hist")))
         _launch("tables", fmt, channels, THREADS, (ws.ptr("hist"), ws.ptr("tables")))
     _launch("encode", fmt, -(-nchunks // WARPS), THREADS,
             (src, np.int64(n), np.int32(channels), ws.ptr("tables"), np.int32(chunk), np.int64(nchunks), at["codes"],
              at["rest"], at["esc_count"], ws.ptr("sec_count"), ws.ptr("sec_slots"), ws.ptr("pos_slots"),
              ws.ptr("exp_slots"), ws.ptr("high_slots")), shared=channels << E)
-    _scan(at["esc_count"], ws.ptr("sec_count"), nchunks, n, fmt, chunk, tiles, ws.ptr("tile_sums"), ws.ptr("offsets"),
-          ws.result)
+    _scan(at["esc_count"], ws.ptr("sec_count"), nchunks, n, fmt, chunk, ws.ptr("status"), ws.ptr("offsets"), ws.result)
     _launch("compact", fmt, max(1, -(-nchunks // WARPS)), THREADS,
             (ws.ptr("sec_count"), np.int64(nchunks), np.int64(n), np.int32(chunk), np.int32(HB),
              np.int32(fmt.rest_bits), np.int32(channels), ws.ptr("offsets"), ws.ptr("sec_slots"), ws.ptr("pos_slots"),
@@ -196,16 +201,16 @@ def _view(buf, offset: int, nbytes: int, dtype):
     return cupy().ndarray((nbytes // dtype.itemsize,), dtype, buf.data + offset)
 
 
-def _scan(esc_count, sec_count, nchunks, n, fmt, chunk, tiles, tile_sums, offsets, result, lengths=None):
-    """kvz_ch_tile_sums, kvz_ch_tile_scan and kvz_ch_offsets: offsets (int64[3 * nchunks]) and
-    result (uint64[4]) of the counts (arrays or addresses); lengths (decode): the variable
-    streams' (sec_codes bytes, escapes, exp_high bytes), checked against the counts."""
+def _scan(esc_count, sec_count, nchunks, n, fmt, chunk, status, offsets, result, lengths=None):
+    """kvz_ch_scan: offsets (int64[3 * nchunks]) and result (uint64[4]) of the counts (arrays or
+    addresses); status: its look-back words (uint64[3 * _tiles(nchunks)], all zero or all 0xFF
+    bytes); lengths (decode): the variable streams' (sec_codes bytes, escapes, exp_high bytes),
+    checked against the counts, the first error lowering result[0] from the caller's ~0."""
     n_sec, n_pos, n_high = lengths or (0, 0, 0)
-    head = (esc_count, sec_count, np.int64(nchunks), np.int64(n), np.int32(chunk), np.int32(fmt.exp_bits - CODE_BITS))
-    checks = (np.int32(lengths is not None), np.int64(n_sec), np.int64(n_pos), np.int64(n_high))
-    _launch("tile_sums", fmt, tiles, TILE_THREADS, (*head, tile_sums, result), grid_stride=False)
-    _launch("tile_scan", fmt, 1, TILE_THREADS, (tile_sums, np.int64(tiles), np.int64(nchunks), *checks, result))
-    _launch("offsets", fmt, tiles, TILE_THREADS, (*head, *checks, tile_sums, offsets, result), grid_stride=False)
+    _launch("scan", fmt, _tiles(nchunks), TILE_THREADS,
+            (esc_count, sec_count, np.int64(nchunks), np.int64(n), np.int32(chunk), np.int32(fmt.exp_bits - CODE_BITS),
+             np.int32(lengths is not None), np.int64(n_sec), np.int64(n_pos), np.int64(n_high), status, offsets, result),
+            grid_stride=False)
 
 
 def decode(s: dict, n: int, fmt, channels: int, chunk: int):
@@ -219,21 +224,28 @@ def decode_many(jobs: list) -> list[tuple]:
     """decode of each job (streams, n, fmt, channels, chunk), in order: every tensor's kernels
     queued one after the other on the current stream, one wait for all their error words."""
     cp = cupy()
-    results = cp.empty((len(jobs), 4), cp.uint64)
+    nchunks = [s["esc_count"].shape[0] for s, *_ in jobs]
+    # One allocation of uint64 words: each job's result (4), then each job's look-back words, both
+    # filled with 0xFF bytes by one memset (the error word's ~0, the words' "unpublished"), then
+    # each job's offsets.
+    status_at = 4 * len(jobs) + np.concatenate([[0], np.cumsum([3 * _tiles(c) for c in nchunks])])
+    offsets_at = int(status_at[-1]) + np.concatenate([[0], np.cumsum([3 * c for c in nchunks])])
+    words = cp.empty(int(offsets_at[-1]), cp.uint64)
+    cp.cuda.runtime.memsetAsync(words.data.ptr, 0xFF, 8 * int(status_at[-1]), cp.cuda.get_current_stream().ptr)
+    results = words[:4 * len(jobs)].reshape(len(jobs), 4)
     dsts = []
     for k, (s, n, fmt, channels, chunk) in enumerate(jobs):
         s = {name: aligned(a) for name, a in s.items()}
-        nchunks = s["esc_count"].shape[0]
-        tiles = max(1, -(-nchunks // TILE))
         result = results[k]
-        offsets, tile_sums = cp.empty(3 * nchunks, cp.int64), cp.empty(3 * tiles, cp.int64)
-        _scan(s["esc_count"], s["sec_count"], nchunks, n, fmt, chunk, tiles, tile_sums, offsets, result,
+        status = words[status_at[k]:status_at[k + 1]]
+        offsets = words[offsets_at[k]:offsets_at[k + 1]]
+        _scan(s["esc_count"], s["sec_count"], nchunks[k], n, fmt, chunk, status, offsets, result,
               (s["sec_codes"].shape[0], s["esc_pos"].shape[0], s["exp_high"].shape[0]))
         dst = cp.empty(n, fmt.uint_dtype)
-        _launch("decode", fmt, -(-nchunks // WARPS), THREADS,
+        _launch("decode", fmt, -(-nchunks[k] // WARPS), THREADS,
                 (s["codes"], s["rest"], s["tables"], np.int32(channels), s["esc_count"], s["sec_count"], offsets,
                  s["sec_codes"], s["esc_pos"], s["esc_exp"], s["exp_high"], np.int64(n), np.int32(chunk),
-                 np.int64(nchunks), result, dst))
+                 np.int64(nchunks[k]), result, dst))
         dsts.append(dst)
     errors = results.get()[:, 0]  # the one wait
     return [(dst, 0 if int(err) == NO_ERROR else int(err) % 8) for dst, err in zip(dsts, errors)]

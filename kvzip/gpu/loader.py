@@ -195,7 +195,7 @@ def channel_gpl(fmt) -> int:
 
 def channel_names() -> tuple:
     """The name expressions of channel.cu's module: its kernels for every format."""
-    names = ["kvz_ch_tile_sums", "kvz_ch_tile_scan", "kvz_ch_offsets", "kvz_ch_compact"]
+    names = ["kvz_ch_scan", "kvz_ch_compact"]
     for e in sorted({f.exp_bits for f in FORMATS.values()}):
         names.append(f"kvz_ch_tables<{e}>")
     for fmt in FORMATS.values():

@@ -1,7 +1,7 @@
 // kvzip/gpu/kernels/channel.cu run on the host (emu.h), in the order kvzip/gpu/channel_pack.py
 // launches it, for tests/test_channel_kernels_host.py.  argv: input file, output file; both are
 // records (u64 byte count, bytes).  Input: int64[7] {op (0 encode, 1 decode, 2 the speed mode's
-// auto codebook, 3 the offsets scan alone), E, M, n, channels, chunk, grid}, then encode and auto:
+// auto codebook, 3 the offsets scan alone, 4 the look-back alone), E, M, n, channels, chunk, grid}, then encode and auto:
 // the values; decode: tables, codes, rest, esc_count, sec_count, sec_codes, esc_pos, esc_exp,
 // exp_high; scan: esc_count, sec_count, int64[4] {checked, the three streams' lengths}.  Output:
 // encode: the payload the kernels wrote (into a buffer of 0xAB bytes), then its streams tables,
@@ -9,6 +9,8 @@
 // decode: the values, then uint64 error word; auto: kvz_auto_codebook's LUT row (AUTO_LUT_BYTES)
 // and book (16 bytes) of the one tensor (auto_codebook.cu shares SamplePlan and rank_exponents
 // with channel.cu); scan: offsets (int64[3 nchunks]) and result (uint64[4]).
+#include <chrono>
+
 #include "emu.h"
 #include "records.h"
 #include "channel.cu"
@@ -31,27 +33,52 @@ static std::vector<Bytes> auto_codebook(const std::vector<Bytes>& in, long long 
     return {bytes_of(luts), bytes_of(books)};
 }
 
+// Op 4, the look-back alone, with the waits a GPU's concurrent tiles cause: warp 1 runs
+// tile_look_back for tile `c` while warp 0 publishes the words of tiles 0..c-1 in the given
+// order, a millisecond apart (pairs of tile, flag << 62 | value), over words that start as `fill`
+// (one uint64: 0 or ~0).  Output: the prefix warp 1 got, then the words as they end.
+static std::vector<Bytes> look_back_probe(const std::vector<Bytes>& in) {
+    const u64 fill = as<u64>(in[1])[0];
+    const std::vector<u64> order = as<u64>(in[2]);
+    const long long c = as<long long>(in[3])[0], mine = as<long long>(in[3])[1];
+    std::vector<u64> status(c + 1, fill);
+    u64 got = 0;
+    emu_launch(1, 64, [&] {
+        const int lane = threadIdx.x & 31;
+        if (threadIdx.x >= 32) {
+            const u64 p = tile_look_back(status.data(), c, (u64)mine, lane);
+            if (lane == 0) got = p;
+        } else if (lane == 0) {
+            for (size_t k = 0; k + 1 < order.size(); k += 2) {
+                std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                atomicExch(&status[order[k]], order[k + 1]);
+            }
+        }
+    });
+    return {bytes_of(std::vector<u64>{got}), bytes_of(status)};
+}
+
 template <int E, int M, typename T, int GPL>
 static std::vector<Bytes> run(const std::vector<Bytes>& in, long long n, int D, int chunk, int grid) {
     if (as<long long>(in[0])[0] == 2) return auto_codebook<E, M, T>(in, n, grid);
+    if (as<long long>(in[0])[0] == 4) return look_back_probe(in);
     const int HB = E - 3, R = M + 1, gpc = chunk / 8;
     const long long G = cdiv(n, 8), nchunks = cdiv(n, chunk);
     const auto blocks = [&](long long work) { return (int)std::min<long long>(cdiv(work, 8), grid); };
     std::vector<long long> offsets(3 * nchunks + 1);
     std::vector<u64> result(4);
     const int tiles = (int)std::max<long long>(1, cdiv(nchunks, CH_TILE));
-    std::vector<long long> tile_sums(3 * tiles);
     const bool dec = in.size() > 2;
     std::vector<u8> tables(D * 15);
     std::vector<u16> esc_count(nchunks), sec_count(nchunks);
+    // The look-back's words start unpublished: filled with 0xFF bytes where the scan is checked
+    // (decode: one fill with the error word, as channel_pack.decode_many does), zeroed otherwise
+    // (encode: with the histogram); result[0] is the caller's ~0.
     auto scan_of = [&](const u16* esc, const u16* sec, int checked, long long ns, long long ne, long long nh) {
+        std::vector<u64> status(3 * tiles, checked ? ~0ull : 0ull);
+        result[0] = ~0ull;
         emu_launch(tiles, CH_TILE_THREADS, [&] {
-            kvz_ch_tile_sums(esc, sec, nchunks, n, chunk, HB, tile_sums.data(), result.data());
-        });
-        emu_launch(1, CH_TILE_THREADS, [&] { kvz_ch_tile_scan(tile_sums.data(), tiles, nchunks, checked, ns, ne, nh, result.data()); });
-        emu_launch(tiles, CH_TILE_THREADS, [&] {
-            kvz_ch_offsets(esc, sec, nchunks, n, chunk, HB, checked, ns, ne, nh, tile_sums.data(), offsets.data(),
-                           result.data());
+            kvz_ch_scan(esc, sec, nchunks, n, chunk, HB, checked, ns, ne, nh, status.data(), offsets.data(), result.data());
         });
     };
     auto scan = [&](int checked, long long ns, long long ne, long long nh) {

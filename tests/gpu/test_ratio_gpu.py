@@ -110,6 +110,14 @@ def test_chunks_and_channels(fmt, chunk, last):
     assert_device_matches(bits, fmt, chunk=chunk)
 
 
+def test_more_scan_tiles_than_the_gpu_runs_at_once():
+    """Chunks of 8 over 2^23 values: 2^20 chunks, 512 tiles of kvz_ch_scan, more blocks than an
+    H100 or H200 holds at once (3 an SM), so tiles look back at tiles that are still running or
+    not yet started; the offsets, and so the bytes, are still the CPU's, and decode checks them."""
+    bits = kt.kv_like_bits(FORMATS["bf16"], 1 << 23, escape_rate=0.02, seed=11).reshape(-1, 64)
+    assert_device_matches(bits, "bf16", chunk=8)
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_random_bits_plane_code_every_chunk(fmt):
     f = FORMATS[fmt]

@@ -4,9 +4,9 @@
 // Encode: kvz_ch_histogram counts the auto codebook's sample per channel, kvz_ch_tables ranks it
 // into the tables (kvzip/channel_codebook.py's rule, rank_exponents), kvz_ch_encode writes codes,
 // rest and esc_count in place in the payload and each chunk's variable runs (second-level
-// indices, escapes, high exponent bits) into a slot of its own, kvz_ch_offsets scans the
+// indices, escapes, high exponent bits) into a slot of its own, kvz_ch_scan scans the
 // per-chunk sizes and kvz_ch_compact moves every run to its place in the payload and completes
-// it.  Decode: kvz_ch_offsets computes the offsets from the two count streams and checks them,
+// it.  Decode: kvz_ch_scan computes the offsets from the two count streams and checks them,
 // kvz_ch_decode decodes the chunks before the first bad count and checks their second-level
 // counts and escapes.  A warp a chunk throughout (the chunk's lanes take 32 consecutive 8-value
 // groups a step), as kvz_encode / kvz_decode do.
@@ -22,7 +22,7 @@
 // that stays zero.
 #define CH_SEC_WORDS(GPL) (24 * (GPL) + 2)
 
-#include "channel_offsets.cuh"  // kvz_ch_tile_sums, kvz_ch_offsets, kvz_ch_compact
+#include "channel_offsets.cuh"  // kvz_ch_scan, kvz_ch_compact
 
 // ------------------------------------------------------------------ tables
 // grid: enough blocks for the sample's runs (grid-stride), AUTO_RUN threads: a thread a run value.
@@ -456,7 +456,7 @@ __device__ __forceinline__ void store_values(T* __restrict__ dst, long long n, l
     }
 }
 
-// grid-stride over the chunks before result[0]'s (kvz_ch_offsets's first bad count), a warp a
+// grid-stride over the chunks before result[0]'s (kvz_ch_scan's first bad count), a warp a
 // chunk.  A chunk's error (its code-7 values against its second-level count, then its escapes in
 // order: position, then exponent) goes to result[0] by atomicMin of 8 c + code, so the error
 // kept is the lowest chunk's, as the CPU reference reports it.  dst: 16-byte aligned.
@@ -485,7 +485,7 @@ __global__ void __launch_bounds__(WARPS * 32, CH_DECODE_MIN_BLOCKS<E, M>) kvz_ch
     for (int i = threadIdx.x; i < D * CH_WIDTH; i += blockDim.x) tab[(i % CH_WIDTH) * D + i / CH_WIDTH] = tables[i];
     __syncthreads();
     const int lane = threadIdx.x & 31, gpc = chunk >> 3;
-    // kvz_ch_offsets's error, or a lower one another warp has found since: lane 0's reading for the
+    // kvz_ch_scan's error, or a lower one another warp has found since: lane 0's reading for the
     // whole warp, so that every lane runs the same chunks (the warp's ballots need all 32).
     const u64 first_bad = __shfl_sync(FULL_MASK, lane == 0 ? result[0] : 0ull, 0);
     const long long stop = first_bad == ~0ull ? nchunks : min(nchunks, (long long)(first_bad / 8));

@@ -1,9 +1,7 @@
 // ChannelPack's offsets (kernels/channel.cu): the scan of the chunks' variable-run sizes
-// (kvz_ch_tile_sums, kvz_ch_offsets: the encoder's stream lengths, the decoder's count checks)
-// and the encoder's last step, which completes the payload (kvz_ch_compact: the runs from their
-// slots to their places, the small streams, the padding).  The scan's three
-// kernels: kvz_ch_tile_sums (a block a tile), kvz_ch_tile_scan (one block), kvz_ch_offsets (a
-// block a tile); every one linear in the chunks.
+// (kvz_ch_scan, one pass: the encoder's stream lengths, the decoder's count checks) and the
+// encoder's last step, which completes the payload (kvz_ch_compact: the runs from their slots to
+// their places, the small streams, the padding).
 #pragma once
 
 #include "common.cuh"
@@ -33,14 +31,13 @@ __device__ __forceinline__ int count_error(u32 cnt, u32 sec, long long len, int 
     return 0;
 }
 
-// The offsets scan, reduce then scan: tile t is chunks [CH_TILE t, CH_TILE (t + 1)), 8 a thread
-// of CH_TILE_THREADS (its counts loaded as one 16-byte word of each stream: the warp's loads
-// are contiguous).  kvz_ch_tile_sums sums each tile's sizes, kvz_ch_tile_scan turns the sums into
-// each tile's start (and the totals), kvz_ch_offsets scans inside each tile and writes offsets[c], offsets[nchunks + c],
-// offsets[2 nchunks + c] (chunk c's first sec_codes byte, escape, exp_high byte).
-// result (uint64[4]): [0] 8 c + code of the lowest failing chunk (checked, decode: every chunk's
-// count check against the streams' lengths, channel_pack_cpu._decode_offsets's order; then the
-// totals' check, past the last chunk) or ~0; [1..3] the three totals.
+// The offsets scan: tile t is chunks [CH_TILE t, CH_TILE (t + 1)), 8 a thread of CH_TILE_THREADS
+// (its counts loaded as one 16-byte word of each stream: the warp's loads are contiguous).
+// kvz_ch_scan writes offsets[c], offsets[nchunks + c], offsets[2 nchunks + c] (chunk c's first
+// sec_codes byte, escape, exp_high byte) and result (uint64[4]): [0] 8 c + code of the lowest
+// failing chunk (checked, decode: every chunk's count check against the streams' lengths,
+// channel_pack_cpu._decode_offsets's order; then the totals' check, past the last chunk), left
+// at the caller's ~0 where none fails; [1..3] the three totals.
 
 // fn(c, esc count, sec count, groups, sizes) for this thread's chunks of the tile, in order.
 template <typename F>
@@ -68,101 +65,60 @@ __device__ __forceinline__ void each_tile_chunk(const u16* __restrict__ esc_coun
     }
 }
 
-// The block's sum of x (CH_TILE_THREADS threads), in every thread.  part: CH_TILE_THREADS / 32 words.
-__device__ __forceinline__ long long block_sum(long long x, long long* part) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    x = warp_inclusive_sum(x, lane);
-    __syncthreads();  // part is free again
-    if (lane == 31) part[warp] = x;
-    __syncthreads();
-    long long all = 0;
-#pragma unroll
-    for (int w = 0; w < CH_TILE_THREADS / 32; w++) all += part[w];
-    return all;
-}
-
-// The block's exclusive prefix of x over the threads (in thread order).
-__device__ __forceinline__ long long block_exclusive_sum(long long x, long long* part) {
+// The block's exclusive prefix of x over the threads (in thread order), and in *total the block's
+// sum (every thread).  part: CH_TILE_THREADS / 32 words.
+__device__ __forceinline__ long long block_exclusive_sum(long long x, long long* part, long long* total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long inc = warp_inclusive_sum(x, lane);
-    __syncthreads();
+    __syncthreads();  // part is free again
     if (lane == 31) part[warp] = inc;
     __syncthreads();
-    long long below = 0;
-    for (int w = 0; w < warp; w++) below += part[w];
+    long long below = 0, all = 0;
+#pragma unroll
+    for (int w = 0; w < CH_TILE_THREADS / 32; w++) {
+        below += w < warp ? part[w] : 0;
+        all += part[w];
+    }
+    *total = all;
     return below + inc - x;
 }
 
-// grid: a block a tile.  tile_sums[3 t + k]: tile t's sec_codes bytes, escapes, exp_high bytes.
-__global__ void __launch_bounds__(CH_TILE_THREADS) kvz_ch_tile_sums(const u16* __restrict__ esc_count,
-                                                                    const u16* __restrict__ sec_count, long long nchunks,
-                                                                    long long n, int chunk, int HB,
-                                                                    long long* __restrict__ tile_sums,
-                                                                    u64* __restrict__ result) {
+// The tiles' look-back: look_back over words that start as all 0x00 or all 0xFF bytes (the
+// encoder's zeroed with its histogram, the decoder's filled with its error word).
+__device__ __forceinline__ u64 tile_look_back(u64* status, long long tile, u64 mine, int lane) {
+    return look_back<true>(status, tile, mine, lane);
+}
+
+// grid: exactly a block a tile.  One pass: a tile sums its chunks' sizes, learns the sizes of the
+// tiles before it by a decoupled look-back (common.cuh's look_back, once for each of the three
+// streams: status[k * ntiles + t], every word unpublished at the launch, i.e. the whole array
+// zeroed or filled with 0xFF bytes) and writes its chunks' offsets; the last tile writes the totals
+// (result[1..3]).  A tile waits only on lower tiles, which the GPU dispatches first, so every wait
+// ends.  checked (decode): the count checks, against the streams' lengths n_sec, n_pos, n_high,
+// into result[0] (which the caller sets to ~0) by atomicMin; the totals' check is the last tile's.
+__global__ void __launch_bounds__(CH_TILE_THREADS) kvz_ch_scan(const u16* __restrict__ esc_count,
+                                                               const u16* __restrict__ sec_count, long long nchunks,
+                                                               long long n, int chunk, int HB, int checked,
+                                                               long long n_sec, long long n_pos, long long n_high,
+                                                               u64* __restrict__ status, long long* __restrict__ offsets,
+                                                               u64* __restrict__ result) {
     __shared__ long long part[CH_TILE_THREADS / 32];
+    __shared__ long long before[3];  // the tiles before this one: sec_codes bytes, escapes, exp_high bytes
     ChunkSizes mine = {0, 0, 0};
     each_tile_chunk(esc_count, sec_count, nchunks, n, chunk, HB, [&](long long, u32, u32, int, const ChunkSizes& s) {
         mine.sec += s.sec; mine.esc += s.esc; mine.high += s.high;
     });
-    const long long sums[3] = {block_sum(mine.sec, part), block_sum(mine.esc, part), block_sum(mine.high, part)};
-    if (threadIdx.x == 0) {
-        for (int k = 0; k < 3; k++) tile_sums[3 * blockIdx.x + k] = sums[k];
-        if (blockIdx.x == 0) result[0] = ~0ull;  // kvz_ch_offsets and kvz_ch_decode lower it
-    }
-}
-
-// One block, after kvz_ch_tile_sums: tile_sums[3 t + k] becomes the sum of the tiles before t
-// (in place: thread i takes a contiguous range of tiles), result[1..3] the totals; checked
-// (decode), and where they differ from the streams' lengths, result[0] is lowered to the
-// totals' error past the last chunk (a chunk's own error, lower, wins in kvz_ch_offsets).
-__global__ void __launch_bounds__(CH_TILE_THREADS) kvz_ch_tile_scan(long long* __restrict__ tile_sums, long long ntiles,
-                                                                    long long nchunks, int checked, long long n_sec,
-                                                                    long long n_pos, long long n_high,
-                                                                    u64* __restrict__ result) {
-    __shared__ long long part[CH_TILE_THREADS / 32];
-    const long long per = (ntiles + CH_TILE_THREADS - 1) / CH_TILE_THREADS;
-    const long long t0 = min(ntiles, (long long)threadIdx.x * per), t1 = min(ntiles, t0 + per);
-    long long mine[3] = {0, 0, 0};
-    for (long long t = t0; t < t1; t++)
-        for (int k = 0; k < 3; k++) mine[k] += tile_sums[3 * t + k];
-    long long at[3], tot[3];
-    for (int k = 0; k < 3; k++) {
-        at[k] = block_exclusive_sum(mine[k], part);
-        tot[k] = block_sum(mine[k], part);
-    }
-    for (long long t = t0; t < t1; t++) {
+    long long tile[3];
+    ChunkSizes at = {block_exclusive_sum(mine.sec, part, &tile[0]), block_exclusive_sum(mine.esc, part, &tile[1]),
+                     block_exclusive_sum(mine.high, part, &tile[2])};
+    if (threadIdx.x < 32) {
         for (int k = 0; k < 3; k++) {
-            const long long size = tile_sums[3 * t + k];
-            tile_sums[3 * t + k] = at[k];
-            at[k] += size;
+            const u64 p = tile_look_back(status + (long long)k * gridDim.x, blockIdx.x, (u64)tile[k], threadIdx.x);
+            if (threadIdx.x == 0) before[k] = (long long)p;
         }
     }
-    if (threadIdx.x == 0) {
-        for (int k = 0; k < 3; k++) result[1 + k] = (u64)tot[k];
-        const u64 past = 8ull * (u64)nchunks;
-        const u64 err = !checked ? ~0ull : tot[0] != n_sec ? past + 6 : tot[1] != n_pos ? past + 2
-                                                  : tot[2] != n_high ? past + 5 : ~0ull;
-        if (err != ~0ull) atomicMin(reinterpret_cast<unsigned long long*>(result), err);
-    }
-}
-
-// grid: a block a tile, after kvz_ch_tile_scan.  checked (decode): the count checks, against the
-// streams' lengths n_sec, n_pos, n_high.
-__global__ void __launch_bounds__(CH_TILE_THREADS) kvz_ch_offsets(const u16* __restrict__ esc_count,
-                                                                  const u16* __restrict__ sec_count, long long nchunks,
-                                                                  long long n, int chunk, int HB, int checked,
-                                                                  long long n_sec, long long n_pos, long long n_high,
-                                                                  const long long* __restrict__ tile_starts,
-                                                                  long long* __restrict__ offsets,
-                                                                  u64* __restrict__ result) {
-    __shared__ long long part[CH_TILE_THREADS / 32];
-    const long long* start = tile_starts + 3 * blockIdx.x;  // kvz_ch_tile_scan's: the tiles before this one
-    ChunkSizes mine = {0, 0, 0};
-    each_tile_chunk(esc_count, sec_count, nchunks, n, chunk, HB, [&](long long, u32, u32, int, const ChunkSizes& s) {
-        mine.sec += s.sec; mine.esc += s.esc; mine.high += s.high;
-    });
-    ChunkSizes at = {start[0] + block_exclusive_sum(mine.sec, part), start[1] + block_exclusive_sum(mine.esc, part),
-                     start[2] + block_exclusive_sum(mine.high, part)};
+    __syncthreads();
+    at.sec += before[0]; at.esc += before[1]; at.high += before[2];
     u64 err = ~0ull;
     each_tile_chunk(esc_count, sec_count, nchunks, n, chunk, HB, [&](long long c, u32 cnt, u32 sec, int ng, const ChunkSizes& s) {
         if (checked && err == ~0ull) {
@@ -175,6 +131,13 @@ __global__ void __launch_bounds__(CH_TILE_THREADS) kvz_ch_offsets(const u16* __r
         offsets[2 * nchunks + c] = at.high;
         at.sec += s.sec; at.esc += s.esc; at.high += s.high;
     });
+    if (threadIdx.x == 0 && blockIdx.x == gridDim.x - 1) {
+        long long tot[3];
+        for (int k = 0; k < 3; k++) result[1 + k] = (u64)(tot[k] = before[k] + tile[k]);
+        const u64 past = 8ull * (u64)nchunks;  // the totals' error: past the last chunk, so a chunk's own wins
+        const u64 bad = tot[0] != n_sec ? past + 6 : tot[1] != n_pos ? past + 2 : tot[2] != n_high ? past + 5 : ~0ull;
+        if (checked && bad < err) err = bad;
+    }
     if (err != ~0ull) atomicMin(reinterpret_cast<unsigned long long*>(result), err);
 }
 
@@ -203,7 +166,7 @@ __device__ __forceinline__ ChPayload ch_payload(long long n, int R, long long nc
 
 // grid-stride over chunks, a warp a chunk, at least one block: completes the payload whose codes,
 // rest and esc_count kvz_ch_encode wrote in place.  Each chunk's runs move from their slots to the
-// offsets kvz_ch_offsets found, inside the variable streams' places, which follow from the totals
+// offsets kvz_ch_scan found, inside the variable streams' places, which follow from the totals
 // (result[1..3]); each chunk's sec_count goes in from the encoder's; block 0 copies the tables and
 // zeroes every padding byte (between the streams and after the last).
 __global__ void __launch_bounds__(WARPS * 32) kvz_ch_compact(const u16* __restrict__ sec_count, long long nchunks,

@@ -55,10 +55,13 @@ template <bool B, typename A, typename C> struct Pick { using type = A; };  // s
 template <typename A, typename C> struct Pick<false, A, C> { using type = C; };
 
 // ------------------------------------------------------------------ decoupled look-back
-// status[c] = flag << 62 | value; flag 1: this chunk's own value, 2: inclusive prefix.
-// Called by the whole warp; returns chunk c's exclusive prefix (in every lane) and publishes the
-// inclusive one.  The warp inspects 32 predecessors at a time (lane i reads chunk base - i), as
-// single-pass scans do, so a chain of chunks still working costs one read per 32 of them.
+// status[c] = flag << 62 | value; flag 1: this chunk's own value, 2: inclusive prefix; 0 (and,
+// with ANY_FILL, 3) not published yet, so the caller starts the array zeroed (ANY_FILL: zeroed or
+// filled with 0xFF bytes).  Called by the whole warp; returns chunk c's exclusive prefix (in every
+// lane) and publishes the inclusive one.  The warp inspects 32 predecessors at a time (lane i reads
+// chunk base - i), as single-pass scans do, so a chain of chunks still working costs one read per
+// 32 of them.
+template <bool ANY_FILL = false>
 __device__ __forceinline__ u64 look_back(u64* status, long long c, u64 mine, int lane) {
     if (c == 0) {
         if (lane == 0) atomicExch(&status[0], (2ull << FLAG_SHIFT) | mine);
@@ -74,7 +77,7 @@ __device__ __forceinline__ u64 look_back(u64* status, long long c, u64 mine, int
         // Wait until every lane up to the nearest inclusive prefix sees a published value.
         const u32 inclusive = __ballot_sync(FULL_MASK, flag == 2);
         const int stop = inclusive ? __ffs(inclusive) - 1 : 31;  // lanes 0..stop matter
-        if (__any_sync(FULL_MASK, lane <= stop && flag == 0)) continue;
+        if (__any_sync(FULL_MASK, lane <= stop && (ANY_FILL ? flag - 1u > 1u : flag == 0))) continue;  // unpublished
         u64 v = lane <= stop ? (s & VALUE_MASK) : 0;
 #pragma unroll
         for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(FULL_MASK, v, d);
