@@ -100,25 +100,6 @@ class CUDABackend(Backend):
         stream.synchronize()
         return host[:nbytes].tobytes()
 
-    def read_many(self, arrays) -> list[np.ndarray]:
-        """Each device array's bytes, copied to the host with one synchronisation for all (the
-        results are copies, valid after later calls)."""
-        if self.simulated:
-            return [np.asarray(a).reshape(-1).view(np.uint8).copy() for a in arrays]
-        sizes = [a.nbytes for a in arrays]
-        host = self.pinned(sum(sizes))
-        stream, at = self.xp.cuda.get_current_stream(), 0
-        for a, nb in zip(arrays, sizes):
-            if nb:
-                self.xp.cuda.runtime.memcpyAsync(host.ctypes.data + at, a.data.ptr, nb, 2, stream.ptr)
-            at += nb
-        stream.synchronize()
-        out, at = [], 0
-        for nb in sizes:
-            out.append(host[at:at + nb].copy())
-            at += nb
-        return out
-
     def stream(self):
         """The caller's current stream as a Numba stream (CuPy's current one, which the API
         layer points at torch's current stream when the input came from torch)."""

@@ -118,15 +118,26 @@ def encode_lut(tables: np.ndarray, fmt) -> np.ndarray:
     return lut.reshape(-1)
 
 
+TABLE_OUT_OF_RANGE, TABLE_REPEAT = 1, 2  # check_tables's findings, in its order (the GPU's codes too)
+
+
+def table_error_text(code: int, fmt) -> str:
+    """check_tables's message for one of its findings."""
+    if code == TABLE_OUT_OF_RANGE:
+        return f"a channel table holds an exponent >= 2**{fmt.exp_bits}"
+    return "a channel table repeats an exponent"
+
+
 def check_tables(tables: np.ndarray, fmt) -> None:
     """A blob's tables: every entry an exponent of fmt, the 15 of a channel distinct
-    (FormatError otherwise).  The caller has checked the stream's length."""
+    (FormatError otherwise; an entry out of range anywhere is reported before a repeat).  The
+    caller has checked the stream's length."""
     rows = np.asarray(tables).reshape(-1, TABLE_WIDTH)
     if rows.size and int(rows.max()) >= 1 << fmt.exp_bits:
-        raise FormatError(f"a channel table holds an exponent >= 2**{fmt.exp_bits}")
+        raise FormatError(table_error_text(TABLE_OUT_OF_RANGE, fmt))
     ordered = np.sort(rows, axis=1)
     if (ordered[:, 1:] == ordered[:, :-1]).any():
-        raise FormatError("a channel table repeats an exponent")
+        raise FormatError(table_error_text(TABLE_REPEAT, fmt))
 
 
 def calibrate_channels(samples, format=None, name=None, *, provenance=None, progress=None) -> ChannelCodebook:

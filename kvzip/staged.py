@@ -178,7 +178,7 @@ def decode_channel_many(members: list, out: list) -> None:
     """Decode opened blobs of the ratio mode on a GPU ([ChannelPack, Serialize] recorded):
     members are (index, opened frame, origin, ChannelPack stage, head, blob, parsed header) and
     out[index] gets each tensor, per caller in one batch (stages/channel_pack.py decode_many:
-    one copy of all the tables, one wait for all the kernels).  The first (by index) blob that
+    one wait for all the kernels, which check the tables too).  The first (by index) blob that
     fails raises its FormatError once the batch is done."""
     trace.note("staged")
     by_origin: dict = {}

@@ -124,8 +124,8 @@ class ChannelPack(Stage):
 
     def check(self, frame: Frame, tables: bool = True) -> dict:
         """The streams, on the frame's backend, after checking their dtypes, the lengths n implies
-        and, with ``tables``, the tables (copied to the host for it; decode_many checks a batch's
-        with one copy; the per-chunk counts are checked by the decode kernels)."""
+        and, with ``tables``, the tables (copied to the host for it; on a GPU the offsets scan
+        checks them instead, and the per-chunk counts are checked by the decode kernels)."""
         fmt, n = frame.format, frame.n
         G = groups(n)
         # The codes stream's length bounds n by the blob's size: checked before anything is sized by n.
@@ -150,22 +150,24 @@ class ChannelPack(Stage):
 
     def decode(self, frame: Frame) -> Frame:
         fmt, backend, n = frame.format, frame.backend, frame.n
-        s = self.check(frame)
+        device = on_device(backend)
+        s = self.check(frame, tables=not device)  # on a GPU the scan checks them (no copy to the host)
         channels = channels_of(frame.meta["shape"])
-        if on_device(backend):
+        if device:
             from kvzip.gpu import channel_pack as gpu
 
-            dst, code = gpu.decode(s, n, fmt, channels, self.chunk)
+            dst, error = gpu.decode(s, n, fmt, channels, self.chunk)
         else:
             s = {name: backend.to_numpy(a) for name, a in s.items()}
             dst = np.empty(n, fmt.uint_dtype)
             code = channel_pack_cpu.decode(s["codes"], s["rest"], s["tables"], channels, s["esc_count"],
                                            s["sec_count"], s["sec_codes"], s["esc_pos"], s["esc_exp"], s["exp_high"],
                                            n, fmt, self.chunk, dst)
+            error = CHANNEL_DECODE_ERRORS[code] if code else None
             if backend.name != "cpu":
                 dst = backend.from_numpy(dst)
-        if code:
-            raise FormatError(CHANNEL_DECODE_ERRORS[code])
+        if error:
+            raise FormatError(error)
         return frame.replace(drop=self.produces, data=dst)
 
 
@@ -185,31 +187,21 @@ def encode_blobs(stage: ChannelPack, frames: list, heads: list, checksum: bool) 
 
 def decode_many(items: list) -> list:
     """ChannelPack.decode of each (stage, opened frame) on a GPU (``on_device``), in order: the
-    decoded frame, or the FormatError its blob raises.  The tables of all of them come to the host
-    in one copy and their kernels run with one wait for all (kvzip/gpu/channel_pack.py)."""
+    decoded frame, or the FormatError its blob raises.  Their kernels (which check the tables
+    too) run with one wait for all (kvzip/gpu/channel_pack.py)."""
     from kvzip.gpu import channel_pack as gpu
 
-    out, checked = [None] * len(items), []
+    out, jobs = [None] * len(items), []
     for k, (stage, frame) in enumerate(items):
         try:
-            checked.append((k, stage.check(frame, tables=False)))
-        except FormatError as e:
-            out[k] = e
-    if not checked:
-        return out
-    tables = items[checked[0][0]][1].backend.read_many([s["tables"] for _, s in checked])
-    jobs = []
-    for (k, s), t in zip(checked, tables):
-        stage, frame = items[k]
-        try:
-            check_tables(t, frame.format)
+            s = stage.check(frame, tables=False)
         except FormatError as e:
             out[k] = e
             continue
         jobs.append((k, (s, frame.n, frame.format, channels_of(frame.meta["shape"]), stage.chunk)))
-    for (k, _), (dst, code) in zip(jobs, gpu.decode_many([job for _, job in jobs])):
+    for (k, _), (dst, error) in zip(jobs, gpu.decode_many([job for _, job in jobs])):
         stage, frame = items[k]
-        out[k] = FormatError(CHANNEL_DECODE_ERRORS[code]) if code else frame.replace(drop=stage.produces, data=dst)
+        out[k] = FormatError(error) if error else frame.replace(drop=stage.produces, data=dst)
     return out
 
 

@@ -17,6 +17,7 @@ from kvzip import channel_codebook as cc
 from kvzip import layout
 from kvzip import testing as kt
 from kvzip.bitlogic import PLANE
+from kvzip.errors import FormatError
 from kvzip.formats import FORMATS
 from kvzip.gpu import loader
 from kvzip.stages import channel_pack_cpu
@@ -58,10 +59,12 @@ def spec_payload(s) -> bytes:
     return bytes(out)
 
 
-def device_decode(exe, tmp_path, s, n, fmt, channels, chunk):
+def device_decode(exe, tmp_path, s, n, fmt, channels, chunk, tables_code=False):
+    """(the values, the counts' error code or 0); with tables_code, also the tables' (0: sound)."""
     dst, err = call(exe, tmp_path, 1, fmt, n, channels, chunk, [np.asarray(s[k]) for k in STREAMS])
-    (word,) = struct.unpack("<Q", err)
-    return np.frombuffer(dst, fmt.uint_dtype), 0 if word == 2**64 - 1 else word % 8
+    words = [0 if w == 2**64 - 1 else w for w in struct.unpack("<2Q", err)]
+    out = np.frombuffer(dst, fmt.uint_dtype), words[0] % 8
+    return (*out, words[1]) if tables_code else out
 
 
 CASES = [  # (format, n, channels, chunk, how the values are made)
@@ -174,6 +177,36 @@ def test_forged_streams_give_the_reference_error(exe, tmp_path, name, n, channel
         assert code == want, what
         tried += bool(want)
     assert tried >= 10
+
+
+@pytest.mark.parametrize("name", ["bf16", "e5m2", "e4m3"])
+def test_forged_tables_give_the_reference_error(exe, tmp_path, name):
+    """The scan checks the tables on the device (no copy to the host): an entry outside the
+    format and a repeat give check_tables's finding, the first where a blob has both."""
+    fmt, n, channels, chunk = FORMATS[name], 3 * 4096 + 5, 64, 4096
+    s = reference(values(fmt, n, "kv", seed=5), fmt, channels, chunk)
+    assert device_decode(exe, tmp_path, s, n, fmt, channels, chunk, tables_code=True)[2] == 0
+    E = fmt.exp_bits
+    forged = {}
+    t = s["tables"].copy()
+    t[17 * cc.TABLE_WIDTH + 4] = t[17 * cc.TABLE_WIDTH + 11]
+    forged["repeat"] = t
+    t = s["tables"].copy()
+    t[5 * cc.TABLE_WIDTH + 14] = t[5 * cc.TABLE_WIDTH + 13]  # the last two entries of a channel
+    forged["adjacent repeat"] = t
+    if E < 8:
+        t = s["tables"].copy()
+        t[63 * cc.TABLE_WIDTH + 14] = 1 << E
+        forged["out of range"] = t
+        t = forged["repeat"].copy()
+        t[40 * cc.TABLE_WIDTH] = 255
+        forged["both"] = t
+    for what, t in forged.items():
+        with pytest.raises(FormatError) as e:
+            cc.check_tables(t, fmt)
+        want = cc.TABLE_OUT_OF_RANGE if "2**" in str(e.value) else cc.TABLE_REPEAT
+        assert cc.table_error_text(want, fmt) == str(e.value)
+        assert device_decode(exe, tmp_path, {**s, "tables": t}, n, fmt, channels, chunk, tables_code=True)[2] == want, what
 
 
 def scan(exe, tmp_path, esc_count, sec_count, n, chunk, lengths=None):

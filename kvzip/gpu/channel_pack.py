@@ -4,15 +4,16 @@ reference's bytes (stages/channel_pack_cpu.py).  CuPy is imported on first use.
 
     streams = encode(src, n, fmt, channels, chunk[, tables])   # src: the values' bits, 1-D CuPy array
     blob, payload = encode_blob(src, n, fmt, channels, chunk, head, checksum[, tables])
-    dst, code = decode(streams, n, fmt, channels, chunk)
+    dst, error = decode(streams, n, fmt, channels, chunk)
     [(blob, payload), ...] = encode_blobs([(src, n, fmt, channels, chunk, head, checksum, tables), ...])
-    [(dst, code), ...] = decode_many([(streams, n, fmt, channels, chunk), ...])
+    [(dst, error), ...] = decode_many([(streams, n, fmt, channels, chunk), ...])
 
 The encoder writes a blob's payload (format.md 15.4) in place: encode_blob behind the header,
 with no copy (the staged executor's way for [channel_pack, serialize] on a GPU), encode into a
 payload buffer whose streams it returns as views (for Serialize, where other stages or a
 version-1 header are involved).  Each call synchronises with the host once: encode reads the
-three totals of the variable streams (their lengths), decode reads the error word; the batch
+three totals of the variable streams (their lengths), decode reads the error words (the
+counts', and the tables', which it checks on the device: no copy of them to the host); the batch
 forms (encode_blobs, decode_many) queue every tensor's kernels first and wait once for all of
 them (compress_many and decompress_many of the ratio mode: kvzip/staged.py).
 """
@@ -25,8 +26,9 @@ import numpy as np
 from kvzip import container, layout
 from kvzip.auto_codebook import sample_plan
 from kvzip.bitpack import groups
-from kvzip.channel_codebook import CODE_BITS, TABLE_WIDTH
+from kvzip.channel_codebook import CODE_BITS, TABLE_WIDTH, table_error_text
 from kvzip.checksum import sum64
+from kvzip.errors import CHANNEL_DECODE_ERRORS
 
 from . import loader
 from .launch import NO_ERROR, aligned, cupy, launch
@@ -201,22 +203,24 @@ def _view(buf, offset: int, nbytes: int, dtype):
     return cupy().ndarray((nbytes // dtype.itemsize,), dtype, buf.data + offset)
 
 
-def _scan(esc_count, sec_count, nchunks, n, fmt, chunk, status, offsets, result, lengths=None):
+def _scan(esc_count, sec_count, nchunks, n, fmt, chunk, status, offsets, result, checked=None):
     """kvz_ch_scan: offsets (int64[3 * nchunks]) and result (uint64[4]) of the counts (arrays or
     addresses); status: its look-back words (uint64[3 * _tiles(nchunks)], all zero or all 0xFF
-    bytes); lengths (decode): the variable streams' (sec_codes bytes, escapes, exp_high bytes),
-    checked against the counts, the first error lowering result[0] from the caller's ~0."""
-    n_sec, n_pos, n_high = lengths or (0, 0, 0)
+    bytes).  checked (decode): (tables, channels, (sec_codes bytes, escapes, exp_high bytes)):
+    the counts checked against the variable streams' lengths, the first error lowering result[0]
+    from the caller's ~0, and the tables checked into result[4] (uint64[5], also ~0 before)."""
+    tables, channels, (n_sec, n_pos, n_high) = checked or (np.uint64(0), 0, (0, 0, 0))
     _launch("scan", fmt, _tiles(nchunks), TILE_THREADS,
             (esc_count, sec_count, np.int64(nchunks), np.int64(n), np.int32(chunk), np.int32(fmt.exp_bits - CODE_BITS),
-             np.int32(lengths is not None), np.int64(n_sec), np.int64(n_pos), np.int64(n_high), status, offsets, result),
+             np.int32(checked is not None), np.int64(n_sec), np.int64(n_pos), np.int64(n_high), tables,
+             np.int32(channels), status, offsets, result),
             grid_stride=False)
 
 
 def decode(s: dict, n: int, fmt, channels: int, chunk: int):
-    """(the n values' bits as a CuPy array, 0 or the error code of CHANNEL_DECODE_ERRORS) of the
-    streams s (CuPy arrays whose dtypes, the lengths n implies and the tables the caller has
-    checked: ChannelPack.check)."""
+    """(the n values' bits as a CuPy array, None or the FormatError's message) of the streams s
+    (CuPy arrays whose dtypes and the lengths n implies the caller has checked: ChannelPack.check
+    without its tables, which the scan checks on the device)."""
     return decode_many([(s, n, fmt, channels, chunk)])[0]
 
 
@@ -225,14 +229,14 @@ def decode_many(jobs: list) -> list[tuple]:
     queued one after the other on the current stream, one wait for all their error words."""
     cp = cupy()
     nchunks = [s["esc_count"].shape[0] for s, *_ in jobs]
-    # One allocation of uint64 words: each job's result (4), then each job's look-back words, both
-    # filled with 0xFF bytes by one memset (the error word's ~0, the words' "unpublished"), then
-    # each job's offsets.
-    status_at = 4 * len(jobs) + np.concatenate([[0], np.cumsum([3 * _tiles(c) for c in nchunks])])
+    # One allocation of uint64 words: each job's result (5: _scan's), then each job's look-back
+    # words, both filled with 0xFF bytes by one memset (the error words' ~0, the look-back's
+    # "unpublished"), then each job's offsets.
+    status_at = 5 * len(jobs) + np.concatenate([[0], np.cumsum([3 * _tiles(c) for c in nchunks])])
     offsets_at = int(status_at[-1]) + np.concatenate([[0], np.cumsum([3 * c for c in nchunks])])
     words = cp.empty(int(offsets_at[-1]), cp.uint64)
     cp.cuda.runtime.memsetAsync(words.data.ptr, 0xFF, 8 * int(status_at[-1]), cp.cuda.get_current_stream().ptr)
-    results = words[:4 * len(jobs)].reshape(len(jobs), 4)
+    results = words[:5 * len(jobs)].reshape(len(jobs), 5)
     dsts = []
     for k, (s, n, fmt, channels, chunk) in enumerate(jobs):
         s = {name: aligned(a) for name, a in s.items()}
@@ -240,12 +244,20 @@ def decode_many(jobs: list) -> list[tuple]:
         status = words[status_at[k]:status_at[k + 1]]
         offsets = words[offsets_at[k]:offsets_at[k + 1]]
         _scan(s["esc_count"], s["sec_count"], nchunks[k], n, fmt, chunk, status, offsets, result,
-              (s["sec_codes"].shape[0], s["esc_pos"].shape[0], s["exp_high"].shape[0]))
+              (s["tables"], channels, (s["sec_codes"].shape[0], s["esc_pos"].shape[0], s["exp_high"].shape[0])))
         dst = cp.empty(n, fmt.uint_dtype)
         _launch("decode", fmt, -(-nchunks[k] // WARPS), THREADS,
                 (s["codes"], s["rest"], s["tables"], np.int32(channels), s["esc_count"], s["sec_count"], offsets,
                  s["sec_codes"], s["esc_pos"], s["esc_exp"], s["exp_high"], np.int64(n), np.int32(chunk),
                  np.int64(nchunks[k]), result, dst))
         dsts.append(dst)
-    errors = results.get()[:, 0]  # the one wait
-    return [(dst, 0 if int(err) == NO_ERROR else int(err) % 8) for dst, err in zip(dsts, errors)]
+    words = results.get()  # the one wait
+    return [(dst, _error(int(row[0]), int(row[4]), fmt)) for dst, row, (_, _, fmt, _, _) in zip(dsts, words, jobs)]
+
+
+def _error(counts: int, tables: int, fmt) -> str | None:
+    """The FormatError message of a decode's error words (the tables' first, as the CPU path
+    checks them first), or None."""
+    if tables != NO_ERROR:
+        return table_error_text(tables, fmt)
+    return None if counts == NO_ERROR else CHANNEL_DECODE_ERRORS[counts % 8]

@@ -1,14 +1,15 @@
 // kvzip/gpu/kernels/channel.cu run on the host (emu.h), in the order kvzip/gpu/channel_pack.py
 // launches it, for tests/test_channel_kernels_host.py.  argv: input file, output file; both are
 // records (u64 byte count, bytes).  Input: int64[7] {op (0 encode, 1 decode, 2 the speed mode's
-// auto codebook, 3 the offsets scan alone, 4 the look-back alone), E, M, n, channels, chunk, grid}, then encode and auto:
-// the values; decode: tables, codes, rest, esc_count, sec_count, sec_codes, esc_pos, esc_exp,
-// exp_high; scan: esc_count, sec_count, int64[4] {checked, the three streams' lengths}.  Output:
-// encode: the payload the kernels wrote (into a buffer of 0xAB bytes), then its streams tables,
-// codes, rest, esc_count, sec_count, sec_codes, esc_pos, esc_exp, exp_high;
-// decode: the values, then uint64 error word; auto: kvz_auto_codebook's LUT row (AUTO_LUT_BYTES)
-// and book (16 bytes) of the one tensor (auto_codebook.cu shares SamplePlan and rank_exponents
-// with channel.cu); scan: offsets (int64[3 nchunks]) and result (uint64[4]).
+// auto codebook, 3 the offsets scan alone, 4 the look-back alone), E, M, n, channels, chunk,
+// grid}, then encode and auto: the values; decode: tables, codes, rest, esc_count, sec_count,
+// sec_codes, esc_pos, esc_exp, exp_high; scan: esc_count, sec_count, int64[4] {checked, the three
+// streams' lengths}; look-back: see look_back_probe.  Output: encode: the payload the kernels
+// wrote (into a buffer of 0xAB bytes), then its streams tables, codes, rest, esc_count,
+// sec_count, sec_codes, esc_pos, esc_exp, exp_high; decode: the values, then the uint64 error
+// words of the counts and of the tables; auto: kvz_auto_codebook's LUT row (AUTO_LUT_BYTES) and
+// book (16 bytes) of the one tensor (auto_codebook.cu shares SamplePlan and rank_exponents with
+// channel.cu); scan: offsets (int64[3 nchunks]) and result (uint64[4]).
 #include <chrono>
 
 #include "emu.h"
@@ -66,19 +67,20 @@ static std::vector<Bytes> run(const std::vector<Bytes>& in, long long n, int D, 
     const long long G = cdiv(n, 8), nchunks = cdiv(n, chunk);
     const auto blocks = [&](long long work) { return (int)std::min<long long>(cdiv(work, 8), grid); };
     std::vector<long long> offsets(3 * nchunks + 1);
-    std::vector<u64> result(4);
+    std::vector<u64> result(5);
     const int tiles = (int)std::max<long long>(1, cdiv(nchunks, CH_TILE));
     const bool dec = in.size() > 2;
     std::vector<u8> tables(D * 15);
     std::vector<u16> esc_count(nchunks), sec_count(nchunks);
     // The look-back's words start unpublished: filled with 0xFF bytes where the scan is checked
-    // (decode: one fill with the error word, as channel_pack.decode_many does), zeroed otherwise
-    // (encode: with the histogram); result[0] is the caller's ~0.
+    // (decode: one fill with the error words, as channel_pack.decode_many does), zeroed otherwise
+    // (encode: with the histogram); the error words (result[0], result[4]) are the caller's ~0.
     auto scan_of = [&](const u16* esc, const u16* sec, int checked, long long ns, long long ne, long long nh) {
         std::vector<u64> status(3 * tiles, checked ? ~0ull : 0ull);
-        result[0] = ~0ull;
+        result[0] = result[4] = ~0ull;
         emu_launch(tiles, CH_TILE_THREADS, [&] {
-            kvz_ch_scan(esc, sec, nchunks, n, chunk, HB, checked, ns, ne, nh, status.data(), offsets.data(), result.data());
+            kvz_ch_scan(esc, sec, nchunks, n, chunk, HB, checked, ns, ne, nh, tables.data(), D, status.data(),
+                        offsets.data(), result.data());
         });
     };
     auto scan = [&](int checked, long long ns, long long ne, long long nh) {
@@ -90,6 +92,7 @@ static std::vector<Bytes> run(const std::vector<Bytes>& in, long long n, int D, 
         const std::vector<long long> len = as<long long>(in[3]);  // checked, sec_codes bytes, escapes, exp_high bytes
         scan((int)len[0], len[1], len[2], len[3]);
         offsets.resize(3 * nchunks);
+        result.resize(4);
         return {bytes_of(offsets), bytes_of(result)};
     }
     if (!dec) {
@@ -143,7 +146,7 @@ static std::vector<Bytes> run(const std::vector<Bytes>& in, long long n, int D, 
                                         offsets.data(), sec_codes.data(), esc_pos.data(), esc_exp.data(),
                                         exp_high.data(), n, chunk, nchunks, result.data(), dst.data());
         });
-    return {bytes_of(dst), bytes_of(std::vector<u64>{result[0]})};
+    return {bytes_of(dst), bytes_of(std::vector<u64>{result[0], result[4]})};
 }
 
 int main(int argc, char** argv) {

@@ -170,6 +170,32 @@ def test_forged_blobs_fail_as_on_the_cpu():
     channel_modes.assert_forgeries_fail_as_on_the_cpu(forged_blobs())
 
 
+def test_forged_fp8_tables_fail_on_the_device_as_on_the_cpu():
+    """The scan checks the tables on the device: an E5M2 table entry past 2**5, a repeat, and
+    both (the CPU reports the entry out of range first), alone and in a batch."""
+    bits = kt.kv_like_bits(FORMATS["e5m2"], 3 * 512 * 64, escape_rate=0.01, seed=4).reshape(3, 512, 64)
+    meta, flags, streams = kt.blob_parts(cpu_blob(bits, "e5m2"))
+
+    def with_tables(*edits):
+        out = []
+        for k, dt, b in streams:
+            if k == "tables":
+                b = bytearray(b)
+                for at, v in edits:
+                    b[at] = b[v] if v < 0 else v  # v < 0: copy entry -v (a repeat)
+            out.append((k, dt, bytes(b)))
+        return kt.build_blob(meta, out, flags)
+
+    good = cupy.asarray(np.frombuffer(cpu_blob(bits, "e5m2"), np.uint8))
+    for edits in [((20, 32),), ((31, -30),), ((31, -30), (900, 255))]:
+        blob = with_tables(*edits)
+        want = channel_modes.outcome(blob, False)
+        assert want[0] == "error" and channel_modes.outcome(blob, True) == want, edits
+        with pytest.raises(kvzip.FormatError) as e:
+            kvzip.decompress_many([good, cupy.asarray(np.frombuffer(blob, np.uint8)), good])
+        assert str(e.value) == want[1], edits
+
+
 # ----------------------------------------------------------------------------- batches
 def batch_inputs():
     """A compress_many batch of every kind the batch path meets: real layers, another format,
@@ -186,8 +212,8 @@ def batch_inputs():
 @pytest.mark.parametrize("checksum", [False, True])
 def test_compress_many_gives_each_tensors_cpu_blob(checksum):
     """compress_many of the ratio mode queues every tensor's kernels before one wait: each blob
-    is the CPU's byte for byte, and decompress_many (one copy of the tables, one wait) returns
-    every tensor."""
+    is the CPU's byte for byte, and decompress_many (the tables checked on the device, one wait)
+    returns every tensor."""
     import torch
 
     for dt in ("bf16", "e5m2"):

@@ -34,10 +34,11 @@ __device__ __forceinline__ int count_error(u32 cnt, u32 sec, long long len, int 
 // The offsets scan: tile t is chunks [CH_TILE t, CH_TILE (t + 1)), 8 a thread of CH_TILE_THREADS
 // (its counts loaded as one 16-byte word of each stream: the warp's loads are contiguous).
 // kvz_ch_scan writes offsets[c], offsets[nchunks + c], offsets[2 nchunks + c] (chunk c's first
-// sec_codes byte, escape, exp_high byte) and result (uint64[4]): [0] 8 c + code of the lowest
-// failing chunk (checked, decode: every chunk's count check against the streams' lengths,
-// channel_pack_cpu._decode_offsets's order; then the totals' check, past the last chunk), left
-// at the caller's ~0 where none fails; [1..3] the three totals.
+// sec_codes byte, escape, exp_high byte) and result (uint64[4]; checked, uint64[5]): [0] 8 c +
+// code of the lowest failing chunk (checked, decode: every chunk's count check against the
+// streams' lengths, channel_pack_cpu._decode_offsets's order; then the totals' check, past the
+// last chunk), left at the caller's ~0 where none fails; [1..3] the three totals; [4] (checked)
+// the tables' check, as [0] left at ~0 where they are sound.
 
 // fn(c, esc count, sec count, groups, sizes) for this thread's chunks of the tile, in order.
 template <typename F>
@@ -89,20 +90,43 @@ __device__ __forceinline__ u64 tile_look_back(u64* status, long long tile, u64 m
     return look_back<true>(status, tile, mine, lane);
 }
 
+// channel_codebook.check_tables on one channel's table: 1 (TABLE_OUT_OF_RANGE) where an entry is
+// not an exponent of the format, else 2 (TABLE_REPEAT) where one repeats, else 0.
+__device__ __forceinline__ int table_error(const u8* __restrict__ row, int E) {
+    u32 e[CH_WIDTH], outside = 0, repeat = 0;
+#pragma unroll
+    for (int i = 0; i < CH_WIDTH; i++) {
+        e[i] = row[i];
+        outside |= e[i] >> E;
+#pragma unroll
+        for (int j = 0; j < i; j++) repeat |= e[j] == e[i];
+    }
+    return outside ? 1 : repeat ? 2 : 0;
+}
+
 // grid: exactly a block a tile.  One pass: a tile sums its chunks' sizes, learns the sizes of the
 // tiles before it by a decoupled look-back (common.cuh's look_back, once for each of the three
 // streams: status[k * ntiles + t], every word unpublished at the launch, i.e. the whole array
 // zeroed or filled with 0xFF bytes) and writes its chunks' offsets; the last tile writes the totals
 // (result[1..3]).  A tile waits only on lower tiles, which the GPU dispatches first, so every wait
 // ends.  checked (decode): the count checks, against the streams' lengths n_sec, n_pos, n_high,
-// into result[0] (which the caller sets to ~0) by atomicMin; the totals' check is the last tile's.
+// into result[0] (which the caller sets to ~0) by atomicMin, the totals' check the last tile's;
+// and block 0 checks the tables (channels of CH_WIDTH entries), the lowest finding in result[4]
+// (the caller's ~0 where all are sound), so the host needs no copy of them.
 __global__ void __launch_bounds__(CH_TILE_THREADS) kvz_ch_scan(const u16* __restrict__ esc_count,
                                                                const u16* __restrict__ sec_count, long long nchunks,
                                                                long long n, int chunk, int HB, int checked,
                                                                long long n_sec, long long n_pos, long long n_high,
+                                                               const u8* __restrict__ tables, int channels,
                                                                u64* __restrict__ status, long long* __restrict__ offsets,
                                                                u64* __restrict__ result) {
     __shared__ long long part[CH_TILE_THREADS / 32];
+    if (checked && blockIdx.x == 0) {
+        for (int d = threadIdx.x; d < channels; d += blockDim.x) {
+            const int code = table_error(tables + d * CH_WIDTH, HB + 3);
+            if (code) atomicMin(reinterpret_cast<unsigned long long*>(result + 4), (u64)code);
+        }
+    }
     __shared__ long long before[3];  // the tiles before this one: sec_codes bytes, escapes, exp_high bytes
     ChunkSizes mine = {0, 0, 0};
     each_tile_chunk(esc_count, sec_count, nchunks, n, chunk, HB, [&](long long, u32, u32, int, const ChunkSizes& s) {
