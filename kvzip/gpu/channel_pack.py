@@ -87,6 +87,7 @@ class _Workspace:
         self._at = {name: base + off for name, off in zip(nbytes, offsets)}
         self.result = None  # the device address of the call's 4 result words
         self.src = None     # the (aligned) values the kernels read
+        self.tables = None  # a calibration's tables on the device (_device_tables), where given
 
     def ptr(self, name: str):
         return np.uint64(self._at[name])
@@ -95,8 +96,9 @@ class _Workspace:
 def _launch_encode(src, n: int, fmt, channels: int, chunk: int, payload: int, result=None, tables=None) -> _Workspace:
     """Queue the encode of the n values src (1-D CuPy array of fmt's unsigned dtype) into the
     payload at device address `payload` (payload_bound bytes, 16-byte aligned): the tables from
-    the values (or `tables`, the host's uint8[channels * TABLE_WIDTH] of a calibration, copied
-    up), the encode, the offsets scan, then the compaction, on the current stream.  The three
+    the values (or `tables`, the host's uint8[channels * TABLE_WIDTH] of a calibration, on the
+    device once per content: _device_tables), the encode, the offsets scan, then the compaction,
+    on the current stream.  The three
     totals (sec_codes bytes, escapes, exp_high bytes: the streams' lengths, payload_layout) land
     in words 1..3 of `result` (the device address of 4 uint64; None: the workspace's own).
     Returns the workspace, which must stay alive until the stream has run the kernels."""
@@ -107,7 +109,7 @@ def _launch_encode(src, n: int, fmt, channels: int, chunk: int, payload: int, re
     full_cap, tiles = HB * gpc // 3, _tiles(nchunks)
     fixed = payload_layout(n, fmt, channels, chunk)[0]  # codes, rest and esc_count: placed whatever the counts
     # hist and status first, side by side: one memset zeroes both
-    ws = _Workspace(status=8 * 3 * tiles, hist=4 * (channels << E), tables=TABLE_WIDTH * channels,
+    ws = _Workspace(status=8 * 3 * tiles, hist=4 * (channels << E), tables=TABLE_WIDTH * channels if tables is None else 0,
                     sec_count=2 * nchunks, sec_slots=4 * nchunks * (-(-CODE_BITS * chunk // 32)),
                     pos_slots=2 * nchunks * full_cap, exp_slots=nchunks * full_cap, high_slots=HB * G,
                     offsets=8 * 3 * nchunks, result=0 if result is not None else 8 * 4)
@@ -117,23 +119,36 @@ def _launch_encode(src, n: int, fmt, channels: int, chunk: int, payload: int, re
     stream = cp.cuda.get_current_stream().ptr
     zeroed = int(ws.ptr("hist")) + (4 * (channels << E) if tables is None else 0) - int(ws.ptr("status"))
     cp.cuda.runtime.memsetAsync(int(ws.ptr("status")), 0, zeroed, stream)  # the scan's look-back words (and hist)
-    if tables is not None:  # a pageable source: the copy has read it when the call returns
-        tables = np.ascontiguousarray(tables, np.uint8)
-        cp.cuda.runtime.memcpyAsync(int(ws.ptr("tables")), tables.ctypes.data, tables.nbytes,
-                                    cp.cuda.runtime.memcpyHostToDevice, stream)
+    if tables is not None:
+        ws.tables = _device_tables(np.ascontiguousarray(tables, np.uint8).tobytes(), cp.cuda.Device().id)
+        at["tables"] = np.uint64(ws.tables.data.ptr)
     else:
+        at["tables"] = ws.ptr("tables")
         _launch("histogram", fmt, sample_plan(n).blocks, THREADS, (src, np.int64(n), np.int32(channels), ws.ptr("hist")))
-        _launch("tables", fmt, channels, THREADS, (ws.ptr("hist"), ws.ptr("tables")))
+        _launch("tables", fmt, channels, THREADS, (ws.ptr("hist"), at["tables"]))
     _launch("encode", fmt, -(-nchunks // WARPS), THREADS,
-            (src, np.int64(n), np.int32(channels), ws.ptr("tables"), np.int32(chunk), np.int64(nchunks), at["codes"],
+            (src, np.int64(n), np.int32(channels), at["tables"], np.int32(chunk), np.int64(nchunks), at["codes"],
              at["rest"], at["esc_count"], ws.ptr("sec_count"), ws.ptr("sec_slots"), ws.ptr("pos_slots"),
              ws.ptr("exp_slots"), ws.ptr("high_slots")), shared=channels << E)
     _scan(at["esc_count"], ws.ptr("sec_count"), nchunks, n, fmt, chunk, ws.ptr("status"), ws.ptr("offsets"), ws.result)
     _launch("compact", fmt, max(1, -(-nchunks // WARPS)), THREADS,
             (ws.ptr("sec_count"), np.int64(nchunks), np.int64(n), np.int32(chunk), np.int32(HB),
              np.int32(fmt.rest_bits), np.int32(channels), ws.ptr("offsets"), ws.ptr("sec_slots"), ws.ptr("pos_slots"),
-             ws.ptr("exp_slots"), ws.ptr("high_slots"), ws.ptr("tables"), ws.result, np.uint64(payload)))
+             ws.ptr("exp_slots"), ws.ptr("high_slots"), at["tables"], ws.result, np.uint64(payload)))
     return ws
+
+
+@lru_cache(maxsize=32)
+def _device_tables(content: bytes, device: int):
+    """A calibration's tables stream on `device`, copied up once per content (a ChannelCodebook
+    never changes).  A copy from pageable memory at every call may also wait for the stream's
+    earlier work (CUDA's API synchronisation notes: the driver may synchronise with the stream
+    to stage such a copy), which would serialise a batch's tensors with the host."""
+    cp = cupy()
+    with cp.cuda.Device(device):
+        out = cp.asarray(np.frombuffer(content, np.uint8))
+        cp.cuda.get_current_stream().synchronize()  # in place before any stream's kernels read it
+    return out
 
 
 def _encode_into(src, n: int, fmt, channels: int, chunk: int, payload: int, tables=None) -> tuple[int, int, int]:
