@@ -383,6 +383,11 @@ def cuh() -> str:
         if FIELD.get(f.name) is None:  # those it shares with version 1 are above
             lines.append(f"#define KVZ_COMPACT_{f.name.upper()}_AT {f.offset}")
             lines.append(f"#define KVZ_COMPACT_{f.name.upper()}_SIZE {f.size}")
+    lines += ["", "// Version 3, the ratio mode's header: version 2's fields up to ndim, then these; the same size."]
+    for f in RATIO_FIELDS:
+        if COMPACT_FIELD.get(f.name) is None:
+            lines.append(f"#define KVZ_RATIO_{f.name.upper()}_AT {f.offset}")
+            lines.append(f"#define KVZ_RATIO_{f.name.upper()}_SIZE {f.size}")
     lines.append("")
     return "\n".join(lines)
 

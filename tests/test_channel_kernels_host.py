@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from cuda_host import harness
 
+import kvzip
 from kvzip import channel_codebook as cc
-from kvzip import layout
+from kvzip import container, layout
 from kvzip import testing as kt
 from kvzip.bitlogic import PLANE
 from kvzip.errors import FormatError
@@ -108,6 +109,24 @@ def test_kernels_give_the_reference_streams_and_decode_them(exe, tmp_path, name,
     assert payload == spec_payload(want)  # every padding byte written, and written 0
     back, code = device_decode(exe, tmp_path, want, n, fmt, channels, chunk)
     assert code == 0 and np.array_equal(back, bits)
+
+
+@pytest.mark.parametrize("name,n,channels,chunk,kind", [("bf16", 5 * 4096 + 64, 64, 4096, "kv"),
+                                                       ("e5m2", 3 * 4096, 128, 32768, "kv"),
+                                                       ("fp16", 3 * 2048, 64, 2048, "kv"), ("bf16", 1 << 12, 2, 8, "kv")])
+def test_compaction_writes_the_blobs_header(exe, tmp_path, name, n, channels, chunk, kind):
+    """Given the tensor's version-3 header with any counts (a template), the compaction writes the
+    blob's header in front of the payload: the CPU blob's, counts set and CRC sealed."""
+    fmt = FORMATS[name]
+    bits = values(fmt, n, kind, seed=n)
+    blob = bytes(kvzip.compress(bits.reshape(-1, channels), dtype=name, mode="ratio", chunk=chunk, backend="cpu",
+                                checksum=False))
+    assert layout.version_of(blob) == layout.RATIO_VERSION
+    H = layout.COMPACT_SIZE
+    template = container.with_counts(blob[:H], 12345, 678, 9)  # other counts, other CRC
+    out = call(exe, tmp_path, 5, fmt, n, channels, chunk, [bits, np.frombuffer(template, np.uint8)])
+    assert out[0] == blob[H:]  # the payload, as before
+    assert out[-1] == blob[:H]
 
 
 def test_cases_cover_plane_coding_escapes_and_second_level():

@@ -87,18 +87,23 @@ class _Workspace:
         self._at = {name: base + off for name, off in zip(nbytes, offsets)}
         self.result = None  # the device address of the call's 4 result words
         self.src = None     # the (aligned) values the kernels read
-        self.tables = None  # a calibration's tables on the device (_device_tables), where given
+        self.tables = None  # a calibration's tables on the device (_on_device), where given
+        self.head = np.uint64(0)  # the header template's device address (0: none), kept below
+        self.head_bytes = None
 
     def ptr(self, name: str):
         return np.uint64(self._at[name])
 
 
-def _launch_encode(src, n: int, fmt, channels: int, chunk: int, payload: int, result=None, tables=None) -> _Workspace:
+def _launch_encode(src, n: int, fmt, channels: int, chunk: int, payload: int, result=None, tables=None,
+                   head: bytes | None = None) -> _Workspace:
     """Queue the encode of the n values src (1-D CuPy array of fmt's unsigned dtype) into the
     payload at device address `payload` (payload_bound bytes, 16-byte aligned): the tables from
     the values (or `tables`, the host's uint8[channels * TABLE_WIDTH] of a calibration, on the
-    device once per content: _device_tables), the encode, the offsets scan, then the compaction,
-    on the current stream.  The three
+    device once per content: _on_device), the encode, the offsets scan, then the compaction,
+    on the current stream; with `head` (a version-3 header of this tensor without a payload
+    checksum, any counts), the compaction also writes the blob's header, counts set and sealed,
+    in the len(head) bytes before the payload.  The three
     totals (sec_codes bytes, escapes, exp_high bytes: the streams' lengths, payload_layout) land
     in words 1..3 of `result` (the device address of 4 uint64; None: the workspace's own).
     Returns the workspace, which must stay alive until the stream has run the kernels."""
@@ -119,8 +124,11 @@ def _launch_encode(src, n: int, fmt, channels: int, chunk: int, payload: int, re
     stream = cp.cuda.get_current_stream().ptr
     zeroed = int(ws.ptr("hist")) + (4 * (channels << E) if tables is None else 0) - int(ws.ptr("status"))
     cp.cuda.runtime.memsetAsync(int(ws.ptr("status")), 0, zeroed, stream)  # the scan's look-back words (and hist)
+    if head is not None:
+        ws.head_bytes = _on_device(head, cp.cuda.Device().id)
+        ws.head = np.uint64(ws.head_bytes.data.ptr)
     if tables is not None:
-        ws.tables = _device_tables(np.ascontiguousarray(tables, np.uint8).tobytes(), cp.cuda.Device().id)
+        ws.tables = _on_device(np.ascontiguousarray(tables, np.uint8).tobytes(), cp.cuda.Device().id)
         at["tables"] = np.uint64(ws.tables.data.ptr)
     else:
         at["tables"] = ws.ptr("tables")
@@ -134,16 +142,17 @@ def _launch_encode(src, n: int, fmt, channels: int, chunk: int, payload: int, re
     _launch("compact", fmt, max(1, -(-nchunks // WARPS)), THREADS,
             (ws.ptr("sec_count"), np.int64(nchunks), np.int64(n), np.int32(chunk), np.int32(HB),
              np.int32(fmt.rest_bits), np.int32(channels), ws.ptr("offsets"), ws.ptr("sec_slots"), ws.ptr("pos_slots"),
-             ws.ptr("exp_slots"), ws.ptr("high_slots"), at["tables"], ws.result, np.uint64(payload)))
+             ws.ptr("exp_slots"), ws.ptr("high_slots"), at["tables"], ws.result, np.uint64(payload), ws.head))
     return ws
 
 
-@lru_cache(maxsize=32)
-def _device_tables(content: bytes, device: int):
-    """A calibration's tables stream on `device`, copied up once per content (a ChannelCodebook
-    never changes).  A copy from pageable memory at every call may also wait for the stream's
-    earlier work (CUDA's API synchronisation notes: the driver may synchronise with the stream
-    to stage such a copy), which would serialise a batch's tensors with the host."""
+@lru_cache(maxsize=64)
+def _on_device(content: bytes, device: int):
+    """Bytes the kernels read, on `device`, copied up once per content: a calibration's tables
+    (a ChannelCodebook never changes), a tensor shape's header template.  A copy from pageable
+    memory at every call may also wait for the stream's earlier work (CUDA's API synchronisation
+    notes: the driver may synchronise with the stream to stage such a copy), which would
+    serialise a batch's tensors with the host."""
     cp = cupy()
     with cp.cuda.Device(device):
         out = cp.asarray(np.frombuffer(content, np.uint8))
@@ -175,8 +184,9 @@ def encode(src, n: int, fmt, channels: int, chunk: int, tables=None) -> dict:
 
 def encode_blob(src, n: int, fmt, channels: int, chunk: int, head: bytes, checksum: bool, tables=None):
     """(the blob, its payload's length) of the n values src under the version-3 header `head`
-    (container.compact_header's for this tensor, any counts): the kernels write the payload in
-    place behind the header, whose counts (and checksum) are then set; the blob is a view of a
+    (container.compact_header's for this tensor, any counts, its checksum field 0): the kernels
+    write the payload in place behind the header and, without a checksum, the header with its
+    counts set (kvz_ch_compact); with one, the host sets counts and checksum after the wait; the blob is a view of a
     buffer of payload_bound's size, as the speed mode's blobs are of theirs.  tables: as encode's."""
     return encode_blobs([(src, n, fmt, channels, chunk, head, checksum, tables)])[0]
 
@@ -194,20 +204,23 @@ def encode_blobs(jobs: list) -> list[tuple]:
         results = cp.empty((len(jobs) - start, 4), cp.uint64)
         held, scratch, end = [], 0, start
         while end < len(jobs) and (end == start or scratch < SCRATCH_PER_WAIT):
-            src, n, fmt, channels, chunk, head, _, tables = jobs[end]
+            src, n, fmt, channels, chunk, head, checksum, tables = jobs[end]
             buf = cp.empty(len(head) + payload_bound(n, fmt, channels, chunk), cp.uint8)
+            on_device = not checksum and len(head) == layout.COMPACT_SIZE  # else the host writes it
             ws = _launch_encode(src, n, fmt, channels, chunk, buf.data.ptr + len(head),
-                                results.data.ptr + 32 * (end - start), tables)
-            held.append((buf, ws))
+                                results.data.ptr + 32 * (end - start), tables, head if on_device else None)
+            held.append((buf, ws, on_device))
             scratch += ws.memory.nbytes
             end += 1
         totals = results.get()  # the one wait: every tensor's streams' lengths
-        for (buf, _), row, (_, n, fmt, channels, chunk, head, checksum, _) in zip(held, totals, jobs[start:end]):
+        for (buf, _, on_device), row, (_, n, fmt, channels, chunk, head, checksum, _) in zip(held, totals,
+                                                                                              jobs[start:end]):
             ns, ne, nh = (int(x) for x in row[1:])
             H, payload = len(head), payload_layout(n, fmt, channels, chunk, ns, ne, nh)[1]
             blob = buf[:H + payload]
-            total = sum64(cp, blob[H:]) if checksum else 0
-            buf[:H].set(np.frombuffer(container.with_counts(head, ne, nh, ns, checksum=total), np.uint8))
+            if not on_device or max(ns, ne, nh) >> 32:  # a count the header cannot hold: with_counts says so
+                total = sum64(cp, blob[H:]) if checksum else 0
+                buf[:H].set(np.frombuffer(container.with_counts(head, ne, nh, ns, checksum=total), np.uint8))
             out.append((blob, payload))
         start = end
     return out

@@ -1,12 +1,13 @@
 // kvzip/gpu/kernels/channel.cu run on the host (emu.h), in the order kvzip/gpu/channel_pack.py
 // launches it, for tests/test_channel_kernels_host.py.  argv: input file, output file; both are
 // records (u64 byte count, bytes).  Input: int64[7] {op (0 encode, 1 decode, 2 the speed mode's
-// auto codebook, 3 the offsets scan alone, 4 the look-back alone), E, M, n, channels, chunk,
-// grid}, then encode and auto: the values; decode: tables, codes, rest, esc_count, sec_count,
-// sec_codes, esc_pos, esc_exp, exp_high; scan: esc_count, sec_count, int64[4] {checked, the three
-// streams' lengths}; look-back: see look_back_probe.  Output: encode: the payload the kernels
-// wrote (into a buffer of 0xAB bytes), then its streams tables, codes, rest, esc_count,
-// sec_count, sec_codes, esc_pos, esc_exp, exp_high; decode: the values, then the uint64 error
+// auto codebook, 3 the offsets scan alone, 4 the look-back alone, 5 encode with a header
+// template), E, M, n, channels, chunk, grid}, then encode and auto: the values (op 5: then the
+// template); decode: tables, codes, rest, esc_count, sec_count, sec_codes, esc_pos, esc_exp,
+// exp_high; scan: esc_count, sec_count, int64[4] {checked, the three streams' lengths};
+// look-back: see look_back_probe.  Output: encode: the payload the kernels wrote (into a buffer
+// of 0xAB bytes), then its streams tables, codes, rest, esc_count, sec_count, sec_codes, esc_pos,
+// esc_exp, exp_high (op 5: then the blob's header); decode: the values, then the uint64 error
 // words of the counts and of the tables; auto: kvz_auto_codebook's LUT row (AUTO_LUT_BYTES) and
 // book (16 bytes) of the one tensor (auto_codebook.cu shares SamplePlan and rank_exponents with
 // channel.cu); scan: offsets (int64[3 nchunks]) and result (uint64[4]).
@@ -69,7 +70,8 @@ static std::vector<Bytes> run(const std::vector<Bytes>& in, long long n, int D, 
     std::vector<long long> offsets(3 * nchunks + 1);
     std::vector<u64> result(5);
     const int tiles = (int)std::max<long long>(1, cdiv(nchunks, CH_TILE));
-    const bool dec = in.size() > 2;
+    const long long op = as<long long>(in[0])[0];
+    const bool dec = op == 1;
     std::vector<u8> tables(D * 15);
     std::vector<u16> esc_count(nchunks), sec_count(nchunks);
     // The look-back's words start unpublished: filled with 0xFF bytes where the scan is checked
@@ -107,30 +109,37 @@ static std::vector<Bytes> run(const std::vector<Bytes>& in, long long n, int D, 
         // places the layout rule gives them, the rest after the scan (ch_payload).
         const auto up = [](long long x) { return (x + 15) & ~15ll; };
         const long long at_rest = up(3 * G), at_esc = up(at_rest + R * G);
-        std::vector<u8> payload(up(at_esc + 2 * nchunks) + HB * G + 64 + 2 * up(2 * nchunks) + 16 * D + 64, 0xAB);
-        u16* esc = reinterpret_cast<u16*>(payload.data() + at_esc);
+        // The blob: its header's KVZ_COMPACT_SIZE bytes (written by the compaction with a template,
+        // op 5), then the payload.
+        std::vector<u8> blob(KVZ_COMPACT_SIZE + up(at_esc + 2 * nchunks) + HB * G + 64 + 2 * up(2 * nchunks) + 16 * D + 64,
+                             0xAB);
+        u8* payload = blob.data() + KVZ_COMPACT_SIZE;
+        const std::vector<u8> head_tmpl = op == 5 ? as<u8>(in[2]) : std::vector<u8>();
+        u16* esc = reinterpret_cast<u16*>(payload + at_esc);
         std::vector<u8> exp_slots(nchunks * (HB * gpc / 3) + 1), high_slots(HB * G + 1);
         std::vector<u16> pos_slots(nchunks * (HB * gpc / 3) + 1);
         std::vector<u32> sec_slots(nchunks * cdiv(3 * chunk, 32) + 1);
         if (nchunks)
             emu_launch(blocks(nchunks), 256, [&] {
-                kvz_ch_encode<E, M, T, GPL>(src.data(), n, D, tables.data(), chunk, nchunks, payload.data(),
-                                            payload.data() + at_rest, esc, sec_count.data(), sec_slots.data(),
+                kvz_ch_encode<E, M, T, GPL>(src.data(), n, D, tables.data(), chunk, nchunks, payload,
+                                            payload + at_rest, esc, sec_count.data(), sec_slots.data(),
                                             pos_slots.data(), exp_slots.data(), high_slots.data());
             });
         scan_of(esc, sec_count.data(), 0, 0, 0, 0);
         emu_launch(std::max(1, blocks(nchunks)), 256, [&] {
             kvz_ch_compact(sec_count.data(), nchunks, n, chunk, HB, R, D, offsets.data(), sec_slots.data(),
                            pos_slots.data(), exp_slots.data(), high_slots.data(), tables.data(), result.data(),
-                           payload.data());
+                           payload, head_tmpl.empty() ? nullptr : head_tmpl.data());
         });
         const ChPayload p = ch_payload(n, R, nchunks, D, result.data());
-        if (p.at[CH_STREAMS] > (long long)payload.size()) return {};
-        payload.resize(p.at[CH_STREAMS]);
-        const auto stream = [&](int k) { return Bytes(payload.begin() + p.at[k], payload.begin() + p.at[k] + p.len[k]); };
+        if (KVZ_COMPACT_SIZE + p.at[CH_STREAMS] > (long long)blob.size()) return {};
+        const auto bytes = [&](long long at, long long len) { return Bytes(payload + at, payload + at + len); };
+        const auto stream = [&](int k) { return bytes(p.at[k], p.len[k]); };
         // payload order: codes, rest, esc_count, esc_pos, esc_exp, exp_high, sec_codes, sec_count, tables
-        return {bytes_of(payload), stream(8), stream(0), stream(1), stream(2), stream(7), stream(6), stream(3), stream(4),
-                stream(5)};
+        std::vector<Bytes> out = {bytes(0, p.at[CH_STREAMS]), stream(8), stream(0), stream(1), stream(2), stream(7),
+                                  stream(6), stream(3), stream(4), stream(5)};
+        if (op == 5) out.push_back(Bytes(blob.begin(), blob.begin() + KVZ_COMPACT_SIZE));
+        return out;
     }
     tables = as<u8>(in[1]);
     const std::vector<u8> codes = as<u8>(in[2]), rest = as<u8>(in[3]);

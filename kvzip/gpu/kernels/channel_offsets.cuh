@@ -188,11 +188,42 @@ __device__ __forceinline__ ChPayload ch_payload(long long n, int R, long long nc
     return p;
 }
 
+// The blob's version-3 header in front of its payload, as container.with_counts writes it: the
+// host's template for this tensor (KVZ_COMPACT_SIZE bytes, any counts) with the totals as its
+// counts (escapes = result[2], high_bytes = result[3], second_bytes = result[1]; each below 2^32,
+// which the host checks once it has them) and zlib's CRC-32 of it, the CRC field zero, sealed in.
+// Its checksum field is the template's (0: a blob with a payload checksum gets its header from
+// the host).  By one whole block (it synchronises).
+__device__ void seal_ratio_header(const u8* __restrict__ tmpl, const u64* __restrict__ result, u8* __restrict__ out) {
+    __shared__ u32 crc_table[256];
+    __shared__ u8 h[KVZ_COMPACT_SIZE];
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        u32 c = (u32)i;
+        for (int k = 0; k < 8; k++) c = c & 1u ? (c >> 1) ^ 0xEDB88320u : c >> 1;
+        crc_table[i] = c;
+    }
+    for (int i = threadIdx.x; i < KVZ_COMPACT_SIZE; i += blockDim.x) h[i] = tmpl[i];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u32 fields[4][2] = {{KVZ_COMPACT_ESCAPES_AT, (u32)result[2]}, {KVZ_COMPACT_HIGH_BYTES_AT, (u32)result[3]},
+                                  {KVZ_RATIO_SECOND_BYTES_AT, (u32)result[1]}, {KVZ_HEADER_CRC_AT, 0u}};
+        for (int f = 0; f < 4; f++)
+            for (int k = 0; k < 4; k++) h[fields[f][0] + k] = (u8)(fields[f][1] >> (8 * k));
+        u32 crc = 0xFFFFFFFFu;
+        for (int i = 0; i < KVZ_COMPACT_SIZE; i++) crc = crc_table[(crc ^ h[i]) & 0xFFu] ^ (crc >> 8);
+        crc = ~crc;
+        for (int k = 0; k < 4; k++) h[KVZ_HEADER_CRC_AT + k] = (u8)(crc >> (8 * k));
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < KVZ_COMPACT_SIZE; i += blockDim.x) out[i] = h[i];
+}
+
 // grid-stride over chunks, a warp a chunk, at least one block: completes the payload whose codes,
 // rest and esc_count kvz_ch_encode wrote in place.  Each chunk's runs move from their slots to the
 // offsets kvz_ch_scan found, inside the variable streams' places, which follow from the totals
 // (result[1..3]); each chunk's sec_count goes in from the encoder's; block 0 copies the tables and
-// zeroes every padding byte (between the streams and after the last).
+// zeroes every padding byte (between the streams and after the last); with head_tmpl, block 0
+// also writes the blob's header in the KVZ_COMPACT_SIZE bytes before the payload (seal_ratio_header).
 __global__ void __launch_bounds__(WARPS * 32) kvz_ch_compact(const u16* __restrict__ sec_count, long long nchunks,
                                                              long long n, int chunk, int HB, int R, int channels,
                                                              const long long* __restrict__ offsets,
@@ -201,7 +232,8 @@ __global__ void __launch_bounds__(WARPS * 32) kvz_ch_compact(const u16* __restri
                                                              const u8* __restrict__ exp_slots,
                                                              const u8* __restrict__ high_slots,
                                                              const u8* __restrict__ tables,
-                                                             const u64* __restrict__ result, u8* __restrict__ payload) {
+                                                             const u64* __restrict__ result, u8* __restrict__ payload,
+                                                             const u8* __restrict__ head_tmpl) {
     const int lane = threadIdx.x & 31;
     const int gpc = chunk >> 3, full_cap = (HB * gpc) / 3, slot_words = (3 * chunk + 31) >> 5;
     const long long G = (n + 7) >> 3;
@@ -214,6 +246,7 @@ __global__ void __launch_bounds__(WARPS * 32) kvz_ch_compact(const u16* __restri
         for (int k = threadIdx.x; k < CH_WIDTH * channels; k += blockDim.x) payload[p.at[8] + k] = tables[k];
         for (int s = 0; s < CH_STREAMS; s++)
             for (long long b = p.at[s] + p.len[s] + threadIdx.x; b < p.at[s + 1]; b += blockDim.x) payload[b] = 0;
+        if (head_tmpl) seal_ratio_header(head_tmpl, result, payload - KVZ_COMPACT_SIZE);
     }
     for (long long c = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); c < nchunks; c += (long long)gridDim.x * WARPS) {
         const u32 cnt = esc_count[c], sec = sec_count[c];

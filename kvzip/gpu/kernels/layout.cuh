@@ -70,3 +70,11 @@ static_assert(KVZ_RESERVED_AT % KVZ_RESERVED_SIZE == 0, "reserved is aligned to 
 #define KVZ_COMPACT_CODEBOOK_SOURCE_SIZE 1
 #define KVZ_COMPACT_CODEBOOK_AT 48
 #define KVZ_COMPACT_CODEBOOK_SIZE 16
+
+// Version 3, the ratio mode's header: version 2's fields up to ndim, then these; the same size.
+#define KVZ_RATIO_RESERVED_AT 47
+#define KVZ_RATIO_RESERVED_SIZE 1
+#define KVZ_RATIO_SECOND_BYTES_AT 48
+#define KVZ_RATIO_SECOND_BYTES_SIZE 4
+#define KVZ_RATIO_TAIL_AT 52
+#define KVZ_RATIO_TAIL_SIZE 12
