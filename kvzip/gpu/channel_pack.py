@@ -88,8 +88,8 @@ class _Workspace:
         self.result = None  # the device address of the call's 4 result words
         self.src = None     # the (aligned) values the kernels read
         self.tables = None  # a calibration's tables on the device (_on_device), where given
-        self.head = np.uint64(0)  # the header template's device address (0: none), kept below
-        self.head_bytes = None
+        self.head_tmpl = None  # the blob header's template on the device (_on_device), where given
+        self.head = np.uint64(0)  # its address (0: none)
 
     def ptr(self, name: str):
         return np.uint64(self._at[name])
@@ -125,8 +125,8 @@ def _launch_encode(src, n: int, fmt, channels: int, chunk: int, payload: int, re
     zeroed = int(ws.ptr("hist")) + (4 * (channels << E) if tables is None else 0) - int(ws.ptr("status"))
     cp.cuda.runtime.memsetAsync(int(ws.ptr("status")), 0, zeroed, stream)  # the scan's look-back words (and hist)
     if head is not None:
-        ws.head_bytes = _on_device(head, cp.cuda.Device().id)
-        ws.head = np.uint64(ws.head_bytes.data.ptr)
+        ws.head_tmpl = _on_device(head, cp.cuda.Device().id)
+        ws.head = np.uint64(ws.head_tmpl.data.ptr)
     if tables is not None:
         ws.tables = _on_device(np.ascontiguousarray(tables, np.uint8).tobytes(), cp.cuda.Device().id)
         at["tables"] = np.uint64(ws.tables.data.ptr)
@@ -186,8 +186,9 @@ def encode_blob(src, n: int, fmt, channels: int, chunk: int, head: bytes, checks
     """(the blob, its payload's length) of the n values src under the version-3 header `head`
     (container.compact_header's for this tensor, any counts, its checksum field 0): the kernels
     write the payload in place behind the header and, without a checksum, the header with its
-    counts set (kvz_ch_compact); with one, the host sets counts and checksum after the wait; the blob is a view of a
-    buffer of payload_bound's size, as the speed mode's blobs are of theirs.  tables: as encode's."""
+    counts set (kvz_ch_compact); with one, the host sets counts and checksum after the wait.
+    The blob is a view of a buffer of payload_bound's size, as the speed mode's blobs are of
+    theirs.  tables: as encode's."""
     return encode_blobs([(src, n, fmt, channels, chunk, head, checksum, tables)])[0]
 
 
@@ -279,8 +280,8 @@ def decode_many(jobs: list) -> list[tuple]:
                  s["sec_codes"], s["esc_pos"], s["esc_exp"], s["exp_high"], np.int64(n), np.int32(chunk),
                  np.int64(nchunks[k]), result, dst))
         dsts.append(dst)
-    words = results.get()  # the one wait
-    return [(dst, _error(int(row[0]), int(row[4]), fmt)) for dst, row, (_, _, fmt, _, _) in zip(dsts, words, jobs)]
+    rows = results.get()  # the one wait
+    return [(dst, _error(int(row[0]), int(row[4]), fmt)) for dst, row, (_, _, fmt, _, _) in zip(dsts, rows, jobs)]
 
 
 def _error(counts: int, tables: int, fmt) -> str | None:
