@@ -105,8 +105,8 @@ __device__ __forceinline__ int table_error(const u8* __restrict__ row, int E) {
 }
 
 // grid: exactly a block a tile.  One pass: a tile sums its chunks' sizes, learns the sizes of the
-// tiles before it by a decoupled look-back (common.cuh's look_back, once for each of the three
-// streams: status[k * ntiles + t], every word unpublished at the launch, i.e. the whole array
+// tiles before it by a decoupled look-back (common.cuh's look_back, warp k on stream k of the
+// three: status[k * ntiles + t], every word unpublished at the launch, i.e. the whole array
 // zeroed or filled with 0xFF bytes) and writes its chunks' offsets; the last tile writes the totals
 // (result[1..3]).  A tile waits only on lower tiles, which the GPU dispatches first, so every wait
 // ends.  checked (decode): the count checks, against the streams' lengths n_sec, n_pos, n_high,
@@ -135,11 +135,11 @@ __global__ void __launch_bounds__(CH_TILE_THREADS) kvz_ch_scan(const u16* __rest
     long long tile[3];
     ChunkSizes at = {block_exclusive_sum(mine.sec, part, &tile[0]), block_exclusive_sum(mine.esc, part, &tile[1]),
                      block_exclusive_sum(mine.high, part, &tile[2])};
-    if (threadIdx.x < 32) {
-        for (int k = 0; k < 3; k++) {
-            const u64 p = tile_look_back(status + (long long)k * gridDim.x, blockIdx.x, (u64)tile[k], threadIdx.x);
-            if (threadIdx.x == 0) before[k] = (long long)p;
-        }
+    if (threadIdx.x < 3 * 32) {  // warp k looks back on stream k: the three at once
+        const int k = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const long long own = k == 0 ? tile[0] : k == 1 ? tile[1] : tile[2];  // no local-memory array
+        const u64 p = tile_look_back(status + (long long)k * gridDim.x, blockIdx.x, (u64)own, lane);
+        if (lane == 0) before[k] = (long long)p;
     }
     __syncthreads();
     at.sec += before[0]; at.esc += before[1]; at.high += before[2];
