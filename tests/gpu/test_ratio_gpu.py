@@ -190,7 +190,8 @@ def test_forged_fp8_tables_fail_on_the_device_as_on_the_cpu():
     for edits in [((20, 32),), ((31, -30),), ((31, -30), (900, 255))]:
         blob = with_tables(*edits)
         want = channel_modes.outcome(blob, False)
-        assert want[0] == "error" and channel_modes.outcome(blob, True) == want, edits
+        assert want[0] == "error" and "channel table" in want[1], (edits, want)
+        assert channel_modes.outcome(blob, True) == want, edits
         with pytest.raises(kvzip.FormatError) as e:
             kvzip.decompress_many([good, cupy.asarray(np.frombuffer(blob, np.uint8)), good])
         assert str(e.value) == want[1], edits
