@@ -275,10 +275,11 @@ def test_offsets_scan_over_many_tiles(exe, tmp_path):
 
 @pytest.mark.parametrize("fill", [0, 2**64 - 1])
 def test_look_back_waits_for_every_word_it_needs(exe, tmp_path, fill):
-    """The scan's look-back (channel_offsets.cuh's tile_look_back) over words that start zeroed or as 0xFF
-    bytes and are published while it waits, out of order: aggregates (flag 1) of every tile
-    before it, inclusive prefixes (flag 2) of a few, the window of 32 stepped back twice.  The
-    prefix is the tiles' sum whichever inclusive word it stops at, and it publishes its own."""
+    """The scan's look-back (channel_offsets.cuh's tile_look_back) over words that start zeroed
+    or as 0xFF bytes and are published while it waits, out of order: aggregates (flag 1) of
+    every tile before it, inclusive prefixes (flag 2) of a few, the window of 32 stepped back
+    twice.  The prefix is the tiles' sum whichever inclusive word it stops at, and it publishes
+    its own."""
     c, mine = 70, 12345
     rng = np.random.default_rng(7)
     own = rng.integers(0, 1 << 40, c)

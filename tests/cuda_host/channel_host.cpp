@@ -62,15 +62,15 @@ static std::vector<Bytes> look_back_probe(const std::vector<Bytes>& in) {
 
 template <int E, int M, typename T, int GPL>
 static std::vector<Bytes> run(const std::vector<Bytes>& in, long long n, int D, int chunk, int grid) {
-    if (as<long long>(in[0])[0] == 2) return auto_codebook<E, M, T>(in, n, grid);
-    if (as<long long>(in[0])[0] == 4) return look_back_probe(in);
+    const long long op = as<long long>(in[0])[0];
+    if (op == 2) return auto_codebook<E, M, T>(in, n, grid);
+    if (op == 4) return look_back_probe(in);
     const int HB = E - 3, R = M + 1, gpc = chunk / 8;
     const long long G = cdiv(n, 8), nchunks = cdiv(n, chunk);
     const auto blocks = [&](long long work) { return (int)std::min<long long>(cdiv(work, 8), grid); };
     std::vector<long long> offsets(3 * nchunks + 1);
     std::vector<u64> result(5);
     const int tiles = (int)std::max<long long>(1, cdiv(nchunks, CH_TILE));
-    const long long op = as<long long>(in[0])[0];
     const bool dec = op == 1;
     std::vector<u8> tables(D * 15);
     std::vector<u16> esc_count(nchunks), sec_count(nchunks);
@@ -88,7 +88,7 @@ static std::vector<Bytes> run(const std::vector<Bytes>& in, long long n, int D, 
     auto scan = [&](int checked, long long ns, long long ne, long long nh) {
         scan_of(esc_count.data(), sec_count.data(), checked, ns, ne, nh);
     };
-    if (as<long long>(in[0])[0] == 3) {  // the offsets scan alone
+    if (op == 3) {  // the offsets scan alone
         esc_count = as<u16>(in[1]);
         sec_count = as<u16>(in[2]);
         const std::vector<long long> len = as<long long>(in[3]);  // checked, sec_codes bytes, escapes, exp_high bytes

@@ -21,7 +21,8 @@
 #define __restrict__
 #define __launch_bounds__(...)
 #define __shared__ static
-#define __align__(x) alignas(x)
+#define __constant__
+#define __align__(x) __attribute__((aligned(x)))  // GNU's may stand between decl-specifiers, as CUDA's does
 #define __builtin_assume(x) ((void)0)
 #define __isGlobal(p) true
 
@@ -68,6 +69,7 @@ inline int __syncthreads_count(int p) {
     __syncthreads();
     return c;
 }
+inline int __syncthreads_and(int p) { return __syncthreads_count(p != 0) == (int)blockDim.x; }
 template <typename T>
 inline T __shfl_sync(unsigned, T x, int src) { T a[32]; emu_gather(x, a); return a[src & 31]; }
 template <typename T>

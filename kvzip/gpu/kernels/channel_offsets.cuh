@@ -5,6 +5,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "header.cuh"  // build_crc_tables, warp_crc32, put_u32
 #include "layout.cuh"  // PLANE
 
 #define CH_TILE_THREADS 256  // the offsets scan: threads a block, 8 chunks a thread
@@ -191,28 +192,25 @@ __device__ __forceinline__ ChPayload ch_payload(long long n, int R, long long nc
 // The blob's version-3 header in front of its payload, as container.with_counts writes it: the
 // host's template for this tensor (KVZ_COMPACT_SIZE bytes, any counts) with the totals as its
 // counts (escapes = result[2], high_bytes = result[3], second_bytes = result[1]; each below 2^32,
-// which the host checks once it has them) and zlib's CRC-32 of it, the CRC field zero, sealed in.
-// Its checksum field is the template's (0: a blob with a payload checksum gets its header from
-// the host).  By one whole block (it synchronises).
+// which the host checks once it has them) and its CRC-32 (header.cuh's, as finish_blob seals the
+// speed mode's headers).  Its checksum field is the template's (0: a blob with a payload checksum
+// gets its header from the host).  By one whole block (it synchronises).
 __device__ void seal_ratio_header(const u8* __restrict__ tmpl, const u64* __restrict__ result, u8* __restrict__ out) {
-    __shared__ u32 crc_table[256];
-    __shared__ u8 h[KVZ_COMPACT_SIZE];
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-        u32 c = (u32)i;
-        for (int k = 0; k < 8; k++) c = c & 1u ? (c >> 1) ^ 0xEDB88320u : c >> 1;
-        crc_table[i] = c;
-    }
+    __shared__ u32 crc_table[4][256];
+    __shared__ __align__(16) u8 h[KVZ_COMPACT_SIZE];
     for (int i = threadIdx.x; i < KVZ_COMPACT_SIZE; i += blockDim.x) h[i] = tmpl[i];
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const u32 fields[4][2] = {{KVZ_COMPACT_ESCAPES_AT, (u32)result[2]}, {KVZ_COMPACT_HIGH_BYTES_AT, (u32)result[3]},
-                                  {KVZ_RATIO_SECOND_BYTES_AT, (u32)result[1]}, {KVZ_HEADER_CRC_AT, 0u}};
-        for (int f = 0; f < 4; f++)
-            for (int k = 0; k < 4; k++) h[fields[f][0] + k] = (u8)(fields[f][1] >> (8 * k));
-        u32 crc = 0xFFFFFFFFu;
-        for (int i = 0; i < KVZ_COMPACT_SIZE; i++) crc = crc_table[(crc ^ h[i]) & 0xFFu] ^ (crc >> 8);
-        crc = ~crc;
-        for (int k = 0; k < 4; k++) h[KVZ_HEADER_CRC_AT + k] = (u8)(crc >> (8 * k));
+    build_crc_tables(crc_table);  // ends with a barrier: h is in place too
+    if (threadIdx.x < 32) {
+        if (threadIdx.x == 0) {
+            put_u32(h + KVZ_COMPACT_ESCAPES_AT, (u32)result[2]);
+            put_u32(h + KVZ_COMPACT_HIGH_BYTES_AT, (u32)result[3]);
+            put_u32(h + KVZ_RATIO_SECOND_BYTES_AT, (u32)result[1]);
+        }
+        __syncwarp();
+        // The CRC field (a word) counts as 0.
+        const u32 crc = warp_crc32(crc_table, reinterpret_cast<const u32*>(h), KVZ_COMPACT_SIZE / 4,
+                                   KVZ_HEADER_CRC_AT / 4, threadIdx.x) ^ 0xFFFFFFFFu;
+        if (threadIdx.x == 0) put_u32(h + KVZ_HEADER_CRC_AT, crc);
     }
     __syncthreads();
     for (int i = threadIdx.x; i < KVZ_COMPACT_SIZE; i += blockDim.x) out[i] = h[i];
