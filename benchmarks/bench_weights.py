@@ -300,22 +300,23 @@ def main(argv=None):
         result["real_ratio"] = real_ratio(args.real)
         progress(f"ratio on {args.real.name}: pooled {result['real_ratio']['pooled']:.4f}, "
                  f"min {result['real_ratio']['min']:.4f}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"weights-{args.tag}.json" if torch.cuda.is_available() else "weights-ratio-cpu.json"
+    write = lambda: (args.out / name).write_text(json.dumps(result, indent=1) + "\n")  # noqa: E731
     if torch.cuda.is_available():
         shapes = [s for group in SHAPES.values() for s in group]
         if args.shapes != "all":
             shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-        rows = []
+        result["shapes"], result["summary"] = [], None
         for i, (m, k) in enumerate(shapes):
             progress(f"[{i + 1}/{len(shapes)}] {m}x{k}")
-            rows.append(bench_shape(m, k, seed=i, progress=progress))
+            result["shapes"].append(bench_shape(m, k, seed=i, progress=progress))
+            write()  # a run stopped part-way keeps the shapes it finished (the summary stays null)
             torch.cuda.empty_cache()
-        result["shapes"] = rows
-        result["summary"] = summary(rows) if args.shapes == "all" else None
-        args.out.mkdir(parents=True, exist_ok=True)
-        plot(rows, args.out / f"weights-{args.tag}.png")
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = f"weights-{args.tag}.json" if torch.cuda.is_available() else "weights-ratio-cpu.json"
-    (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
+        if args.shapes == "all":
+            result["summary"] = summary(result["shapes"])
+        plot(result["shapes"], args.out / f"weights-{args.tag}.png")
+    write()
     progress(f"wrote {args.out / name}")
     if result.get("summary"):
         progress(json.dumps(result["summary"], indent=1))
