@@ -70,6 +70,7 @@ inline int __syncthreads_count(int p) {
     return c;
 }
 inline int __syncthreads_and(int p) { return __syncthreads_count(p != 0) == (int)blockDim.x; }
+inline int __syncthreads_or(int p) { return __syncthreads_count(p != 0) != 0; }
 template <typename T>
 inline T __shfl_sync(unsigned, T x, int src) { T a[32]; emu_gather(x, a); return a[src & 31]; }
 template <typename T>
@@ -141,6 +142,12 @@ template <typename T>
 inline T atomicExch(T* p, T v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
 template <typename T>
 inline T atomicCAS(T* p, T expect, T v) { __atomic_compare_exchange_n(p, &expect, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); return expect; }
+// CUDA's: the old value; the new one old + 1, or 0 where old >= limit
+inline unsigned atomicInc(unsigned* p, unsigned limit) {
+    unsigned old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    while (!__atomic_compare_exchange_n(p, &old, old >= limit ? 0u : old + 1u, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
+    return old;
+}
 template <typename T>
 inline T atomicMin(T* p, T v) {
     T old = __atomic_load_n(p, __ATOMIC_SEQ_CST);

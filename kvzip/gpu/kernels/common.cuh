@@ -45,10 +45,14 @@ __device__ __forceinline__ void assume_global(const P* p) { __builtin_assume(__i
 
 // The 128-byte lines of [p, p + bytes) into L2, a line a lane (lines lane, lane + 32, ...):
 // prefetches hold no registers, so a warp can put a whole chunk's reads in flight at its start.
+// (On the host, without __CUDA_ARCH__, a prefetch is nothing: tests/cuda_host.)
 __device__ __forceinline__ void prefetch_l2(const void* p, long long bytes, int lane) {
     const unsigned long long a = reinterpret_cast<unsigned long long>(p), end = a + (unsigned long long)bytes;
-    for (unsigned long long l = (a & ~127ull) + 128ull * lane; l < end; l += 32 * 128)
+    for (unsigned long long l = (a & ~127ull) + 128ull * lane; l < end; l += 32 * 128) {
+#ifdef __CUDA_ARCH__
         asm volatile("{ .reg .u64 g; cvta.to.global.u64 g, %0; prefetch.global.L2 [g]; }" :: "l"(l));
+#endif
+    }
 }
 
 template <bool B, typename A, typename C> struct Pick { using type = A; };  // std::conditional, NVRTC has no <type_traits>
@@ -171,24 +175,36 @@ static_assert(KVZ_QUEUES >= 1 && KVZ_QUEUES * QUEUE_STRIDE <= QUEUE_WORDS && WAR
 // right after the atomic, so lane 0, and with it the warp at the branch's end, waited out the
 // claim's round trip at every chunk's start after all (benchmarks/NOTES.md, v27).  W (the grid's
 // warps) comes from %nctaid in the asm too: one register less across the chunk.
+// (Without __CUDA_ARCH__ both are plain C++ doing what the PTX does, atom.inc's wrap included:
+// tests/cuda_host runs the fused kernels on the CPU.  NVRTC always defines it, so the device code
+// is the same either way.)
 __device__ __forceinline__ u32 claim_chunk(u64* queues, int lane) {
     u32 old = 0;
     if (lane == 0)
+#ifdef __CUDA_ARCH__
         asm volatile("{ .reg .u64 g, o; .reg .u32 t, q; mov.u32 t, %%tid.x; shr.u32 t, t, 5; rem.u32 q, t, %2;"
                      " mul.wide.u32 o, q, %3; add.u64 g, %1, o; cvta.to.global.u64 g, g;"
                      " atom.global.inc.u32 %0, [g], 0xfffffffe; }"
                      : "=r"(old) : "l"(queues), "n"(KVZ_QUEUES), "n"(QUEUE_STRIDE * 8) : "memory");
+#else
+        old = atomicInc(reinterpret_cast<u32*>(queues + (threadIdx.x >> 5) % KVZ_QUEUES * QUEUE_STRIDE), 0xfffffffeu);
+#endif
     return old;
 }
 
 // The chunk lane 0 claimed (claim_chunk's value), in every lane.
 __device__ __forceinline__ long long next_chunk(u32 claim) {
     long long r;
+#ifdef __CUDA_ARCH__
     asm volatile("{ .reg .u32 k, t, q, w; .reg .u64 a, b; shfl.sync.idx.b32 k, %1, 0, 0x1f, 0xffffffff;"
                  " mov.u32 t, %%tid.x; shr.u32 t, t, 5; rem.u32 q, t, %2; mov.u32 w, %%nctaid.x;"
                  " mul.wide.u32 a, w, %3; mul.wide.u32 b, k, %2; add.u64 a, a, b; cvt.u64.u32 b, q;"
                  " add.u64 %0, a, b; }"
                  : "=l"(r) : "r"(claim), "n"(KVZ_QUEUES), "n"(WARPS) : "memory");
+#else
+    const u32 k = __shfl_sync(FULL_MASK, claim, 0);
+    r = (long long)gridDim.x * WARPS + (long long)k * KVZ_QUEUES + (long long)((threadIdx.x >> 5) % KVZ_QUEUES);
+#endif
     return r;
 }
 

@@ -77,7 +77,8 @@ __device__ __forceinline__ void decode_e5m2_quads(const DecodeJob& J, const u8* 
 // Acquire loads, by lane 0 before the warp's barrier, put the warp's later reads after the scan
 // blocks' writes.  s_offsets: 0 nobody polls, 1 a warp polls, 2 ready (zeroed as kvz_decode starts);
 // read and written by atomics with acquire and release (plain ld.acquire / st.release were right
-// too, but compute-sanitizer's racecheck reports them as shared-memory races).
+// too, but compute-sanitizer's racecheck reports them as shared-memory races).  (Without
+// __CUDA_ARCH__ each asm has a plain C++ twin: tests/cuda_host runs the kernels on the CPU.)
 struct OffsetsWait {
     const u64* count;  // work[offsets_ready_at(njobs)]
     long long blocks;  // the scan's blocks
@@ -88,17 +89,29 @@ __device__ __forceinline__ void await_offsets(OffsetsWait w) {
         const u32 at = (u32)__cvta_generic_to_shared(&s_offsets);
         for (;;) {
             u32 state;
+#ifdef __CUDA_ARCH__
             asm volatile("atom.acquire.cta.shared::cta.or.b32 %0, [%1], 0;" : "=r"(state) : "r"(at) : "memory");
+#else
+            state = atomicOr(&s_offsets, 0u);
+#endif
             if (state == 2) break;
             if (state == 0 && atomicCAS(&s_offsets, 0u, 1u) == 0u) {
                 for (;;) {
                     u64 done;
+#ifdef __CUDA_ARCH__
                     asm volatile("ld.acquire.gpu.u64 %0, [%1];" : "=l"(done) : "l"(w.count) : "memory");
+#else
+                    done = __atomic_load_n(w.count, __ATOMIC_ACQUIRE);
+#endif
                     if ((long long)done >= w.blocks) break;
                     __nanosleep(KVZ_POLL_NS);
                 }
                 u32 was;
+#ifdef __CUDA_ARCH__
                 asm volatile("atom.release.cta.shared::cta.exch.b32 %0, [%1], 2;" : "=r"(was) : "r"(at) : "memory");
+#else
+                was = atomicExch(&s_offsets, 2u);
+#endif
                 break;
             }
             __nanosleep(32);
