@@ -1,5 +1,5 @@
 // The host harnesses' file format and byte helpers (channel_host.cpp, channel_rans_host.cpp,
-// weights_host.cpp): a file is records, each a u64 byte count and the bytes.
+// weights_host.cpp, fused_host.cpp): a file is records, each a u64 byte count and the bytes.
 #pragma once
 
 #include <cstdio>

@@ -1,0 +1,235 @@
+"""kvzip/gpu/kernels/fused.cu (the speed mode's fast path: kvz_auto_codebook, kvz_encode, kvz_scan,
+kvz_decode and its escape-heavy instance) run on the host, without a GPU: tests/cuda_host/emu.h
+makes every GPU thread a host thread and every warp intrinsic a rendezvous of its warp, and
+tests/cuda_host/fused_programs.py lays out kvzip/gpu/programs.py's encode and decode programs
+(job rows, work words, launches, arguments) for tests/cuda_host/fused_host.cpp.  Every format's
+blobs must be the CPU reference's bytes (kvzip.compress(..., backend="cpu"); where the payload
+comes out larger than the values, which both paths then store raw, the CPU stages' blob without
+that fallback), every padding byte written, and the decode must give back the input's bits.
+The data: KV-like values, random bits, the shipped real KV sample, 1 % and 3 % escapes, escapes
+clustered into chunks past a slot's room and past the plane-coding threshold, exact zeros, tails
+that end a chunk early, small chunks whose tensors span several scan blocks, and batches; and
+decodes on guessed layouts (the scan checking the headers), which must miss the blobs that are
+not the layout's.
+
+Caught by these tests (each checked by breaking it in the kernels): an over-full chunk's escapes
+collected again over one another (the scan's redo), a padding byte left unwritten, an escape
+patched into the wrong group of a decoder step or at the wrong bits of an E5M2 quad, a stored
+chunk's first escape left unpatched (the early and scattered chunks), a look-back prefix that
+skips its nearest inclusive predecessor, a guessed header taken without comparing it with the
+layout's.  Needs g++ (C++20)."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+from cuda_host import fused_programs as fp
+from cuda_host import harness
+
+import kvzip
+from kvzip import container, layout, staged
+from kvzip import testing as kt
+from kvzip.backends import get_backend
+from kvzip.codebook import Codebook
+from kvzip.data import load_sample
+from kvzip.formats import FORMATS
+from kvzip.gpu import layout_cache, loader, programs
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the host harness")
+
+
+@pytest.fixture(scope="module")
+def exes(tmp_path_factory):
+    """fmt -> fused_host built with that format's kernels (each build takes seconds)."""
+    built = {}
+
+    def exe(fmt):
+        if fmt.name not in built:
+            names = (*loader.instances(fmt), loader.heavy_decode(fmt), loader.auto_codebook(fmt))
+            built[fmt.name] = harness.build_fused(names, tmp_path_factory.mktemp(f"fused_host_{fmt.name}"))
+        return built[fmt.name]
+
+    return exe
+
+
+def real_bf16(n: int, seed: int = 0) -> np.ndarray:
+    """n values of the shipped real KV sample (BF16 bits), from a seeded place in it."""
+    sample = np.concatenate([v.view(np.uint16).ravel() for v in load_sample().values()])
+    return np.resize(np.roll(sample, -int(np.random.default_rng(seed).integers(0, sample.size))), n)
+
+
+def with_exponents(fmt, bits: np.ndarray, at: np.ndarray, exponents) -> np.ndarray:
+    """bits with the values at `at` given these exponents."""
+    out = bits.astype(np.uint64)
+    mask = np.uint64(((1 << fmt.exp_bits) - 1) << fmt.mant_bits)
+    out[at] = (out[at] & ~mask) | (np.asarray(exponents, np.uint64) << np.uint64(fmt.mant_bits))
+    return out.astype(fmt.uint_dtype)
+
+
+def values(fmt, n: int, kind: str, chunk: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if kind == "random":
+        return rng.integers(0, 1 << (8 * fmt.itemsize), n, dtype=np.uint64).astype(fmt.uint_dtype)
+    if kind == "real":
+        bits = real_bf16(n, seed)
+        wide = bits.astype(np.uint32) << 16  # the same values as float32
+        if fmt.name == "fp16":  # rounded to float16
+            with np.errstate(over="ignore"):
+                return wide.view(np.float32).astype(np.float16).view(np.uint16)
+        return wide if fmt.name == "fp32" else bits
+    rate = {"escapes-1%": 0.01, "escapes-3%": 0.03}.get(kind, 0.002)
+    bits = kt.kv_like_bits(fmt, n, escape_rate=rate, seed=seed).reshape(-1)
+    if kind == "zeros":
+        bits[rng.random(n) < 0.6] = 0
+    if kind == "all-zeros":
+        bits[:] = 0
+    if kind == "clustered":
+        # Rare exponents (outside the default codebook, each too rare for an auto one) crowded
+        # into a few chunks: one past a slot's room where the format can list that many (else
+        # as many as a chunk lists), one past the plane-coding threshold, and runs in the last,
+        # partial chunk.
+        outside = np.setdiff1d(np.arange(1 << fmt.exp_bits), Codebook.default_for(fmt).exponents)
+        nchunks, slot = -(-n // chunk), programs.slot_size(chunk, fmt.name)
+        most = fmt.high_exp_bits * (chunk // 8) // 3  # listed; one more and the chunk is plane-coded
+        for c, count in ((1, (slot + 1 + most) // 2 if most > slot else most), (nchunks // 2, chunk // 2),
+                         (nchunks - 1, 40)):
+            lo, hi = c * chunk, min(n, (c + 1) * chunk)
+            at = lo + np.sort(rng.choice(hi - lo, min(count, hi - lo), replace=False))
+            bits = with_exponents(fmt, bits, at, rng.choice(outside, at.size))
+    return bits
+
+
+def reference(bits: np.ndarray, fmt, chunk: int, codebook) -> tuple[bytes, bool]:
+    """(the CPU's blob of the fused stages, whether it is compress()'s: False where compress
+    stores the values raw, its payload being larger)."""
+    pipe = fp.pipeline(chunk, codebook)
+    frame = staged.tensor_frame(bits.reshape(-1), fmt, bits.shape, get_backend("cpu"))
+    frame.meta["pipeline"] = pipe.stage_configs
+    blob = bytes(pipe.stages[-1].encode(pipe.body_steps[-1].encode(frame)).streams["blob"])
+    compressed = bytes(kvzip.compress(bits, dtype=fmt.name, chunk=chunk, codebook=codebook, backend="cpu"))
+    stored = bool(container.parse_header(compressed[:layout.MAX_HEADER], len(compressed)).flags & layout.FLAG_STORED)
+    assert stored or compressed == blob
+    return blob, not stored
+
+
+def escapes_of(blob: bytes) -> tuple[int, np.ndarray]:
+    """(escapes, each chunk's esc_count) of a fused blob."""
+    hdr = container.parse_header(blob[:layout.MAX_HEADER], len(blob))
+    s = {name: (off, nbytes) for name, _, off, nbytes in hdr.streams}
+    off, nbytes = s["esc_count"]
+    return s["esc_pos"][1] // 2, np.frombuffer(blob, np.uint16, nbytes // 2, hdr.header_len + off)
+
+
+def check_encode_and_decode(exes, tmp_path, fmt, tensors, chunk=4096, codebook="auto"):
+    pipe = fp.pipeline(chunk, codebook)
+    got = fp.encode(exes(fmt), tmp_path, tensors, fmt, pipe)
+    refs = [reference(t, fmt, chunk, codebook) for t in tensors]
+    for i, ((want, fits), blob) in enumerate(zip(refs, got.blobs)):
+        assert got.fits[i] == fits, i
+        assert blob == want, i  # every byte: header, streams, padding (the buffer started as 0xAB)
+    nonempty = [b for t, b in zip(tensors, got.blobs) if t.size]
+    back = fp.decode(exes(fmt), tmp_path, nonempty, pipe)
+    for t, v in zip([t for t in tensors if t.size], back.values):
+        assert np.array_equal(v, t.reshape(-1))
+    assert not back.errors.any()
+    assert np.array_equal(back.early, back.verdict) and back.flag == back.runs == 1  # the early verdict, sent once
+    return got.blobs
+
+
+# (format, values, chunk, kind)
+CASES = [
+    ("bf16", 4096 * 20 + 77, 4096, "kv"), ("bf16", 4096 * 24, 4096, "real"), ("bf16", 4096 * 6 + 5, 4096, "random"),
+    ("bf16", 4096 * 20 + 8, 4096, "escapes-1%"), ("bf16", 4096 * 20 + 3, 4096, "escapes-3%"),
+    ("bf16", 4096 * 20 + 1000, 4096, "clustered"), ("bf16", 4096 * 5 + 17, 4096, "zeros"),
+    ("bf16", 4096 * 2 + 9, 4096, "all-zeros"), ("bf16", 7, 4096, "kv"), ("bf16", 1024 * 20 + 500, 1024, "clustered"),
+    ("bf16", 32 * 256 * 3 + 40, 32, "escapes-1%"),  # four scan blocks chained by the look-back
+    ("fp16", 2048 * 20 + 33, 2048, "kv"), ("fp16", 4096 * 12, 4096, "real"), ("fp16", 4096 * 16 + 5, 4096, "clustered"),
+    ("e5m2", 4096 * 20 + 64, 4096, "escapes-3%"), ("e5m2", 4096 * 12, 4096, "clustered"),
+    ("e5m2", 4096 * 6 + 13, 4096, "kv"), ("e5m2", 64 * 256 * 2 + 32, 64, "escapes-1%"),
+    ("e4m3", 4096 * 8 + 3, 4096, "kv"), ("e4m3", 4096 * 3, 4096, "random"),
+    ("fp32", 4096 * 12 + 6, 4096, "escapes-1%"), ("fp32", 4096 * 8, 4096, "real"),
+    ("fp32", 4096 * 8 + 1, 4096, "clustered"),
+]
+
+
+@pytest.mark.parametrize("name,n,chunk,kind", CASES)
+def test_kernels_write_the_cpu_blob_and_decode_it(exes, tmp_path, name, n, chunk, kind):
+    fmt = FORMATS[name]
+    check_encode_and_decode(exes, tmp_path, fmt, [values(fmt, n, kind, chunk, seed=n)], chunk)
+
+
+@pytest.mark.parametrize("name", ["bf16", "e5m2"])
+def test_a_batchs_blobs_each_the_cpu_blob(exes, tmp_path, name):
+    """Several tensors in one launch of each kernel (an empty one among them: it has no chunks),
+    each with its own codebook (auto), shape and tail, the first chunks of each dealt to warps
+    of both blocks."""
+    fmt = FORMATS[name]
+    tensors = [values(fmt, 4096 * 5 + 3, "kv", 4096, seed=1), np.zeros(0, fmt.uint_dtype),
+               values(fmt, 4096 * 9, "clustered", 4096, seed=2).reshape(9, 64, 64),
+               values(fmt, 4096 * 3 + 100, "escapes-3%", 4096, seed=3)]
+    if name == "bf16":
+        tensors.append(real_bf16(3 * 64 * 64, seed=4).reshape(3, 64, 64))
+    check_encode_and_decode(exes, tmp_path, fmt, tensors)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_the_shipped_codebook(exes, tmp_path, name):
+    """codebook=None: the batch's one LUT (programs._device_lut's) instead of kvz_auto_codebook's."""
+    fmt = FORMATS[name]
+    check_encode_and_decode(exes, tmp_path, fmt, [values(fmt, 4096 * 10 + 9, "escapes-1%", 4096, seed=5),
+                                                   values(fmt, 4096 * 4, "clustered", 4096, seed=6)], codebook=None)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "e5m2"])
+def test_both_decoder_instances_give_the_values(exes, tmp_path, name):
+    """kvz_decode's escape-heavy instance (chunks of many escapes patched in memory) and the
+    common one decode the same blobs, whichever programs.heavy would choose."""
+    fmt = FORMATS[name]
+    bits = values(fmt, 4096 * 16 + 21, "clustered", 4096, seed=7)
+    blob, _ = reference(bits, fmt, 4096, "auto")
+    for heavy in (False, True):
+        back = fp.decode(exes(fmt), tmp_path, [blob], fp.pipeline(), heavy=heavy)
+        assert np.array_equal(back.values[0], bits) and not back.errors.any(), heavy
+
+
+@pytest.mark.parametrize("name,codebook", [("bf16", "auto"), ("fp16", None), ("e5m2", "auto")])
+def test_guessed_layouts_decode_the_blobs_that_are_theirs(exes, tmp_path, name, codebook):
+    """A decode on guessed layouts (layout_cache.decode_guessed: the scan's first blocks check each
+    header against its layout, guess_head, and fill in its escape fields; with codebook="auto"
+    each blob's own codebook read from its header): the blobs of the layout decode, a blob of
+    another shape and one whose header's CRC fails are missed (GUESS_MISSED), the rest of the
+    batch unharmed."""
+    fmt, chunk, n = FORMATS[name], 4096, 4096 * 12
+    pipe = fp.pipeline(chunk, codebook)
+    tensors = [values(fmt, n, "escapes-1%", chunk, seed=8), values(fmt, n, "clustered", chunk, seed=9)]
+    (plan, *_), cb = fp.plans(tensors[:1], fmt, pipe)
+    guessed = layout_cache.planned(plan, fmt, tensors[0].shape, chunk, cb)
+    blobs = [reference(t, fmt, chunk, codebook)[0] for t in tensors]
+    other_shape = reference(tensors[0].reshape(-1, 64), fmt, chunk, codebook)[0]
+    crc_broken = bytearray(blobs[0])
+    crc_broken[layout.HEADER_CRC.offset] ^= 1
+    got = fp.decode_guessed(exes(fmt), tmp_path, [blobs[0], other_shape, bytes(crc_broken), blobs[1]], [guessed] * 4)
+    assert got.errors.tolist() == [0, programs.GUESS_MISSED, programs.GUESS_MISSED, 0]
+    assert np.array_equal(got.values[0], tensors[0]) and np.array_equal(got.values[3], tensors[1])
+
+
+def test_cases_hold_what_they_are_named_for():
+    """The cases reach what the kernels do differently: escapes at the rates named, chunks past a
+    slot's room (the scan collects them again), plane-coded chunks, blobs stored raw."""
+    seen = set()
+    for name, n, chunk, kind in CASES:
+        fmt = FORMATS[name]
+        bits = values(fmt, n, kind, chunk, seed=n)
+        blob, fits = reference(bits, fmt, chunk, "auto")
+        seen |= set() if fits else {"stored"}
+        if not fits or fmt.name == "e4m3":
+            continue
+        escapes, counts = escapes_of(blob)
+        if kind.startswith("escapes-"):
+            rate = float(kind[len("escapes-"):-1]) / 100
+            assert 0.6 * rate < escapes / n < 1.2 * rate, (name, kind, escapes / n)
+        listed = counts[counts != layout.PLANE]
+        seen |= {"slot overflow"} if (listed > programs.slot_size(chunk, fmt.name)).any() else set()
+        seen |= {"plane"} if (counts == layout.PLANE).any() else set()
+    assert seen == {"stored", "slot overflow", "plane"}
