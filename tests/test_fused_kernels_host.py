@@ -1,23 +1,25 @@
 """kvzip/gpu/kernels/fused.cu (the speed mode's fast path: kvz_auto_codebook, kvz_encode, kvz_scan,
-kvz_decode and its escape-heavy instance) run on the host, without a GPU: tests/cuda_host/emu.h
-makes every GPU thread a host thread and every warp intrinsic a rendezvous of its warp, and
-tests/cuda_host/fused_programs.py lays out kvzip/gpu/programs.py's encode and decode programs
-(job rows, work words, launches, arguments) for tests/cuda_host/fused_host.cpp.  Every format's
-blobs must be the CPU reference's bytes (kvzip.compress(..., backend="cpu"); where the payload
-comes out larger than the values, which both paths then store raw, the CPU stages' blob without
-that fallback), every padding byte written, and the decode must give back the input's bits.
-The data: KV-like values, random bits, the shipped real KV sample, 1 % and 3 % escapes, escapes
-clustered into chunks past a slot's room and past the plane-coding threshold, exact zeros, tails
-that end a chunk early, small chunks whose tensors span several scan blocks, and batches; and
-decodes on guessed layouts (the scan checking the headers), which must miss the blobs that are
-not the layout's.
+kvz_decode and its escape-heavy instance, kvz_gather_heads and kvz_check_heads) run on the host,
+without a GPU: tests/cuda_host/emu.h makes every GPU thread a host thread and every warp
+intrinsic a rendezvous of its warp, and tests/cuda_host/fused_programs.py lays out
+kvzip/gpu/programs.py's programs (job rows, work words, launches, arguments) for
+tests/cuda_host/fused_host.cpp.  Every format's blobs must be the CPU reference's bytes
+(kvzip.compress(..., backend="cpu"); where the payload comes out larger than the values, which
+both paths then store raw, the CPU stages' blob without that fallback), every padding byte
+written, and the decode must give back the input's bits.  The data: KV-like values, random bits,
+the shipped real KV sample, 1 % and 3 % escapes, escapes clustered into chunks past a slot's
+room and past the plane-coding threshold, exact zeros, tails that end a chunk early, small
+chunks whose tensors span several scan blocks, batches, compact and version-1 headers.  Decodes
+on guessed layouts (the scan checking the headers) must miss the blobs that are not the
+layout's, and the header read-back must find what its host twin finds.
 
 Caught by these tests (each checked by breaking it in the kernels): an over-full chunk's escapes
-collected again over one another (the scan's redo), a padding byte left unwritten, an escape
-patched into the wrong group of a decoder step or at the wrong bits of an E5M2 quad, a stored
-chunk's first escape left unpatched (the early and scattered chunks), a look-back prefix that
-skips its nearest inclusive predecessor, a guessed header taken without comparing it with the
-layout's.  Needs g++ (C++20)."""
+collected again over one another (the scan's redo), a padding byte left unwritten, a version-1
+header's escape entry off, an escape patched into the wrong group of a decoder step or at the
+wrong bits of an E5M2 quad, a stored chunk's first escape left unpatched (the early and
+scattered chunks), a look-back prefix that skips its nearest inclusive predecessor, a guessed
+header taken without comparing it with the layout's, a header check that lets a blob cut short
+through.  Needs g++ (C++20)."""
 from __future__ import annotations
 
 import shutil
@@ -46,7 +48,7 @@ def exes(tmp_path_factory):
 
     def exe(fmt):
         if fmt.name not in built:
-            names = (*loader.instances(fmt), loader.heavy_decode(fmt), loader.auto_codebook(fmt))
+            names = (*loader.instances(fmt), loader.heavy_decode(fmt), loader.auto_codebook(fmt), *loader.HEAD_KERNELS)
             built[fmt.name] = harness.build_fused(names, tmp_path_factory.mktemp(f"fused_host_{fmt.name}"))
         return built[fmt.name]
 
@@ -173,11 +175,18 @@ def test_a_batchs_blobs_each_the_cpu_blob(exes, tmp_path, name):
     check_encode_and_decode(exes, tmp_path, fmt, tensors)
 
 
+LONG_SHAPE = (1,) * 7  # a shape of more sides than a compact header holds: a version-1 header
+
+
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 def test_the_shipped_codebook(exes, tmp_path, name):
-    """codebook=None: the batch's one LUT (programs._device_lut's) instead of kvz_auto_codebook's."""
+    """codebook=None: the batch's one LUT (programs._device_lut's) instead of kvz_auto_codebook's;
+    with it a version-1 header (payload length and escape entries of its stream table written by
+    finish_blob) beside compact ones."""
     fmt = FORMATS[name]
+    long = values(fmt, 4096 * 3 + 50, "escapes-3%", 4096, seed=4)
     check_encode_and_decode(exes, tmp_path, fmt, [values(fmt, 4096 * 10 + 9, "escapes-1%", 4096, seed=5),
+                                                   long.reshape(LONG_SHAPE + long.shape),
                                                    values(fmt, 4096 * 4, "clustered", 4096, seed=6)], codebook=None)
 
 
@@ -193,8 +202,9 @@ def test_both_decoder_instances_give_the_values(exes, tmp_path, name):
         assert np.array_equal(back.values[0], bits) and not back.errors.any(), heavy
 
 
-@pytest.mark.parametrize("name,codebook", [("bf16", "auto"), ("fp16", None), ("e5m2", "auto")])
-def test_guessed_layouts_decode_the_blobs_that_are_theirs(exes, tmp_path, name, codebook):
+@pytest.mark.parametrize("name,codebook,sides", [("bf16", "auto", ()), ("fp16", None, ()), ("e5m2", "auto", ()),
+                                                  ("bf16", None, LONG_SHAPE)])
+def test_guessed_layouts_decode_the_blobs_that_are_theirs(exes, tmp_path, name, codebook, sides):
     """A decode on guessed layouts (layout_cache.decode_guessed: the scan's first blocks check each
     header against its layout, guess_head, and fill in its escape fields; with codebook="auto"
     each blob's own codebook read from its header): the blobs of the layout decode, a blob of
@@ -202,7 +212,8 @@ def test_guessed_layouts_decode_the_blobs_that_are_theirs(exes, tmp_path, name, 
     batch unharmed."""
     fmt, chunk, n = FORMATS[name], 4096, 4096 * 12
     pipe = fp.pipeline(chunk, codebook)
-    tensors = [values(fmt, n, "escapes-1%", chunk, seed=8), values(fmt, n, "clustered", chunk, seed=9)]
+    tensors = [values(fmt, n, kind, chunk, seed=seed).reshape(sides + (n,))
+               for kind, seed in (("escapes-1%", 8), ("clustered", 9))]
     (plan, *_), cb = fp.plans(tensors[:1], fmt, pipe)
     guessed = layout_cache.planned(plan, fmt, tensors[0].shape, chunk, cb)
     blobs = [reference(t, fmt, chunk, codebook)[0] for t in tensors]
@@ -211,7 +222,28 @@ def test_guessed_layouts_decode_the_blobs_that_are_theirs(exes, tmp_path, name, 
     crc_broken[layout.HEADER_CRC.offset] ^= 1
     got = fp.decode_guessed(exes(fmt), tmp_path, [blobs[0], other_shape, bytes(crc_broken), blobs[1]], [guessed] * 4)
     assert got.errors.tolist() == [0, programs.GUESS_MISSED, programs.GUESS_MISSED, 0]
-    assert np.array_equal(got.values[0], tensors[0]) and np.array_equal(got.values[3], tensors[1])
+    assert np.array_equal(got.values[0], tensors[0].reshape(-1)) and np.array_equal(got.values[3], tensors[1].reshape(-1))
+
+
+def test_header_checks_are_the_hosts(exes, tmp_path):
+    """The batched decode's header read-back (programs.head_block: kvz_gather_heads, kvz_check_heads)
+    gives each blob's first bytes and what layout_cache.head_checks, its host twin, finds of them:
+    for compact and version-1 headers, one whose CRC fails, a blob cut short, one shorter than a
+    prefix, one stored raw."""
+    fmt = FORMATS["bf16"]
+    kv = values(fmt, 4096 * 6 + 7, "escapes-1%", 4096, seed=10)
+    compact = reference(kv, fmt, 4096, "auto")[0]
+    version1 = reference(kv.reshape(LONG_SHAPE + kv.shape), fmt, 4096, None)[0]
+    crc_broken = bytearray(version1)
+    crc_broken[layout.HEADER_CRC.offset + 1] ^= 4
+    stored = bytes(kvzip.compress(values(fmt, 5000, "random", 4096), dtype="bf16", backend="cpu"))
+    blobs = [compact, version1, bytes(crc_broken), version1[:len(version1) // 2], compact[:10], stored]
+    block, checks = fp.heads(exes(fmt), tmp_path, blobs)
+    lengths = np.array([len(b) for b in blobs])
+    for row, b in zip(block, blobs):
+        assert row[:min(len(b), programs.HEAD_SPAN)].tobytes() == b[:programs.HEAD_SPAN]
+    assert np.array_equal(checks, layout_cache.head_checks(block, lengths))
+    assert checks[:, 0].tolist() == [1, 1, 0, 0, 0, 1]  # a stored blob's header hangs together (flags are match's)
 
 
 def test_cases_hold_what_they_are_named_for():

@@ -1,13 +1,14 @@
-"""The speed mode's GPU programs (kvzip/gpu/programs.py's _EncodeProgram and _DecodeProgram) laid
-out for fused_host.cpp: the same job rows, work words, regions and launches in the same order
-with the same arguments, in one host buffer (an Arena) instead of a CUDA graph's workspace.
-Only the grids are smaller: DEVICE_BLOCKS stands for the grid cap of a GPU's multiprocessors,
-so the persistent kernels' queues, the scan's look-back across blocks and the decoder's tail
-parts all still happen on small inputs.
+"""The speed mode's GPU programs (kvzip/gpu/programs.py's _EncodeProgram, _DecodeProgram and
+_HeadsProgram) laid out for fused_host.cpp: the same job rows, work words, regions and launches
+in the same order with the same arguments, in one host buffer (an Arena) instead of a CUDA
+graph's workspace.  Only the grids are smaller: DEVICE_BLOCKS stands for the grid cap of a GPU's
+multiprocessors, so the persistent kernels' queues, the scan's look-back across blocks and the
+decoder's tail parts all still happen on small inputs.
 
 What each program takes from kvzip is what the GPU path takes: the plans and header templates
 (programs.plans_for), the slot size, the instances (loader), the decode split, the job rows'
-columns (abi), the decode rows of the frame the general decode opens (executor.decode_general)."""
+columns (abi), the decode rows of the frame the general decode opens (executor.decode_general),
+a guessed layout's row and expected header (layout_cache)."""
 from __future__ import annotations
 
 import math
@@ -20,9 +21,9 @@ from kvzip import api, container, staged
 from kvzip.auto_codebook import sample_plan
 from kvzip.backends import get_backend
 from kvzip.codebook import Codebook
-from kvzip.gpu import layout_cache, loader, programs
-from kvzip.gpu.abi import (AUTO_CODEBOOK_ARGS, DECODE, DECODE_ARGS, ENCODE, ENCODE_ARGS, FINISH, HEADS, SCAN_ARGS,
-                           SIZES, Table)
+from kvzip.gpu import layout_cache, loader, programs, tuning
+from kvzip.gpu.abi import (AUTO_CODEBOOK_ARGS, CHECK_HEADS_ARGS, CHECKS, DECODE, DECODE_ARGS, ENCODE, ENCODE_ARGS,
+                           FINISH, GATHER_HEADS_ARGS, HEADS, SCAN_ARGS, SIZES, Table)
 
 from . import harness
 
@@ -223,15 +224,15 @@ def decode(exe: Path, tmp_path: Path, blobs: list[bytes], pipe, heavy: bool | No
     """_DecodeProgram's run on blobs of one format and chunk size as the general decode makes it
     (decode_batch's rows).  heavy: the escape-heavy decoder instance or not (None: as
     programs.heavy chooses)."""
-    opened_ = [opened(b, pipe) for b in blobs]
-    frames = [o[0] for o in opened_]
+    opened_blobs = [opened(b, pipe) for b in blobs]
+    frames = [o[0] for o in opened_blobs]
     rows = []
-    for frame, cb, _, starts in opened_:
+    for frame, cb, _, starts in opened_blobs:
         dlo, dhi = programs.dlut_words(cb)
         rows.append(dict(**{name: starts[name] for name in STREAMS}, n=frame.n,
                          n_esc=frame.streams["esc_pos"].shape[0], n_high=frame.streams["exp_high"].shape[0],
                          dlo=dlo, dhi=dhi))
-    fmt, chunk = frames[0].format, opened_[0][2]
+    fmt, chunk = frames[0].format, opened_blobs[0][2]
     if heavy is None:
         heavy = programs.heavy(fmt, sum(f.n for f in frames), sum(f.streams["esc_pos"].shape[0] for f in frames))
     return _decode(exe, tmp_path, fmt, chunk, blobs, rows, heavy)
@@ -272,15 +273,17 @@ def _decode(exe, tmp_path, fmt, chunk, blobs, rows, heavy, expect=None) -> Decod
     work = arena.add(8 * (queue_at + programs.QUEUE_WORDS))
     offs = arena.add(8 * chunk_base)
     errors_nb = 8 * (2 + k)
-    down, flag, runs = arena.add(errors_nb), arena.add(4), arena.add(4)  # the scan's early verdict
+    # The scan's early verdict (graphs' mapped words), sent by its last block where the tuning asks.
+    early = bool(chunk_base and tuning.tuning_for(fmt.name).early_verdict)
+    down, flag, runs = arena.add(errors_nb), arena.add(4), arena.add(4)
     guess = expect is not None
     heads = expected = 0
     if guess:
         heads = arena.table(HEADS, [dict(ptr=blob, len=len(b)) for blob, b in zip(at_blob, blobs)])
-        rows_of_expect = np.zeros((k, programs.HEAD_SPAN), np.uint8)
-        for row, key in zip(rows_of_expect, expect):
+        expected_rows = np.zeros((k, programs.HEAD_SPAN), np.uint8)
+        for row, key in zip(expected_rows, expect):
             row[:len(key)] = np.frombuffer(key, np.uint8)
-        expected = arena.add(rows_of_expect)
+        expected = arena.add(expected_rows)
     jobs = arena.table(DECODE, [{**row, **{name: At(blob + row[name]) for name in STREAMS}, "dst": At(dst + out),
                                  "chunk_base": cbase, "sb_base": sbase}
                                 for row, blob, (out, cbase, sbase) in zip(rows, at_blob, fixed)])
@@ -288,8 +291,8 @@ def _decode(exe, tmp_path, fmt, chunk, blobs, rows, heavy, expect=None) -> Decod
     if scan_blocks:
         launches.add(scan, scan_blocks,
                      SCAN_ARGS(jobs=jobs, njobs=k, chunk=chunk, slot=0, work=work, chunk_off=offs, fin=0, sizes=0,
-                               heads=heads, expect=expected, span=programs.HEAD_SPAN if guess else 0, down=down,
-                               flag=flag, runs=runs))
+                               heads=heads, expect=expected, span=programs.HEAD_SPAN if guess else 0,
+                               down=down if early else 0, flag=flag if early else 0, runs=runs if early else 0))
     if chunk_base:
         grid = min(math.ceil(chunk_base / programs.WARPS), DEVICE_BLOCKS)
         split_at, shift = programs._decode_split(fmt, chunk_base, grid * programs.WARPS)
@@ -301,3 +304,19 @@ def _decode(exe, tmp_path, fmt, chunk, blobs, rows, heavy, expect=None) -> Decod
     values = [after[dst + out:dst + out + n * fmt.itemsize].view(fmt.uint_dtype) for (out, _, _), n in zip(fixed, ns)]
     return Decoded(values, after[work:work + errors_nb].view(np.uint64), after[down:down + errors_nb].view(np.uint64),
                    int(after[flag:flag + 4].view(np.uint32)[0]), int(after[runs:runs + 4].view(np.uint32)[0]))
+
+
+def heads(exe: Path, tmp_path: Path, blobs: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """programs.head_block's program (_HeadsProgram: kvz_gather_heads, kvz_check_heads) on blobs:
+    (their first HEAD_SPAN bytes, a row each, the bytes past a blob's end as the region held them
+    before; what kvz_check_heads found of each header, CHECKS rows)."""
+    k, span = len(blobs), programs.HEAD_SPAN
+    arena, launches = Arena(), Launches()
+    at_blob = [arena.add(np.frombuffer(b, np.uint8)) for b in blobs]
+    jobs = arena.table(HEADS, [dict(ptr=blob, len=len(b)) for blob, b in zip(at_blob, blobs)])
+    block, checks = arena.add(np.full(k * span, 0xAB, np.uint8)), arena.add(CHECKS.nbytes * k)
+    launches.add("kvz_gather_heads", (4, k), GATHER_HEADS_ARGS(jobs=jobs, span=span, dst=block))
+    launches.add("kvz_check_heads", k, CHECK_HEADS_ARGS(heads=jobs, span=span, checks=checks))
+    after = harness.run_fused(exe, tmp_path, arena.bytes(), arena.pointer_words, launches.names, launches.ops)
+    return (after[block:block + k * span].reshape(k, span),
+            after[checks:checks + CHECKS.nbytes * k].view(np.uint64).reshape(k, CHECKS.columns))
