@@ -7,6 +7,9 @@
 // launches (int64): for each, its name's index, grid x, grid y, block, argument count and the
 // arguments in the kernel's order (pointers as arena offsets, 0 for null).
 // Output: the arena after the launches, which run one after another as on the caller's stream.
+// Blocks run one after another (emu.h), which none of these kernels' waits can deadlock on: a
+// scan block's look-back waits for blocks of earlier tickets, which ran before it, and kvz_decode's
+// waits (await_offsets, await_book) for the scan, a launch before it.
 #include <cstdlib>
 #include <string>
 
