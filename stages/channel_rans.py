@@ -16,6 +16,13 @@ kvzip/gpu/channel_rans.py's CUDA kernels on the device, which give the same byte
 errors: the histogram is counted there and only it comes to the host, where this module's
 writer's rule makes the tables; decoding copies only the tables stream to the host.  Under the
 Numba simulator the CPU kernels run on the host.
+
+The writer's rule (16.2; choose_shift, group_tables, tables_bytes) is integer arithmetic only,
+so a device can reproduce it bit for bit: each grouping (2**shift channels a table, shift 0 ..
+log2 D) is estimated in 2**-16 bits as sum over groups ((16 + 12 K + E esc) << 16) + sum c (L(N)
+- L(c)) over a group's K counts c > 0 (escape first, N their sum), with the fixed-point log2 L(x)
+= floor(log2 x) << 16 | LOG2_FRAC[the 11 bits of x below its leading one]; the smallest wins,
+the finest on ties; _freqs normalises each group's counts.
 """
 from __future__ import annotations
 
@@ -82,18 +89,43 @@ def group_tables(hist: np.ndarray, shift: int) -> list:
     return out
 
 
-def _estimate_bits(hist: np.ndarray, shift: int, E: int) -> float:
-    """Bits the tables and exponents of one grouping would take (the writer's choice of shift):
-    per group 16 + 12 K for the table, sum c log2(N / c) over its K counts (escape first) and E
-    an escape."""
+# The writer's fixed-point log2 (16.2): L(x) = floor(log2 x) << 16 | LOG2_FRAC[the LOG2_INDEX_BITS
+# bits of x below its leading one], x >= 1; LOG2_FRAC[i] = round(2**16 log2(1 + i / 2**11)).  Each
+# entry lies at least 2.5e-4 from a rounding tie (tests/test_storage_mode.py), so float64 gives the
+# exact table.  L is non-decreasing, so every estimate term c (L(N) - L(c)) is >= 0.
+LOG2_ONE_BITS = 16
+LOG2_INDEX_BITS = 11
+LOG2_FRAC = np.round((1 << LOG2_ONE_BITS) * np.log2(1 + np.arange(1 << LOG2_INDEX_BITS) / (1 << LOG2_INDEX_BITS)))
+LOG2_FRAC = LOG2_FRAC.astype(np.int64)
+
+
+def log2_fixed(x: np.ndarray) -> np.ndarray:
+    """L(x) of each x >= 1 (int64, < 2**62), exactly: floor(log2 x) << 16 | LOG2_FRAC[index]."""
+    x = np.asarray(x, np.int64)
+    msb = np.zeros_like(x)
+    for b in (32, 16, 8, 4, 2, 1):  # floor(log2 x) by bisection, in integers
+        msb += b * ((x >> (msb + b)) != 0)
+    lift = LOG2_INDEX_BITS - msb
+    top = np.where(lift >= 0, x << np.maximum(lift, 0), x >> np.maximum(-lift, 0))
+    return (msb << LOG2_ONE_BITS) | LOG2_FRAC[top & ((1 << LOG2_INDEX_BITS) - 1)]
+
+
+def _estimate_bits(hist: np.ndarray, shift: int, E: int) -> int:
+    """The size of one grouping in 2**-16 bits (the writer's choice of shift; 16.2), an exact
+    integer: per group (16 + 12 K + E esc) << 16 for its table and escapes, plus c (L(N) - L(c))
+    for each of its K counts c > 0 (escape first; N their sum), L the fixed-point log2.  Each
+    value adds less than 2**20 (E <= 8 escape bits, log2 K <= 8.01 bits), each product c (L(N) -
+    L(c)) is below N 2**22: int64 holds every tensor of fewer than 2**42 values."""
     merged = _merged(hist, shift)
     lo, hi = _ranges(merged)
     e = np.arange(merged.shape[1])
     inside = np.where((e >= lo[:, None]) & (e <= hi[:, None]), merged, 0)
-    counts = np.concatenate(((merged.sum(axis=1) - inside.sum(axis=1))[:, None], inside), axis=1).astype(np.float64)
-    total = counts.sum(axis=1, keepdims=True)
-    info = np.where(counts > 0, counts * np.log2(total / np.where(counts > 0, counts, 1)), 0.0)
-    return float((16 + FREQ_BITS * (hi - lo + 2) + E * counts[:, 0]).sum() + info.sum())
+    total = merged.sum(axis=1)
+    counts = np.concatenate(((total - inside.sum(axis=1))[:, None], inside), axis=1)
+    seen = counts > 0
+    info = (counts * np.where(seen, log2_fixed(total)[:, None] - log2_fixed(np.where(seen, counts, 1)), 0)).sum()
+    table = ((16 + FREQ_BITS * (hi - lo + 2) + E * counts[:, 0]) << LOG2_ONE_BITS).sum()
+    return int(table) + int(info)
 
 
 def choose_shift(hist: np.ndarray, E: int) -> int:

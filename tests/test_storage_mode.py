@@ -339,3 +339,92 @@ def test_forged_header_field_raises_format_error(case):
     struct.pack_into(code, raw, at, old + 1 if value is None else value)
     with pytest.raises(kvzip.FormatError):
         kvzip.decompress(np.frombuffer(kt.reseal(bytes(raw)), np.uint8))
+
+
+# ----------------------------------------------------------------------------- the writer's rule
+def test_log2_table_is_exact_and_far_from_ties():
+    """LOG2_FRAC[i] = round(2**16 log2(1 + i / 2**11)) computed in float64 is the exact rounding
+    (50 decimal digits), and every entry is at least 2.5e-4 from a tie, so any accurate log2
+    gives this table (docs/format.md 16.2)."""
+    import decimal
+
+    from kvzip.stages import channel_rans as cr
+
+    ctx = decimal.Context(prec=50)
+    ln2 = ctx.ln(decimal.Decimal(2))
+    margin = 1.0
+    for i, got in enumerate(cr.LOG2_FRAC):
+        y = ctx.divide(ctx.ln(ctx.divide(decimal.Decimal(2048 + i), 2048)), ln2) * 65536
+        assert int(got) == int(y.to_integral_value(rounding=decimal.ROUND_HALF_EVEN)), i
+        margin = min(margin, abs(float(y - int(y)) - 0.5))
+    assert margin > 2.5e-4 and cr.LOG2_FRAC[0] == 0 and cr.LOG2_FRAC[-1] == 65513
+
+
+def _log2_by_definition(x: int) -> int:
+    m = x.bit_length() - 1
+    i = (x >> (m - 11) if m >= 11 else x << (11 - m)) & 2047
+    from kvzip.stages import channel_rans as cr
+
+    return (m << 16) | int(cr.LOG2_FRAC[i])
+
+
+def test_fixed_point_log2_is_the_definition():
+    from kvzip.stages import channel_rans as cr
+
+    xs = {1, 2, 3, 2047, 2048, 2049, 4095, 4096, 2**62 - 1}
+    xs |= {(1 << k) + d for k in range(1, 62) for d in (-1, 0, 1)}
+    xs |= set(np.random.default_rng(0).integers(1, 2**62, 2000).tolist())
+    xs = sorted(xs)
+    got = cr.log2_fixed(np.array(xs, np.int64))
+    assert got.tolist() == [_log2_by_definition(x) for x in xs]
+    assert (np.diff(got) >= 0).all()  # non-decreasing: every estimate term is >= 0
+
+
+def _estimate_by_definition(hist: np.ndarray, shift: int, E: int) -> int:
+    """16.2's estimate in Python integers, a group at a time."""
+    from kvzip.stages import channel_rans as cr
+
+    total = 0
+    D = hist.shape[0]
+    for g in range(D >> shift):
+        row = [int(v) for v in hist[g << shift:(g + 1) << shift].sum(axis=0)]
+        if sum(row) == 0:
+            row[0] = 1
+        mode = row.index(max(row))
+        kept = [e for e, c in enumerate(row) if c >= cr.MIN_COUNT]
+        lo, hi = min([mode] + kept), max([mode] + kept)
+        N = sum(row)
+        counts = [N - sum(row[lo:hi + 1])] + row[lo:hi + 1]
+        total += (16 + 12 * len(counts) + E * counts[0]) << 16
+        total += sum(c * (_log2_by_definition(N) - _log2_by_definition(c)) for c in counts if c > 0)
+    return total
+
+
+@pytest.mark.parametrize("E,D,scale", [(8, 64, 50), (5, 16, 3), (4, 8, 1), (8, 256, 2**31), (4, 256, 2**32 - 1),
+                                       (8, 1, 2**32 - 1), (5, 4, 2**36)])
+def test_estimate_is_the_integer_definition(E, D, scale):
+    """_estimate_bits (vectorised int64) equals the rule in Python integers for every grouping,
+    counts up to 256 channels of uint32 (group sums near 2**40) and beyond (a CPU histogram of a
+    tensor under 2**42 values), and choose_shift takes
+    the smallest, the finest on ties."""
+    from kvzip.stages import channel_rans as cr
+
+    rng = np.random.default_rng(D + E)
+    for trial in range(3):
+        hist = (rng.random((D, 1 << E)) ** 4 * scale).astype(np.int64) * (rng.random((D, 1 << E)) < 0.4)
+        hist[rng.integers(0, D)] = 0  # a channel without values
+        costs = [_estimate_by_definition(hist, s, E) for s in range(D.bit_length())]
+        assert [cr._estimate_bits(hist, s, E) for s in range(D.bit_length())] == costs
+        assert cr.choose_shift(hist, E) == costs.index(min(costs))
+
+
+def test_ties_go_to_the_finer_grouping():
+    """Two channels of 8 values, at exponents x and x + 2: one table a channel costs 2 x 40 bits,
+    one shared table 64 bits of table and 16 of exponents -- equal, so shift 0."""
+    from kvzip.stages import channel_rans as cr
+
+    for E in (4, 5, 8):
+        hist = np.zeros((2, 1 << E), np.int64)
+        hist[0, 3], hist[1, 5] = 8, 8
+        assert cr._estimate_bits(hist, 0, E) == cr._estimate_bits(hist, 1, E) == 80 << 16
+        assert cr.choose_shift(hist, E) == 0
