@@ -102,9 +102,8 @@ LOG2_FRAC = LOG2_FRAC.astype(np.int64)
 def log2_fixed(x: np.ndarray) -> np.ndarray:
     """L(x) of each x >= 1 (int64, < 2**62), exactly: floor(log2 x) << 16 | LOG2_FRAC[index]."""
     x = np.asarray(x, np.int64)
-    msb = np.zeros_like(x)
-    for b in (32, 16, 8, 4, 2, 1):  # floor(log2 x) by bisection, in integers
-        msb += b * ((x >> (msb + b)) != 0)
+    msb = np.frexp(x.astype(np.float64))[1].astype(np.int64) - 1  # exact below 2**53; above, x may round
+    msb -= (x >> msb) == 0                                        # up to 2**(msb + 1), never down
     lift = LOG2_INDEX_BITS - msb
     top = np.where(lift >= 0, x << np.maximum(lift, 0), x >> np.maximum(-lift, 0))
     return (msb << LOG2_ONE_BITS) | LOG2_FRAC[top & ((1 << LOG2_INDEX_BITS) - 1)]
@@ -122,8 +121,9 @@ def _estimate_bits(hist: np.ndarray, shift: int, E: int) -> int:
     inside = np.where((e >= lo[:, None]) & (e <= hi[:, None]), merged, 0)
     total = merged.sum(axis=1)
     counts = np.concatenate(((total - inside.sum(axis=1))[:, None], inside), axis=1)
-    seen = counts > 0
-    info = (counts * np.where(seen, log2_fixed(total)[:, None] - log2_fixed(np.where(seen, counts, 1)), 0)).sum()
+    row, col = np.nonzero(counts)
+    c = counts[row, col]
+    info = (c * (log2_fixed(total)[row] - log2_fixed(c))).sum()
     table = ((16 + FREQ_BITS * (hi - lo + 2) + E * counts[:, 0]) << LOG2_ONE_BITS).sum()
     return int(table) + int(info)
 
