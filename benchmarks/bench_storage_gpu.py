@@ -7,9 +7,9 @@ values (kvzip.bench._sample_bits), shaped [-1, 64] so the storage mode sees its 
 BF16 and quantized once to E5M2 (kvzip.bench.format_bits; FP8 raw = one byte a value).  For
 each: ratio, encode and decode GB/s of uncompressed input (CUDA events around each call, median
 of REPEAT after warm-up: kvzip.bench._timer) of kvzip's storage and speed modes (the ratio mode:
-bench_ratio_gpu.py), every run checked lossless; and the host's share of a storage encode: the
-device histogram with its copy to the host (histogram_ms) and the writer's rule
-(stages/channel_rans.py: choose_shift .. parse_tables) on it (host_tables_ms), each timed alone.
+bench_ratio_gpu.py), every run checked lossless; and the tables' share of a storage encode: the
+device histogram (histogram_ms, to a synchronize) and kvz_rans_tables with the read of its sizes
+(tables_ms: kvzip/gpu/channel_rans.py's choose_tables), each timed alone.
 --quick: 2^24 only, fewer repeats (well under a minute).
 
 Writes OUT/storage-mode-h200.json (gpu, date, commit, versions, every figure; rewritten after
@@ -30,27 +30,27 @@ HEAD_DIM = 64  # the sample's last axis: the channel modes' channels
 FORMATS = ("bf16", "e5m2")
 
 
-def host_share(cupy, x, fmt_name, repeat):
-    """(histogram_ms, host_tables_ms) of the storage encode of x: the device histogram with its
-    copy to the host, then the writer's rule on the host (medians of repeat)."""
+def tables_share(cupy, x, fmt_name, repeat):
+    """(histogram_ms, tables_ms) of the storage encode of x: the device histogram, then the
+    writer's rule on the device with the read of the tables' sizes (medians of repeat)."""
     from kvzip.formats import FORMATS as ALL
     from kvzip.gpu import channel_rans as gpu
-    from kvzip.stages import channel_rans as cr
 
     fmt, n, channels = ALL[fmt_name], x.size, x.shape[-1]
     flat = x.reshape(-1)
     hist_t, table_t = [], []
+    stream = cupy.cuda.get_current_stream()
     for _ in range(repeat + 1):
-        cupy.cuda.get_current_stream().synchronize()
+        stream.synchronize()
         t0 = time.perf_counter()
-        hist = gpu.histogram(flat, n, fmt, channels)
+        hist = gpu.device_histogram(flat, n, fmt, channels)
+        stream.synchronize()
         t1 = time.perf_counter()
-        shift = cr.choose_shift(hist, fmt.exp_bits)
-        cr.parse_tables(cr.tables_bytes(shift, cr.group_tables(hist, shift)), channels, fmt.exp_bits)
+        gpu.choose_tables(hist, fmt, channels)  # ends with the read of the sizes
         t2 = time.perf_counter()
         hist_t.append(t1 - t0)
         table_t.append(t2 - t1)
-    return _median_ms(hist_t[1:]), _median_ms(table_t[1:])  # the first call compiles the kernel
+    return _median_ms(hist_t[1:]), _median_ms(table_t[1:])  # the first call compiles the kernels
 
 
 def _median_ms(seconds) -> float:
@@ -68,10 +68,10 @@ def run(sizes, formats, repeat, out_dir):
     for log2, fmt, x in tiled_kv_inputs(cupy, sizes, formats, HEAD_DIM):
         row = res["runs"][f"{fmt}_2^{log2}"] = {"format": fmt, "values": x.size}
         row["kvzip_storage"] = bench_kvzip(cupy, timeit, x, fmt, pipe=kvzip.storage_pipeline())
-        row["histogram_ms"], row["host_tables_ms"] = host_share(cupy, x, fmt, repeat)
+        row["histogram_ms"], row["tables_ms"] = tables_share(cupy, x, fmt, repeat)
         row["kvzip_speed"] = bench_kvzip(cupy, timeit, x, fmt)
-        print(fmt, log2, "storage", row["kvzip_storage"], "histogram", row["histogram_ms"], "ms, host tables",
-              row["host_tables_ms"], "ms\n   speed", row["kvzip_speed"], flush=True)
+        print(fmt, log2, "storage", row["kvzip_storage"], "histogram", row["histogram_ms"], "ms, tables",
+              row["tables_ms"], "ms\n   speed", row["kvzip_speed"], flush=True)
         del x
         path.write_text(json.dumps(res, indent=1))  # after every row: a cut-short run keeps what it measured
     print("wrote", path)

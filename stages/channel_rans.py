@@ -13,18 +13,21 @@ Streams (docs/format.md section 16 is their normative description): rest, states
 word_count, esc_count, esc_exp, tables.  The CPU kernels are stages/channel_rans_cpu.py (the
 reference); on a CUDA backend with CuPy arrays (``on_device``) the stage runs
 kvzip/gpu/channel_rans.py's CUDA kernels on the device, which give the same bytes and the same
-errors: the histogram is counted there and only it comes to the host, where this module's
-writer's rule makes the tables; decoding copies only the tables stream to the host.  Under the
-Numba simulator the CPU kernels run on the host.
+errors: the histogram is counted there and kvz_rans_tables applies this module's writer's rule
+to it there (nothing but the tables' sizes comes to the host); decoding copies only the tables
+stream to the host.  Under the Numba simulator the CPU kernels run on the host.
 
 The writer's rule (16.2; choose_shift, group_tables, tables_bytes) is integer arithmetic only,
-so a device can reproduce it bit for bit: each grouping (2**shift channels a table, shift 0 ..
+so a device reproduces it bit for bit: each grouping (2**shift channels a table, shift 0 ..
 log2 D) is estimated in 2**-16 bits as sum over groups ((16 + 12 K + E esc) << 16) + sum c (L(N)
 - L(c)) over a group's K counts c > 0 (escape first, N their sum), with the fixed-point log2 L(x)
 = floor(log2 x) << 16 | LOG2_FRAC[the 11 bits of x below its leading one]; the smallest wins,
 the finest on ties; _freqs normalises each group's counts.
 """
 from __future__ import annotations
+
+from importlib.resources import files
+from pathlib import Path
 
 import numpy as np
 
@@ -92,7 +95,8 @@ def group_tables(hist: np.ndarray, shift: int) -> list:
 # The writer's fixed-point log2 (16.2): L(x) = floor(log2 x) << 16 | LOG2_FRAC[the LOG2_INDEX_BITS
 # bits of x below its leading one], x >= 1; LOG2_FRAC[i] = round(2**16 log2(1 + i / 2**11)).  Each
 # entry lies at least 2.5e-4 from a rounding tie (tests/test_storage_mode.py), so float64 gives the
-# exact table.  L is non-decreasing, so every estimate term c (L(N) - L(c)) is >= 0.
+# exact table; kvzip/gpu/kernels/rans_rule.cuh holds the same numbers (cuh()).  L is
+# non-decreasing, so every estimate term c (L(N) - L(c)) is >= 0.
 LOG2_ONE_BITS = 16
 LOG2_INDEX_BITS = 11
 LOG2_FRAC = np.round((1 << LOG2_ONE_BITS) * np.log2(1 + np.arange(1 << LOG2_INDEX_BITS) / (1 << LOG2_INDEX_BITS)))
@@ -126,6 +130,32 @@ def _estimate_bits(hist: np.ndarray, shift: int, E: int) -> int:
     info = (c * (log2_fixed(total)[row] - log2_fixed(c))).sum()
     table = ((16 + FREQ_BITS * (hi - lo + 2) + E * counts[:, 0]) << LOG2_ONE_BITS).sum()
     return int(table) + int(info)
+
+
+def cuh() -> str:
+    """kvzip/gpu/kernels/rans_rule.cuh: the writer's rule's constants for kvz_rans_tables, the
+    fixed-point log2's table among them."""
+    frac = [int(v) for v in LOG2_FRAC]
+    lines = ["// kvzip/gpu/kernels/rans_rule.cuh: the storage mode's writer's rule's constants for the kernels.",
+             "// Generated from stages/channel_rans.py by `python -m kvzip.gpu.headers --write`: do not edit",
+             "// (tests/test_storage_mode.py checks that this file is that text).",
+             "#pragma once",
+             "",
+             f"#define RANS_FREQ_BITS {FREQ_BITS}",
+             f"#define RANS_MIN_COUNT {MIN_COUNT}",
+             f"#define RANS_LOG2_ONE_BITS {LOG2_ONE_BITS}",
+             f"#define RANS_LOG2_INDEX_BITS {LOG2_INDEX_BITS}",
+             "",
+             "// LOG2_FRAC[i] = round(2**16 log2(1 + i / 2**11)): L(x) = floor(log2 x) << 16 | LOG2_FRAC[the 11 bits",
+             "// of x below its leading one].",
+             f"__device__ const unsigned short rans_log2_frac[{len(frac)}] = {{"]
+    lines += ["    " + ", ".join(str(v) for v in frac[i:i + 16]) + "," for i in range(0, len(frac), 16)]
+    lines += ["};", ""]
+    return "\n".join(lines)
+
+
+def cuh_path() -> Path:
+    return Path(str(files("kvzip.gpu").joinpath("kernels", "rans_rule.cuh")))
 
 
 def choose_shift(hist: np.ndarray, E: int) -> int:
@@ -203,15 +233,12 @@ class ChannelRans(Stage):
         if on_device(backend):
             from kvzip.gpu import channel_rans as gpu
 
-            hist = gpu.histogram(data, n, fmt, channels)
-        else:
-            src = backend.to_numpy(data)
-            hist = channel_rans_cpu.histogram(src, fmt, channels)
+            return frame.replace(drop=("data",), **gpu.encode(data, n, fmt, channels, C))
+        src = backend.to_numpy(data)
+        hist = channel_rans_cpu.histogram(src, fmt, channels)
         shift = choose_shift(hist, fmt.exp_bits)
         tables = tables_bytes(shift, group_tables(hist, shift))
         _, freq, cum, _ = parse_tables(tables, channels, fmt.exp_bits)
-        if on_device(backend):
-            return frame.replace(drop=("data",), **gpu.encode(data, n, fmt, channels, C, shift, tables, freq, cum))
         nchunks = -(-n // C)
         rest = np.empty(fmt.rest_bits * groups(n), np.uint8)
         states = np.empty(LANES * nchunks, np.uint32)

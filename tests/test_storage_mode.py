@@ -360,6 +360,23 @@ def test_log2_table_is_exact_and_far_from_ties():
     assert margin > 2.5e-4 and cr.LOG2_FRAC[0] == 0 and cr.LOG2_FRAC[-1] == 65513
 
 
+def test_rans_rule_cuh_is_generated():
+    """kvzip/gpu/kernels/rans_rule.cuh is stages/channel_rans.py's cuh() text (regenerate it with
+    `python -m kvzip.gpu.headers --write` after changing the writer's rule's constants)."""
+    import re
+
+    from kvzip.stages import channel_rans as cr
+
+    text = cr.cuh()
+    assert cr.cuh_path().read_text() == text
+    table = re.search(r"rans_log2_frac\[(\d+)\] = \{([^}]*)\}", text)
+    assert [int(v) for v in table.group(2).replace(",", " ").split()] == cr.LOG2_FRAC.tolist()
+    defines = dict(re.findall(r"#define (RANS_\w+) (\d+)", text))
+    assert int(defines["RANS_MIN_COUNT"]) == cr.MIN_COUNT and int(defines["RANS_FREQ_BITS"]) == cr.FREQ_BITS
+    assert int(defines["RANS_LOG2_ONE_BITS"]) == cr.LOG2_ONE_BITS
+    assert int(defines["RANS_LOG2_INDEX_BITS"]) == cr.LOG2_INDEX_BITS
+
+
 def _log2_by_definition(x: int) -> int:
     m = x.bit_length() - 1
     i = (x >> (m - 11) if m >= 11 else x << (11 - m)) & 2047

@@ -2,16 +2,16 @@
 kvzip/gpu/kernels/channel_rans.cu on CuPy arrays, on the current device and stream, giving the
 CPU reference's bytes (stages/channel_rans_cpu.py).  CuPy is imported on first use.
 
-    hist = histogram(src, n, fmt, channels)          # int64[channels, 2**E] on the host
-    # the stage makes the tables from hist with the writer's rule (stages/channel_rans.py)
-    streams = encode(src, n, fmt, channels, chunk, shift, tables, freq, cum)
+    streams = encode(src, n, fmt, channels, chunk)   # the tables made on the device
     dst, code = decode(streams, n, fmt, channels, chunk, shift, tables, freq, cum)
 
-The tables are made on the host from the device's histogram: the writer's choice of grouping
-compares float64 estimates whose roundings and ties the reference defines by its NumPy code, so
-the same code makes them (a small round trip: channels << E counts down, ~1 KB of tables up).
-Encode therefore waits for the host twice (the histogram; the totals of words and escapes, the
-streams' lengths), decode once (the error word).
+Encode: kvz_rans_histogram counts the exponents, kvz_rans_tables applies the writer's rule of
+stages/channel_rans.py to the counts on the device (integers only, so its bytes are the
+reference's), kvz_rans_encode, kvz_rans_offsets and kvz_rans_compact code and place the chunks.
+It waits for the device twice: the tables' sizes (the encoder's dynamic shared memory) and the
+totals of words and escapes (the streams' lengths).  Decode parses the stored tables on the host
+with every check (stages/channel_rans.py: parse_tables) and waits once (the error word).
+histogram() (the counts on the host) is for benchmarks and tests.
 """
 from __future__ import annotations
 
@@ -31,14 +31,21 @@ HIST_MIN_VALUES = 16 * HIST_THREADS  # a histogram block counts at least this ma
 LANES = 32
 TOTAL = 4096
 # The most dynamic shared memory the tables take: 256 groups of 2 descriptor words and 258
-# uint16 entries (the escape, 256 exponents, the end) each.
+# uint16 entries (the escape, 256 exponents, the end) each (rans_tables.cuh: RANS_MAX_TABLE_WORDS).
 MAX_TABLE_BYTES = 256 * (8 + 2 * 258)
+# kvz_rans_tables's tables stream at most (RANS_MAX_STREAM_BYTES: 256 groups of 257 frequencies)
+# and its info words: shift, the stream's bytes, the table words, groups, search_top.
+FREQ_BITS = 12           # RANS_FREQ_BITS (stages/channel_rans.py's FREQ_BITS)
+MAX_STREAM_BYTES = 1 + 2 * 256 + -(-FREQ_BITS * 256 * 257 // 8)
+INFO_WORDS = 5
+TABLES_THREADS = 1024    # RANS_TABLES_THREADS: kvz_rans_tables's one block
 
 
 def _names(fmt) -> dict:
     args = loader._args(fmt)
     return {"histogram": f"kvz_rans_histogram<{args}>", "encode": f"kvz_rans_encode<{args}>",
-            "decode": f"kvz_rans_decode<{args}>", "offsets": "kvz_rans_offsets", "compact": "kvz_rans_compact"}
+            "decode": f"kvz_rans_decode<{args}>", "tables": f"kvz_rans_tables<{fmt.exp_bits}>",
+            "offsets": "kvz_rans_offsets", "compact": "kvz_rans_compact"}
 
 
 def _launch(name, fmt, blocks, threads, args, shared=0):
@@ -59,16 +66,33 @@ def histogram_plan(n: int, channels: int, E: int, grid: int) -> tuple:
     return S, per_block, slices * -(-slice_values // per_block) if slice_values else 0
 
 
-def histogram(src, n: int, fmt, channels: int) -> np.ndarray:
-    """int64[channels, 2**E] on the host: every value's exponent counted by channel
-    (channel_rans_cpu.histogram on the device)."""
+def device_histogram(src, n: int, fmt, channels: int):
+    """uint32[channels << E] on the device ([channel][exponent]): every value's exponent counted
+    by channel (channel_rans_cpu.histogram's counts)."""
     cp = cupy()
     E = fmt.exp_bits
     hist = cp.zeros(channels << E, cp.uint32)
     S, per_block, blocks = histogram_plan(n, channels, E, max_grid(cp.cuda.Device().id))
     _launch("histogram", fmt, blocks, HIST_THREADS,
             (cp.ascontiguousarray(src), np.int64(n), np.int32(channels), np.int32(S), np.int64(per_block), hist))
-    return hist.get().astype(np.int64).reshape(channels, 1 << E)  # the first wait
+    return hist
+
+
+def histogram(src, n: int, fmt, channels: int) -> np.ndarray:
+    """int64[channels, 2**E] on the host: device_histogram's counts."""
+    return device_histogram(src, n, fmt, channels).get().astype(np.int64).reshape(channels, 1 << fmt.exp_bits)
+
+
+def choose_tables(hist, fmt, channels: int) -> tuple:
+    """(tables stream uint8, table words uint32, shift, groups, search_top) of device_histogram's
+    counts, by kvz_rans_tables: the streams on the device, the three numbers read back (the one
+    wait: the encoder's shared memory is sized by the words)."""
+    cp = cupy()
+    stream = cp.empty(-(-MAX_STREAM_BYTES // 4), cp.uint32)
+    words, info = cp.empty(MAX_TABLE_BYTES // 4, cp.uint32), cp.empty(INFO_WORDS, cp.uint32)
+    _launch("tables", fmt, 1, TABLES_THREADS, (hist, np.int32(channels), stream, words, info))
+    shift, nbytes, nwords, ng, top = (int(x) for x in info.get())
+    return stream.view(cp.uint8)[:nbytes], words[:nwords], shift, ng, top
 
 
 def device_tables(tables: np.ndarray, freq: np.ndarray, cum: np.ndarray, E: int) -> tuple:
@@ -108,13 +132,12 @@ def _offsets(word_count, esc_count, n, fmt, chunk, lengths=None):
     return offsets, result
 
 
-def encode(src, n: int, fmt, channels: int, chunk: int, shift: int, tables: np.ndarray, freq, cum) -> dict:
-    """The streams of section 16.4 of the n values src (1-D CuPy array of fmt's unsigned dtype)
-    under the tables (the stream, and parse_tables's freq and cum of it), as CuPy arrays."""
+def encode(src, n: int, fmt, channels: int, chunk: int) -> dict:
+    """The streams of section 16.4 of the n values src (1-D CuPy array of fmt's unsigned dtype),
+    the tables chosen on the device by the writer's rule, as CuPy arrays."""
     cp = cupy()
     src = aligned(src)
-    words_, ng, _ = device_tables(tables, freq, cum, fmt.exp_bits)
-    tab = cp.asarray(words_)
+    stream, tab, shift, ng, _ = choose_tables(device_histogram(src, n, fmt, channels), fmt, channels)
     nchunks = -(-n // chunk)
     rest, states = cp.empty(fmt.rest_bits * groups(n), cp.uint8), cp.empty(LANES * nchunks, cp.uint32)
     word_count, esc_count = cp.empty(nchunks, cp.uint32), cp.empty(nchunks, cp.uint32)
@@ -130,7 +153,7 @@ def encode(src, n: int, fmt, channels: int, chunk: int, shift: int, tables: np.n
             (word_count, esc_count, np.int64(nchunks), np.int64(n), np.int32(chunk), offsets, word_slots, esc_slots,
              words, esc_exp))
     return dict(rest=rest, states=states, words=words, word_count=word_count, esc_count=esc_count, esc_exp=esc_exp,
-                tables=cp.asarray(tables))
+                tables=stream)
 
 
 def decode(s: dict, n: int, fmt, channels: int, chunk: int, shift: int, tables: np.ndarray, freq, cum):

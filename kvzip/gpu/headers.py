@@ -1,7 +1,8 @@
-"""The generated CUDA headers: kernels/layout.cuh from kvzip/layout.py (the blob's layout) and
+"""The generated CUDA headers: kernels/layout.cuh from kvzip/layout.py (the blob's layout),
 kernels/abi_check.cuh from kvzip/gpu/abi.py (the job tables' layout, static_assert-checked
-against the C structs).  tests/test_layout.py and tests/test_abi.py fail when the committed files
-are not this text.
+against the C structs) and kernels/rans_rule.cuh from stages/channel_rans.py (the storage mode's
+writer's rule).  tests/test_layout.py, tests/test_abi.py and
+tests/test_storage_mode.py fail when the committed files are not this text.
 
     python -m kvzip.gpu.headers --check   # exit 1 if a committed header differs
     python -m kvzip.gpu.headers --write   # regenerate them
@@ -11,10 +12,11 @@ from __future__ import annotations
 import sys
 
 from kvzip import layout
+from kvzip.stages import channel_rans
 
 from . import abi
 
-HEADERS = ((layout.cuh_path, layout.cuh), (abi.cuh_path, abi.cuh))
+HEADERS = ((layout.cuh_path, layout.cuh), (abi.cuh_path, abi.cuh), (channel_rans.cuh_path, channel_rans.cuh))
 
 
 def main(argv=None) -> int:

@@ -212,6 +212,7 @@ def channel_kernel(name: str, device_id: int):
 def channel_rans_names() -> tuple:
     """The name expressions of channel_rans.cu's module: its kernels for every format."""
     names = ["kvz_rans_offsets", "kvz_rans_compact"]
+    names += [f"kvz_rans_tables<{e}>" for e in sorted({f.exp_bits for f in FORMATS.values()})]
     for fmt in FORMATS.values():
         args = _args(fmt)
         names += [f"kvz_rans_histogram<{args}>", f"kvz_rans_encode<{args}>", f"kvz_rans_decode<{args}>"]

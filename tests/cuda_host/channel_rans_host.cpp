@@ -1,11 +1,13 @@
 // kvzip/gpu/kernels/channel_rans.cu run on the host (emu.h), in the order kvzip/gpu/channel_rans.py
 // launches it, for tests/test_channel_rans_kernels_host.py.  argv: input file, output file (records,
-// records.h).  Input: int64[11] {op (0 histogram, 1 encode, 2 decode), E, M, n, channels, chunk,
-// grid (the most blocks of a grid-stride kernel), shift, groups, a, b}, then
+// records.h).  Input: int64[11] {op (0 histogram, 1 encode, 2 decode, 3 tables), E, M, n, channels,
+// chunk, grid (the most blocks of a grid-stride kernel), shift, groups, a, b}, then
 //   histogram: the values; a, b: slice_channels, per_block; grid: the blocks (histogram_plan's);
+//   tables: the histogram (uint32[channels << E]);
 //   encode: the values, the tables' words (device_tables);
 //   decode: rest, states, words, word_count, esc_exp, esc_count, the tables' words; a: search_top.
-// Output: histogram: uint32[channels << E]; encode: rest, states, word_count, esc_count, words,
+// Output: histogram: uint32[channels << E]; tables: the tables stream, the table words, the
+// uint32 info (kvz_rans_tables's); encode: rest, states, word_count, esc_count, words,
 // esc_exp; decode: the values, then the uint64 error word.
 #include "emu.h"
 #include "records.h"
@@ -33,6 +35,15 @@ static std::vector<Bytes> run(const std::vector<Bytes>& in, const std::vector<lo
             emu_launch(grid, RANS_HIST_THREADS,
                        [&] { kvz_rans_histogram<E, M, T>(src.data(), n, D, (int)p[9], p[10], hist.data()); });
         return {bytes_of(hist)};
+    }
+    if (op == 3) {
+        const std::vector<u32> hist = as<u32>(in[1]);
+        std::vector<u32> stream(cdiv(RANS_MAX_STREAM_BYTES, 4)), words(RANS_MAX_TABLE_WORDS), info(RANS_INFO_WORDS);
+        emu_launch(1, RANS_TABLES_THREADS, [&] { kvz_rans_tables<E>(hist.data(), D, stream.data(), words.data(), info.data()); });
+        std::vector<u8> bytes(info[1]);
+        std::memcpy(bytes.data(), stream.data(), info[1]);
+        words.resize(info[2]);
+        return {bytes_of(bytes), bytes_of(words), bytes_of(info)};
     }
     const std::vector<u32> tables = as<u32>(in.back());
     if (op == 1) {

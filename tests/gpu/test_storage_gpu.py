@@ -2,13 +2,18 @@
 the device (kvzip/gpu/kernels/channel_rans.cu) to the CPU reference's bytes, for every format,
 edge sizes, chunk sizes and channel counts, real KV and its adversarial variants, random and
 wide-exponent bits; GPU blobs and CPU blobs decode on the GPU to the values; forged blobs raise
-the CPU path's FormatError with its message; the stage runs no CPU kernel for CuPy input."""
+the CPU path's FormatError with its message; the stage runs no CPU kernel for CuPy input; the
+tables are made on the device (kvz_rans_tables), the writer's rule's shift, stream and table
+words on the histograms of tests/test_channel_rans_kernels_host.py, with no host rule in an
+encode."""
 import numpy as np
 import pytest
 
 import channel_modes  # CuPy: tests/conftest.py collects tests/gpu only where it sees a GPU
+import cupy
 from channel_modes import layers
 
+import kvzip
 from kvzip import testing as kt
 from kvzip.formats import FORMATS
 
@@ -54,6 +59,43 @@ def test_random_and_wide_bits(fmt):
     e = ((bits >> np.uint64(M)) + np.arange(256, dtype=np.uint64)) & np.uint64((1 << E) - 1)
     mask = np.uint64(((1 << E) - 1) << M)
     assert_device_matches(((bits & ~mask) | (e << np.uint64(M))).astype(f.uint_dtype), fmt)
+
+
+# ----------------------------------------------------------------------------- the writer's rule
+def _device_rule(hist, fmt):
+    from kvzip.gpu import channel_rans as gpu
+
+    stream, words, shift, ng, top = gpu.choose_tables(cupy.asarray(hist.astype(np.uint32).reshape(-1)), fmt,
+                                                      hist.shape[0])
+    return shift, stream.get(), words.get(), ng, top
+
+
+def test_device_tables_are_the_writers_rule():
+    """kvz_rans_tables on the device gives what the host harness checks against the reference:
+    the synthetic histograms (ties, empty, one and every exponent, counts near 2**32, 256 x 257)
+    and real KV of every format."""
+    from test_channel_rans_kernels_host import BY_E, RULE_CASES, real_histograms, reference_rule
+
+    for label, E, hist in RULE_CASES + list(real_histograms()):
+        got, want = _device_rule(hist, BY_E[E]), reference_rule(hist, BY_E[E])
+        assert got[0] == want[0] and np.array_equal(got[1], want[1]) and np.array_equal(got[2], want[2]), label
+        assert got[3:] == want[3:], label
+
+
+def test_the_encode_runs_no_host_rule(monkeypatch):
+    """The writer's rule never runs on the host for a CuPy tensor, and the blob is the CPU's."""
+    from kvzip.gpu import channel_rans as gpu
+    from kvzip.stages import channel_rans as cr
+
+    bits = layers(1)[0]
+    want = channel_modes.cpu_blob(bits, "bf16", MODE)
+
+    def refuse(*a, **k):
+        raise AssertionError("the host's writer's rule ran for a CuPy tensor")
+
+    for module, name in ((cr, "choose_shift"), (cr, "group_tables"), (cr, "tables_bytes"), (gpu, "histogram")):
+        monkeypatch.setattr(module, name, refuse)
+    assert kvzip.compress(cupy.asarray(bits), dtype="bf16", mode=MODE).get().tobytes() == want
 
 
 # ----------------------------------------------------------------------------- forged blobs

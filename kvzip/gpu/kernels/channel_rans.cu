@@ -1,10 +1,11 @@
 // ChannelRans (the storage mode, docs/format.md section 16) on the device: the same bytes as the
 // CPU reference (stages/channel_rans_cpu.py), launched by kvzip/gpu/channel_rans.py.
 //
-// Encode: kvz_rans_histogram counts every value's exponent per channel (the host turns the counts
-// into the tables with stages/channel_rans.py's writer's rule and uploads them as RansTables),
-// kvz_rans_encode codes a chunk a warp into per-chunk slots, kvz_rans_offsets scans the counts
-// and kvz_rans_compact moves every chunk's runs to their place.  Decode: kvz_rans_offsets
+// Encode: kvz_rans_histogram counts every value's exponent per channel, kvz_rans_tables
+// (rans_tables.cuh) turns the counts into the tables stream and the RansTables words with the
+// writer's rule of stages/channel_rans.py, kvz_rans_encode codes a chunk a warp into per-chunk
+// slots, kvz_rans_offsets scans the counts and kvz_rans_compact moves every chunk's runs to their
+// place.  Decode: kvz_rans_offsets
 // computes the offsets from the two count streams and checks them, kvz_rans_decode decodes the
 // chunks before the first bad count with every check of 16.3.
 //
@@ -28,6 +29,8 @@
 #define RANS_HIST_THREADS 256
 #define RANS_HIST_COUNTERS 8192      // kvz_rans_histogram's shared counters: (channels of a slice) << E
 #define RANS_NO_ERROR 0xFFFFFFFFFFFFFFFFull
+
+#include "rans_tables.cuh"  // kvz_rans_tables (uses RANS_TOTAL)
 
 // ------------------------------------------------------------------ tables
 // The tables as kvzip/gpu/channel_rans.py's device_tables lays them out (words, in shared memory):
