@@ -85,8 +85,9 @@ def histogram(src, n: int, fmt, channels: int) -> np.ndarray:
 
 def choose_tables(hist, fmt, channels: int) -> tuple:
     """(tables stream uint8, table words uint32, shift, groups, search_top) of device_histogram's
-    counts, by kvz_rans_tables: the streams on the device, the three numbers read back (the one
-    wait: the encoder's shared memory is sized by the words)."""
+    counts, by kvz_rans_tables: the stream and words stay on the device (views of buffers of the
+    largest tables' size); its INFO_WORDS info words are read back (the one wait: the encoder's
+    shared memory is sized by the words)."""
     cp = cupy()
     stream = cp.empty(-(-MAX_STREAM_BYTES // 4), cp.uint32)
     words, info = cp.empty(MAX_TABLE_BYTES // 4, cp.uint32), cp.empty(INFO_WORDS, cp.uint32)
