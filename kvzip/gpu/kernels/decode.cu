@@ -7,6 +7,45 @@
 #include "formats.cuh"
 #include "escapes.cuh"
 
+// The escape-heavy decoder's stage (decode_chunk<..., SCATTER>): a warp's step of decoded values in
+// shared memory, where each escape is written over its value by the lane that holds it, before the
+// step's one store of each group to dst.  BYTES: the largest step of the kernel (stage_bytes), the
+// same for every step of it, so that its warps share one array.
+template <int BYTES>
+__device__ __forceinline__ u8* warp_stage() {
+    __shared__ uint4 stage[WARPS][BYTES / 16];
+    return reinterpret_cast<u8*>(stage[threadIdx.x >> 5]);
+}
+
+// The stage's size for a format and decoder shape: the larger of decode_chunk's step (32 * GPL
+// groups of 8 values) and, where whole E5M2 chunks go a lane per quad, decode_e5m2_quads' step
+// (32 lanes' QPL quads of 32 values).
+template <int E, int M, typename T, int GPL>
+__host__ __device__ constexpr int stage_bytes() {
+    constexpr int groups = 32 * GPL * 8 * (int)sizeof(T);
+    constexpr int quads = E == 5 && M == 2 && sizeof(T) == 1 && KVZ_E5M2_QUADS ? 32 * (GPL >= 2 ? GPL / 2 : 1) * 32 : 0;
+    return groups > quads ? groups : quads;
+}
+
+// A staged group (its 8 values at staged) to dst's group i of a chunk of len values: one vector
+// copy where the group is whole.
+template <typename T>
+__device__ __forceinline__ void unstage_group(const T* staged, T* __restrict__ dst, int len, int i) {
+    if (i * 8 + 8 <= len) {
+        const uint4* from = reinterpret_cast<const uint4*>(staged);
+        if constexpr (sizeof(T) == 1) {
+            *reinterpret_cast<uint2*>(dst + i * 8) = *reinterpret_cast<const uint2*>(staged);
+        } else if constexpr (sizeof(T) == 2) {
+            *reinterpret_cast<uint4*>(dst + i * 8) = from[0];
+        } else {
+            reinterpret_cast<uint4*>(dst + i * 8)[0] = from[0];
+            reinterpret_cast<uint4*>(dst + i * 8)[1] = from[1];
+        }
+    } else {
+        for (int j = 0; i * 8 + j < len; j++) dst[i * 8 + j] = staged[j];
+    }
+}
+
 // E5M2, a whole non-plane chunk of nq quads, a lane per quad (4 consecutive groups, 32 values) and
 // QPL quads a lane a step: one 16-byte codes load, the quad's 12 rest bytes as three aligned words
 // and two 16-byte stores, where a lane per group took four loads, its address arithmetic and a
@@ -15,14 +54,17 @@
 // the stores.  Not for DQ (four 16-byte stores a lane 64 bytes apart were much slower); nor in
 // the encoder, where the mirror (two 16-byte loads, the rest words through shared memory) was
 // slower than store_rest24_warp's groups (benchmarks/NOTES.md, kernel source split: E5M2 quads).
-template <int QPL>
+// STAGED (the escape-heavy decoder's chunks, decode_chunk<..., SCATTER>): the step's words go to
+// the warp's stage (STAGE_BYTES: warp_stage), its escapes are written there by the lanes holding
+// them (patch_staged_escapes), and then each quad to dst.
+template <int QPL, bool STAGED = false, int STAGE_BYTES = 0>
 __device__ __forceinline__ void decode_e5m2_quads(const DecodeJob& J, const u8* __restrict__ codes,
                                                   const u8* __restrict__ rest, void* __restrict__ dst, int nq,
                                                   long long esc_off, int cnt, int len, u32 d0, u32 d1, u32 d2, u32 d3,
                                                   int lane, u64* err) {
     constexpr int QSTEP = 32 * QPL;
     int base = 0, pos = NONE;
-    u32 exp = 0;
+    u32 exp = 0, next = NO_ESCAPE;  // next: STAGED's round asked for ahead
     for (int s0 = 0; s0 < nq; s0 += QSTEP) {
         uint4 cw[QPL];
         u32 rw[QPL][3];
@@ -37,6 +79,9 @@ __device__ __forceinline__ void decode_e5m2_quads(const DecodeJob& J, const u8* 
                 rw[q][0] = r[0]; rw[q][1] = r[1]; rw[q][2] = r[2];
             }
         }
+        if constexpr (STAGED) {  // the second round asked for with the first, before the first's check waits
+            if (s0 == 0) next = request_escape_word(J, esc_off, 32, cnt, lane);
+        }
         if (s0 == 0 && cnt > 0 && !load_escapes<5>(J, esc_off, 0, cnt, len, -1, lane, pos, exp, err)) cnt = 0;
         u32 out[QPL][8];
 #pragma unroll
@@ -48,6 +93,29 @@ __device__ __forceinline__ void decode_e5m2_quads(const DecodeJob& J, const u8* 
             const u32 c4[4] = {cw[q].x, cw[q].y, cw[q].z, cw[q].w};
 #pragma unroll
             for (int g = 0; g < 4; g++) decode_e5m2_words(c4[g], r24[g], d0, d1, d2, d3, &out[q][2 * g]);
+        }
+        if constexpr (STAGED) {
+            u8* stage = warp_stage<STAGE_BYTES>();  // quad q * 32 + lane of the step at 32 (q * 32 + lane)
+#pragma unroll
+            for (int q = 0; q < QPL; q++) {
+                uint4* o = reinterpret_cast<uint4*>(stage + (q * 32 + lane) * 32);
+                o[0] = make_uint4(out[q][0], out[q][1], out[q][2], out[q][3]);
+                o[1] = make_uint4(out[q][4], out[q][5], out[q][6], out[q][7]);
+            }
+            __syncwarp();  // the step staged before any lane writes an escape into another's quad
+            patch_staged_escapes<5, 2, u8>(J, esc_off, s0 * 32, (s0 + QSTEP) * 32, len, lane, base, cnt, pos, exp,
+                                           next, err, stage);
+            __syncwarp();  // and every escape written before its quad is stored
+#pragma unroll
+            for (int q = 0; q < QPL; q++) {
+                const int i = s0 + q * 32 + lane;
+                if (i >= nq) continue;
+                const uint4* from = reinterpret_cast<const uint4*>(stage + (q * 32 + lane) * 32);
+                uint4* o = reinterpret_cast<uint4*>(static_cast<u8*>(dst) + i * 32);
+                o[0] = from[0];
+                o[1] = from[1];
+            }
+            continue;
         }
         // This step's escapes patch the owning lane's word.
         each_escape<5>(J, esc_off, s0 * 32, (s0 + QSTEP) * 32, len, lane, base, cnt, pos, exp, err, [&](int p, u32 e) {
@@ -156,9 +224,10 @@ __device__ __forceinline__ void finish_early_chunk(const DecodeJob* __restrict__
 // or with part (kvz_decode's tail) a share of its steps.  EARLY:
 // the warp's first chunk, which it may reach before kvz_scan is done (not for DQ, whose values
 // cannot be patched after the table).  SCATTER (a whole chunk, not plane-coded, not DQ, of many
-// escapes: decode_scattered_chunk): the chunk is stored without its escapes, then patched in
-// memory (patch_escapes), a lane an escape, where each_escape's warp-wide broadcast pays a round
-// an escape.
+// escapes: decode_scattered_chunk): each step's values go to the warp's stage in shared memory
+// (warp_stage), where the lane holding an escape writes it over its value (patch_staged_escapes:
+// 32 escapes a round, where each_escape's warp-wide broadcast pays a round an escape), and then
+// each group to dst, once.
 template <int E, int M, typename T, int GPL, bool DQ, bool EARLY, bool SCATTER = false>
 __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob* __restrict__ jobs, int job,
                                              long long gc, int chunk, const u64* __restrict__ chunk_off,
@@ -174,7 +243,7 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
     const long long n = J.n - g0 * 8;  // values from the chunk's start to the tensor's end
     int ng = (int)min((long long)gpc, (n + 7) / 8);  // the chunk's groups (a part's: its end, below)
     const u32 stored = J.esc_count[c];
-    const bool plane = stored == PLANE;
+    const bool plane = !SCATTER && stored == PLANE;  // (kvz_decode never gives SCATTER a plane-coded chunk)
     const bool early = EARLY && !plane;  // a plane-coded chunk needs its offset first
     if (EARLY && plane) await_offsets(ow);
     u64 off = 0;
@@ -182,7 +251,7 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
         off = chunk_off[gc];
         if (*reinterpret_cast<volatile u64*>(err) != 0) return;  // kvz_scan found this tensor broken
     }
-    int cnt = plane || early || SCATTER ? 0 : (int)stored;
+    int cnt = plane || early ? 0 : (int)stored;
     const long long esc_off = (long long)(off >> 31);
     // (EARLY: J is the row as read before the wait, which a header guess may have changed since;
     // plane-coded chunks read exp_high after it)
@@ -198,7 +267,8 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
         ng = min(ng, (((p + 1) * steps) >> shift) * STEP);
     }
     int base = 0, pos = NONE;
-    u32 exp = 0;
+    u32 exp = 0, next = NO_ESCAPE;  // next: SCATTER's round asked for ahead
+    constexpr int STAGE_BYTES = stage_bytes<E, M, T, GPL>();
     // this chunk's data, and group i of it at index i
     const u8* __restrict__ codes = J.codes + g0 * 4;
     const u8* __restrict__ rest = J.rest + g0 * R;
@@ -219,10 +289,10 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
     const u64 dlo = J.dlo, dhi = J.dhi;
     if constexpr (E5M2 && !DQ && KVZ_E5M2_QUADS) {  // whole chunks a lane per quad, GPL / 2 quads a step (as many registers)
         if (!plane && n >= chunk && (chunk & 31) == 0 && part == 0) {
-            decode_e5m2_quads<GPL >= 2 ? GPL / 2 : 1>(J, codes, rest, dst, gpc / 4, esc_off, cnt, len, (u32)(dlo << 2),
-                                                      (u32)(dlo >> 30), (u32)(dhi << 2), (u32)(dhi >> 30), lane, err);
+            decode_e5m2_quads<GPL >= 2 ? GPL / 2 : 1, SCATTER, STAGE_BYTES>(
+                J, codes, rest, dst, gpc / 4, esc_off, cnt, len, (u32)(dlo << 2), (u32)(dlo >> 30), (u32)(dhi << 2),
+                (u32)(dhi >> 30), lane, err);
             if (early) finish_early_chunk<E, M, T>(jobs, job, gc, chunk, chunk_off, work, lane, ow);
-            if constexpr (SCATTER) patch_escapes<E, M, T>(J, esc_off, (int)stored, len, reinterpret_cast<T*>(dst), lane, err);
             return;
         }
     }
@@ -247,50 +317,75 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
         }
         // The chunk's first 32 escapes, loaded once its first step's loads are in flight (their
         // address waits on chunk_off; benchmarks/NOTES.md, v15).
+        // (SCATTER: the second round asked for with the first, before the first's check waits)
+        if constexpr (SCATTER) {
+            if (s0 == 0) next = request_escape_word(J, esc_off, 32, cnt, lane);
+        }
         if (s0 == 0 && cnt > 0 && !load_escapes<E>(J, esc_off, 0, cnt, len, -1, lane, pos, exp, err)) cnt = 0;
         // This step's escapes: the lanes holding positions below the step's end (earlier ones
-        // were used by earlier steps).  Warp-uniform loop, a shuffle per escape.
+        // were used by earlier steps).  Warp-uniform loop, a shuffle per escape.  (SCATTER: none
+        // here; they are written into the stage below.)
         u32 pm[GPL];
         u64 pe[GPL];
 #pragma unroll
         for (int q = 0; q < GPL; q++) { pm[q] = 0; pe[q] = 0; }
-        each_escape<E>(J, esc_off, s0 * 8, (s0 + STEP) * 8, len, lane, base, cnt, pos, exp, err, [&](int p, u32 e) {
-            const int rel = (p >> 3) - s0, j = p & 7;  // group within the step, value within it
+        if constexpr (!SCATTER) {
+            each_escape<E>(J, esc_off, s0 * 8, (s0 + STEP) * 8, len, lane, base, cnt, pos, exp, err, [&](int p, u32 e) {
+                const int rel = (p >> 3) - s0, j = p & 7;  // group within the step, value within it
 #pragma unroll
-            for (int q = 0; q < GPL; q++)
-                if (rel == q * 32 + lane) { pm[q] |= 1u << j; pe[q] |= (u64)e << (8 * j); }
-        });
+                for (int q = 0; q < GPL; q++)
+                    if (rel == q * 32 + lane) { pm[q] |= 1u << j; pe[q] |= (u64)e << (8 * j); }
+            });
+        }
+        // where group i's values go: dst's group i (to_n: the values there), or (SCATTER) group
+        // i - s0 of the warp's stage, always whole: a tensor's last group is decoded whole there
+        // (its codes and rest are whole groups; the values past n come from their padding) and
+        // unstage_group copies only its values
+        Out* const to = SCATTER ? reinterpret_cast<Out*>(warp_stage<STAGE_BYTES>()) : dst;
+        const int to_first = SCATTER ? s0 : 0;
+        const long long to_n = SCATTER ? 8 * STEP : n;
 #pragma unroll
         for (int q = 0; q < GPL; q++) {
             const int i = s0 + q * 32 + lane;
             if (i >= ng) continue;
             if constexpr (BF16) {
-                if (!plane && i * 8 + 8 <= n) {
+                if (!plane && (SCATTER || i * 8 + 8 <= n)) {
                     u32 out[4];
                     decode_bf16_words(w[q], rr[q], (u32)dlo, (u32)(dlo >> 32), (u32)dhi, (u32)(dhi >> 32), out);
                     if (pm[q]) patch_words<2, 7, 0xFFu>(out, pm[q], pe[q]);
-                    *reinterpret_cast<uint4*>(dst + i * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+                    *reinterpret_cast<uint4*>(to + (i - to_first) * 8) = make_uint4(out[0], out[1], out[2], out[3]);
                     continue;
                 }
             }
             if constexpr (E5M2) {
-                if (!plane && i * 8 + 8 <= n) {
+                if (!plane && (SCATTER || i * 8 + 8 <= n)) {
                     u32 out[2];
                     decode_e5m2_words(w[q], (u32)rr[q].q[0], (u32)(dlo << 2), (u32)(dlo >> 30), (u32)(dhi << 2),
                                       (u32)(dhi >> 30), out);
                     if (pm[q]) patch_words<4, 2, 0x1Fu>(out, pm[q], pe[q]);
                     if constexpr (DQ) store_dequantized(dst + i * 8, out, table);
-                    else *reinterpret_cast<uint2*>(dst + i * 8) = make_uint2(out[0], out[1]);
+                    else *reinterpret_cast<uint2*>(to + (i - to_first) * 8) = make_uint2(out[0], out[1]);
                     continue;
                 }
             }
             u32 v[8];
             decode_raw<E, M>(w[q], rr[q], dlo, dhi, plane, high + HB * i, v);
-            patch_store<E, M, T, DQ>(dst, n, i, v, pm[q], pe[q], table);
+            patch_store<E, M, T, DQ>(to, to_n, i - to_first, v, pm[q], pe[q], table);
+        }
+        if constexpr (SCATTER) {
+            T* const stage = reinterpret_cast<T*>(warp_stage<STAGE_BYTES>());
+            __syncwarp();  // the step staged before any lane writes an escape into another's group
+            patch_staged_escapes<E, M, T>(J, esc_off, s0 * 8, (s0 + STEP) * 8, len, lane, base, cnt, pos, exp, next, err,
+                                          stage);
+            __syncwarp();  // and every escape written before its group is stored
+#pragma unroll
+            for (int q = 0; q < GPL; q++) {
+                const int i = s0 + q * 32 + lane;
+                if (i < ng) unstage_group(stage + (q * 32 + lane) * 8, dst, len, i);
+            }
         }
     }
     if (early) finish_early_chunk<E, M, T>(jobs, job, gc, chunk, chunk_off, work, lane, ow);
-    if constexpr (SCATTER) patch_escapes<E, M, T>(J, esc_off, (int)stored, len, reinterpret_cast<T*>(dst), lane, err);
 }
 
 // decode_chunk<..., SCATTER> for chunk gc of tensor job (kvz_decode's escape-heavy instance asks,
@@ -350,8 +445,9 @@ __device__ __noinline__ void decode_early_chunk(const DecodeJob* __restrict__ jo
 // Each thread ends with griddepcontrol.wait (the scan long done by then), so the kernel's end
 // still implies the scan's for what follows it in the stream.
 // SCATTER_MIN > 0: the escape-heavy instance (programs.heavy_decode chooses it per call): a whole
-// later chunk of that many escapes or more is stored, then patched in memory
-// (decode_scattered_chunk).  The common instance (0) has no such path: its presence alone slowed
+// later chunk of that many escapes or more is decoded a step at a time through shared memory, its
+// escapes written there before each group's one store (decode_scattered_chunk; its shared stage
+// is this instance's alone).  The common instance (0) has no such path: its presence alone slowed
 // the decoder on common KV (benchmarks/NOTES.md, e1).
 template <int E, int M, typename T, int GPL, int MINB, bool DQ = false, int SCATTER_MIN = 0>
 __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_decode(const DecodeJob* __restrict__ jobs, int njobs,

@@ -169,16 +169,25 @@ __device__ __forceinline__ void patch_store(void* __restrict__ dst, long long n,
 }
 
 // A chunk's escapes, 32 at a time in registers: lane k holds escape base + k (position within the
-// chunk, or NONE past the end, and its exponent).  Checked as they are loaded: positions inside
-// the chunk and strictly increasing, exponents in range.
+// chunk, or NONE past the end, and its exponent).  request_escapes loads them, check_escapes checks
+// them (load_escapes: both).
 #define NONE 0x7FFFFFFF
-template <int E>
-__device__ __forceinline__ bool load_escapes(const DecodeJob& J, long long off, int base, int cnt, int len, int before,
-                                             int lane, int& pos, u32& exp, u64* err) {
+__device__ __forceinline__ void request_escapes(const DecodeJob& J, long long off, int base, int cnt, int lane, int& pos,
+                                                u32& exp) {
     const int k = base + lane;
     pos = NONE;
     exp = 0;
     if (k < cnt) { pos = J.esc_pos[off + k]; exp = J.esc_exp[off + k]; }
+}
+
+// The checks of load_escapes on a round in registers (lane k: escape base + k): positions inside
+// the chunk (len values) and above the one before (before: the previous round's last; -1 for the
+// chunk's first), exponents in range.  A broken round sets *err (3: position, 4: exponent; the
+// first broken escape's), leaves pos NONE in every lane and returns false.
+template <int E>
+__device__ __forceinline__ bool check_escapes(int base, int cnt, int len, int before, int lane, int& pos, u32 exp,
+                                              u64* err) {
+    const int k = base + lane;
     int prev = __shfl_up_sync(FULL_MASK, pos, 1);
     if (lane == 0) prev = before;
     const u32 bad_pos = __ballot_sync(FULL_MASK, k < cnt && (pos >= len || pos <= prev));
@@ -190,6 +199,15 @@ __device__ __forceinline__ bool load_escapes(const DecodeJob& J, long long off, 
         return false;
     }
     return true;
+}
+
+// Lane k's escape base + k, loaded and checked: positions inside the chunk and strictly
+// increasing, exponents in range.
+template <int E>
+__device__ __forceinline__ bool load_escapes(const DecodeJob& J, long long off, int base, int cnt, int len, int before,
+                                             int lane, int& pos, u32& exp, u64* err) {
+    request_escapes(J, off, base, cnt, lane, pos, exp);
+    return check_escapes<E>(base, cnt, len, before, lane, pos, exp, err);
 }
 
 // kvz_decode: apply(position, exponent), in every lane and in position order, for each of the
@@ -210,5 +228,38 @@ __device__ __forceinline__ void each_escape(const DecodeJob& J, long long esc_of
         if (last >= hi || base + 32 >= cnt) return;
         base += 32;
         if (!load_escapes<E>(J, esc_off, base, cnt, len, last, lane, pos, exp, err)) { cnt = 0; return; }
+    }
+}
+
+// The escape-heavy decoder's round asked for ahead (decode.cu, decode_chunk<..., SCATTER>): lane k's
+// escape base + k as one word, position << 8 | exponent (positions are 16-bit, exponents 8-bit), or
+// NO_ESCAPE past cnt: one register, not request_escapes' two, held across a step's decode, where
+// the decoders' registers run out first.
+#define NO_ESCAPE 0xFFFFFFFFu
+__device__ __forceinline__ u32 request_escape_word(const DecodeJob& J, long long off, int base, int cnt, int lane) {
+    const int k = base + lane;
+    return k < cnt ? (u32)J.esc_pos[off + k] << 8 | J.esc_exp[off + k] : NO_ESCAPE;
+}
+
+// kvz_decode's escape-heavy chunks (decode.cu, decode_chunk<..., SCATTER>): the escapes at
+// positions in [lo, hi) written over their values in a step's stage (the step's values in shared
+// memory, value lo at stage[0]), each by the lane holding it, 32 a round and no broadcast.  The
+// lanes hold a round (pos, exp: checked) and the round after it already asked for (next:
+// request_escape_word, not yet checked), so the step that needs it finds its loads done; when the
+// lanes' round runs out below hi the next one is checked and taken, and the one after asked for.
+// Broken escapes (check_escapes sets *err) drop the chunk's rest: cnt = 0.
+template <int E, int M, typename T>
+__device__ __forceinline__ void patch_staged_escapes(const DecodeJob& J, long long esc_off, int lo, int hi, int len,
+                                                     int lane, int& base, int& cnt, int& pos, u32& exp, u32& next,
+                                                     u64* err, T* stage) {
+    while (true) {
+        if (pos >= lo && pos < hi) stage[pos - lo] = (T)with_exponent<E, M>(stage[pos - lo], exp);
+        const int last = __shfl_sync(FULL_MASK, pos, 31);
+        if (last >= hi || base + 32 >= cnt) return;
+        base += 32;
+        pos = next == NO_ESCAPE ? NONE : (int)(next >> 8);
+        exp = next & 0xFFu;
+        if (!check_escapes<E>(base, cnt, len, last, lane, pos, exp, err)) { cnt = 0; return; }
+        next = request_escape_word(J, esc_off, base + 32, cnt, lane);
     }
 }
