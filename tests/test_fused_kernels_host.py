@@ -19,7 +19,9 @@ header's escape entry off, an escape patched into the wrong group of a decoder s
 wrong bits of an E5M2 quad, a stored chunk's first escape left unpatched (the early and
 scattered chunks), a look-back prefix that skips its nearest inclusive predecessor, a guessed
 header taken without comparing it with the layout's, a header check that lets a blob cut short
-through.  Needs g++ (C++20)."""
+through, an escape-heavy step that gives up its round of escapes when the round's last is the next
+step's first value, asks again for the round it holds or misreads the position of one asked for
+ahead, a staged tail group copied or decoded a value short.  Needs g++ (C++20)."""
 from __future__ import annotations
 
 import shutil
@@ -192,13 +194,66 @@ def test_the_shipped_codebook(exes, tmp_path, name):
 
 @pytest.mark.parametrize("name", ["bf16", "fp16", "e5m2"])
 def test_both_decoder_instances_give_the_values(exes, tmp_path, name):
-    """kvz_decode's escape-heavy instance (chunks of many escapes patched in memory) and the
-    common one decode the same blobs, whichever programs.heavy would choose."""
+    """kvz_decode's escape-heavy instance (chunks of many escapes written into each step in shared
+    memory) and the common one decode the same blobs, whichever programs.heavy would choose."""
     fmt = FORMATS[name]
     bits = values(fmt, 4096 * 16 + 21, "clustered", 4096, seed=7)
     blob, _ = reference(bits, fmt, 4096, "auto")
     for heavy in (False, True):
         back = fp.decode(exes(fmt), tmp_path, [blob], fp.pipeline(), heavy=heavy)
+        assert np.array_equal(back.values[0], bits) and not back.errors.any(), heavy
+
+
+def staged_edges(fmt, n: int, chunk: int, seed: int) -> np.ndarray:
+    """KV-like values whose chunks each hold more escapes than kvz_decode's escape-heavy instance
+    leaves to the register path (decode.cu's SCATTER_MIN), placed where a staged step could slip,
+    three kinds of chunk in turn (fewer escapes each than would make FP16's plane-coded): the
+    chunk's first and last values, a group of 8 escapes and the values on either side of every
+    multiple of 256 (the decoders' steps are 256 to 1024 values); a run of 70 (more than two
+    rounds of 32) inside a step and one across a step's end; rounds that end on a step's end
+    (escapes 993-1024 and 2017-2048: a round's last escape is a step's first value), then more.
+    The last chunk, cut short, ends in a partial group of escapes."""
+    rng = np.random.default_rng(seed)
+    bits = kt.kv_like_bits(fmt, n, seed=seed).reshape(-1)
+    outside = np.setdiff1d(np.arange(1 << fmt.exp_bits), Codebook.default_for(fmt).exponents)
+    for c in range(-(-n // chunk)):
+        lo, length = c * chunk, min(chunk, n - c * chunk)
+        if c % 3 == 0:
+            at = {0, 1, length - 1, *range(8 * 37, 8 * 38), *(s + d for s in range(256, chunk, 256) for d in (-1, 0))}
+            at |= set(rng.choice(length, 10, replace=False).tolist())
+        elif c % 3 == 1:
+            at = {*range(1100, 1170), *range(2010, 2080), *rng.choice(length, 10, replace=False).tolist()}
+        else:
+            at = {*range(993, 1025), *range(2017, 2049), *rng.choice(range(2049, length), 40, replace=False).tolist()}
+        if c == n // chunk:  # the partial last chunk: its partial last group, and enough to be staged
+            at |= {*range(length - length % 8, length), *rng.choice(length, 24, replace=False).tolist()}
+        at = np.array(sorted(p for p in at if 0 <= p < length))
+        bits = with_exponents(fmt, bits, lo + at, rng.choice(outside, at.size))
+    return bits
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "fp32", "e5m2"])
+def test_escape_heavy_chunks_at_step_edges(exes, tmp_path, name):
+    """The escape-heavy instance's staged chunks (every escape written into the step's values in
+    shared memory before each group's one store) against the CPU's blob and values, and the common
+    instance on the same blob: escapes at chunk ends, step ends, in full groups, in runs of several
+    rounds, rounds ending on a step's end, and (not BF16, whose last chunks are dealt in parts) a
+    tail chunk.  E5M2's whole chunks take the quad path, its tail the group path.  Enough chunks
+    that some are past the warps' first (decoded early, patched in memory) and before the split
+    tail (parts take the register path)."""
+    fmt = FORMATS[name]
+    chunk, n = 4096, 4096 * 40 + 1005
+    warps = fp.DEVICE_BLOCKS * programs.WARPS
+    assert programs._decode_split(fmt, -(-n // chunk), warps)[0] > warps
+    bits = staged_edges(fmt, n, chunk, seed=11)
+    blobs = check_encode_and_decode(exes, tmp_path, fmt, [bits], chunk, codebook=None)  # the escapes placed, no others
+    escapes, counts = escapes_of(blobs[0])
+    exponents = (bits.astype(np.uint64) >> np.uint64(fmt.mant_bits)) & np.uint64((1 << fmt.exp_bits) - 1)
+    assert escapes == np.count_nonzero(~np.isin(exponents, Codebook.default_for(fmt).exponents))
+    assert programs.heavy(fmt, n, escapes) and (counts >= loader.tuning.tuning_for(name).scatter_min).all()
+    assert (counts != layout.PLANE).all()
+    for heavy in (False, True):
+        back = fp.decode(exes(fmt), tmp_path, blobs, fp.pipeline(chunk, None), heavy=heavy)
         assert np.array_equal(back.values[0], bits) and not back.errors.any(), heavy
 
 
