@@ -52,8 +52,9 @@ class Tuning:
     # group, as every other format (benchmarks/e5m2_decode_ab.py; decode.cu).
     e5m2_quads: int = field(default=1, metadata=_to("macro", "KVZ_E5M2_QUADS"))
     # kvz_decode's escape-heavy instance (decode.cu, SCATTER_MIN): a chunk of scatter_min escapes
-    # or more stored, then patched in memory a lane an escape; taken by a decode whose blobs hold
-    # heavy_share escapes a value or more (programs.heavy; benchmarks/NOTES.md, e1 and e3).
+    # or more decoded a step at a time into shared memory, its escapes patched there by the lanes
+    # that hold them, then stored once; taken by a decode whose blobs hold heavy_share escapes a
+    # value or more (programs.heavy; benchmarks/NOTES.md, e1, e3 and e4).
     scatter_min: int = field(default=16, metadata=_to("template"))
     heavy_share: float = field(default=0.005, metadata=_to("host"))
     # kvz_decode's tail: the last round of chunks dealt as 2^split_shift parts each (0: whole).
