@@ -13,13 +13,14 @@ nvidia.nvcomp imports (kvzip.bench.bench_nvcomp: ANS with data_type '<f2', ANS o
 Bitcomp, Cascaded, LZ4, GDeflate, Zstd), BF16 at both sizes, the FP8 formats at 2^24.
 Then batches (bench_batches): 8 tensors of 8 MiB through compress_many / decompress_many against
 a loop of single calls, the speed mode and the ratio mode with each tensor's own and with
-calibrated tables, interleaved (--batches: only these, written to OUT/ratio-batch-h200.json).
+calibrated tables, interleaved (--batches: only these, written to OUT/ratio-batch-GPU.json).
 --quick: 2^24 only, BF16 and E5M2, fewer repeats, no nvCOMP (under a minute).  --replot JSON:
 redraw the PNG of a results file (one cut short before its plot, say).
 
-Writes OUT/ratio-mode-h200.json (gpu, date, commit, versions, every figure; rewritten after each
-row) and OUT/ratio-mode-h200.png (ratio against throughput, one point a codec, encode and
-decode) at the end.
+Writes OUT/ratio-mode-GPU.json (GPU: the card's short name, kvzip.bench.gpu_tag, e.g. h200;
+inside: gpu, date, commit, versions, every figure; rewritten after each row) and
+OUT/ratio-mode-GPU.png (ratio against throughput, one point a codec, encode and decode) at the
+end.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import sys
 from pathlib import Path
 
 import kvzip
-from kvzip.bench import _timer, bench_kvzip, bench_nvcomp, tiled_kv_inputs, tiled_kv_results
+from kvzip.bench import _timer, bench_kvzip, bench_nvcomp, gpu_tag, tiled_kv_inputs, tiled_kv_results
 
 HEAD_DIM = 64  # the sample's last axis: the ratio mode's channels
 FORMATS = ("bf16", "e5m2", "e4m3")
@@ -42,7 +43,7 @@ def run(sizes, formats, repeat, nvcomp_at, out_dir):
     timeit, nv_timeit = _timer(cupy, repeat), _timer(cupy, 3, 1)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "ratio-mode-h200.json"
+    path = out / f"ratio-mode-{gpu_tag(res['gpu'])}.json"
     for log2, fmt, x in tiled_kv_inputs(cupy, sizes, formats, HEAD_DIM):
         row = res["runs"][f"{fmt}_2^{log2}"] = {"format": fmt, "values": x.size}
         row["kvzip_speed"] = bench_kvzip(cupy, timeit, x, fmt)
@@ -57,7 +58,7 @@ def run(sizes, formats, repeat, nvcomp_at, out_dir):
         path.write_text(json.dumps(res, indent=1))  # after every row: a cut-short run keeps what it measured
     res["batches"] = bench_batches(cupy, timeit, next(tiled_kv_inputs(cupy, (BATCH_LOG2,), ("bf16",), HEAD_DIM))[2])
     path.write_text(json.dumps(res, indent=1))
-    plot(res, out / "ratio-mode-h200.png")
+    plot(res, path.with_suffix(".png"))
     print("wrote", path)
     return res
 
@@ -143,7 +144,7 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG beside a results JSON")
-    ap.add_argument("--batches", action="store_true", help="only the batches: OUT/ratio-batch-h200.json")
+    ap.add_argument("--batches", action="store_true", help="only the batches: OUT/ratio-batch-GPU.json")
     a = ap.parse_args(argv)
     if a.batches:
         import cupy
@@ -152,7 +153,7 @@ def main(argv=None):
         x = next(tiled_kv_inputs(cupy, (BATCH_LOG2,), ("bf16",), HEAD_DIM))[2]
         res["batches"] = bench_batches(cupy, _timer(cupy, a.repeat), x)
         Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / "ratio-batch-h200.json").write_text(json.dumps(res, indent=1))
+        (Path(a.out) / f"ratio-batch-{gpu_tag(res['gpu'])}.json").write_text(json.dumps(res, indent=1))
     elif a.replot:
         plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
     elif a.quick:

@@ -12,8 +12,8 @@ device histogram (histogram_ms, to a synchronize) and kvz_rans_tables with the r
 (tables_ms: kvzip/gpu/channel_rans.py's choose_tables), each timed alone.
 --quick: 2^24 only, fewer repeats (well under a minute).
 
-Writes OUT/storage-mode-h200.json (gpu, date, commit, versions, every figure; rewritten after
-each row).
+Writes OUT/storage-mode-GPU.json (GPU: the card's short name, kvzip.bench.gpu_tag, e.g. h200;
+inside: gpu, date, commit, versions, every figure; rewritten after each row).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import kvzip
-from kvzip.bench import _timer, bench_kvzip, tiled_kv_inputs, tiled_kv_results
+from kvzip.bench import _timer, bench_kvzip, gpu_tag, tiled_kv_inputs, tiled_kv_results
 
 HEAD_DIM = 64  # the sample's last axis: the channel modes' channels
 FORMATS = ("bf16", "e5m2")
@@ -64,7 +64,7 @@ def run(sizes, formats, repeat, out_dir):
     timeit = _timer(cupy, repeat)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "storage-mode-h200.json"
+    path = out / f"storage-mode-{gpu_tag(res['gpu'])}.json"
     for log2, fmt, x in tiled_kv_inputs(cupy, sizes, formats, HEAD_DIM):
         row = res["runs"][f"{fmt}_2^{log2}"] = {"format": fmt, "values": x.size}
         row["kvzip_storage"] = bench_kvzip(cupy, timeit, x, fmt, pipe=kvzip.storage_pipeline())

@@ -38,6 +38,7 @@ import time
 
 import numpy as np
 
+from kvzip.bench import gpu_tag
 from kvzip.testing import real_kv_layers
 
 SHAPES = {"llama3-8b": 32, "llama3-70b": 80}
@@ -580,6 +581,20 @@ def plot(json_path: str, png_path: str) -> None:
     fig.savefig(png_path, dpi=110)
 
 
+
+def device_tag(device: str) -> str:
+    """The result file's device name: "cpu", or the sender's GPU's short name (kvzip.bench.gpu_tag)
+    as nvidia-smi gives it, which creates no CUDA context (MPS must start before any does)."""
+    if device == "cpu":
+        return "cpu"
+    index = device.partition(":")[2] or "0"
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", index],
+                              capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        name = ""
+    return gpu_tag(name)
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--role", choices=["tx", "rx"], default="tx", help=argparse.SUPPRESS)
@@ -615,8 +630,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small CPU-sized run: 512 tokens, 10 and 25 GB/s")
     ap.add_argument("--no-mps", dest="mps", action="store_false",
                     help="let the GPU time-slice between the two processes instead of sharing it through MPS")
-    ap.add_argument("--out", default=None, help="JSON to write (default benchmarks/results/transfer-h200.json, "
-                                                 "transfer-h200x2.json with --gpus 2)")
+    ap.add_argument("--out", default=None, help="JSON to write (default benchmarks/results/transfer-GPU.json, "
+                                                 "transfer-GPUx2.json with --gpus 2, GPU the card's short name "
+                                                 "as kvzip.bench.gpu_tag gives it: h200, h100; transfer-cpu.json "
+                                                 "with --device cpu)")
     ap.add_argument("--replot", metavar="JSON", help="only draw JSON's plot (next to it, .png)")
     args = ap.parse_args(argv)
     if args.replot:
@@ -631,7 +648,7 @@ def main(argv=None) -> int:
         if args.device == "cpu":
             ap.error("--gpus 2 needs --device cuda")
         args.device, args.mps = "cuda:0", False
-    args.out = args.out or f"benchmarks/results/transfer-h200{'x2' if args.gpus == 2 else ''}.json"
+    args.out = args.out or f"benchmarks/results/transfer-{device_tag(args.device)}{'x2' if args.gpus == 2 else ''}.json"
     if args.quick:
         args.tokens, args.links, args.reps, args.slot_mib = [512], [10, 25], 2, 16
     mps = Mps() if args.mps and args.device != "cpu" else None  # before any CUDA context exists

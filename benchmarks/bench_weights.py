@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import kvzip.weights as kw
+from kvzip.bench import torch_gpu_tag
 from kvzip.bench_cpu import code_commit
 from kvzip.weights import tiled
 
@@ -281,11 +282,13 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--real", type=Path, help="a .safetensors of real BF16 weights: the layout's ratio on them")
     ap.add_argument("--shapes", default="all", help="'all', or a comma list like 4096x4096,1024x4096")
-    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--tag", default=None,
+                    help="the result files' suffix (default: the GPU's short name, kvzip.bench.gpu_tag)")
     ap.add_argument("--profile", metavar="MxK", help="run the fused kernel once for each N of --ns (eagerly, for "
                     "ncu) and the decoder once, then stop")
     ap.add_argument("--ns", default="1,16,64")
     args = ap.parse_args(argv)
+    args.tag = args.tag or torch_gpu_tag()
     if args.profile:
         m, k = (int(v) for v in args.profile.split("x"))
         zl = kw.ZipLinear(tiled.encode(synthetic(m, k, 0)))

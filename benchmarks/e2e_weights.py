@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_weights import environment  # noqa: E402
 
 import kvzip.weights as kw  # noqa: E402
+from kvzip.bench import torch_gpu_tag  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -125,7 +126,8 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--batches", default="1,16")
-    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--tag", default=None,
+                    help="the result files' suffix (default: the GPU's short name, kvzip.bench.gpu_tag)")
     args = ap.parse_args(argv)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
 
@@ -159,7 +161,7 @@ def main(argv=None):
         log(f"ZipLinear batch {b}: {rate:.1f} tokens/s, {rate / rate0:.3f}x; greedy tokens identical in "
             f"{int(same.sum())}/{b} sequences of {args.steps} steps")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"e2e-weights-{args.tag}.json"
+    path = args.out / f"e2e-weights-{args.tag or torch_gpu_tag()}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     log(f"wrote {path}")
 

@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_weights import SHAPES, TARGETS, encode_s, environment, synthetic  # noqa: E402
 
+from kvzip.bench import torch_gpu_tag  # noqa: E402
 from kvzip.gpu import weights as gpu  # noqa: E402
 from kvzip.weights import tiled  # noqa: E402
 
@@ -43,7 +44,8 @@ def torch_codebook():
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--tag", default=None,
+                    help="the result files' suffix (default: the GPU's short name, kvzip.bench.gpu_tag)")
     args = ap.parse_args(argv)
     rows = []
     for i, (m, k) in enumerate(s for group in SHAPES.values() for s in group):
@@ -68,7 +70,7 @@ def main(argv=None):
               "encode_gbs_min": min(r["encode_gbs"] for r in rows)}
     result["met"] = result["encode_gbs_min"] >= TARGETS["encode_gbs"]
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"weights-encode-{args.tag}.json"
+    path = args.out / f"weights-encode-{args.tag or torch_gpu_tag()}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}: min {result['encode_gbs_min']:.1f} GB/s, target {TARGETS['encode_gbs']}", file=sys.stderr)
 

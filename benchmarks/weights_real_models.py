@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_weights import environment  # noqa: E402
 
 import kvzip.weights as kw  # noqa: E402
+from kvzip.bench import torch_gpu_tag  # noqa: E402
 from kvzip.weights import storage  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -133,7 +134,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     result = {"environment": environment(), "device": DEVICE, "smollm2": smollm2(args.new_tokens), "minilm": minilm()}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"weights-real-{'h200' if DEVICE == 'cuda' else 'cpu'}.json"
+    path = args.out / f"weights-real-{torch_gpu_tag()}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     for key in ("smollm2", "minilm"):
         r = result[key]

@@ -62,6 +62,27 @@ def _versions(cupy):
     return v
 
 
+def gpu_tag(name: str | None) -> str:
+    """A GPU's short name for result files, so a file says which card measured it: the model's
+    words up to its first with a digit, less the vendor's and brands' words, cut at a "-":
+    "NVIDIA H200" -> "h200", "NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA GeForce RTX 4090" ->
+    "rtx4090", "Tesla V100-SXM2-16GB" -> "v100"; "gpu" for no name."""
+    words = [w for w in (name or "").lower().split() if w not in ("nvidia", "geforce", "tesla", "quadro")]
+    model = []
+    for w in words:
+        model.append(w.split("-")[0])
+        if any(ch.isdigit() for ch in w):
+            break
+    return "".join(model) or "gpu"
+
+
+def torch_gpu_tag() -> str:
+    """gpu_tag of torch's current CUDA device ("cpu" without one)."""
+    import torch
+
+    return gpu_tag(torch.cuda.get_device_name()) if torch.cuda.is_available() else "cpu"
+
+
 def _sample_bits(n):
     from kvzip.data import load_sample
 
@@ -444,7 +465,7 @@ def run(values_log2=28, repeat=20, out_dir="benchmarks/results", quick=False, kv
         print("nvcomp", res["nvcomp"], flush=True)
 
     os.makedirs(out_dir, exist_ok=True)
-    stem = gpu.lower().replace("nvidia", "").strip().split()[0] if gpu else "gpu"
+    stem = gpu_tag(gpu)
     path = os.path.join(out_dir, f"{stem}.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)

@@ -3,7 +3,7 @@ quantized on the CPU, tiled to the requested length."""
 import numpy as np
 import pytest
 
-from kvzip.bench import _sample_bits, e5m2_bits, format_bits, widened_bits
+from kvzip.bench import _sample_bits, e5m2_bits, format_bits, gpu_tag, widened_bits
 
 
 def test_float32_input_is_the_bf16_sample_exactly():
@@ -65,3 +65,14 @@ def test_batch_parts_are_64_consecutive_views_of_8_mib():
     assert len(parts) == 64 and all(p.nbytes == 8 * MiB and p.base is x for p in parts)
     assert [p.__array_interface__["data"][0] - x.__array_interface__["data"][0] for p in parts] == \
         [i * 8 * MiB for i in range(64)]
+
+
+@pytest.mark.parametrize("name, tag", [
+    ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA GeForce RTX 4090", "rtx4090"),
+    ("Tesla V100-SXM2-16GB", "v100"), ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA L40S", "l40s"),
+    ("", "gpu"), (None, "gpu"),
+])
+def test_gpu_tag_names_the_card_that_measured(name, tag):
+    """Result files are named by the card that measured them (an H100's figures never land in an
+    h200 file)."""
+    assert gpu_tag(name) == tag
