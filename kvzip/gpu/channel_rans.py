@@ -11,7 +11,6 @@ reference's), kvz_rans_encode, kvz_rans_offsets and kvz_rans_compact code and pl
 It waits for the device twice: the tables' sizes (the encoder's dynamic shared memory) and the
 totals of words and escapes (the streams' lengths).  Decode parses the stored tables on the host
 with every check (stages/channel_rans.py: parse_tables) and waits once (the error word).
-histogram() (the counts on the host) is for benchmarks and tests.
 """
 from __future__ import annotations
 
@@ -76,11 +75,6 @@ def device_histogram(src, n: int, fmt, channels: int):
     _launch("histogram", fmt, blocks, HIST_THREADS,
             (cp.ascontiguousarray(src), np.int64(n), np.int32(channels), np.int32(S), np.int64(per_block), hist))
     return hist
-
-
-def histogram(src, n: int, fmt, channels: int) -> np.ndarray:
-    """int64[channels, 2**E] on the host: device_histogram's counts."""
-    return device_histogram(src, n, fmt, channels).get().astype(np.int64).reshape(channels, 1 << fmt.exp_bits)
 
 
 def choose_tables(hist, fmt, channels: int) -> tuple:
