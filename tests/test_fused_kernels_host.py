@@ -21,10 +21,15 @@ scattered chunks), a look-back prefix that skips its nearest inclusive predecess
 header taken without comparing it with the layout's, a header check that lets a blob cut short
 through, an escape-heavy step that gives up its round of escapes when the round's last is the next
 step's first value, asks again for the round it holds or misreads the position of one asked for
-ahead, a staged tail group copied or decoded a value short.  Needs g++ (C++20)."""
+ahead, a staged tail group copied or decoded a value short, an encoder step's escape placed one
+off in a group (either way of placing them: ballots, or the counts' shuffle scan), its counts
+packed into the wrong word, a group's total missing a lane, a scan block's chunk search one off,
+its moves' last group or second round skipped.  Needs g++ (C++20)."""
 from __future__ import annotations
 
+import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -148,6 +153,7 @@ CASES = [
     ("bf16", 4096 * 20 + 1000, 4096, "clustered"), ("bf16", 4096 * 5 + 17, 4096, "zeros"),
     ("bf16", 4096 * 2 + 9, 4096, "all-zeros"), ("bf16", 7, 4096, "kv"), ("bf16", 1024 * 20 + 500, 1024, "clustered"),
     ("bf16", 32 * 256 * 3 + 40, 32, "escapes-1%"),  # four scan blocks chained by the look-back
+    ("bf16", 4096 * 64 + 5, 4096, "escapes-3%"),  # a scan block whose escapes leave the slots in two rounds
     ("fp16", 2048 * 20 + 33, 2048, "kv"), ("fp16", 4096 * 12, 4096, "real"), ("fp16", 4096 * 16 + 5, 4096, "clustered"),
     ("e5m2", 4096 * 20 + 64, 4096, "escapes-3%"), ("e5m2", 4096 * 12, 4096, "clustered"),
     ("e5m2", 4096 * 6 + 13, 4096, "kv"), ("e5m2", 64 * 256 * 2 + 32, 64, "escapes-1%"),
@@ -303,7 +309,10 @@ def test_header_checks_are_the_hosts(exes, tmp_path):
 
 def test_cases_hold_what_they_are_named_for():
     """The cases reach what the kernels do differently: escapes at the rates named, chunks past a
-    slot's room (the scan collects them again), plane-coded chunks, blobs stored raw."""
+    slot's room (the scan collects them again), plane-coded chunks, blobs stored raw, a scan block
+    of more escapes than its threads move in one round (escapes.cuh's MOVE_BATCH a thread)."""
+    source = (Path(programs.__file__).parent / "kernels" / "escapes.cuh").read_text()
+    round_size = int(re.search(r"#define MOVE_BATCH (\d+)", source).group(1)) * programs.SB_CHUNKS
     seen = set()
     for name, n, chunk, kind in CASES:
         fmt = FORMATS[name]
@@ -319,4 +328,7 @@ def test_cases_hold_what_they_are_named_for():
         listed = counts[counts != layout.PLANE]
         seen |= {"slot overflow"} if (listed > programs.slot_size(chunk, fmt.name)).any() else set()
         seen |= {"plane"} if (counts == layout.PLANE).any() else set()
-    assert seen == {"stored", "slot overflow", "plane"}
+        per_block = np.add.reduceat(np.where(counts == layout.PLANE, 0, counts).astype(np.int64),
+                                    np.arange(0, counts.size, programs.SB_CHUNKS))
+        seen |= {"two move rounds"} if (per_block > round_size).any() else set()
+    assert seen == {"stored", "slot overflow", "plane", "two move rounds"}

@@ -49,7 +49,7 @@ __device__ __noinline__ void flush_totals(const EncodeJob* jobs, int job, u64 su
 
 // Dense pass.  Chunks come from the queue above; a warp walks its chunk in steps of 32 * GPL
 // groups, each lane loading its GPL groups with vector loads, encoding them and storing codes
-// and rest in place.  Escapes go to a per-chunk slot in position order (slot_escapes); kvz_scan
+// and rest in place.  Escapes go to a per-chunk slot in position order (step_escapes); kvz_scan
 // moves them to their final place.
 // The loop is kept this plain on purpose: earlier versions of this kernel with prefetching
 // across chunks, a cursor per warp, or a cp.async ring in shared memory spent their instructions
@@ -194,10 +194,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
                 u16* __restrict__ spos = J.slot_pos + c * slot;
                 u8* __restrict__ sexp = J.slot_exp + c * slot;
                 assume_global(spos); assume_global(sexp);
-#pragma unroll
-                for (int q = 0; q < GPL; q++)
-                    if (__any_sync(FULL_MASK, m[q] != 0u))
-                        count = slot_escapes<E, M>(v[q], m[q], (s0 + q * 32 + lane) * 8, count, slot, spos, sexp, lane);
+                count = step_escapes<E, M>(v, m, (s0 + lane) * 8, count, slot, spos, sexp, lane);
             }
             if constexpr (PREFETCH) {
 #pragma unroll

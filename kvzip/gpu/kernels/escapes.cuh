@@ -7,42 +7,93 @@
 #include "formats.cuh"
 #include "header.cuh"
 
-// kvz_encode: the escapes of one group a lane (bits of m; the group's first value at position p0 of
-// the chunk) to the chunk's slot after the count already there, in position order.  Returns the
+// kvz_encode: a step's escapes (lane l's group q holds values p0 + 256 q .. + 7 of the chunk, p0 =
+// 8 l plus the step's first position; m[q] bit j: value j is an escape) to the chunk's slot after
+// the count already there, in position order (group q's lanes after group q - 1's); returns the
 // new count (every lane).  Slots past `slot` are dropped: kvz_scan collects such chunks again.
-// Usually one lane of the warp holds one escape, so a lane's place is a ballot's population
-// count below it unless some lane holds several (then one ballot per bit of the counts).
+// Each lane's place in each group comes first, for all the step's groups at once: when no lane
+// holds two escapes in one group (at 1 % escapes, 7 steps in 10) it is a ballot's population count
+// below the lane, otherwise the lanes' counts, 8 bits a group (at most 8 a lane, so at most 248
+// below it), go through one shuffle scan for all the groups.  Then each lane stores its first
+// escape of each group (slot_first) with no warp-wide step between the groups, and the lanes that
+// hold more go on in a loop.  (It replaced a ballot round and a store loop a group, each group's
+// after the one before: benchmarks/NOTES.md, e5.)
 template <int E, int M, typename T>
-__device__ __forceinline__ int slot_escapes(const Raw<T>& v, u32 m, int p0, int count, int slot, u16* __restrict__ spos,
-                                            u8* __restrict__ sexp, int lane) {
-    const u32 k = __popc(m);
-    int idx, total;
-    const u32 some = __ballot_sync(FULL_MASK, k != 0), several = __ballot_sync(FULL_MASK, k > 1);
-    if (several) {
-        idx = warp_exclusive_count(k, lane, &total);
-    } else {
-        idx = __popc(some & ((1u << lane) - 1u));
-        total = __popc(some);
+__device__ __forceinline__ void slot_first(const Raw<T>& v, u32 m, int p, int idx, int slot, u16* __restrict__ spos,
+                                           u8* __restrict__ sexp) {
+    const int j = __ffs(m) - 1;
+    if (m != 0u && idx < slot) {
+        spos[idx] = (u16)(p + j);
+        sexp[idx] = (u8)(exponent_bytes<E, M>(v) >> (8 * j));
     }
-    idx += count;
-    if (m) {
-        const u64 ex = exponent_bytes<E, M>(v);
-        do {
-            const int j = __ffs(m) - 1;
-            if (idx < slot) {
-                spos[idx] = (u16)(p0 + j);
-                sexp[idx] = (u8)(ex >> (8 * j));
+}
+template <int E, int M, typename T, int GPL>
+__device__ __forceinline__ int step_escapes(const Raw<T> (&v)[GPL], const u32 (&m)[GPL], int p0, int count, int slot,
+                                            u16* __restrict__ spos, u8* __restrict__ sexp, int lane) {
+    u32 several = 0;
+#pragma unroll
+    for (int q = 0; q < GPL; q++) several |= m[q] & (m[q] - 1u);
+    if (!__any_sync(FULL_MASK, several != 0u)) {
+        const u32 below = (1u << lane) - 1u;
+        u32 some[GPL];
+#pragma unroll
+        for (int q = 0; q < GPL; q++) some[q] = __ballot_sync(FULL_MASK, m[q] != 0u);
+#pragma unroll
+        for (int q = 0; q < GPL; q++) {
+            if (some[q] == 0u) continue;  // warp-uniform: a step of few escapes skips most groups
+            slot_first<E, M>(v[q], m[q], p0 + 256 * q, count + __popc(some[q] & below), slot, spos, sexp);
+            count += __popc(some[q]);
+        }
+        return count;
+    }
+    constexpr int NW = (GPL + 3) / 4;  // words of packed counts
+    u32 k[NW], x[NW];
+#pragma unroll
+    for (int w = 0; w < NW; w++) k[w] = 0;
+#pragma unroll
+    for (int q = 0; q < GPL; q++) k[q / 4] |= (u32)__popc(m[q]) << (8 * (q % 4));
+#pragma unroll
+    for (int w = 0; w < NW; w++) {
+        x[w] = k[w];
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const u32 y = __shfl_up_sync(FULL_MASK, x[w], d);
+            if (lane >= d) x[w] += y;
+        }
+        // exclusive: exact, the sums being exact modulo 2^32 (only lane 31's inclusive field can
+        // reach 256), and every exclusive field <= 248, so each stays in its byte
+        x[w] -= k[w];
+    }
+#pragma unroll
+    for (int w = 0; w < NW; w++) {
+        // lane 31's fields: the warp's escapes in group q are its exclusive count plus its own
+        const u32 xl = __shfl_sync(FULL_MASK, x[w], 31), kl = __shfl_sync(FULL_MASK, k[w], 31);
+#pragma unroll
+        for (int q = 4 * w; q < GPL && q < 4 * w + 4; q++) {
+            const int f = 8 * (q % 4), p = p0 + 256 * q;
+            int idx = count + (int)((x[w] >> f) & 0xFFu);
+            slot_first<E, M>(v[q], m[q], p, idx, slot, spos, sexp);
+            count += (int)((xl >> f) & 0xFFu) + (int)((kl >> f) & 0xFFu);
+            u32 more = m[q] & (m[q] - 1u);
+            if (more) {  // the group's second escape and on
+                const u64 ex = exponent_bytes<E, M>(v[q]);
+                do {
+                    const int j = __ffs(more) - 1;
+                    if (++idx < slot) {
+                        spos[idx] = (u16)(p + j);
+                        sexp[idx] = (u8)(ex >> (8 * j));
+                    }
+                    more &= more - 1u;
+                } while (more);
             }
-            idx++;
-            m &= m - 1u;
-        } while (m);
+        }
     }
-    return count + total;
+    return count;
 }
 
 // The chunk of a scan block holding the block's escape k: the last with s_eoff <= k (s_eoff:
 // escapes before each of the block's chunks; a chunk holding escape k has escapes, so k < its
-// offset + count).  load_slot_escapes and check_block_escapes.
+// offset + count).  check_block_escapes (load_slot_escapes makes the same search, interleaved).
 __device__ __forceinline__ int chunk_of_escape(const u32* s_eoff, u32 k) {
     int lo = 0, hi = SB_CHUNKS - 1;
     while (lo < hi) {
@@ -56,22 +107,44 @@ __device__ __forceinline__ int chunk_of_escape(const u32* s_eoff, u32 k) {
 // block, read from their chunks' slots into pos / ex; returns a bit per escape read (none for a
 // chunk redone from the input).  s_eoff: escapes before each of the block's chunks; s_cnt: their
 // counts; c0: the block's first chunk.
-#define MOVE_BATCH 4
+// The escapes go MOVE_GROUP at a time: a group's chunk searches run interleaved, step by step (a
+// search is log2 SB_CHUNKS dependent shared-memory reads, the same steps for every escape, so no
+// branch between them), and its loads are issued before the next group's searches, so a thread
+// waits for one shared-memory read a step of a group, not a step of each escape, and has all its
+// MOVE_BATCH escapes' loads in flight at once (at 1 % escapes a block of 4096-value chunks holds
+// ~11 000: three rounds; benchmarks/NOTES.md, e5).  A group wholly past listed ends the batch.
+#define MOVE_BATCH 16
+#define MOVE_GROUP 4
+static_assert((SB_CHUNKS & (SB_CHUNKS - 1)) == 0 && MOVE_BATCH % MOVE_GROUP == 0, "halving search, whole groups");
 __device__ __forceinline__ u32 load_slot_escapes(u32 k0, u32 listed, const u32* s_eoff, const u16* s_cnt, int slot,
                                             long long c0, const u16* slot_pos, const u8* slot_exp,
                                             u16 pos[MOVE_BATCH], u8 ex[MOVE_BATCH]) {
     assume_global(slot_pos); assume_global(slot_exp);
     u32 loaded = 0;
 #pragma unroll
-    for (int u = 0; u < MOVE_BATCH; u++) {
-        const u32 k = k0 + u * SB_CHUNKS;
-        if (k >= listed) break;
-        const int lo = chunk_of_escape(s_eoff, k);
-        if (s_cnt[lo] > (u32)slot) continue;  // redone from the input
-        const long long at = (c0 + lo) * slot + (k - s_eoff[lo]);
-        pos[u] = slot_pos[at];
-        ex[u] = slot_exp[at];
-        loaded |= 1u << u;
+    for (int g = 0; g < MOVE_BATCH; g += MOVE_GROUP) {
+        if (k0 + g * SB_CHUNKS >= listed) break;
+        // the chunk holding escape k: the last with s_eoff <= k (s_eoff[0] = 0 <= k; s_eoff is
+        // nondecreasing), as chunk_of_escape finds it
+        int lo[MOVE_GROUP];
+#pragma unroll
+        for (int u = 0; u < MOVE_GROUP; u++) lo[u] = 0;
+#pragma unroll
+        for (int step = SB_CHUNKS / 2; step > 0; step >>= 1) {
+#pragma unroll
+            for (int u = 0; u < MOVE_GROUP; u++)
+                if (s_eoff[lo[u] + step] <= k0 + (g + u) * SB_CHUNKS) lo[u] += step;
+        }
+#pragma unroll
+        for (int u = 0; u < MOVE_GROUP; u++) {
+            const u32 k = k0 + (g + u) * SB_CHUNKS;
+            if (k < listed && s_cnt[lo[u]] <= (u32)slot) {  // else past the block's escapes, or redone from the input
+                const long long at = (c0 + lo[u]) * slot + (k - s_eoff[lo[u]]);
+                pos[g + u] = slot_pos[at];
+                ex[g + u] = slot_exp[at];
+                loaded |= 1u << (g + u);
+            }
+        }
     }
     return loaded;
 }

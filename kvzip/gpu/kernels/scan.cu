@@ -75,8 +75,9 @@ __device__ __forceinline__ void offsets_block_done(u64* work, int njobs) {
 // in order).  A chunk's value is escapes << 31 | plane-coded groups.
 //   Decode: writes each chunk's exclusive offset to chunk_off and checks every count against the
 //   listing capacity and the tensor's totals against its stream lengths (error per tensor).
-//   Encode: moves the escapes from kvz_encode's slots to their final place, a thread per escape
-//   (positions in esc_pos, exponents in esc_exp, which starts where kvz_encode's totals put it);
+//   Encode: moves the escapes from kvz_encode's slots to their final place, a thread per escape,
+//   MOVE_BATCH of them a round (load_slot_escapes) (positions in esc_pos, exponents in esc_exp,
+//   which starts where kvz_encode's totals put it);
 //   chunks with more escapes than a slot, or plane-coded ones, are redone from the input by a warp
 //   each (only escape-heavy data).  The first njobs blocks (by ticket) finish the blobs instead,
 //   one each (finish_blob: padding, header, sizes[3t ..]), alongside the others: kvz_encode's
