@@ -151,18 +151,17 @@ __device__ __forceinline__ u32 encode_raw(const Raw<T>& raw, long long n, long l
     return mask;
 }
 
-// Rewrite one group of a plane-coded chunk: low exponent nibbles as codes, high bits in exp_high.
+// Rewrite one group of a plane-coded chunk (its values v, load_redo's): low exponent nibbles as
+// codes, high bits in exp_high.
 template <int E, int M, typename T>
-__device__ __forceinline__ void encode_plane(const void* src, long long n, long long g, u8* __restrict__ codes,
-                                             u8* __restrict__ high_out, const u8* qtable) {
+__device__ __forceinline__ void encode_plane(const Raw<T>& v, long long n, long long g, u8* __restrict__ codes,
+                                             u8* __restrict__ high_out) {
     constexpr int HB = E - 4;
-    u32 v[8];
-    load_values<T>(src, n, g, v, qtable);
     u32 word = 0;
     u64 high = 0;
 #pragma unroll
     for (int j = 0; j < 8; j++) {
-        const u32 e = (g * 8 + j < n) ? (v[j] >> M) & ((1u << E) - 1u) : 0u;
+        const u32 e = (g * 8 + j < n) ? (raw_value(v, j) >> M) & ((1u << E) - 1u) : 0u;
         word |= (e & 0xF) << (4 * j);
         high |= (u64)(e >> 4) << (HB * j);
     }

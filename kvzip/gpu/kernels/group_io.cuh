@@ -121,16 +121,12 @@ __device__ __forceinline__ void load_quantized(const u16* __restrict__ src, long
         if (i0 + j < n) r.w[j >> 2] |= (quantize_pair(src[i0 + j], table) & 0xFFu) << (8 * (j & 3));
 }
 
-// load_group for the scan's redo paths: plain bits, or (table given) quantized ones.
-template <typename T>
-__device__ __forceinline__ void load_values(const void* src, long long n, long long g, u32 v[8], const u8* table) {
-    if (table) {
-        const u16* s16 = static_cast<const u16*>(src);
-#pragma unroll
-        for (int j = 0; j < 8; j++) v[j] = g * 8 + j < n ? quantize_pair(s16[g * 8 + j], table) & 0xFFu : 0u;
-    } else {
-        load_group(static_cast<const T*>(src), n, g, v);
-    }
+// The encode scan's redo paths: group g of the input as Raw<T> (QT: the 16-bit input's FP8 codes
+// through table, T being the FP8 format's u8), zeros past n.
+template <typename T, bool QT>
+__device__ __forceinline__ void load_redo(const void* src, long long n, long long g, Raw<T>& r, const u8* table) {
+    if constexpr (QT) load_quantized(static_cast<const u16*>(src), n, g, r, table);
+    else load_raw(static_cast<const T*>(src), n, g, r);
 }
 
 template <typename T>

@@ -214,39 +214,69 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
         const void* src = J.src;
         const u8* qtable = nullptr;  // QT: redo from the 16-bit input through the table (global: rare path)
         if constexpr (ENC && QT) qtable = J.q_table;
+        // A warp's redone chunks one after another, each read REDO_BATCH groups a lane at a time
+        // (every load of a batch issued before its stores, which they could alias), the next
+        // chunk's input asked into L2 as a chunk starts: clustered escapes make most of a block's
+        // chunks redone (benchmarks/NOTES.md, e5).
+        constexpr long long VALUE_BYTES = QT ? 2 : sizeof(T);
+        // groups a lane has in flight: 2 for FP32's 32-byte groups and the quantizing redo's lookups
+        // (more spilled or passed 74 registers)
+        constexpr int REDO_BATCH = sizeof(T) == 4 || QT ? 2 : 4;
+        const auto prefetch_chunk = [&](int i) {
+            const long long v0 = (c0 + i) * chunk;
+            prefetch_l2(static_cast<const u8*>(src) + v0 * VALUE_BYTES, min((long long)chunk, n - v0) * VALUE_BYTES, lane);
+        };
+        if (wid < s_nredo) prefetch_chunk(s_redo[wid]);
         for (int r = wid; r < s_nredo; r += WARPS) {
             const int i = s_redo[r];
+            if (r + WARPS < s_nredo) prefetch_chunk(s_redo[r + WARPS]);
             const long long g0 = (c0 + i) * gpc;
             const int ng = (int)min((long long)gpc, G - g0);
             if (s_cnt[i] == PLANE) {
                 u8* high = high_out + (long long)HB * (long long)((prefix & GROUPS_MASK) + s_goff[i]);
-                for (int g = lane; g < ng; g += 32)
-                    encode_plane<E, M, T>(src, n, g0 + g, J.codes, high + (long long)HB * g, qtable);
+                for (int s = 0; s < ng; s += 32 * REDO_BATCH) {
+                    Raw<T> v[REDO_BATCH];
+#pragma unroll
+                    for (int b = 0; b < REDO_BATCH; b++)
+                        if (s + 32 * b + lane < ng) load_redo<T, QT>(src, n, g0 + s + 32 * b + lane, v[b], qtable);
+#pragma unroll
+                    for (int b = 0; b < REDO_BATCH; b++) {
+                        const int g = s + 32 * b + lane;
+                        if (g < ng) encode_plane<E, M>(v[b], n, g0 + g, J.codes, high + (long long)HB * g);
+                    }
+                }
                 continue;
             }
             // More escapes than a slot holds: collect them again, in order, straight to the output.
             const long long out = esc_base + s_eoff[i];
             int idx0 = 0;
-            for (int s = 0; s < ng; s += 32) {
-                const int g = s + lane;
-                u32 v[8], m = 0;
-                if (g < ng) {
-                    load_values<T>(src, n, g0 + g, v, qtable);
+            for (int s = 0; s < ng; s += 32 * REDO_BATCH) {
+                Raw<T> v[REDO_BATCH];
 #pragma unroll
-                    for (int j = 0; j < 8; j++)
-                        m |= (u32)((g0 + g) * 8 + j < n && (J.lut[(v[j] >> M) & ((1u << E) - 1u)] & ESC_FLAG)) << j;
-                }
-                int total;
-                int idx = idx0 + warp_exclusive_count(__popc(m), lane, &total);
+                for (int b = 0; b < REDO_BATCH; b++)
+                    if (s + 32 * b + lane < ng) load_redo<T, QT>(src, n, g0 + s + 32 * b + lane, v[b], qtable);
 #pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    if ((m >> j) & 1u) {
-                        esc_pos[out + idx] = (u16)(g * 8 + j);
-                        exp_out[out + idx] = (u8)((v[j] >> M) & ((1u << E) - 1u));
-                        idx++;
+                for (int b = 0; b < REDO_BATCH; b++) {
+                    if (s + 32 * b >= ng) break;  // warp-uniform
+                    const int g = s + 32 * b + lane;
+                    u32 m = 0;
+                    if (g < ng) {
+#pragma unroll
+                        for (int j = 0; j < 8; j++)
+                            m |= (u32)((g0 + g) * 8 + j < n && (J.lut[(raw_value(v[b], j) >> M) & ((1u << E) - 1u)] & ESC_FLAG)) << j;
                     }
+                    int total;
+                    int idx = idx0 + warp_exclusive_count(__popc(m), lane, &total);
+#pragma unroll
+                    for (int j = 0; j < 8; j++) {
+                        if ((m >> j) & 1u) {
+                            esc_pos[out + idx] = (u16)(g * 8 + j);
+                            exp_out[out + idx] = (u8)((raw_value(v[b], j) >> M) & ((1u << E) - 1u));
+                            idx++;
+                        }
+                    }
+                    idx0 += total;
                 }
-                idx0 += total;
             }
         }
     }
