@@ -643,6 +643,55 @@ def test_stats_carry_each_groups_marks_from_both_sides(link):
         assert theirs["decoded"] >= mine["written"]
 
 
+class SlowLandingEngine(LoopbackEngine):
+    """A loopback engine whose writes land a while after write_async returns (as Mooncake's do),
+    on a thread of the engine's."""
+
+    def __init__(self, delay: float):
+        super().__init__()
+        self.delay, self.in_flight_seen = delay, 0
+        self._writer = transfer.engine.WriterThread("slow-landing")
+
+    def write_async(self, peer, local_ptr, remote_ptr, nbytes):
+        def slow(*args):
+            time.sleep(self.delay)
+            self.write(*args)
+        write = self._writer.start(slow, peer, local_ptr, remote_ptr, nbytes)
+        self.in_flight_seen += not write.wait(0)
+        return write
+
+    def close(self):
+        super().close()
+        self._writer.close()
+
+
+def test_writes_left_in_flight_land_in_order_with_their_notices():
+    """The Sender's one pipeline thread encodes the next group while a write is in flight, lands
+    it, and sends each data message only after its write has landed and its paced arrival has
+    come: over a ring of two slots, so the notices must go out while it waits for credits."""
+    rx = transfer.Receiver(engine="loopback", slot_bytes=1 << 17, ring_bytes=2 << 17)  # a layer a slot
+    engine = SlowLandingEngine(0.003)
+    tx = transfer.Sender(rx.address, engine=engine, codec="kvzip", link_gbps=0.05)
+    try:
+        assert sorted(t.name for t in tx._threads) == ["kvzip-tx-_pipeline", "kvzip-tx-_read"]
+        layers = real_layers(20)
+        stats = tx.send("slow", layers).wait(timeout=60)
+        back = rx.receive("slow", timeout=30)
+        assert all(same(a, b) for a, b in zip(layers, back)) and len(back) == len(layers)
+        assert stats["groups"] >= 4 and engine.in_flight_seen == stats["groups"]
+        marks = ("credit", "written", "arrival", "notified")
+        for mine, theirs in zip(stats["timeline"], stats["receiver_timeline"]):
+            assert [mine[k] for k in marks] == sorted(mine[k] for k in marks)
+            assert mine["written"] - mine["credit"] >= 0.003
+            assert theirs["received"] >= mine["notified"]
+        for a, b in zip(stats["timeline"], stats["timeline"][1:]):
+            assert b["credit"] >= a["written"]  # one write in flight at a time: the link is one pipe
+    finally:
+        tx.close()
+        rx.close()
+    assert engine.registered == {}
+
+
 def test_bench_pairs_each_codec_with_raw_rep_by_rep():
     """benchmarks/bench_transfer.py's paired_speedup: raw's time over the codec's within each rep,
     their median, and a bootstrap interval that holds it (timing is the benchmark's, not this

@@ -6,6 +6,10 @@ torch.distributed can stand behind the same transfer layer:
 - ``register(ptr, nbytes, device)`` makes a buffer a source or target of writes;
 - ``write(peer, local_ptr, remote_ptr, nbytes)`` copies bytes into a peer's registered memory and
   returns once they are there (it raises ``EngineError`` on failure, never returns short);
+- ``write_async(...)``, the same write left in flight: its ``wait(timeout)`` says when it has
+  landed, so the Sender encodes the next group meanwhile (the default writes at once, as
+  loopback does; Mooncake's runs on the engine's own threads, torch.distributed's on a thread of
+  the engine's);
 - ``session`` names this engine to its peers (a peer passes it as ``peer`` to ``write``).
 
 Engines are one-sided: the receiver learns that bytes arrived from the control channel
@@ -23,9 +27,10 @@ import ctypes
 import itertools
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
-from .engine import Engine, EngineError
+from .engine import Engine, EngineError, Write
 
 
 def _copy(dst: int, src: int, nbytes: int, device: str) -> None:
@@ -151,6 +156,42 @@ class MooncakeEngine(Engine):
         if rc != 0:
             raise EngineError(f"Mooncake write of {nbytes} bytes to {peer} failed (return code {rc}): "
                               "the peer is gone or unreachable")
+
+    def write_async(self, peer, local_ptr, remote_ptr, nbytes):
+        batch = self._engine.transfer_submit_write(peer, local_ptr, remote_ptr, nbytes)
+        if batch in _NO_BATCH:
+            raise EngineError(f"Mooncake could not start a write of {nbytes} bytes to {peer}: "
+                              "the peer is gone or unreachable")
+        return _MooncakeWrite(self._engine, batch, peer, nbytes)
+
+
+_NO_BATCH = (0, (1 << 64) - 1)  # what a failed submit returns: 0, or -1 as the unsigned batch id
+
+
+class _MooncakeWrite(Write):
+    """A Mooncake write in flight, polled with transfer_check_status (which frees the batch once
+    it has completed or failed; the blocking get_batch_transfer_status would log a line a write).
+    The poll yields the GIL between looks, as the engine's own synchronous write spins between
+    them without it."""
+
+    def __init__(self, engine, batch: int, peer: str, nbytes: int):
+        self._engine, self._batch, self._peer, self._nbytes = engine, batch, peer, nbytes
+        self._landed = False
+
+    def wait(self, timeout):
+        deadline = time.perf_counter() + timeout
+        while not self._landed:
+            rc = self._engine.transfer_check_status(self._batch)  # 1 done, 0 in flight, -1 failed, -2 timed out
+            if rc == 1:
+                self._landed = True
+            elif rc != 0:
+                raise EngineError(f"Mooncake write of {self._nbytes} bytes to {self._peer} failed (status {rc}): "
+                                  "the peer is gone or unreachable")
+            elif time.perf_counter() >= deadline:
+                return False
+            else:
+                time.sleep(0)
+        return True
 
 
 def _cuda_index(device: str) -> int:

@@ -18,7 +18,7 @@ import time
 
 def wait_until(deadline: float) -> None:
     """Sleep, then poll the last 200 us (time.sleep alone overshoots by up to ~100 us), yielding
-    the GIL on every poll so the sender's other stages run meanwhile."""
+    the GIL on every poll so the sender's reader thread runs meanwhile."""
     while True:
         left = deadline - time.perf_counter()
         if left <= 0:

@@ -1,25 +1,30 @@
 """The prefill side: groups layers, compresses group i+1 while group i is on the wire.
 
-Threads of one Sender, each a stage of the pipeline, joined by bounded queues:
+Two threads a Sender:
 
-    caller --(groups)--> encoder --(packed slots)--> writer --(arrivals)--> notifier
-                                                        ^                      |
-    reader <--(credits, accept, done, failed)-- receiver  <-----(data)---------+
+    caller --(groups)--> pipeline: encode -> write -> notify, one group after another
+                            ^                                     |
+    reader <--(credits, accept, done, failed)-- receiver <--(data)+
 
 - the caller's ``send`` / ``send_layer`` only queue work (a CUDA caller's tensors are fenced by
-  an event on its current stream, so the encoder's side stream waits for them);
-- the encoder compresses a group (on its own CUDA stream on a GPU) straight into a free staging
-  slot of registered memory;
-- the writer takes a credit (a free slot of the receiver's ring), writes the slot through the
-  engine, and hands the message to the notifier, which sends ``data`` once the (possibly
-  emulated, kvzip/transfer/pacing.py) link has delivered it;
+  an event on its current stream, so the encode's side stream waits for them);
+- the pipeline takes each group in order: it compresses the group (on its own CUDA stream on a
+  GPU) straight into a free staging slot of registered memory, lands the previous group's write,
+  takes a credit (a free slot of the receiver's ring) and starts this group's write through the
+  engine (Engine.write_async), so group i+1 is encoded while group i is in flight; a landed
+  write's ``data`` message goes out once the (possibly emulated, kvzip/transfer/pacing.py) link
+  has delivered it, from whichever wait the pipeline is in at that moment;
 - the reader applies the receiver's credits and verdicts.
+
+One thread carries a group from encode to notice, so no group waits for another thread to be
+woken and given the GIL between its steps (benchmarks/NOTES.md t13-t15).
 
 Any failure (engine, control connection, protocol) fails every request in flight with one
 TransferError and closes the Sender; ``close`` always unregisters its memory.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import socket
@@ -38,7 +43,7 @@ log = logging.getLogger("kvzip.transfer")
 
 MIN_GROUP = 8 << 20     # a compress call should carry a few MiB, or its fixed cost shows
 TARGET_GROUPS = 8       # enough groups that the pipeline's fill is a small part of the time
-STAGING_SLOTS = 3       # a group being encoded, one being written, one between: the stages overlap
+STAGING_SLOTS = 2       # the group being encoded and the one whose write is in flight
 FIRST_GROUP = 4 << 20   # the first group closes early, so the wire starts after a short encode;
                         # a large last layer travels alone, so the decode after the wire is short
 PROBE_BYTES = 8 << 20   # an unpaced link's first measure: PROBE_WRITES writes of this (or a slot)
@@ -176,7 +181,7 @@ class Sender:
         for s in range(self._slots):
             self._free_remote.put(s)
         self._staging: Buffer | None = None
-        self._free_staging: queue.Queue = queue.Queue()
+        self._free_staging: list[int] = []  # the pipeline's alone once staging is set
         self._device = None
         self._auto: AutoChooser | None = None
         self._handles: dict[str, SendHandle] = {}
@@ -184,13 +189,13 @@ class Sender:
         self._error: BaseException | None = None
         self._closed = False
         self._to_encode: queue.Queue = queue.Queue()
-        self._to_write: queue.Queue = queue.Queue()  # bounded by the staging slots it carries
-        self._to_notify: queue.Queue = queue.Queue()
+        # The pipeline's own state: the write in flight (at most one, so the link is one pipe as
+        # the Pacer models it) and the landed writes' notices, in order, each due at its arrival.
+        self._flight: tuple | None = None
+        self._notices: collections.deque = collections.deque()
         self._local = threading.local()
-        stages = ((self._read, None), (self._encode, self._to_write), (self._write, self._to_notify),
-                  (self._notify, None))
-        self._threads = [threading.Thread(target=self._guard, args=s, name=f"kvzip-tx-{s[0].__name__}", daemon=True)
-                         for s in stages]
+        self._threads = [threading.Thread(target=self._guard, args=(stage,), name=f"kvzip-tx-{stage.__name__}",
+                                          daemon=True) for stage in (self._read, self._pipeline)]
         for t in self._threads:
             t.start()
 
@@ -260,7 +265,7 @@ class Sender:
                 self._chan.sock.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
-            self._threads[0].join(timeout=self.timeout)  # the reader (stages' first)
+            self._threads[0].join(timeout=self.timeout)  # the reader
         self._fail(TransferError("the sender was closed"))
         self._to_encode.put(None)
         for t in self._threads:
@@ -336,8 +341,7 @@ class Sender:
                 self._engine.unregister(staging.ptr)
                 raise
         self._device, self._auto = device, auto
-        for s in range(STAGING_SLOTS):
-            self._free_staging.put(s)
+        self._free_staging.extend(range(STAGING_SLOTS))
         if device != "cpu":
             import torch
 
@@ -363,124 +367,188 @@ class Sender:
         finally:
             self._free_remote.put(remote)
 
-    # ------------------------------------------------------------------ pipeline threads
-    def _guard(self, stage, downstream: queue.Queue | None) -> None:
-        """Run a stage; when it ends, however it ends, tell the next stage to stop too."""
+    # ------------------------------------------------------------------ threads
+    def _guard(self, stage) -> None:
+        """Run a thread's loop; any failure ends every request, loudly."""
         try:
             stage()
-        except BaseException as e:  # noqa: BLE001  every failure ends every request, loudly
+        except BaseException as e:  # noqa: BLE001
             if not self._closed:
-                log.error("kvzip sender %s stage failed: %s", stage.__name__, e)
+                log.error("kvzip sender %s failed: %s", stage.__name__, e)
             self._fail(e if isinstance(e, TransferError) else TransferError(f"{type(e).__name__}: {e}"))
-        finally:
-            if downstream is not None:
-                downstream.put(None)
 
-    def _encode(self) -> None:
+    def _pipeline(self) -> None:
+        """Each group in order: encoded into a staging slot while the previous group's write is in
+        flight, then that write landed, then this group's write started.  A request's "end" goes
+        after its last write has landed, so it follows all of the request's data messages."""
+        try:
+            while True:
+                item = self._next()
+                if item is None or self._error is not None:
+                    return
+                kind, h, layers = item
+                if kind == "end":
+                    self._land()
+                    self._notices.append((0.0, "end", h, None, None))
+                    continue
+                if h.done:  # cancelled or failed while queued
+                    continue
+                encoded = self._encode(h, layers)
+                self._land()
+                self._start_write(h, *encoded)
+        finally:  # the staging memory is unregistered after this thread ends: no write may still read it
+            if self._flight is not None:
+                write = self._flight[1]
+                deadline = now() + 5
+                try:
+                    while not write.wait(0.1) and now() < deadline:
+                        pass
+                except EngineError:
+                    pass
+
+    def _next(self):
+        """The next queued group or end; until there is one, the write in flight lands and each
+        notice goes out when it falls due."""
         while True:
-            item = self._to_encode.get()
-            if item is None or self._error is not None:
-                return
-            kind, h, layers = item
-            if kind == "end":
-                self._to_write.put((kind, h, None))
-                continue
-            if h.done:  # cancelled or failed while queued
-                continue
-            queued = now()
-            slot = self._take(self._free_staging, "a free staging slot")
-            tensors = [t for _, ts, _ in layers for t in ts]
-            h.stats["tensors"] += len(tensors)
-            wire = None if h.codec == "raw" else h._wire
-            base = slot * self.slot_bytes
-            t0 = now()
-            if self._device == "cpu":
+            self._send_due()
+            try:
+                return self._to_encode.get_nowait()
+            except queue.Empty:
+                pass
+            if self._flight is not None:
+                self._land()
+            elif self._notices:
+                left = self._notices[0][0] - now()
+                if left > 2e-4:  # a timed wait overshoots by up to ~100 us: wait_until takes the end
+                    try:
+                        return self._to_encode.get(timeout=left - 2e-4)
+                    except queue.Empty:
+                        pass
+                else:
+                    wait_until(self._notices[0][0])
+            else:
+                return self._to_encode.get()
+
+    def _encode(self, h: SendHandle, layers) -> tuple:
+        queued = now()
+        slot = self._free_staging.pop()  # STAGING_SLOTS: one slot is free whenever a group is encoded
+        tensors = [t for _, ts, _ in layers for t in ts]
+        h.stats["tensors"] += len(tensors)
+        wire = None if h.codec == "raw" else h._wire
+        base = slot * self.slot_bytes
+        t0 = now()
+        if self._device == "cpu":
+            blobs = codec.encode(wire, tensors)
+            coded = now()
+            entries, nbytes, total = codec.pack(self._staging, base, tensors, blobs, h.codec)
+            events = None
+        else:
+            import torch
+
+            with torch.cuda.stream(self._stream):
+                for *_, fence in layers:
+                    if fence is not None:
+                        self._stream.wait_event(fence)
+                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                events[0].record(self._stream)
                 blobs = codec.encode(wire, tensors)
                 coded = now()
-                entries, nbytes, total = codec.pack(self._staging, base, tensors, blobs, h.codec)
-                events = None
-            else:
-                import torch
+                entries, nbytes, total = codec.pack(self._staging, base, tensors, blobs, h.codec, self._stream)
+                events[1].record(self._stream)
+        packed = now()
+        host_s = packed - t0
+        marks = {"queued": queued, "slot": t0, "coded": coded, "packed": packed}
+        h._progress += 1
+        msg_layers, k = [], 0
+        for index, ts, _ in layers:
+            msg_layers.append({"index": index, "tuple": len(ts) > 1, "tensors": entries[k:k + len(ts)]})
+            k += len(ts)
+        raw = sum(buffers.nbytes(t) for t in tensors)
+        return slot, nbytes, msg_layers, raw, events, host_s, total, marks
 
-                with torch.cuda.stream(self._stream):
-                    for *_, fence in layers:
-                        if fence is not None:
-                            self._stream.wait_event(fence)
-                    events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                    events[0].record(self._stream)
-                    blobs = codec.encode(wire, tensors)
-                    coded = now()
-                    entries, nbytes, total = codec.pack(self._staging, base, tensors, blobs, h.codec, self._stream)
-                    events[1].record(self._stream)
-            packed = now()
-            host_s = packed - t0
-            marks = {"queued": queued, "slot": t0, "coded": coded, "packed": packed}
-            h._progress += 1
-            msg_layers, k = [], 0
-            for index, ts, _ in layers:
-                msg_layers.append({"index": index, "tuple": len(ts) > 1, "tensors": entries[k:k + len(ts)]})
-                k += len(ts)
-            raw = sum(buffers.nbytes(t) for t in tensors)
-            self._to_write.put(("group", h, (slot, nbytes, msg_layers, raw, events, host_s, total, marks)))
+    def _start_write(self, h: SendHandle, slot, nbytes, layers, raw, events, encode_s, total, marks) -> None:
+        if events is not None:  # the encode's span on its stream, if longer than its host time
+            events[1].synchronize()
+            encode_s = max(encode_s, events[0].elapsed_time(events[1]) / 1e3)
+        marks["encoded"] = now()
+        if h.done:  # cancelled or failed while it was encoded
+            self._free_staging.append(slot)
+            return
+        self._await(lambda t: h._accepted.wait(t) or None,
+                    f"acceptance of request {h.request!r} by the receiver")
+        remote = self._await(lambda t: _get(self._free_remote, t), "credit (a free slot in the receiver's ring)")
+        marks["credit"] = now()
+        try:
+            write = self._engine.write_async(self._peer, self._staging.ptr + slot * self.slot_bytes,
+                                             self._remote_base + remote * self.slot_bytes, nbytes)
+        except EngineError as e:
+            raise TransferError(f"writing request {h.request!r} to {self.address} failed: {e}") from None
+        self._flight = (h, write, slot, remote, nbytes, layers, raw, encode_s, total, marks)
 
-    def _write(self) -> None:
-        while True:
-            item = self._to_write.get()
-            if item is None:
-                return
-            kind, h, work = item
-            if kind == "end":
-                self._to_notify.put((0.0, "end", h, None, None))
-                continue
-            slot, nbytes, layers, raw, events, encode_s, total, marks = work
-            if events is not None:  # the encode's span on its stream, if longer than its host time
-                events[1].synchronize()
-                encode_s = max(encode_s, events[0].elapsed_time(events[1]) / 1e3)
-            marks["encoded"] = now()
-            if h.done:  # cancelled or failed while queued
-                self._free_staging.put(slot)
-                continue
-            if not h._accepted.wait(self.timeout):
-                raise TransferError(f"receiver did not accept request {h.request!r} within {self.timeout} s")
-            remote = self._take(self._free_remote, "a credit (a free slot in the receiver's ring)")
-            start = marks["credit"] = now()
-            try:
-                self._engine.write(self._peer, self._staging.ptr + slot * self.slot_bytes,
-                                   self._remote_base + remote * self.slot_bytes, nbytes)
-            except EngineError as e:
-                raise TransferError(f"writing request {h.request!r} to {self.address} failed: {e}") from None
-            written = marks["written"] = now()
-            s = h.stats
-            self._free_staging.put(slot)
-            arrival = marks["arrival"] = self._pacer.arrival(nbytes, start, written) if self._pacer else written
-            s["timeline"].append(marks)
-            if self._pacer is None:  # what the engine really moves, whatever the bytes are
-                self._auto.observe_link(nbytes, written - start)
-            h._progress += 1
-            s["groups"] += 1
-            s["raw_bytes"] += raw
-            s["sent_bytes"] += nbytes
-            s["encode_s"] += encode_s
-            s["write_s"] += written - start
-            digest = f"{sum64_finish(total, nbytes):016x}"  # ready: the encode's stream is synchronised
-            self._to_notify.put((arrival, "data", h, {"req": h.request, "slot": remote, "nbytes": nbytes,
-                                                     "digest": digest, "layers": layers}, marks))
+    def _land(self) -> None:
+        """Wait for the write in flight (sending notices as they fall due), account for it and
+        queue its notice."""
+        if self._flight is None:
+            return
+        h, write, slot, remote, nbytes, layers, raw, encode_s, total, marks = self._flight
+        try:
+            if write.wait(0):  # landed while the next group was encoded: its end is the engine's to say
+                written, measured = (write.ended, True) if write.ended is not None else (now(), False)
+            else:  # seen landing: now is its end
+                self._await(lambda t: write.wait(t) or None, f"end of a write of request {h.request!r}")
+                written, measured = now(), True
+        except EngineError as e:
+            self._flight = None  # over: nothing reads the staging slot any more
+            raise TransferError(f"writing request {h.request!r} to {self.address} failed: {e}") from None
+        self._flight = None
+        self._free_staging.append(slot)
+        start = marks["credit"]
+        marks["written"] = written
+        arrival = marks["arrival"] = self._pacer.arrival(nbytes, start, written) if self._pacer else written
+        s = h.stats
+        s["timeline"].append(marks)
+        if self._pacer is None and measured:  # what the engine really moves, whatever the bytes are
+            self._auto.observe_link(nbytes, written - start)
+        h._progress += 1
+        s["groups"] += 1
+        s["raw_bytes"] += raw
+        s["sent_bytes"] += nbytes
+        s["encode_s"] += encode_s
+        s["write_s"] += written - start
+        digest = f"{sum64_finish(total, nbytes):016x}"  # ready: the encode's stream is synchronised
+        self._notices.append((arrival, "data", h, {"req": h.request, "slot": remote, "nbytes": nbytes,
+                                                   "digest": digest, "layers": layers}, marks))
 
-    def _notify(self) -> None:
-        while True:
-            item = self._to_notify.get()
-            if item is None:
-                return
-            arrival, kind, h, msg, marks = item
+    def _send_due(self) -> None:
+        """Send the notices whose arrival has come, in order."""
+        while self._notices and self._notices[0][0] <= now():
+            _, kind, h, msg, marks = self._notices.popleft()
             if kind == "end":
                 self._chan.send("end", req=h.request, layers=h.n_layers)
-                continue
-            wait_until(arrival)
-            if not h.done:
+            elif not h.done:
                 marks["notified"] = now()
                 self._chan.send("data", **msg)
             else:  # the receiver will not read it: the slot is free again
                 self._free_remote.put(msg["slot"])
+
+    def _await(self, ready, what: str):
+        """``ready(seconds)``'s first non-None answer, asked in steps that end when the next notice
+        falls due, which is sent meanwhile: a held-back notice would hold back the credits this
+        thread may be waiting for.  TransferError if the Sender fails or ``timeout`` passes."""
+        deadline = now() + self.timeout
+        while True:
+            if self._error is not None:
+                raise self._error
+            self._send_due()
+            t = now()
+            step = min(0.1, deadline - t)
+            if self._notices:
+                step = min(step, self._notices[0][0] - t)
+            got = ready(max(step, 0.0))
+            if got is not None:
+                return got
+            if now() > deadline:
+                raise TransferError(f"no {what} within {self.timeout} s: the receiver is stalled")
 
     def _read(self) -> None:
         while True:
@@ -590,3 +658,10 @@ def _wire_of(c) -> tuple[str, codec.WireCodec | None]:
         return c, codec.get(c)
     raise ValueError(f"codec must be 'kvzip', 'raw', 'auto', a kvzip.Pipeline or a registered wire codec "
                      f"({sorted(codec.known())}), got {c!r}")
+
+
+def _get(q: queue.Queue, timeout: float):
+    try:
+        return q.get(timeout=timeout)
+    except queue.Empty:
+        return None

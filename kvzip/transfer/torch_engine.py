@@ -10,7 +10,9 @@ engine serves its registered memory itself:
 - a write is three messages on the pair's group: a header (target address, length), the bytes,
   received straight into the registered memory at that address, and a one-word answer (0: done;
   1: the range was not registered, the bytes were dropped).  ``write`` returns after the answer,
-  so the bytes are in the peer's memory when it returns, as the transfer layer requires.
+  so the bytes are in the peer's memory when it returns, as the transfer layer requires;
+  ``write_async`` hands the same write to a thread of the engine's (gloo's send reports its
+  completion only to ``wait``, so there is nothing to poll), so the Sender encodes meanwhile.
 
 The backend follows the writer's memory: gloo for CPU buffers, NCCL for CUDA ones (one process
 per GPU, both ends on GPUs).  NVLink multicast is not used (NCCL_NVLS_ENABLE=0 is set here if
@@ -23,7 +25,7 @@ import datetime
 import os
 import threading
 
-from .engine import Engine, EngineError
+from .engine import Engine, EngineError, WriterThread
 
 _TIMEOUT = datetime.timedelta(seconds=60)   # a pair's operations
 _CONNECT = datetime.timedelta(seconds=5)
@@ -62,6 +64,7 @@ class TorchDistEngine(Engine):
         self._pairs: dict[str, tuple[object, str, object]] = {}  # peer -> (group, device, lock)
         self._lock = threading.Lock()
         self._closed = False
+        self._writer = WriterThread("kvzip-torch-engine-write")
         threading.Thread(target=self._accept, name="kvzip-torch-engine-accept", daemon=True).start()
 
     # ---------------------------------------------------------------- Engine
@@ -95,9 +98,13 @@ class TorchDistEngine(Engine):
         if int(answer[0]) != 0:
             raise EngineError(f"{nbytes} bytes at {remote_ptr:#x} are not inside memory {peer} registered")
 
+    def write_async(self, peer, local_ptr, remote_ptr, nbytes):
+        return self._writer.start(self.write, peer, local_ptr, remote_ptr, nbytes)
+
     def close(self):
         super().close()
         self._closed = True
+        self._writer.close()
 
     # ---------------------------------------------------------------- pairs
     def _device_of(self, ptr: int, nbytes: int) -> str | None:
