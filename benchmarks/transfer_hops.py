@@ -8,10 +8,11 @@ the first and last.  Engines:
 - loopback: Sender and Receiver in this process (the engine is a memcpy);
 - mooncake: the Receiver in a child process, Mooncake's TCP transport over 127.0.0.1.
 
-Two senders are compared in one process: ``current`` (kvzip/transfer/sender.py as it is in the
-tree) and ``baseline`` (sender.py at the git revision ``--baseline``, loaded as a module of its
-own beside the current one), interleaved rep by rep with the order alternating, on a fresh
-Sender pair per (engine, tensor size, codec) so neither inherits the other's connection.
+Two senders (or with ``--side receiver``, two receivers) are compared: ``current``
+(kvzip/transfer/sender.py as it is in the tree) and ``baseline`` (sender.py at the git revision
+``--baseline``, loaded as a module of its own beside the current one), interleaved rep by rep
+with the order alternating, on a fresh Sender / Receiver pair per (engine, tensor size, codec)
+so neither inherits the other's connection.  The other side is the tree's in both.
 
     python benchmarks/transfer_hops.py                       # tiny and 1 MiB tensors, raw and kvzip
     python benchmarks/transfer_hops.py --sizes 4096 --reps 200 --engines loopback
@@ -42,16 +43,16 @@ LAYERS = 64
 GROUP_TENSORS = 8
 
 
-def load_sender(rev: str):
-    """kvzip/transfer/sender.py at git revision ``rev`` as module kvzip.transfer._baseline_sender
+def load_baseline(side: str, rev: str):
+    """kvzip/transfer/<side>.py at git revision ``rev`` as module kvzip.transfer._baseline_<side>
     (its relative imports resolve into the current package)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    text = subprocess.run(["git", "show", f"{rev}:kvzip/transfer/sender.py"], cwd=root, check=True,
+    text = subprocess.run(["git", "show", f"{rev}:kvzip/transfer/{side}.py"], cwd=root, check=True,
                           capture_output=True, text=True).stdout
-    path = os.path.join(tempfile.mkdtemp(prefix="kvzip-baseline-"), "sender.py")
+    path = os.path.join(tempfile.mkdtemp(prefix="kvzip-baseline-"), f"{side}.py")
     with open(path, "w") as f:
         f.write(text)
-    name = "kvzip.transfer._baseline_sender"
+    name = f"kvzip.transfer._baseline_{side}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -70,10 +71,12 @@ def slot_for(size: int) -> int:
     return max(1 << 16, -(-need // 256) * 256)
 
 
-def _serve(conn, engine: str, slot_bytes: int):
-    """The child's Receiver: answers its address, then receives "r<i>" in order until told stop."""
+def _serve(conn, engine: str, slot_bytes: int, rev: str | None):
+    """The child's Receiver (the current one, or the baseline's of git revision ``rev``): answers
+    its address, then receives "r<i>" in order until told stop."""
     torch.set_num_threads(1)
-    rx = transfer.Receiver(engine=engine, slot_bytes=slot_bytes, ring_bytes=4 * slot_bytes)
+    module = load_baseline("receiver", rev) if rev else transfer.receiver
+    rx = module.Receiver(engine=engine, slot_bytes=slot_bytes, ring_bytes=4 * slot_bytes)
     conn.send(rx.address)
     while True:
         req = conn.recv()
@@ -84,22 +87,27 @@ def _serve(conn, engine: str, slot_bytes: int):
 
 
 class Link:
-    """A Receiver (here or in a child) and one Sender of a given module."""
+    """A Receiver (here or in a child) and a Sender; the variant's module is the side it tests,
+    the other side is the current one."""
 
-    def __init__(self, module, engine: str, size: int, codec: str, link_gbps):
+    def __init__(self, variant, side: str, engine: str, size: int, codec: str, link_gbps):
+        module, rev = variant
         self.engine = engine
         slot = slot_for(size)
+        rx_module = module if side == "receiver" else transfer.receiver
         if engine == "loopback":
-            self.rx = transfer.Receiver(engine=engine, slot_bytes=slot, ring_bytes=4 * slot)
+            self.rx = rx_module.Receiver(engine=engine, slot_bytes=slot, ring_bytes=4 * slot)
             address = self.rx.address
         else:
             self.rx = None
             self.conn, child = mp.Pipe()
-            self.proc = mp.get_context("spawn").Process(target=_serve, args=(child, engine, slot), daemon=True)
+            child_rev = rev if side == "receiver" else None
+            self.proc = mp.get_context("spawn").Process(target=_serve, args=(child, engine, slot, child_rev), daemon=True)
             self.proc.start()
             address = self.conn.recv()
-        self.tx = module.Sender(address, engine=engine, codec=codec, link_gbps=link_gbps,
-                                group_bytes=GROUP_TENSORS // 2 * 2 * size)
+        tx_module = module if side == "sender" else transfer.sender
+        self.tx = tx_module.Sender(address, engine=engine, codec=codec, link_gbps=link_gbps,
+                                   group_bytes=GROUP_TENSORS // 2 * 2 * size)
         self.n = 0
 
     def request(self, layers) -> tuple[float, float, int]:
@@ -130,9 +138,9 @@ def spread(xs):
     return statistics.median(xs), q(0.1), q(0.9)
 
 
-def run_row(variants, engine, size, codec, reps, warm, link_gbps):
+def run_row(variants, side, engine, size, codec, reps, warm, link_gbps):
     layers = make_layers(size)
-    links = {name: Link(mod, engine, size, codec, link_gbps) for name, mod in variants.items()}
+    links = {name: Link(v, side, engine, size, codec, link_gbps) for name, v in variants.items()}
     times = {name: [] for name in variants}
     cpus = {name: [] for name in variants}
     groups = {}
@@ -150,7 +158,7 @@ def run_row(variants, engine, size, codec, reps, warm, link_gbps):
     finally:
         for link in links.values():
             link.close()
-    row = {"engine": engine, "tensor_bytes": size, "codec": codec, "link_gbps": link_gbps, "reps": reps}
+    row = {"side": side, "engine": engine, "tensor_bytes": size, "codec": codec, "link_gbps": link_gbps, "reps": reps}
     for name in variants:
         med, lo, hi = spread(times[name])
         g = groups[name]
@@ -173,21 +181,21 @@ def main():
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--warm", type=int, default=3)
     ap.add_argument("--link", type=float, default=None, help="emulated GB/s (default: unpaced)")
-    ap.add_argument("--baseline", default="HEAD", help="git revision of the baseline sender; 'none': current only")
+    ap.add_argument("--side", choices=["sender", "receiver"], default="sender", help="the module compared")
+    ap.add_argument("--baseline", default="HEAD", help="git revision of the baseline module; 'none': current only")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from kvzip.transfer import sender as current
-
-    variants = {"current": current}
+    current = getattr(transfer, args.side)
+    variants = {"current": (current, None)}
     if args.baseline != "none":
-        variants["baseline"] = load_sender(args.baseline)
+        variants["baseline"] = (load_baseline(args.side, args.baseline), args.baseline)
     rows = []
     for engine in args.engines:
         for size in args.sizes:
             for codec in args.codecs:
                 reps = args.reps if size <= 1 << 16 else max(5, args.reps // 4)
-                row = run_row(variants, engine, size, codec, reps, args.warm, args.link)
+                row = run_row(variants, args.side, engine, size, codec, reps, args.warm, args.link)
                 rows.append(row)
                 line = f"{engine:8} {size:>8} B {codec:5}"
                 for name in variants:

@@ -7,13 +7,14 @@ decoded the slot's message into new memory.  So memory is bounded by the ring pl
 tensors (held until ``receive`` takes them), however many messages are in flight, and a slow
 decoder slows the sender (backpressure) instead of being overrun.
 
-Threads: one accepting connections; per connection a reader (control messages) and a decoder
-(slot -> tensors, on its own CUDA stream on a GPU), so message i+1 arrives while i decodes.
+Threads: one accepting connections; per connection one reader that decodes each ``data``
+message as it reads it (slot -> tensors, on its own CUDA stream on a GPU) and returns the slot's
+credit.  Message i+1's bytes still arrive while i decodes: the engine writes them into the ring
+without this thread, and their control message waits in the socket.
 """
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import threading
 import time
@@ -225,7 +226,6 @@ class _Connection:
 
     def __init__(self, rx: Receiver, chan: Channel, window: list[int]):
         self.rx, self.chan, self.window = rx, chan, window
-        self._work: queue.Queue = queue.Queue()
         self._requests: dict[str, _Incoming] = {}
         self._closed = False
         self._stream = None
@@ -235,8 +235,7 @@ class _Connection:
             self._stream = torch.cuda.Stream(device=rx.device)
 
     def start(self) -> None:
-        for f in (self._read, self._decode):
-            threading.Thread(target=self._guard, args=(f,), name=f"kvzip-rx-{f.__name__}", daemon=True).start()
+        threading.Thread(target=self._guard, args=(self._read,), name="kvzip-rx-read", daemon=True).start()
 
     def _guard(self, stage) -> None:
         try:
@@ -260,9 +259,12 @@ class _Connection:
                 self._begin(msg)
             elif kind == "data":
                 check_data(msg, slots, self.rx.slot_bytes, codec.known())
-                self._work.put((msg, now()))
-            elif kind == "end":
-                self._work.put((msg, now()))  # in order after the request's data
+                self._decode(msg, now())
+            elif kind == "end":  # after the request's data messages, all decoded by now
+                inc = self._requests.get(req)
+                if inc is not None and not inc.done.is_set():
+                    inc.ended = True
+                    self._settle(inc)
             elif kind == "cancel":
                 inc = self._requests.pop(req, None)
                 if inc is not None:
@@ -283,33 +285,23 @@ class _Connection:
         self._requests[req] = inc
         self.chan.send("accept", req=req)
 
-    def _decode(self) -> None:
-        while True:
-            item = self._work.get()
-            if item is None:
-                return
-            msg, received = item
-            inc = self._requests.get(msg["req"])
-            if msg["kind"] == "end":
-                if inc is not None and not inc.done.is_set():
-                    inc.ended = True
-                    self._settle(inc)
-                continue
-            slot = msg["slot"]
-            try:
-                if inc is not None and not inc.abandoned and not inc.done.is_set():
-                    marks = {"received": received, "decode_from": now()}
-                    self._store(inc, msg, marks)
-                    marks["decoded"] = now()
-                    inc.decode_s += marks["decoded"] - marks["decode_from"]
-                    if len(inc.timeline) < TIMELINE_MESSAGES:
-                        inc.timeline.append(marks)
-            except FormatError as e:
-                self._fail(inc, e, "FormatError")
-            except (ProtocolError, TypeError, ValueError) as e:
-                self._fail(inc, e, type(e).__name__)
-            finally:
-                self.chan.send("credit", slot=slot)
+    def _decode(self, msg: dict, received: float) -> None:
+        """The message's tensors into its request, then the slot's credit back, whatever happened."""
+        inc = self._requests.get(msg["req"])
+        try:
+            if inc is not None and not inc.abandoned and not inc.done.is_set():
+                marks = {"received": received, "decode_from": now()}
+                self._store(inc, msg, marks)
+                marks["decoded"] = now()
+                inc.decode_s += marks["decoded"] - marks["decode_from"]
+                if len(inc.timeline) < TIMELINE_MESSAGES:
+                    inc.timeline.append(marks)
+        except FormatError as e:
+            self._fail(inc, e, "FormatError")
+        except (ProtocolError, TypeError, ValueError) as e:
+            self._fail(inc, e, type(e).__name__)
+        finally:
+            self.chan.send("credit", slot=msg["slot"])
 
     def _store(self, inc: _Incoming, msg: dict, marks: dict) -> None:
         base = (self.window[0] + msg["slot"]) * self.rx.slot_bytes
@@ -377,4 +369,3 @@ class _Connection:
         for inc in list(self._requests.values()):
             self.rx._finish(inc, error)
         self._requests.clear()
-        self._work.put(None)
