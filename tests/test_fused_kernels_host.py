@@ -11,7 +11,11 @@ the shipped real KV sample, 1 % and 3 % escapes, escapes clustered into chunks p
 room and past the plane-coding threshold, exact zeros, tails that end a chunk early, small
 chunks whose tensors span several scan blocks, batches, compact and version-1 headers.  Decodes
 on guessed layouts (the scan checking the headers) must miss the blobs that are not the
-layout's, and the header read-back must find what its host twin finds.
+layout's, and the header read-back must find what its host twin finds.  The quantizing encode
+program (QuantizeFP8 per tensor fused in: quantize.cu's kvz_amax and kvz_quant_table, then
+kvz_encode and kvz_scan's quantizing instances reading BF16 or FP16 input, E5M2 and E4M3 out)
+must write the CPU pipeline's blob too, decoding to its FP8 codes and, through kvz_decode's
+dequantizing instance, to its 16-bit values.
 
 Caught by these tests (each checked by breaking it in the kernels): an over-full chunk's escapes
 collected again over one another (the scan's redo), a padding byte left unwritten, a version-1
@@ -24,7 +28,10 @@ step's first value, asks again for the round it holds or misreads the position o
 ahead, a staged tail group copied or decoded a value short, an encoder step's escape placed one
 off in a group (either way of placing them: ballots, or the counts' shuffle scan), its counts
 packed into the wrong word, a group's total missing a lane, a scan block's chunk search one off,
-its moves' last group or second round skipped.  Needs g++ (C++20)."""
+its moves' last group or second round skipped; in the quantizing instances alone: an escape placed
+one value off, the redo of a plane-coded chunk quantizing the next group, a tail group's last value
+dropped, the scan's second round of moves skipped; a dequantized store through the wrong table
+entry.  Needs g++ (C++20)."""
 from __future__ import annotations
 
 import re
@@ -37,25 +44,33 @@ from cuda_host import fused_programs as fp
 from cuda_host import harness
 
 import kvzip
-from kvzip import container, layout, staged
+from kvzip import container, fp8_bits, layout, staged
+from kvzip import stages as S
 from kvzip import testing as kt
 from kvzip.backends import get_backend
 from kvzip.codebook import Codebook
 from kvzip.data import load_sample
 from kvzip.formats import FORMATS
 from kvzip.gpu import layout_cache, loader, programs
+from kvzip.stages.quantize_fp8 import QuantizeFP8
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the host harness")
 
 
 @pytest.fixture(scope="module")
 def exes(tmp_path_factory):
-    """fmt -> fused_host built with that format's kernels (each build takes seconds)."""
+    """fmt -> fused_host built with that format's kernels (each build takes seconds); an FP8
+    format's with its quantizing encode and dequantizing decode, and quantize.cu's kernels they
+    run after, from either 16-bit source."""
     built = {}
 
     def exe(fmt):
         if fmt.name not in built:
             names = (*loader.instances(fmt), loader.heavy_decode(fmt), loader.auto_codebook(fmt), *loader.HEAD_KERNELS)
+            if fmt.itemsize == 1:  # the quantizing encode's kernels, from either 16-bit source
+                names += (*loader.quantizing_encode(fmt), loader.dequantizing_decode(fmt),
+                          *(k for src in loader.QUANTIZE_SOURCES
+                            for k in (*fp.quantize_names(src, fmt.name), fp.dequant_tables_name(fmt.name, src))))
             built[fmt.name] = harness.build_fused(names, tmp_path_factory.mktemp(f"fused_host_{fmt.name}"))
         return built[fmt.name]
 
@@ -332,3 +347,138 @@ def test_cases_hold_what_they_are_named_for():
                                     np.arange(0, counts.size, programs.SB_CHUNKS))
         seen |= {"two move rounds"} if (per_block > round_size).any() else set()
     assert seen == {"stored", "slot overflow", "plane", "two move rounds"}
+
+
+# ---------------------------------------------------------------- the quantizing encode
+# QuantizeFP8 (one scale a tensor) ahead of the fused step: programs._EncodeProgram's quantize
+# program (kvz_amax, kvz_quant_table, then kvz_encode<..., true> and kvz_scan<..., true>, which
+# read the 16-bit input and quantize each value as it loads, in the dense pass and in the scan's
+# redo of over-full and plane-coded chunks).
+
+
+def quantize_pipeline(fp8: str, chunk: int = 4096, codebook=None):
+    """The pipeline whose GPU lane runs the quantizing program (tests/gpu/test_quantize_gpu.py's)."""
+    return kvzip.Pipeline([QuantizeFP8(fp8), S.ExponentSplit(), S.Top16Pack(codebook), S.EscapeStream(chunk),
+                           S.Serialize()])
+
+
+def widened(fp8, source) -> np.ndarray:
+    """Each FP8 code's value in the 16-bit source format (exact: both hold every FP8 value)."""
+    f32 = np.array([fp8_bits.widen_to_f32(c, fp8.exp_bits, fp8.mant_bits, fp8.name == "e4m3") for c in range(256)],
+                   np.uint32)
+    if source.name == "bf16":
+        return (f32 >> 16).astype(np.uint16)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return f32.view(np.float32).astype(np.float16).view(np.uint16)
+
+
+def quantized_input(fp8, source, n: int, kind: str, chunk: int, seed: int) -> np.ndarray:
+    """16-bit input (source's bits) for the quantizing encode.  "real", "random", "kv-scaled":
+    the shipped sample, random bits, KV-like source values, each quantized at its own scale.  The
+    other kinds are values()'s FP8 data of that kind widened to the source format, one value the
+    FP8 format's largest so that the scale is 1 and the codes are that data: its escape rates,
+    clustered chunks, zeros."""
+    rng = np.random.default_rng(seed)
+    if kind == "real":
+        bits = real_bf16(n, seed)
+        if source.name == "fp16":
+            with np.errstate(over="ignore"):
+                return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float16).view(np.uint16)
+        return bits
+    if kind == "random":
+        return rng.integers(0, 1 << 16, n, dtype=np.uint64).astype(np.uint16)
+    if kind == "kv-scaled":
+        return kt.kv_like_bits(source, n, escape_rate=0.01, seed=seed).reshape(-1)
+    bits = widened(fp8, source)[values(fp8, n, kind, chunk, seed)]
+    if n:
+        top = fp8_bits.max_finite_code(fp8.exp_bits, fp8.mant_bits, fp8.name == "e4m3")
+        bits[rng.integers(0, n)] = widened(fp8, source)[top]
+    return bits
+
+
+def quantized_reference(bits: np.ndarray, source, pipe) -> tuple[bytes, bool, np.ndarray]:
+    """(the CPU's blob of the quantizing pipeline without the stored fallback, whether it is the
+    pipeline's blob, the FP8 codes QuantizeFP8 gives on the CPU)."""
+    frame = fp.fused_input(bits, source, pipe)
+    blob = bytes(pipe.stages[-1].encode(pipe.body_steps[-1].encode(frame)).streams["blob"])
+    encoded = bytes(pipe.encode(bits, dtype=source.name))
+    stored = bool(container.parse_header(encoded[:layout.MAX_HEADER], len(encoded)).flags & layout.FLAG_STORED)
+    assert stored or encoded == blob
+    return blob, not stored, np.asarray(frame.streams["data"]).reshape(-1)
+
+
+def check_quantizing_encode(exes, tmp_path, source, fp8, bits, chunk=4096, codebook=None):
+    pipe = quantize_pipeline(fp8.name, chunk, codebook)
+    want, fits, codes = quantized_reference(bits, source, pipe)
+    got = fp.encode(exes(fp8), tmp_path, [bits], source, pipe)
+    assert got.fits[0] == fits
+    assert got.blobs[0] == want  # every byte: header, scale, streams, padding
+    if bits.size:  # to the FP8 codes, and (kvz_decode's dequantizing instance) to the 16-bit values
+        back = fp.decode(exes(fp8), tmp_path, got.blobs, pipe)
+        assert np.array_equal(back.values[0], codes) and not back.errors.any()
+        back = fp.decode(exes(fp8), tmp_path, got.blobs, pipe, dequantize=True)
+        assert np.array_equal(back.values[0], pipe.decode(want).reshape(-1).view(np.uint16)) and not back.errors.any()
+    return want
+
+
+# (source, FP8 format, values, chunk, kind)
+QUANTIZE_CASES = [
+    ("bf16", "e5m2", 4096 * 12 + 77, 4096, "kv"), ("bf16", "e5m2", 4096 * 12, 4096, "real"),
+    ("bf16", "e5m2", 4096 * 4 + 5, 4096, "random"), ("bf16", "e5m2", 4096 * 12 + 8, 4096, "escapes-1%"),
+    ("bf16", "e5m2", 4096 * 12 + 3, 4096, "escapes-3%"), ("bf16", "e5m2", 4096 * 12 + 1000, 4096, "clustered"),
+    ("bf16", "e5m2", 4096 * 5 + 17, 4096, "zeros"), ("bf16", "e5m2", 7, 4096, "kv"),
+    ("bf16", "e5m2", 4096 * 64 + 5, 4096, "escapes-3%"),  # a scan block whose escapes leave the slots in two rounds
+    ("bf16", "e5m2", 1024 * 20 + 500, 1024, "clustered"),
+    ("bf16", "e4m3", 4096 * 8 + 3, 4096, "kv"), ("bf16", "e4m3", 4096 * 8, 4096, "real"),
+    ("bf16", "e4m3", 4096 * 6 + 21, 4096, "kv-scaled"), ("bf16", "e4m3", 4096 * 3 + 900, 4096, "random"),
+    ("fp16", "e5m2", 4096 * 10 + 33, 4096, "escapes-1%"), ("fp16", "e5m2", 4096 * 8 + 1, 4096, "clustered"),
+    ("fp16", "e4m3", 4096 * 6 + 9, 4096, "real"),
+]
+
+
+@pytest.mark.parametrize("source,name,n,chunk,kind", QUANTIZE_CASES)
+def test_quantizing_encode_writes_the_cpu_blob(exes, tmp_path, source, name, n, chunk, kind):
+    fp8, src = FORMATS[name], FORMATS[source]
+    check_quantizing_encode(exes, tmp_path, src, fp8, quantized_input(fp8, src, n, kind, chunk, seed=n), chunk)
+
+
+def test_quantizing_cases_hold_what_they_are_named_for():
+    """The quantized data reaches what the quantizing kernels do differently: E5M2 escapes at the
+    rates named, plane-coded chunks (the scan's redo, quantizing from the input again), a scan
+    block of two move rounds, tails; a blob stored raw.  (No E5M2 chunk lists more escapes than
+    a slot holds: past a third of its groups' high bits a chunk is plane-coded, and that is
+    fewer than the slot; so the redo runs for the plane-coded chunks.  E4M3's default codebook
+    holds every exponent: no escapes.)"""
+    source = (Path(programs.__file__).parent / "kernels" / "escapes.cuh").read_text()
+    round_size = int(re.search(r"#define MOVE_BATCH (\d+)", source).group(1)) * programs.SB_CHUNKS
+    seen = set()
+    for src, name, n, chunk, kind in QUANTIZE_CASES:
+        fp8 = FORMATS[name]
+        bits = quantized_input(fp8, FORMATS[src], n, kind, chunk, seed=n)
+        blob, fits, _ = quantized_reference(bits, FORMATS[src], quantize_pipeline(name, chunk))
+        seen |= set() if fits else {"stored"}
+        seen |= {"tail"} if n % chunk else set()
+        if not fits or name == "e4m3":
+            continue
+        escapes, counts = escapes_of(blob)
+        if kind.startswith("escapes-"):
+            rate = float(kind[len("escapes-"):-1]) / 100
+            assert 0.6 * rate < escapes / n < 1.2 * rate, (src, kind, escapes / n)
+        listed = counts[counts != layout.PLANE]
+        seen |= {"slot overflow"} if (listed > programs.slot_size(chunk, name)).any() else set()
+        seen |= {"plane"} if (counts == layout.PLANE).any() else set()
+        per_block = np.add.reduceat(np.where(counts == layout.PLANE, 0, counts).astype(np.int64),
+                                    np.arange(0, counts.size, programs.SB_CHUNKS))
+        seen |= {"two move rounds"} if (per_block > round_size).any() else set()
+    assert seen == {"stored", "tail", "plane", "two move rounds"}
+
+
+def test_a_quantizing_pipeline_with_an_auto_codebook_gets_no_program():
+    """The quantizing program has no auto codebook of its own (kvz_auto_codebook would read its
+    16-bit input as FP8 codes): plans_for refuses the quantized frames of such a pipeline (their
+    headers are not compact), so the GPU path encodes them staged and learns no quantizing lane."""
+    pipe = quantize_pipeline("e5m2", codebook="auto")
+    frame = fp.fused_input(quantized_input(FORMATS["e5m2"], FORMATS["bf16"], 4096 * 2, "kv", 4096, 0), FORMATS["bf16"],
+                           pipe)
+    fused = pipe.body_steps[-1]
+    assert programs.plans_for([frame], fused.top16, fused.chunk, False) is None

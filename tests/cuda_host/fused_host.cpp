@@ -1,4 +1,4 @@
-// kvzip/gpu/kernels/fused.cu (the speed mode's kernels) run on the host (emu.h), for
+// kvzip/gpu/kernels/fused.cu (the speed mode's kernels, and quantize.cu's) run on the host (emu.h), for
 // tests/test_fused_kernels_host.py, which lays out a program's memory and launches as
 // kvzip/gpu/programs.py does.  argv: input file, output file (records, records.h).
 // Input: the arena (every buffer of the program: job tables, work words, inputs, outputs), the
@@ -16,6 +16,12 @@
 #include "emu.h"
 #include "records.h"
 #include "fused.cu"
+// quantize.cu's kernels too (the quantizing encode program's kvz_amax and kvz_quant_table run
+// ahead of kvz_encode<..., true>, the dequantizing decode program's kvz_dequant_tables ahead of
+// kvz_decode<..., true>): they sit behind __CUDACC__, which keeps them out of that file's
+// host-only build of its fp8_bits port; here emu.h stands for CUDA.
+#define __CUDACC__
+#include "quantize.cu"
 
 // A launch's arguments: ptr(i) is the arena address of offset i (null for 0), converting to the
 // kernel parameter's pointer type.

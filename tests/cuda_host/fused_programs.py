@@ -21,9 +21,11 @@ from kvzip import api, container, staged
 from kvzip.auto_codebook import sample_plan
 from kvzip.backends import get_backend
 from kvzip.codebook import Codebook
-from kvzip.gpu import layout_cache, loader, programs, tuning
-from kvzip.gpu.abi import (AUTO_CODEBOOK_ARGS, CHECK_HEADS_ARGS, CHECKS, DECODE, DECODE_ARGS, ENCODE, ENCODE_ARGS,
-                           FINISH, GATHER_HEADS_ARGS, HEADS, SCAN_ARGS, SIZES, Table)
+from kvzip.formats import FORMATS
+from kvzip.gpu import layout_cache, loader, programs, quantize_kernels, tuning
+from kvzip.gpu.abi import (AMAX_ARGS, AUTO_CODEBOOK_ARGS, CHECK_HEADS_ARGS, CHECKS, DECODE, DECODE_ARGS,
+                           DEQUANT_TABLES_ARGS, ENCODE, ENCODE_ARGS, FINISH, GATHER_HEADS_ARGS, HEADS,
+                           QUANT_TABLE_ARGS, SCAN_ARGS, SIZES, Table)
 
 from . import harness
 
@@ -88,14 +90,20 @@ def pipeline(chunk: int = api.DEFAULT_CHUNK, codebook="auto"):
     return api._default(codebook, False, chunk)
 
 
+def fused_input(bits: np.ndarray, fmt, pipe):
+    """The fused step's input frame of a tensor of raw bits of fmt, as ShapeEncoder.encode_frame
+    makes it: the stages ahead of the fused step (QuantizeFP8) run on the CPU."""
+    frame = staged.tensor_frame(bits.reshape(-1), fmt, bits.shape, get_backend("cpu"))
+    frame.meta["pipeline"] = pipe.stage_configs
+    for step in pipe.body_steps[:-1]:
+        frame = step.encode(frame)
+    return frame
+
+
 def plans(tensors: list[np.ndarray], fmt, pipe) -> tuple:
     """(plans, codebook or None for auto) as the GPU executor makes them (ShapeEncoder.encode_frame)
-    for these tensors of raw bits."""
-    frames = []
-    for bits in tensors:
-        frame = staged.tensor_frame(bits.reshape(-1), fmt, bits.shape, get_backend("cpu"))
-        frame.meta["pipeline"] = pipe.stage_configs
-        frames.append(frame)
+    for these tensors of raw bits of fmt (a quantizing pipeline's: of its 16-bit source format)."""
+    frames = [fused_input(bits, fmt, pipe) for bits in tensors]
     fused = pipe.body_steps[-1]
     planned = programs.plans_for(frames, fused.top16, fused.chunk, False)
     assert planned is not None, "an auto codebook the GPU cannot write (a version-1 header)"
@@ -118,11 +126,37 @@ class Encoded:
         self.blobs, self.fits = blobs, fits
 
 
+def quantize_names(source: str, fp8: str) -> tuple:
+    """quantize.cu's (kvz_amax, kvz_quant_table) of a format pair, as quantize_kernels.kernels
+    names them."""
+    q = loader.quantize_fields
+    return f"kvz_amax<{q(source)}>", f"kvz_quant_table<{q(source)},{q(fp8)},{quantize_kernels.TARGETS[fp8]}>"
+
+
+def dequant_tables_name(fp8: str, source: str) -> str:
+    """quantize.cu's kvz_dequant_tables of a format pair (quantize_kernels.dequant_tables_kernel's)."""
+    q = loader.quantize_fields
+    return f"kvz_dequant_tables<{q(fp8)},{quantize_kernels.TARGETS[fp8]},{q(source)}>"
+
+
+def quantizing(pipe) -> str | None:
+    """The FP8 format a pipeline's QuantizeFP8 (per tensor, ahead of the fused step) quantizes to,
+    or None: a pipeline whose fused step takes the input as it is."""
+    front = pipe.body_steps[:-1]
+    return front[0].format if front else None
+
+
 def encode(exe: Path, tmp_path: Path, tensors: list[np.ndarray], fmt, pipe) -> Encoded:
     """_EncodeProgram's run on these tensors (raw bits of fmt, any shape), the output buffer
     filled with 0xAB bytes first (on a GPU it is uninitialised: every byte of a blob must be
-    written)."""
+    written).  A pipeline with QuantizeFP8 (per tensor) in front: the quantizing program
+    (_EncodeProgram's quantize, one tensor of 16-bit bits of fmt): kvz_amax and kvz_quant_table,
+    then kvz_encode and kvz_scan's quantizing instances, which write the FP8 format's blob."""
     (plans_, cb), chunk, k = plans(tensors, fmt, pipe), pipe.body_steps[-1].chunk, len(tensors)
+    quantize, source = (fmt.name, fmt) if quantizing(pipe) else (None, None)
+    if quantize:
+        assert k == 1, "a quantizing encode program takes one tensor"
+        fmt = FORMATS[quantizing(pipe)]
     arena, launches = Arena(), Launches()
     templates = {}
     for p in plans_:
@@ -137,9 +171,11 @@ def encode(exe: Path, tmp_path: Path, tensors: list[np.ndarray], fmt, pipe) -> E
     if auto:
         work_nb += 4 * k * ((1 << fmt.exp_bits) + 1)
     enc, scan, _, _ = loader.instances(fmt)
-    # The program's regions (templates, zeroed work, sizes, escape slots, (auto) LUT rows and
-    # codebooks, job tables), the inputs, the output buffer and the published totals (pinned
-    # host memory on a GPU).
+    if quantize:
+        enc, scan = loader.quantizing_encode(fmt)
+    # The program's regions (templates, zeroed work, sizes, escape slots, (quantize) amax and
+    # table, (auto) LUT rows and codebooks, job tables), the inputs, the output buffer and the
+    # published totals (pinned host memory on a GPU).
     srcs = [arena.add(t) for t in tensors]
     out = arena.add(np.full(max(starts[-1], 1), 0xAB, np.uint8))
     tmpl = arena.add(np.frombuffer(b"".join(templates), np.uint8))
@@ -147,6 +183,8 @@ def encode(exe: Path, tmp_path: Path, tensors: list[np.ndarray], fmt, pipe) -> E
     sizes = arena.add(SIZES.nbytes * k)
     slot_pos, slot_exp = arena.add(2 * total_chunks * slot), arena.add(total_chunks * slot)
     ready = arena.add(8 * k)
+    if quantize:
+        amax, qtable = arena.add(16), arena.add(quantize_kernels.TABLE_BYTES)
     if auto:
         luts, books = arena.add(k * programs.AUTO_LUT_BYTES), arena.add(k * 16)
     else:
@@ -159,11 +197,21 @@ def encode(exe: Path, tmp_path: Path, tensors: list[np.ndarray], fmt, pipe) -> E
                              slot_pos=At(slot_pos + 2 * slot * chunk_base[i]),
                              slot_exp=At(slot_exp + slot * chunk_base[i]),
                              chunk_base=chunk_base[i], sb_base=sb_base[i],
+                             q_table=qtable if quantize else 0,
+                             q_scale=At(pay + p.off["scales"]) if quantize else 0,
                              lut=At(luts + programs.AUTO_LUT_BYTES * i) if auto else lut))
         fin_rows.append(dict(blob=At(out + starts[i]), tmpl=At(tmpl + templates[p.header]), header_len=len(p.header),
                              table_at=p.table_at, var_base=p.off["esc_pos"], pad=p.pads, write_header=1,
                              compact=int(p.compact), codebook=At(books + 16 * i) if auto else 0))
     jobs, fin = arena.table(ENCODE, enc_rows), arena.table(FINISH, fin_rows)
+    if quantize:  # QuantizeFP8's scale and table (the table kernel writes the blob's scales stream)
+        p = plans_[0]
+        names = quantize_names(source.name, fmt.name)
+        launches.add(names[0], max(1, min(-(-(p.n // 8) // quantize_kernels.THREADS), DEVICE_BLOCKS * 8)),
+                     AMAX_ARGS(src=0, src_at=jobs, n=p.n, out=amax))
+        launches.add(names[1], quantize_kernels.TABLE_BYTES // quantize_kernels.THREADS,
+                     QUANT_TABLE_ARGS(amax=amax, scale=0, addrs=jobs, scale_word=ENCODE.col("q_scale"),
+                                      scale_span=p.nxt["scales"] - p.off["scales"], table=qtable))
     if auto:
         runs = max(sample_plan(p.n).blocks for p in plans_)
         grid = (max(1, min(-(-runs // programs.AUTO_UNROLL), DEVICE_BLOCKS * programs.AUTO_BLOCKS_PER_SM // k)), k)
@@ -220,10 +268,13 @@ class Decoded:
         return self.verdict[1:-1]
 
 
-def decode(exe: Path, tmp_path: Path, blobs: list[bytes], pipe, heavy: bool | None = None) -> Decoded:
+def decode(exe: Path, tmp_path: Path, blobs: list[bytes], pipe, heavy: bool | None = None,
+           dequantize: bool = False) -> Decoded:
     """_DecodeProgram's run on blobs of one format and chunk size as the general decode makes it
     (decode_batch's rows).  heavy: the escape-heavy decoder instance or not (None: as
-    programs.heavy chooses)."""
+    programs.heavy chooses).  dequantize: blobs of a QuantizeFP8 (per tensor) pipeline decoded
+    to their 16-bit values (_DecodeProgram's dequantize: kvz_dequant_tables from each blob's
+    scale, then kvz_decode's dequantizing instance); else to the FP8 codes."""
     opened_blobs = [opened(b, pipe) for b in blobs]
     frames = [o[0] for o in opened_blobs]
     rows = []
@@ -231,8 +282,11 @@ def decode(exe: Path, tmp_path: Path, blobs: list[bytes], pipe, heavy: bool | No
         dlo, dhi = programs.dlut_words(cb)
         rows.append(dict(**{name: starts[name] for name in STREAMS}, n=frame.n,
                          n_esc=frame.streams["esc_pos"].shape[0], n_high=frame.streams["exp_high"].shape[0],
-                         dlo=dlo, dhi=dhi))
+                         dlo=dlo, dhi=dhi, **({"dq_scale": starts["scales"]} if dequantize else {})))
     fmt, chunk = frames[0].format, opened_blobs[0][2]
+    if dequantize:
+        return _decode(exe, tmp_path, fmt, chunk, blobs, rows, False,
+                       dequantize=(fmt.name, frames[0].meta["quantize_fp8"]["source_format"]))
     if heavy is None:
         heavy = programs.heavy(fmt, sum(f.n for f in frames), sum(f.streams["esc_pos"].shape[0] for f in frames))
     return _decode(exe, tmp_path, fmt, chunk, blobs, rows, heavy)
@@ -252,19 +306,21 @@ def decode_guessed(exe: Path, tmp_path: Path, blobs: list[bytes], layouts: list,
                    expect=[layout.expect for layout in layouts])
 
 
-def _decode(exe, tmp_path, fmt, chunk, blobs, rows, heavy, expect=None) -> Decoded:
+def _decode(exe, tmp_path, fmt, chunk, blobs, rows, heavy, expect=None, dequantize=None) -> Decoded:
     """The decode program on blobs whose job rows (by field name) hold stream offsets from the
     blob's start, as the host adds each blob's address to them; expect: guessed layouts'
-    blanked headers (programs._DecodeProgram's expect)."""
+    blanked headers (programs._DecodeProgram's expect); dequantize: (FP8 format, 16-bit format),
+    the rows' dq_scale the scale's offset in the blob."""
     k, ns = len(blobs), tuple(int(r["n"]) for r in rows)
     _, _, scan, dec = loader.instances(fmt)
-    dec = loader.heavy_decode(fmt) if heavy else dec
+    dec = loader.dequantizing_decode(fmt) if dequantize else loader.heavy_decode(fmt) if heavy else dec
+    out_fmt = FORMATS[dequantize[1]] if dequantize else fmt  # what the blobs decode to
     arena, launches = Arena(), Launches()
     at_blob = [arena.add(np.frombuffer(b, np.uint8)) for b in blobs]
     out_at, chunk_base, sb_base, fixed = 0, 0, 0, []
     for n in ns:
         fixed.append((out_at, chunk_base, sb_base))
-        out_at += -(-n * fmt.itemsize // programs.BLOB_ALIGN) * programs.BLOB_ALIGN
+        out_at += -(-n * out_fmt.itemsize // programs.BLOB_ALIGN) * programs.BLOB_ALIGN
         nchunks = -(-n // chunk)
         chunk_base += nchunks
         sb_base += -(-nchunks // programs.SB_CHUNKS)
@@ -284,9 +340,16 @@ def _decode(exe, tmp_path, fmt, chunk, blobs, rows, heavy, expect=None) -> Decod
         for row, key in zip(expected_rows, expect):
             row[:len(key)] = np.frombuffer(key, np.uint8)
         expected = arena.add(expected_rows)
+    tables = arena.add(512 * k) if dequantize else 0  # each blob's 256 16-bit values (kvz_dequant_tables)
+    dq = [dict(dq_table=At(tables + 512 * i), dq_scale=At(blob + row["dq_scale"])) if dequantize else {}
+          for i, (row, blob) in enumerate(zip(rows, at_blob))]
     jobs = arena.table(DECODE, [{**row, **{name: At(blob + row[name]) for name in STREAMS}, "dst": At(dst + out),
-                                 "chunk_base": cbase, "sb_base": sbase}
-                                for row, blob, (out, cbase, sbase) in zip(rows, at_blob, fixed)])
+                                 "chunk_base": cbase, "sb_base": sbase, **d}
+                                for row, blob, (out, cbase, sbase), d in zip(rows, at_blob, fixed, dq)])
+    if dequantize:
+        launches.add(dequant_tables_name(*dequantize), k,
+                     DEQUANT_TABLES_ARGS(addrs=jobs, word=DECODE.col("dq_scale"), stride=DECODE.columns, single=0,
+                                         tables=tables))
     scan_blocks = sb_base + (k if guess else 0)  # on guessed layouts the first k check the headers
     if scan_blocks:
         launches.add(scan, scan_blocks,
@@ -295,13 +358,14 @@ def _decode(exe, tmp_path, fmt, chunk, blobs, rows, heavy, expect=None) -> Decod
                                down=down if early else 0, flag=flag if early else 0, runs=runs if early else 0))
     if chunk_base:
         grid = min(math.ceil(chunk_base / programs.WARPS), DEVICE_BLOCKS)
-        split_at, shift = programs._decode_split(fmt, chunk_base, grid * programs.WARPS)
+        split_at, shift = programs._decode_split(fmt if not dequantize else None, chunk_base, grid * programs.WARPS)
         units = split_at + ((chunk_base - split_at) << shift)
         launches.add(dec, grid, DECODE_ARGS(jobs=jobs, njobs=k, units=units, chunk=chunk, chunk_off=offs, work=work,
                                             queue_at=queue_at, scan_blocks=scan_blocks, split_at=split_at,
                                             part_shift=shift))
     after = harness.run_fused(exe, tmp_path, arena.bytes(), arena.pointer_words, launches.names, launches.ops)
-    values = [after[dst + out:dst + out + n * fmt.itemsize].view(fmt.uint_dtype) for (out, _, _), n in zip(fixed, ns)]
+    values = [after[dst + out:dst + out + n * out_fmt.itemsize].view(out_fmt.uint_dtype)
+              for (out, _, _), n in zip(fixed, ns)]
     return Decoded(values, after[work:work + errors_nb].view(np.uint64), after[down:down + errors_nb].view(np.uint64),
                    int(after[flag:flag + 4].view(np.uint32)[0]), int(after[runs:runs + 4].view(np.uint32)[0]))
 
