@@ -34,6 +34,7 @@ dropped, the scan's second round of moves skipped; a dequantized store through t
 entry.  Needs g++ (C++20)."""
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 from pathlib import Path
@@ -326,27 +327,39 @@ def test_cases_hold_what_they_are_named_for():
     """The cases reach what the kernels do differently: escapes at the rates named, chunks past a
     slot's room (the scan collects them again), plane-coded chunks, blobs stored raw, a scan block
     of more escapes than its threads move in one round (escapes.cuh's MOVE_BATCH a thread)."""
-    source = (Path(programs.__file__).parent / "kernels" / "escapes.cuh").read_text()
-    round_size = int(re.search(r"#define MOVE_BATCH (\d+)", source).group(1)) * programs.SB_CHUNKS
     seen = set()
     for name, n, chunk, kind in CASES:
         fmt = FORMATS[name]
         bits = values(fmt, n, kind, chunk, seed=n)
         blob, fits = reference(bits, fmt, chunk, "auto")
         seen |= set() if fits else {"stored"}
-        if not fits or fmt.name == "e4m3":
-            continue
-        escapes, counts = escapes_of(blob)
-        if kind.startswith("escapes-"):
-            rate = float(kind[len("escapes-"):-1]) / 100
-            assert 0.6 * rate < escapes / n < 1.2 * rate, (name, kind, escapes / n)
-        listed = counts[counts != layout.PLANE]
-        seen |= {"slot overflow"} if (listed > programs.slot_size(chunk, fmt.name)).any() else set()
-        seen |= {"plane"} if (counts == layout.PLANE).any() else set()
-        per_block = np.add.reduceat(np.where(counts == layout.PLANE, 0, counts).astype(np.int64),
-                                    np.arange(0, counts.size, programs.SB_CHUNKS))
-        seen |= {"two move rounds"} if (per_block > round_size).any() else set()
+        if fits and fmt.name != "e4m3":
+            seen |= escape_paths(blob, n, chunk, kind, fmt.name, name)
     assert seen == {"stored", "slot overflow", "plane", "two move rounds"}
+
+
+def escape_paths(blob, n, chunk, kind, fmt_name, case) -> set:
+    """The escape paths a case's blob takes in the kernels: "slot overflow" (a chunk lists more
+    escapes than its slot holds), "plane" (a plane-coded chunk), "two move rounds" (a scan block
+    of more escapes than its threads move in one round, escapes.cuh's MOVE_BATCH a thread); and
+    the escape rate an "escapes-R%" case names, checked."""
+    escapes, counts = escapes_of(blob)
+    if kind.startswith("escapes-"):
+        rate = float(kind[len("escapes-"):-1]) / 100
+        assert 0.6 * rate < escapes / n < 1.2 * rate, (case, kind, escapes / n)
+    listed = counts[counts != layout.PLANE]
+    per_block = np.add.reduceat(np.where(counts == layout.PLANE, 0, counts).astype(np.int64),
+                                np.arange(0, counts.size, programs.SB_CHUNKS))
+    return ({"slot overflow"} if (listed > programs.slot_size(chunk, fmt_name)).any() else set()) \
+        | ({"plane"} if (counts == layout.PLANE).any() else set()) \
+        | ({"two move rounds"} if (per_block > move_round_size()).any() else set())
+
+
+@functools.cache
+def move_round_size() -> int:
+    """Escapes a scan block moves in one round: escapes.cuh's MOVE_BATCH a thread."""
+    source = (Path(programs.__file__).parent / "kernels" / "escapes.cuh").read_text()
+    return int(re.search(r"#define MOVE_BATCH (\d+)", source).group(1)) * programs.SB_CHUNKS
 
 
 # ---------------------------------------------------------------- the quantizing encode
@@ -449,8 +462,6 @@ def test_quantizing_cases_hold_what_they_are_named_for():
     a slot holds: past a third of its groups' high bits a chunk is plane-coded, and that is
     fewer than the slot; so the redo runs for the plane-coded chunks.  E4M3's default codebook
     holds every exponent: no escapes.)"""
-    source = (Path(programs.__file__).parent / "kernels" / "escapes.cuh").read_text()
-    round_size = int(re.search(r"#define MOVE_BATCH (\d+)", source).group(1)) * programs.SB_CHUNKS
     seen = set()
     for src, name, n, chunk, kind in QUANTIZE_CASES:
         fp8 = FORMATS[name]
@@ -458,18 +469,8 @@ def test_quantizing_cases_hold_what_they_are_named_for():
         blob, fits, _ = quantized_reference(bits, FORMATS[src], quantize_pipeline(name, chunk))
         seen |= set() if fits else {"stored"}
         seen |= {"tail"} if n % chunk else set()
-        if not fits or name == "e4m3":
-            continue
-        escapes, counts = escapes_of(blob)
-        if kind.startswith("escapes-"):
-            rate = float(kind[len("escapes-"):-1]) / 100
-            assert 0.6 * rate < escapes / n < 1.2 * rate, (src, kind, escapes / n)
-        listed = counts[counts != layout.PLANE]
-        seen |= {"slot overflow"} if (listed > programs.slot_size(chunk, name)).any() else set()
-        seen |= {"plane"} if (counts == layout.PLANE).any() else set()
-        per_block = np.add.reduceat(np.where(counts == layout.PLANE, 0, counts).astype(np.int64),
-                                    np.arange(0, counts.size, programs.SB_CHUNKS))
-        seen |= {"two move rounds"} if (per_block > round_size).any() else set()
+        if fits and name != "e4m3":
+            seen |= escape_paths(blob, n, chunk, kind, name, src)
     assert seen == {"stored", "tail", "plane", "two move rounds"}
 
 
