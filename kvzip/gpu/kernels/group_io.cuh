@@ -129,6 +129,16 @@ __device__ __forceinline__ void load_redo(const void* src, long long n, long lon
     else load_raw(static_cast<const T*>(src), n, g, r);
 }
 
+// kvz_scan's redo: B groups a lane of the ng from group g0 (lane's b-th: s + 32 b + lane), those
+// below ng, every load issued before any value is used.
+template <typename T, bool QT, int B>
+__device__ __forceinline__ void load_redo_batch(const void* src, long long n, long long g0, int s, int ng, int lane,
+                                                Raw<T> (&v)[B], const u8* table) {
+#pragma unroll
+    for (int b = 0; b < B; b++)
+        if (s + 32 * b + lane < ng) load_redo<T, QT>(src, n, g0 + s + 32 * b + lane, v[b], table);
+}
+
 template <typename T>
 __device__ __forceinline__ u32 raw_value(const Raw<T>& r, int j) {
     if constexpr (sizeof(T) == 1) return (r.w[j >> 2] >> (8 * (j & 3))) & 0xFF;

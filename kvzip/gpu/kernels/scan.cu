@@ -236,9 +236,7 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
                 u8* high = high_out + (long long)HB * (long long)((prefix & GROUPS_MASK) + s_goff[i]);
                 for (int s = 0; s < ng; s += 32 * REDO_BATCH) {
                     Raw<T> v[REDO_BATCH];
-#pragma unroll
-                    for (int b = 0; b < REDO_BATCH; b++)
-                        if (s + 32 * b + lane < ng) load_redo<T, QT>(src, n, g0 + s + 32 * b + lane, v[b], qtable);
+                    load_redo_batch<T, QT>(src, n, g0, s, ng, lane, v, qtable);
 #pragma unroll
                     for (int b = 0; b < REDO_BATCH; b++) {
                         const int g = s + 32 * b + lane;
@@ -252,9 +250,7 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
             int idx0 = 0;
             for (int s = 0; s < ng; s += 32 * REDO_BATCH) {
                 Raw<T> v[REDO_BATCH];
-#pragma unroll
-                for (int b = 0; b < REDO_BATCH; b++)
-                    if (s + 32 * b + lane < ng) load_redo<T, QT>(src, n, g0 + s + 32 * b + lane, v[b], qtable);
+                load_redo_batch<T, QT>(src, n, g0, s, ng, lane, v, qtable);
 #pragma unroll
                 for (int b = 0; b < REDO_BATCH; b++) {
                     if (s + 32 * b >= ng) break;  // warp-uniform
