@@ -16,8 +16,7 @@
 // below the lane, otherwise the lanes' counts, 8 bits a group (at most 8 a lane, so at most 248
 // below it), go through one shuffle scan for all the groups.  Then each lane stores its first
 // escape of each group (slot_first) with no warp-wide step between the groups, and the lanes that
-// hold more go on in a loop.  (It replaced a ballot round and a store loop a group, each group's
-// after the one before: benchmarks/NOTES.md, e5.)
+// hold more go on in a loop (benchmarks/NOTES.md, e5).
 template <int E, int M, typename T>
 __device__ __forceinline__ void slot_first(const Raw<T>& v, u32 m, int p, int idx, int slot, u16* __restrict__ spos,
                                            u8* __restrict__ sexp) {
