@@ -170,3 +170,39 @@ def test_the_planned_layout_is_the_blobs_own(codebook):
     for name in ("codes", "rest", "esc_count"):
         assert layout.row[0, DECODE.col(name)] == at[name]
     assert layout.fixed_bytes <= len(blob) <= layout.most_bytes
+
+
+def test_a_remembered_auto_layout_takes_no_forged_codebook(monkeypatch):
+    """A blob of a remembered auto layout whose header codebook repeats an exponent (its CRC
+    made right) matches no layout (layout_cache.match and
+    match_many leave it to the general path, which raises FormatError): no job row decodes with
+    it.  tests/gpu/test_auto_codebook_gpu.py goes through the decoders on the GPU."""
+    import struct
+    import zlib
+
+    from kvzip import api, into as into_mod
+    from kvzip.gpu import layout_cache
+
+    x = sample_bf16()
+    blob = bytes(kvzip.compress(x, codebook="auto"))
+    lane = into_mod._planned(api._default("auto", False, api.DEFAULT_CHUNK), kvzip.get_format("bf16"), x.shape)[0]
+    layout = layout_cache.planned(lane.plan, lane.fmt, x.shape, lane.chunk, lane.codebook)
+    monkeypatch.setitem(layout_cache._layouts, layout.key, layout)
+
+    def resealed(change):
+        b = bytearray(blob)
+        change(b)
+        struct.pack_into("<I", b, 40, zlib.crc32(bytes(b[:40]) + bytes(4) + bytes(b[44:64])))
+        return bytes(b)
+
+    forged = [resealed(lambda b: b.__setitem__(49, b[48])), resealed(lambda b: b.__setitem__(slice(48, 56), bytes(8)))]
+    assert layout_cache.match(blob[:64], len(blob)) is not None
+    for bad in forged:
+        assert layout_cache.match(bad[:64], len(bad)) is None
+        with pytest.raises(FormatError, match="codebook"):
+            kvzip.decompress(np.frombuffer(bad, np.uint8))
+    block = np.stack([np.frombuffer(b[:64], np.uint8) for b in [blob, *forged]])
+    groups, rest = layout_cache.match_many(block, [len(blob)] * 3)
+    assert [g[1].tolist() for g in groups] == [[0]] and rest == [1, 2]
+    books = np.array([range(16), [*range(15), 31], [*range(15), 32]], np.uint8)  # e5m2's exponents: 0-31
+    assert layout_cache._books_valid(books, kvzip.get_format("e5m2")).tolist() == [True, True, False]

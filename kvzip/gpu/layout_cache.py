@@ -343,6 +343,8 @@ def match(head: bytes, nbytes: int) -> tuple[Layout, np.ndarray] | None:
     if pos_at != layout.esc_pos_offset or not blob_layout.escapes_laid_out(payload, entries):
         return None  # laid out otherwise than layout.escape_layout would: the general path decides
     if compact:  # later guesses expect the blob's codebook (the layout's key holds none)
+        if not _books_valid(np.frombuffer(head[_CODEBOOK], np.uint8)[None], layout.fmt)[0]:
+            return None
         layout = _expecting(layout, head[_CODEBOOK])
     row = layout.row.copy()
     if compact:  # and its job row takes it, whatever the layout's guesses expect
@@ -443,7 +445,8 @@ def _match_rows(b: np.ndarray, pos, checks, h: int, at: int | None, taken, nbyte
     compact headers) of blobs of nbytes."""
     books = None
     if at is None:
-        books = b[:, _CODEBOOK].copy().view("<u8")  # each blob's codebook: its dlo, dhi
+        book_bytes = b[:, _CODEBOOK].copy()
+        books = book_bytes.view("<u8")  # each blob's codebook: its dlo, dhi
         b[:, _COMPACT_VARYING] = 0  # escapes, exp_high bytes, CRC
         b[:, _CODEBOOK] = 0
     else:
@@ -468,6 +471,8 @@ def _match_rows(b: np.ndarray, pos, checks, h: int, at: int | None, taken, nbyte
             ok = _aligned(c[:, _AT][:, 2] + c[:, _N_HIGH_CHECK]) == (nbytes[js] - h).astype(np.uint64)
         else:
             ok = c[:, _AT_ESC_POS] == layout.esc_pos_offset
+        if books is not None:
+            ok &= _books_valid(book_bytes[js], layout.fmt)
         if not ok.all():
             js, c = js[ok], c[ok]
         if not js.size:
@@ -486,6 +491,15 @@ def _match_rows(b: np.ndarray, pos, checks, h: int, at: int | None, taken, nbyte
 
 
 _N_HIGH_CHECK = CHECKS.col("n_high")
+
+
+def _books_valid(books: np.ndarray, fmt) -> np.ndarray:
+    """Per row of books (a compact header's 16 codebook bytes: code i's exponent), whether it
+    is a codebook of fmt: 16 distinct exponents that fmt has.  The header CRC covers a forged
+    codebook as well as a real one, so a job row takes a header's only after this check (the
+    guess makes the same one on the GPU: guess_head); the general path raises FormatError."""
+    s = np.sort(books, axis=1)
+    return (s[:, -1] < (1 << fmt.exp_bits)) & (s[:, 1:] != s[:, :-1]).all(axis=1)
 
 
 def _aligned(x: np.ndarray) -> np.ndarray:
