@@ -114,9 +114,9 @@ def test_kernels_give_the_reference_streams_and_decode_them(exe, tmp_path, name,
 @pytest.mark.parametrize("name,n,channels,chunk,kind", [("bf16", 5 * 4096 + 64, 64, 4096, "kv"),
                                                        ("e5m2", 3 * 4096, 128, 32768, "kv"),
                                                        ("fp16", 3 * 2048, 64, 2048, "kv"), ("bf16", 1 << 12, 2, 8, "kv")])
-def test_compaction_writes_the_blobs_header(exe, tmp_path, name, n, channels, chunk, kind):
-    """Given the tensor's version-3 header with any counts (a template), the compaction writes the
-    blob's header in front of the payload: the CPU blob's, counts set and CRC sealed."""
+def test_scan_writes_the_blobs_header(exe, tmp_path, name, n, channels, chunk, kind):
+    """Given the tensor's version-3 header with any counts (a template), the scan's last tile
+    writes the blob's header in front of the payload: the CPU blob's, counts set and CRC sealed."""
     fmt = FORMATS[name]
     bits = values(fmt, n, kind, seed=n)
     blob = bytes(kvzip.compress(bits.reshape(-1, channels), dtype=name, mode="ratio", chunk=chunk, backend="cpu",

@@ -102,8 +102,8 @@ def _launch_encode(src, n: int, fmt, channels: int, chunk: int, payload: int, re
     the values (or `tables`, the host's uint8[channels * TABLE_WIDTH] of a calibration, on the
     device once per content: _on_device), the encode, the offsets scan, then the compaction,
     on the current stream; with `head` (a version-3 header of this tensor without a payload
-    checksum, any counts), the compaction also writes the blob's header, counts set and sealed,
-    in the len(head) bytes before the payload.  The three
+    checksum, any counts), the scan also writes the blob's header, counts set and sealed, in the
+    len(head) bytes before the payload.  The three
     totals (sec_codes bytes, escapes, exp_high bytes: the streams' lengths, payload_layout) land
     in words 1..3 of `result` (the device address of 4 uint64; None: the workspace's own).
     Returns the workspace, which must stay alive until the stream has run the kernels."""
@@ -138,11 +138,12 @@ def _launch_encode(src, n: int, fmt, channels: int, chunk: int, payload: int, re
             (src, np.int64(n), np.int32(channels), at["tables"], np.int32(chunk), np.int64(nchunks), at["codes"],
              at["rest"], at["esc_count"], ws.ptr("sec_count"), ws.ptr("sec_slots"), ws.ptr("pos_slots"),
              ws.ptr("exp_slots"), ws.ptr("high_slots")), shared=channels << E)
-    _scan(at["esc_count"], ws.ptr("sec_count"), nchunks, n, fmt, chunk, ws.ptr("status"), ws.ptr("offsets"), ws.result)
+    _scan(at["esc_count"], ws.ptr("sec_count"), nchunks, n, fmt, chunk, ws.ptr("status"), ws.ptr("offsets"), ws.result,
+          head=(ws.head, np.uint64(payload - len(head))) if head is not None else None)
     _launch("compact", fmt, max(1, -(-nchunks // WARPS)), THREADS,
             (ws.ptr("sec_count"), np.int64(nchunks), np.int64(n), np.int32(chunk), np.int32(HB),
              np.int32(fmt.rest_bits), np.int32(channels), ws.ptr("offsets"), ws.ptr("sec_slots"), ws.ptr("pos_slots"),
-             ws.ptr("exp_slots"), ws.ptr("high_slots"), at["tables"], ws.result, np.uint64(payload), ws.head))
+             ws.ptr("exp_slots"), ws.ptr("high_slots"), at["tables"], ws.result, np.uint64(payload)))
     return ws
 
 
@@ -186,7 +187,7 @@ def encode_blob(src, n: int, fmt, channels: int, chunk: int, head: bytes, checks
     """(the blob, its payload's length) of the n values src under the version-3 header `head`
     (container.compact_header's for this tensor, any counts, its checksum field 0): the kernels
     write the payload in place behind the header and, without a checksum, the header with its
-    counts set (kvz_ch_compact); with one, the host sets counts and checksum after the wait.
+    counts set (kvz_ch_scan); with one, the host sets counts and checksum after the wait.
     The blob is a view of a buffer of payload_bound's size, as the speed mode's blobs are of
     theirs.  tables: as encode's."""
     return encode_blobs([(src, n, fmt, channels, chunk, head, checksum, tables)])[0]
@@ -232,17 +233,20 @@ def _view(buf, offset: int, nbytes: int, dtype):
     return cupy().ndarray((nbytes // dtype.itemsize,), dtype, buf.data + offset)
 
 
-def _scan(esc_count, sec_count, nchunks, n, fmt, chunk, status, offsets, result, checked=None):
+def _scan(esc_count, sec_count, nchunks, n, fmt, chunk, status, offsets, result, checked=None, head=None):
     """kvz_ch_scan: offsets (int64[3 * nchunks]) and result (uint64[4]) of the counts (arrays or
     addresses); status: its look-back words (uint64[3 * _tiles(nchunks)], all zero or all 0xFF
     bytes).  checked (decode): (tables, channels, (sec_codes bytes, escapes, exp_high bytes)):
     the counts checked against the variable streams' lengths, the first error lowering result[0]
-    from the caller's ~0, and the tables checked into result[4] (uint64[5], also ~0 before)."""
+    from the caller's ~0, and the tables checked into result[4] (uint64[5], also ~0 before).
+    head (encode): (the header template's address, where the blob's header goes): the header
+    written there with the totals as its counts, sealed."""
     tables, channels, (n_sec, n_pos, n_high) = checked or (np.uint64(0), 0, (0, 0, 0))
+    head_tmpl, head_at = head or (np.uint64(0), np.uint64(0))
     _launch("scan", fmt, _tiles(nchunks), TILE_THREADS,
             (esc_count, sec_count, np.int64(nchunks), np.int64(n), np.int32(chunk), np.int32(fmt.exp_bits - CODE_BITS),
              np.int32(checked is not None), np.int64(n_sec), np.int64(n_pos), np.int64(n_high), tables,
-             np.int32(channels), status, offsets, result),
+             np.int32(channels), status, offsets, result, head_tmpl, head_at),
             grid_stride=False)
 
 

@@ -77,12 +77,14 @@ static std::vector<Bytes> run(const std::vector<Bytes>& in, long long n, int D, 
     // The look-back's words start unpublished: filled with 0xFF bytes where the scan is checked
     // (decode: one fill with the error words, as channel_pack.decode_many does), zeroed otherwise
     // (encode: with the histogram); the error words (result[0], result[4]) are the caller's ~0.
-    auto scan_of = [&](const u16* esc, const u16* sec, int checked, long long ns, long long ne, long long nh) {
+    // head_tmpl, head (encode): the header's template and where the scan writes the blob's header.
+    auto scan_of = [&](const u16* esc, const u16* sec, int checked, long long ns, long long ne, long long nh,
+                       const u8* head_tmpl = nullptr, u8* head = nullptr) {
         std::vector<u64> status(3 * tiles, checked ? ~0ull : 0ull);
         result[0] = result[4] = ~0ull;
         emu_launch(tiles, CH_TILE_THREADS, [&] {
             kvz_ch_scan(esc, sec, nchunks, n, chunk, HB, checked, ns, ne, nh, tables.data(), D, status.data(),
-                        offsets.data(), result.data());
+                        offsets.data(), result.data(), head_tmpl, head);
         });
     };
     auto scan = [&](int checked, long long ns, long long ne, long long nh) {
@@ -109,8 +111,8 @@ static std::vector<Bytes> run(const std::vector<Bytes>& in, long long n, int D, 
         // places the layout rule gives them, the rest after the scan (ch_payload).
         const auto up = [](long long x) { return (x + 15) & ~15ll; };
         const long long at_rest = up(3 * G), at_esc = up(at_rest + R * G);
-        // The blob: its header's KVZ_COMPACT_SIZE bytes (written by the compaction with a template,
-        // op 5), then the payload.
+        // The blob: its header's KVZ_COMPACT_SIZE bytes (written by the scan's last tile with a
+        // template, op 5), then the payload.
         std::vector<u8> blob(KVZ_COMPACT_SIZE + up(at_esc + 2 * nchunks) + HB * G + 64 + 2 * up(2 * nchunks) + 16 * D + 64,
                              0xAB);
         u8* payload = blob.data() + KVZ_COMPACT_SIZE;
@@ -125,11 +127,12 @@ static std::vector<Bytes> run(const std::vector<Bytes>& in, long long n, int D, 
                                             payload + at_rest, esc, sec_count.data(), sec_slots.data(),
                                             pos_slots.data(), exp_slots.data(), high_slots.data());
             });
-        scan_of(esc, sec_count.data(), 0, 0, 0, 0);
+        scan_of(esc, sec_count.data(), 0, 0, 0, 0, head_tmpl.empty() ? nullptr : head_tmpl.data(),
+                payload - KVZ_COMPACT_SIZE);
         emu_launch(std::max(1, blocks(nchunks)), 256, [&] {
             kvz_ch_compact(sec_count.data(), nchunks, n, chunk, HB, R, D, offsets.data(), sec_slots.data(),
                            pos_slots.data(), exp_slots.data(), high_slots.data(), tables.data(), result.data(),
-                           payload, head_tmpl.empty() ? nullptr : head_tmpl.data());
+                           payload);
         });
         const ChPayload p = ch_payload(n, R, nchunks, D, result.data());
         if (KVZ_COMPACT_SIZE + p.at[CH_STREAMS] > (long long)blob.size()) return {};

@@ -105,6 +105,33 @@ __device__ __forceinline__ int table_error(const u8* __restrict__ row, int E) {
     return outside ? 1 : repeat ? 2 : 0;
 }
 
+// The blob's version-3 header in front of its payload, as container.with_counts writes it: the
+// host's template for this tensor (KVZ_COMPACT_SIZE bytes, any counts) with the totals as its
+// counts (escapes = result[2], high_bytes = result[3], second_bytes = result[1]; each below 2^32,
+// which the host checks once it has them) and its CRC-32 (header.cuh's, as finish_blob seals the
+// speed mode's headers).  Its checksum field is the template's (0: a blob with a payload checksum
+// gets its header from the host).  By one whole block (it synchronises).
+__device__ void seal_ratio_header(const u8* __restrict__ tmpl, const u64* __restrict__ result, u8* __restrict__ out) {
+    __shared__ u32 crc_table[4][256];
+    __shared__ __align__(16) u8 h[KVZ_COMPACT_SIZE];
+    for (int i = threadIdx.x; i < KVZ_COMPACT_SIZE; i += blockDim.x) h[i] = tmpl[i];
+    build_crc_tables(crc_table);  // ends with a barrier: h is in place too
+    if (threadIdx.x < 32) {
+        if (threadIdx.x == 0) {
+            put_u32(h + KVZ_COMPACT_ESCAPES_AT, (u32)result[2]);
+            put_u32(h + KVZ_COMPACT_HIGH_BYTES_AT, (u32)result[3]);
+            put_u32(h + KVZ_RATIO_SECOND_BYTES_AT, (u32)result[1]);
+        }
+        __syncwarp();
+        // The CRC field (a word) counts as 0.
+        const u32 crc = warp_crc32(crc_table, reinterpret_cast<const u32*>(h), KVZ_COMPACT_SIZE / 4,
+                                   KVZ_HEADER_CRC_AT / 4, threadIdx.x) ^ 0xFFFFFFFFu;
+        if (threadIdx.x == 0) put_u32(h + KVZ_HEADER_CRC_AT, crc);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < KVZ_COMPACT_SIZE; i += blockDim.x) out[i] = h[i];
+}
+
 // grid: exactly a block a tile.  One pass: a tile sums its chunks' sizes, learns the sizes of the
 // tiles before it by a decoupled look-back (common.cuh's look_back, warp k on stream k of the
 // three: status[k * ntiles + t], every word unpublished at the launch, i.e. the whole array
@@ -113,14 +140,18 @@ __device__ __forceinline__ int table_error(const u8* __restrict__ row, int E) {
 // ends.  checked (decode): the count checks, against the streams' lengths n_sec, n_pos, n_high,
 // into result[0] (which the caller sets to ~0) by atomicMin, the totals' check the last tile's;
 // and block 0 checks the tables (channels of CH_WIDTH entries), the lowest finding in result[4]
-// (the caller's ~0 where all are sound), so the host needs no copy of them.
+// (the caller's ~0 where all are sound), so the host needs no copy of them.  head_tmpl (encode,
+// a blob without a payload checksum): the last tile, once it has the totals, writes the blob's
+// header at head (seal_ratio_header), here and not in kvz_ch_compact, whose many blocks would pay
+// the CRC's registers in occupancy.
 __global__ void __launch_bounds__(CH_TILE_THREADS) kvz_ch_scan(const u16* __restrict__ esc_count,
                                                                const u16* __restrict__ sec_count, long long nchunks,
                                                                long long n, int chunk, int HB, int checked,
                                                                long long n_sec, long long n_pos, long long n_high,
                                                                const u8* __restrict__ tables, int channels,
                                                                u64* __restrict__ status, long long* __restrict__ offsets,
-                                                               u64* __restrict__ result) {
+                                                               u64* __restrict__ result, const u8* __restrict__ head_tmpl,
+                                                               u8* __restrict__ head) {
     __shared__ long long part[CH_TILE_THREADS / 32];
     if (checked && blockIdx.x == 0) {
         for (int d = threadIdx.x; d < channels; d += blockDim.x) {
@@ -164,6 +195,10 @@ __global__ void __launch_bounds__(CH_TILE_THREADS) kvz_ch_scan(const u16* __rest
         if (checked && bad < err) err = bad;
     }
     if (err != ~0ull) atomicMin(reinterpret_cast<unsigned long long*>(result), err);
+    if (head_tmpl && blockIdx.x == gridDim.x - 1) {  // block-uniform
+        __syncthreads();  // thread 0's totals in result, for the whole block
+        seal_ratio_header(head_tmpl, result, head);
+    }
 }
 
 // The payload of format.md 15.4: its nine streams in canonical order (codes, rest, esc_count,
@@ -189,39 +224,11 @@ __device__ __forceinline__ ChPayload ch_payload(long long n, int R, long long nc
     return p;
 }
 
-// The blob's version-3 header in front of its payload, as container.with_counts writes it: the
-// host's template for this tensor (KVZ_COMPACT_SIZE bytes, any counts) with the totals as its
-// counts (escapes = result[2], high_bytes = result[3], second_bytes = result[1]; each below 2^32,
-// which the host checks once it has them) and its CRC-32 (header.cuh's, as finish_blob seals the
-// speed mode's headers).  Its checksum field is the template's (0: a blob with a payload checksum
-// gets its header from the host).  By one whole block (it synchronises).
-__device__ void seal_ratio_header(const u8* __restrict__ tmpl, const u64* __restrict__ result, u8* __restrict__ out) {
-    __shared__ u32 crc_table[4][256];
-    __shared__ __align__(16) u8 h[KVZ_COMPACT_SIZE];
-    for (int i = threadIdx.x; i < KVZ_COMPACT_SIZE; i += blockDim.x) h[i] = tmpl[i];
-    build_crc_tables(crc_table);  // ends with a barrier: h is in place too
-    if (threadIdx.x < 32) {
-        if (threadIdx.x == 0) {
-            put_u32(h + KVZ_COMPACT_ESCAPES_AT, (u32)result[2]);
-            put_u32(h + KVZ_COMPACT_HIGH_BYTES_AT, (u32)result[3]);
-            put_u32(h + KVZ_RATIO_SECOND_BYTES_AT, (u32)result[1]);
-        }
-        __syncwarp();
-        // The CRC field (a word) counts as 0.
-        const u32 crc = warp_crc32(crc_table, reinterpret_cast<const u32*>(h), KVZ_COMPACT_SIZE / 4,
-                                   KVZ_HEADER_CRC_AT / 4, threadIdx.x) ^ 0xFFFFFFFFu;
-        if (threadIdx.x == 0) put_u32(h + KVZ_HEADER_CRC_AT, crc);
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < KVZ_COMPACT_SIZE; i += blockDim.x) out[i] = h[i];
-}
-
 // grid-stride over chunks, a warp a chunk, at least one block: completes the payload whose codes,
 // rest and esc_count kvz_ch_encode wrote in place.  Each chunk's runs move from their slots to the
 // offsets kvz_ch_scan found, inside the variable streams' places, which follow from the totals
 // (result[1..3]); each chunk's sec_count goes in from the encoder's; block 0 copies the tables and
-// zeroes every padding byte (between the streams and after the last); with head_tmpl, block 0
-// also writes the blob's header in the KVZ_COMPACT_SIZE bytes before the payload (seal_ratio_header).
+// zeroes every padding byte (between the streams and after the last).
 __global__ void __launch_bounds__(WARPS * 32) kvz_ch_compact(const u16* __restrict__ sec_count, long long nchunks,
                                                              long long n, int chunk, int HB, int R, int channels,
                                                              const long long* __restrict__ offsets,
@@ -230,8 +237,7 @@ __global__ void __launch_bounds__(WARPS * 32) kvz_ch_compact(const u16* __restri
                                                              const u8* __restrict__ exp_slots,
                                                              const u8* __restrict__ high_slots,
                                                              const u8* __restrict__ tables,
-                                                             const u64* __restrict__ result, u8* __restrict__ payload,
-                                                             const u8* __restrict__ head_tmpl) {
+                                                             const u64* __restrict__ result, u8* __restrict__ payload) {
     const int lane = threadIdx.x & 31;
     const int gpc = chunk >> 3, full_cap = (HB * gpc) / 3, slot_words = (3 * chunk + 31) >> 5;
     const long long G = (n + 7) >> 3;
@@ -244,7 +250,6 @@ __global__ void __launch_bounds__(WARPS * 32) kvz_ch_compact(const u16* __restri
         for (int k = threadIdx.x; k < CH_WIDTH * channels; k += blockDim.x) payload[p.at[8] + k] = tables[k];
         for (int s = 0; s < CH_STREAMS; s++)
             for (long long b = p.at[s] + p.len[s] + threadIdx.x; b < p.at[s + 1]; b += blockDim.x) payload[b] = 0;
-        if (head_tmpl) seal_ratio_header(head_tmpl, result, payload - KVZ_COMPACT_SIZE);
     }
     for (long long c = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); c < nchunks; c += (long long)gridDim.x * WARPS) {
         const u32 cnt = esc_count[c], sec = sec_count[c];
