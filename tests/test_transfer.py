@@ -586,6 +586,35 @@ def test_a_closed_sender_frees_its_window_before_close_returns():
             assert len(rx.receive(f"r{i}")) == 1
 
 
+def test_close_returns_after_every_thread_has_ended(monkeypatch):
+    """Neither end leaves a thread of its own running once close() returns (one left to die at
+    interpreter exit would be torn down inside whatever CUDA or torch call it was making), even
+    a reader that takes its time to wind down."""
+    from kvzip.transfer import receiver
+
+    read = receiver._Connection._read
+
+    def slow_to_end(self):
+        try:
+            read(self)
+        finally:
+            time.sleep(0.3)
+    monkeypatch.setattr(receiver._Connection, "_read", slow_to_end)
+    ours = lambda: {t for t in threading.enumerate() if t.name.startswith(("kvzip-rx", "kvzip-tx"))}  # noqa: E731
+    before = ours()  # another test's, if any are still winding down
+    rx = transfer.Receiver(engine="loopback", slot_bytes=1 << 20, max_senders=2)
+    txs = [transfer.Sender(rx.address, engine="loopback", codec=c) for c in ("kvzip", "raw")]
+    for i, tx in enumerate(txs):
+        tx.send(f"r{i}", real_layers(4)).wait(timeout=30)
+        assert len(rx.receive(f"r{i}")) == 4
+    assert any(t.name == "kvzip-rx-read" for t in ours() - before)
+    txs[0].close()
+    rx.close()  # with a sender still connected
+    assert not {t for t in ours() - before if t.name.startswith("kvzip-rx")}
+    txs[1].close()
+    assert not ours() - before
+
+
 def test_message_layout_zero_padding_and_digest_on_the_cpu():
     """Buffer.gather lays parts at their offsets with zeros between (whatever the slot held) and
     returns sum64_start of exactly those bytes; scatter takes them back out; unpack checks the

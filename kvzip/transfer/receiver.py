@@ -133,9 +133,16 @@ class Receiver:
         except OSError:
             pass
         self._listener.close()
-        for c in list(self._connections):
+        self._acceptor.join(timeout=5)  # no connection comes after this
+        with self._lock:
+            connections = list(self._connections)
+        for c in connections:
             c.close(TransferError("the receiver was closed"))
-        self._acceptor.join(timeout=5)
+        # The readers end once their channels are closed; one still running at interpreter exit
+        # (it decodes on the GPU) would be torn down inside CUDA or torch code.
+        for c in connections:
+            if c.thread.is_alive() and c.thread is not threading.current_thread():
+                c.thread.join(timeout=5)
         with self._cond:
             pending = list(self._requests.values())
         for inc in pending:
@@ -228,6 +235,7 @@ class _Connection:
         self.rx, self.chan, self.window = rx, chan, window
         self._requests: dict[str, _Incoming] = {}
         self._closed = False
+        self.thread = threading.Thread(target=self._guard, args=(self._read,), name="kvzip-rx-read", daemon=True)
         self._stream = None
         if rx.device != "cpu":
             import torch
@@ -235,7 +243,7 @@ class _Connection:
             self._stream = torch.cuda.Stream(device=rx.device)
 
     def start(self) -> None:
-        threading.Thread(target=self._guard, args=(self._read,), name="kvzip-rx-read", daemon=True).start()
+        self.thread.start()
 
     def _guard(self, stage) -> None:
         try:
