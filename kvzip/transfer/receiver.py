@@ -10,7 +10,8 @@ decoder slows the sender (backpressure) instead of being overrun.
 Threads: one accepting connections; per connection one reader that decodes each ``data``
 message as it reads it (slot -> tensors, on its own CUDA stream on a GPU) and returns the slot's
 credit.  Message i+1's bytes still arrive while i decodes: the engine writes them into the ring
-without this thread, and their control message waits in the socket.
+without this thread, and their control message waits in the socket.  ``close`` returns once
+every one of these threads has ended.
 """
 from __future__ import annotations
 
