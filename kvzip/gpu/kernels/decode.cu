@@ -349,9 +349,12 @@ __device__ __forceinline__ void decode_chunk(const DecodeJob& J, const DecodeJob
             const int i = s0 + q * 32 + lane;
             if (i >= ng) continue;
             if constexpr (BF16) {
-                if (!plane && (SCATTER || i * 8 + 8 <= n)) {
+                if (SCATTER || i * 8 + 8 <= n) {
                     u32 out[4];
-                    decode_bf16_words(w[q], rr[q], (u32)dlo, (u32)(dlo >> 32), (u32)dhi, (u32)(dhi >> 32), out);
+                    if (plane)  // no escapes: a plane-coded chunk codes every exponent
+                        decode_bf16_plane_words(w[q], reinterpret_cast<const u32*>(high)[i], rr[q], out);
+                    else
+                        decode_bf16_words(w[q], rr[q], (u32)dlo, (u32)(dlo >> 32), (u32)dhi, (u32)(dhi >> 32), out);
                     if (pm[q]) patch_words<2, 7, 0xFFu>(out, pm[q], pe[q]);
                     *reinterpret_cast<uint4*>(to + (i - to_first) * 8) = make_uint4(out[0], out[1], out[2], out[3]);
                     continue;

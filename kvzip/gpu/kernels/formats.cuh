@@ -232,9 +232,8 @@ __device__ __forceinline__ u32 lookup4(u32 n4, u32 d0, u32 d1, u32 d2, u32 d3) {
 // BF16, a whole group, non-plane, SIMD-within-a-register: out[k] holds values 2k and 2k+1 as
 // stored.  The generic decode (unpack to 8 values, repack) spent ~130 instructions a group and
 // was compute-bound; this one ~45.
-__device__ __forceinline__ void decode_bf16_words(u32 word, const RestRaw<8>& rr, u32 d0, u32 d1, u32 d2, u32 d3,
-                                                  u32 out[4]) {
-    const u32 ea = lookup4(word & 0xFFFFu, d0, d1, d2, d3), eb = lookup4(word >> 16, d0, d1, d2, d3);
+// ea, eb: the exponents of values 0-3 and 4-7, a byte each.
+__device__ __forceinline__ void assemble_bf16_words(u32 ea, u32 eb, const RestRaw<8>& rr, u32 out[4]) {
     const u32 rlo = (u32)rr.q[0], rhi = (u32)(rr.q[0] >> 32);
 #pragma unroll
     for (int k = 0; k < 4; k++) {
@@ -243,6 +242,20 @@ __device__ __forceinline__ void decode_bf16_words(u32 word, const RestRaw<8>& rr
         const u32 e = __byte_perm(k < 2 ? ea : eb, 0, sel);
         out[k] = ((r & 0x00800080u) << 8) | (r & 0x007F007Fu) | (e << 7);
     }
+}
+
+__device__ __forceinline__ void decode_bf16_words(u32 word, const RestRaw<8>& rr, u32 d0, u32 d1, u32 d2, u32 d3,
+                                                  u32 out[4]) {
+    assemble_bf16_words(lookup4(word & 0xFFFFu, d0, d1, d2, d3), lookup4(word >> 16, d0, d1, d2, d3), rr, out);
+}
+
+// BF16, a whole group of a plane-coded chunk: value j's exponent is code nibble j of word below
+// high nibble j of high (the group's 4 exp_high bytes, little-endian, as decode_raw reads them).
+// The even values' exponent bytes and the odd ones' are built in place, then interleaved.
+__device__ __forceinline__ void decode_bf16_plane_words(u32 word, u32 high, const RestRaw<8>& rr, u32 out[4]) {
+    const u32 even = (word & 0x0F0F0F0Fu) | ((high & 0x0F0F0F0Fu) << 4);  // e0, e2, e4, e6
+    const u32 odd = ((word >> 4) & 0x0F0F0F0Fu) | (high & 0xF0F0F0F0u);  // e1, e3, e5, e7
+    assemble_bf16_words(__byte_perm(even, odd, 0x5140u), __byte_perm(even, odd, 0x7362u), rr, out);
 }
 
 // The rest fields of four E5M2 values (3 bits each at bits 0-11 of x; higher bits ignored) spread
