@@ -221,10 +221,8 @@ __device__ __forceinline__ u32 lookup4(u32 n4, u32 d0, u32 d1, u32 d2, u32 d3) {
     return __byte_perm(lo, hi, 0x3210u | ((n4 >> 1) & 0x4444u));
 }
 
-// BF16, a whole group, non-plane, SIMD-within-a-register: out[k] holds values 2k and 2k+1 as
-// stored.  The generic decode (unpack to 8 values, repack) spent ~130 instructions a group and
-// was compute-bound; this one ~45.
-// ea, eb: the exponents of values 0-3 and 4-7, a byte each.
+// A BF16 group's stored values from its exponents (ea, eb: values 0-3 and 4-7, a byte each) and
+// its rest bytes, SIMD-within-a-register: out[k] holds values 2k and 2k+1 as stored.
 __device__ __forceinline__ void assemble_bf16_words(u32 ea, u32 eb, const RestRaw<8>& rr, u32 out[4]) {
     const u32 rlo = (u32)rr.q[0], rhi = (u32)(rr.q[0] >> 32);
 #pragma unroll
@@ -236,6 +234,9 @@ __device__ __forceinline__ void assemble_bf16_words(u32 ea, u32 eb, const RestRa
     }
 }
 
+// BF16, a whole group, non-plane: the codes' exponents looked up, then assembled.  The generic
+// decode (unpack to 8 values, repack) spent ~130 instructions a group and was compute-bound;
+// this one ~45.
 __device__ __forceinline__ void decode_bf16_words(u32 word, const RestRaw<8>& rr, u32 d0, u32 d1, u32 d2, u32 d3,
                                                   u32 out[4]) {
     assemble_bf16_words(lookup4(word & 0xFFFFu, d0, d1, d2, d3), lookup4(word >> 16, d0, d1, d2, d3), rr, out);
