@@ -55,7 +55,7 @@ def compress(x, codebook="auto", *, mode: str = "speed", checksum: bool = False,
     default: the fused GPU kernels' Top-16 code, ~1.33x on BF16 KV) or "ratio" (per-channel
     two-level codes chosen from x itself, ~1.43x on BF16 KV; on a GPU its CUDA kernels) or
     "storage" (per-channel rANS, ~1.48x on BF16 KV, for offload to host memory or disk; on a GPU
-    its CUDA kernels, the tables made on the host).  checksum: also
+    its CUDA kernels, the tables too).  checksum: also
     protect the payload.  chunk: values per independently decoded chunk (a power of two;
     8..65536 for "speed", 8..32768 for "ratio", 32..2**20 for "storage"; None: 4096, or 65536
     for "storage").
