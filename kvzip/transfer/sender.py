@@ -354,7 +354,8 @@ class Sender:
         receiver's ring, the last one timed (the first pays the engine's connection set-up).  The
         receiver reads a slot only when a message names it, so the bytes are never looked at."""
         nbytes = min(PROBE_BYTES, self.slot_bytes)
-        remote = self._take(self._free_remote, "a credit (a free slot in the receiver's ring)")
+        remote = self._await(lambda t: _get(self._free_remote, t), "credit (a free slot in the receiver's ring)",
+                             notices=False)  # the caller's thread, before the pipeline has any
         try:
             for k in range(PROBE_WRITES):
                 timed = k == PROBE_WRITES - 1
@@ -531,18 +532,20 @@ class Sender:
             else:  # the receiver will not read it: the slot is free again
                 self._free_remote.put(msg["slot"])
 
-    def _await(self, ready, what: str):
-        """``ready(seconds)``'s first non-None answer, asked in steps that end when the next notice
-        falls due, which is sent meanwhile: a held-back notice would hold back the credits this
-        thread may be waiting for.  TransferError if the Sender fails or ``timeout`` passes."""
+    def _await(self, ready, what: str, notices: bool = True):
+        """``ready(seconds)``'s first non-None answer, asked in steps.  With ``notices`` (the
+        pipeline thread, whose own they are) the steps end when the next notice falls due, which
+        is sent meanwhile: a held-back notice would hold back the credits this thread may be
+        waiting for.  TransferError if the Sender fails or ``timeout`` passes."""
         deadline = now() + self.timeout
         while True:
             if self._error is not None:
                 raise self._error
-            self._send_due()
+            if notices:
+                self._send_due()
             t = now()
             step = min(0.1, deadline - t)
-            if self._notices:
+            if notices and self._notices:
                 step = min(step, self._notices[0][0] - t)
             got = ready(max(step, 0.0))
             if got is not None:
@@ -586,17 +589,6 @@ class Sender:
                 raise ProtocolError(f"unexpected {kind!r} message from the receiver")
 
     # ------------------------------------------------------------------ helpers
-    def _take(self, q: queue.Queue, what: str):
-        deadline = now() + self.timeout
-        while True:
-            if self._error is not None:
-                raise self._error
-            try:
-                return q.get(timeout=min(0.1, max(deadline - now(), 0.001)))
-            except queue.Empty:
-                if now() > deadline:
-                    raise TransferError(f"no {what} within {self.timeout} s: the receiver is stalled") from None
-
     def _end(self, h: SendHandle, error) -> None:
         with self._lock:
             self._handles.pop(h.request, None)
