@@ -71,7 +71,8 @@ def exes(tmp_path_factory):
             if fmt.itemsize == 1:  # the quantizing encode's kernels, from either 16-bit source
                 names += (*loader.quantizing_encode(fmt), loader.dequantizing_decode(fmt),
                           *(k for src in loader.QUANTIZE_SOURCES
-                            for k in (*fp.quantize_names(src, fmt.name), fp.dequant_tables_name(fmt.name, src))))
+                            for k in (loader.amax_name(src), loader.quant_table_name(src, fmt.name),
+                                      loader.dequant_tables_name(fmt.name, src))))
             built[fmt.name] = harness.build_fused(names, tmp_path_factory.mktemp(f"fused_host_{fmt.name}"))
         return built[fmt.name]
 

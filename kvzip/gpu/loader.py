@@ -173,17 +173,32 @@ def quantize_fields(name: str) -> str:
     return f"{f.exp_bits},{f.mant_bits}"
 
 
+def amax_name(source: str) -> str:
+    """kvz_amax of a 16-bit source format: a tensor's largest magnitude."""
+    return f"kvz_amax<{quantize_fields(source)}>"
+
+
+def quant_table_name(source: str, fp8: str) -> str:
+    """kvz_quant_table of a format pair: the scale and the quantizing table from the amax."""
+    return f"kvz_quant_table<{quantize_fields(source)},{quantize_fields(fp8)},{QUANTIZE_TARGETS[fp8]}>"
+
+
+def dequant_tables_name(fp8: str, source: str) -> str:
+    """kvz_dequant_tables of a format pair: the dequantizing decode's tables from each scale."""
+    return f"kvz_dequant_tables<{quantize_fields(fp8)},{QUANTIZE_TARGETS[fp8]},{quantize_fields(source)}>"
+
+
 @lru_cache(maxsize=None)
 def quantize_names() -> tuple:
     """The name expressions of quantize.cu's module."""
     q = quantize_fields
     names = ["kvz_quantize"]
     for src in QUANTIZE_SOURCES:
-        names.append(f"kvz_amax<{q(src)}>")
+        names.append(amax_name(src))
         for fp8, fn in QUANTIZE_TARGETS.items():
-            names.append(f"kvz_quant_table<{q(src)},{q(fp8)},{fn}>")
+            names.append(quant_table_name(src, fp8))
             names.append(f"kvz_dequantize<{q(fp8)},{fn},{q(src)}>")
-            names.append(f"kvz_dequant_tables<{q(fp8)},{fn},{q(src)}>")
+            names.append(dequant_tables_name(fp8, src))
     return tuple(names)
 
 

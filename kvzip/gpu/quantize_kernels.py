@@ -59,13 +59,12 @@ def usable(backend, source: str, fp8: str, granularity: str, *arrays) -> bool:
 def kernels(source: str, fp8: str, device_id: int) -> tuple:
     """(kvz_amax, kvz_quant_table) of a format pair: quantize() runs them, and programs's
     quantizing encode puts them in its CUDA graph ahead of kvz_encode."""
-    return (_kernel(f"kvz_amax<{_fields(source)}>", device_id),
-            _kernel(f"kvz_quant_table<{_fields(source)},{_fields(fp8)},{TARGETS[fp8]}>", device_id))
+    return _kernel(loader.amax_name(source), device_id), _kernel(loader.quant_table_name(source, fp8), device_id)
 
 
 def dequant_tables_kernel(fp8: str, source: str, device_id: int):
     """kvz_dequant_tables of a format pair: programs's dequantizing decode program runs it."""
-    return _kernel(f"kvz_dequant_tables<{_fields(fp8)},{TARGETS[fp8]},{_fields(source)}>", device_id)
+    return _kernel(loader.dequant_tables_name(fp8, source), device_id)
 
 
 def quantize(src, source: str, fp8: str):

@@ -126,19 +126,6 @@ class Encoded:
         self.blobs, self.fits = blobs, fits
 
 
-def quantize_names(source: str, fp8: str) -> tuple:
-    """quantize.cu's (kvz_amax, kvz_quant_table) of a format pair, as quantize_kernels.kernels
-    names them."""
-    q = loader.quantize_fields
-    return f"kvz_amax<{q(source)}>", f"kvz_quant_table<{q(source)},{q(fp8)},{quantize_kernels.TARGETS[fp8]}>"
-
-
-def dequant_tables_name(fp8: str, source: str) -> str:
-    """quantize.cu's kvz_dequant_tables of a format pair (quantize_kernels.dequant_tables_kernel's)."""
-    q = loader.quantize_fields
-    return f"kvz_dequant_tables<{q(fp8)},{quantize_kernels.TARGETS[fp8]},{q(source)}>"
-
-
 def quantizing(pipe) -> str | None:
     """The FP8 format a pipeline's QuantizeFP8 (per tensor, ahead of the fused step) quantizes to,
     or None: a pipeline whose fused step takes the input as it is."""
@@ -206,7 +193,7 @@ def encode(exe: Path, tmp_path: Path, tensors: list[np.ndarray], fmt, pipe) -> E
     jobs, fin = arena.table(ENCODE, enc_rows), arena.table(FINISH, fin_rows)
     if quantize:  # QuantizeFP8's scale and table (the table kernel writes the blob's scales stream)
         p = plans_[0]
-        names = quantize_names(source.name, fmt.name)
+        names = loader.amax_name(source.name), loader.quant_table_name(source.name, fmt.name)
         launches.add(names[0], max(1, min(-(-(p.n // 8) // quantize_kernels.THREADS), DEVICE_BLOCKS * 8)),
                      AMAX_ARGS(src=0, src_at=jobs, n=p.n, out=amax))
         launches.add(names[1], quantize_kernels.TABLE_BYTES // quantize_kernels.THREADS,
@@ -347,7 +334,7 @@ def _decode(exe, tmp_path, fmt, chunk, blobs, rows, heavy, expect=None, dequanti
                                  "chunk_base": cbase, "sb_base": sbase, **d}
                                 for row, blob, (out, cbase, sbase), d in zip(rows, at_blob, fixed, dq)])
     if dequantize:
-        launches.add(dequant_tables_name(*dequantize), k,
+        launches.add(loader.dequant_tables_name(*dequantize), k,
                      DEQUANT_TABLES_ARGS(addrs=jobs, word=DECODE.col("dq_scale"), stride=DECODE.columns, single=0,
                                          tables=tables))
     scan_blocks = sb_base + (k if guess else 0)  # on guessed layouts the first k check the headers
