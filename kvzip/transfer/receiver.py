@@ -255,6 +255,11 @@ class _Connection:
             self.close(e if isinstance(e, TransferError) else TransferError(f"{type(e).__name__}: {e}"))
 
     def _read(self) -> None:
+        if self._stream is not None:  # this thread's current device and stream, once: each
+            import torch              # message's decode then runs on them without a context
+
+            torch.cuda.set_device(self._stream.device)
+            torch.cuda.set_stream(self._stream)
         slots = len(self.window)
         while True:
             msg = self.chan.recv()
@@ -325,12 +330,8 @@ class _Connection:
         if self._stream is None:  # codec.unpack verified the digest before decoding
             tensors, _ = codec.unpack(ring, base, msg["nbytes"], entries, "cpu", verify)
             marks["unpacked"] = now()
-        else:
-            import torch
-
-            with torch.cuda.stream(self._stream):
-                tensors, total = codec.unpack(ring, base, msg["nbytes"], entries, self.rx.device, verify,
-                                              self._stream)
+        else:  # on this thread's current stream, the connection's (_read)
+            tensors, total = codec.unpack(ring, base, msg["nbytes"], entries, self.rx.device, verify, self._stream)
             marks["unpacked"] = now()
             verify(total)  # the slot is read and the tensors written before the credit goes back
         k = 0

@@ -192,6 +192,7 @@ class Sender:
         # The pipeline's own state: the write in flight (at most one, so the link is one pipe as
         # the Pacer models it) and the landed writes' notices, in order, each due at its arrival.
         self._flight: tuple | None = None
+        self._on_stream = False  # the pipeline thread's current CUDA stream is _stream
         self._notices: collections.deque = collections.deque()
         self._local = threading.local()
         self._threads = [threading.Thread(target=self._guard, args=(stage,), name=f"kvzip-tx-{stage.__name__}",
@@ -446,16 +447,19 @@ class Sender:
         else:
             import torch
 
-            with torch.cuda.stream(self._stream):
-                for *_, fence in layers:
-                    if fence is not None:
-                        self._stream.wait_event(fence)
-                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                events[0].record(self._stream)
-                blobs = codec.encode(wire, tensors)
-                coded = now()
-                entries, nbytes, total = codec.pack(self._staging, base, tensors, blobs, h.codec, self._stream)
-                events[1].record(self._stream)
+            if not self._on_stream:  # this thread's current device and stream, once (the pipeline's)
+                torch.cuda.set_device(self._stream.device)
+                torch.cuda.set_stream(self._stream)
+                self._on_stream = True
+            for *_, fence in layers:
+                if fence is not None:
+                    self._stream.wait_event(fence)
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record(self._stream)
+            blobs = codec.encode(wire, tensors)
+            coded = now()
+            entries, nbytes, total = codec.pack(self._staging, base, tensors, blobs, h.codec, self._stream)
+            events[1].record(self._stream)
         packed = now()
         host_s = packed - t0
         marks = {"queued": queued, "slot": t0, "coded": coded, "packed": packed}
