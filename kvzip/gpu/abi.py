@@ -177,9 +177,10 @@ W_GEMM_ARGS = KernelArgs("kvz_w_gemm", "blocks:ptr codebook:ptr esc_off:ptr esc_
                                        "per_split:i32")
 W_DECODE_ARGS = KernelArgs("kvz_w_decode", "blocks:ptr codebook:ptr out:ptr M:i32 K:i32 bands:i32 chunks:i32")
 W_PATCH_ARGS = KernelArgs("kvz_w_patch", "esc_off:ptr esc_pos:ptr esc_val:ptr bands:i32 out:ptr K:i32")
-W_HISTOGRAM_ARGS = KernelArgs("kvz_w_histogram", "w:ptr n:i64 hist:ptr")
-W_ENCODE_ARGS = KernelArgs("kvz_w_encode", "w:ptr M:i32 K:i32 code_of:ptr blocks:ptr counts:ptr bands:i32 chunks:i32")
-W_ESCAPES_ARGS = KernelArgs("kvz_w_escapes", "w:ptr M:i32 K:i32 code_of:ptr counts:ptr starts:ptr esc_pos:ptr "
+W_HISTOGRAM_ARGS = KernelArgs("kvz_w_histogram", "w:ptr n:i64 hist:ptr ticket:ptr book:ptr code_of:ptr")
+W_ENCODE_ARGS = KernelArgs("kvz_w_encode", "w:ptr M:i32 K:i32 code_of:ptr blocks:ptr counts:ptr band_counts:ptr "
+                                           "ticket:ptr esc_off:ptr bands:i32 chunks:i32")
+W_ESCAPES_ARGS = KernelArgs("kvz_w_escapes", "w:ptr M:i32 K:i32 code_of:ptr counts:ptr esc_off:ptr esc_pos:ptr "
                                              "esc_val:ptr bands:i32 chunks:i32")
 W_CODEBOOK_ARGS = KernelArgs("kvz_w_codebook", "hist:ptr book:ptr code_of:ptr")
 W_KERNEL_ARGS = (W_GEMM_ARGS, W_DECODE_ARGS, W_PATCH_ARGS, W_HISTOGRAM_ARGS, W_CODEBOOK_ARGS, W_ENCODE_ARGS,

@@ -8,6 +8,7 @@ no allocation, so a caller can capture them in a CUDA graph.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 from . import abi, loader
 
@@ -125,38 +126,72 @@ def _spread(work: int, kernel_name: str, device: int) -> int:
     return max(1, min(-(-work // WARPS), resident * multiprocessors(device)))
 
 
-def histogram(w, hist, stream) -> None:
-    """hist (256 uint32, zeroed) += the exponent histogram of w (contiguous BF16, 16-byte aligned)."""
-    device = w.device.index
-    fn, _, _ = kernel("kvz_w_histogram", device)
-    fn((_spread(-(-w.numel() // 256), "kvz_w_histogram", device),), (WARPS * 32,),  # a warp task: 256 values
-       abi.W_HISTOGRAM_ARGS(w=w.data_ptr(), n=w.numel(), hist=hist.data_ptr()), stream=stream)
+# The GPU encoder's workspace: int32 words, zeroed a call.  Word offsets of kvz_w_histogram's histogram
+# and ticket, the code table (256 bytes) its last block leaves for kvz_w_encode and kvz_w_escapes,
+# kvz_w_encode's ticket and its escapes a band (bands words); its escapes a block (bands x chunks
+# words) come last, at Workspace.counts.
+HIST, HIST_TICKET, ENCODE_TICKET, CODE_OF, BAND_COUNTS = 0, 256, 257, 260, 324
+
+
+class Workspace(NamedTuple):
+    words: int           # the whole, in int32 words
+    counts: int          # the escapes a block, from this word on
+    histogram_grid: int  # thread blocks of kvz_w_histogram
+    encode_grid: int     # of kvz_w_encode and kvz_w_escapes
+
+
+@lru_cache(maxsize=4096)
+def workspace(shape, device: int) -> Workspace:
+    """The encoder's workspace and grids for an M x K weight on a device."""
+    bands, chunks = grid(shape)
+    n = shape[0] * shape[1]
+    return Workspace(BAND_COUNTS + bands + bands * chunks, BAND_COUNTS + bands,
+                     _spread(-(-n // 256), "kvz_w_histogram", device),  # a warp task: 256 values
+                     _spread(bands * chunks, "kvz_w_encode", device))
+
+
+def _word(work, offset: int) -> int:
+    return work.data_ptr() + 4 * offset
+
+
+def histogram(w, work, book, ws, stream) -> None:
+    """The exponent histogram of w (contiguous BF16, 16-byte aligned) into the workspace, then by
+    its last thread block book (16 uint8) and the workspace's code table, by
+    kvzip/weights/tiled.py's choose_codebook and _code_of."""
+    fn, _, _ = kernel("kvz_w_histogram", w.device.index)
+    fn((ws.histogram_grid,), (WARPS * 32,),
+       abi.W_HISTOGRAM_ARGS(w=w.data_ptr(), n=w.numel(), hist=_word(work, HIST), ticket=_word(work, HIST_TICKET),
+                            book=book.data_ptr(), code_of=_word(work, CODE_OF)), stream=stream)
 
 
 def codebook(hist, book, code_of, stream) -> None:
     """book (16 uint8) and code_of (256 uint8) from hist (the 256-bin exponent histogram), by
-    kvzip/weights/tiled.py's choose_codebook and _code_of, in one launch."""
+    kvzip/weights/tiled.py's choose_codebook and _code_of, in one launch: the rule alone (the
+    encoder runs it in kvz_w_histogram's last block)."""
     fn, _, _ = kernel("kvz_w_codebook", hist.device.index)
     fn((1,), (256,), abi.W_CODEBOOK_ARGS(hist=hist.data_ptr(), book=book.data_ptr(), code_of=code_of.data_ptr()),
        stream=stream)
 
 
-def encode_blocks(w, code_of, blocks, counts, stream) -> None:
-    """The blocks of W (contiguous M x K BF16) and counts[block] = its escapes."""
+def encode_blocks(w, work, blocks, esc_off, ws, stream) -> None:
+    """The blocks of W (contiguous M x K BF16) and, by the last thread block, esc_off (int32,
+    bands + 1): the escape lists' offsets.  After histogram() on the same workspace."""
     (m, k), device = w.shape, w.device.index
     bands, chunks = grid(w.shape)
     fn, _, _ = kernel("kvz_w_encode", device)
-    fn((_spread(bands * chunks, "kvz_w_encode", device),), (WARPS * 32,),
-       abi.W_ENCODE_ARGS(w=w.data_ptr(), M=m, K=k, code_of=code_of.data_ptr(), blocks=blocks.data_ptr(),
-                         counts=counts.data_ptr(), bands=bands, chunks=chunks), stream=stream)
+    fn((ws.encode_grid,), (WARPS * 32,),
+       abi.W_ENCODE_ARGS(w=w.data_ptr(), M=m, K=k, code_of=_word(work, CODE_OF), blocks=blocks.data_ptr(),
+                         counts=_word(work, ws.counts), band_counts=_word(work, BAND_COUNTS),
+                         ticket=_word(work, ENCODE_TICKET), esc_off=esc_off.data_ptr(), bands=bands, chunks=chunks),
+       stream=stream)
 
 
-def encode_escapes(w, code_of, counts, starts, esc_pos, esc_val, stream) -> None:
-    """The escape lists: block b's at esc_pos/esc_val[starts[b] ..] (starts: exclusive sums of counts)."""
+def encode_escapes(w, work, esc_off, esc_pos, esc_val, ws, stream) -> None:
+    """The escape lists (esc_off[-1] of each), after encode_blocks() on the same workspace."""
     (m, k), device = w.shape, w.device.index
     bands, chunks = grid(w.shape)
     fn, _, _ = kernel("kvz_w_escapes", device)
-    fn((_spread(bands * chunks, "kvz_w_escapes", device),), (WARPS * 32,),
-       abi.W_ESCAPES_ARGS(w=w.data_ptr(), M=m, K=k, code_of=code_of.data_ptr(), counts=counts.data_ptr(),
-                          starts=starts.data_ptr(), esc_pos=esc_pos.data_ptr(), esc_val=esc_val.data_ptr(),
+    fn((ws.encode_grid,), (WARPS * 32,),
+       abi.W_ESCAPES_ARGS(w=w.data_ptr(), M=m, K=k, code_of=_word(work, CODE_OF), counts=_word(work, ws.counts),
+                          esc_off=esc_off.data_ptr(), esc_pos=esc_pos.data_ptr(), esc_val=esc_val.data_ptr(),
                           bands=bands, chunks=chunks), stream=stream)

@@ -219,6 +219,9 @@ def encode_reference(w: torch.Tensor) -> TiledWeight:
 
 
 def _encode_cuda(w: torch.Tensor) -> TiledWeight:
+    """Three launches and one host sync: kvz_w_histogram (whose last thread block chooses the
+    codebook), kvz_w_encode (whose last block writes esc_off), the escape count read back to size
+    the lists, and kvz_w_escapes where there are escapes."""
     from ..gpu import weights as gpu
 
     w = w.contiguous()
@@ -226,22 +229,20 @@ def _encode_cuda(w: torch.Tensor) -> TiledWeight:
         w = w.clone()
     stream = cuda_stream(w.device.index)
     bands, chunks = grid(w.shape)
-    hist = torch.zeros(256, dtype=torch.int32, device=w.device)
-    gpu.histogram(w, hist, stream)
+    ws = gpu.workspace(w.shape, w.device.index)
+    work = torch.zeros(ws.words, dtype=torch.int32, device=w.device)  # counters and tickets start at zero
     book = torch.empty(CODES, dtype=torch.uint8, device=w.device)
-    code_of = torch.empty(256, dtype=torch.uint8, device=w.device)
-    gpu.codebook(hist, book, code_of, stream)  # choose_codebook and _code_of in one launch
     blocks = torch.empty(bands, chunks, BLOCK_BYTES, dtype=torch.uint8, device=w.device)
-    counts = torch.empty(bands * chunks, dtype=torch.int32, device=w.device)
-    gpu.encode_blocks(w, code_of, blocks, counts, stream)
-    ends = torch.cumsum(counts, 0, dtype=torch.int64)
-    total = int(ends[-1])  # the one host sync: the escape lists' length
+    esc_off = torch.empty(bands + 1, dtype=torch.int32, device=w.device)
+    gpu.histogram(w, work, book, ws, stream)
+    gpu.encode_blocks(w, work, blocks, esc_off, ws, stream)
+    total = int(esc_off[bands])  # the one host sync: the escape lists' length
+    if total < 0:
+        raise ValueError(f"{w.shape[0]} x {w.shape[1]} has 2^31 escapes or more: more than esc_off (int32) can count")
     esc_pos = torch.empty(total, dtype=torch.int32, device=w.device)
     esc_val = torch.empty(total, dtype=torch.int16, device=w.device)
     if total:
-        gpu.encode_escapes(w, code_of, counts, (ends - counts).to(torch.int32), esc_pos, esc_val, stream)
-    esc_off = torch.zeros(bands + 1, dtype=torch.int32, device=w.device)
-    esc_off[1:] = ends.view(bands, chunks)[:, -1]  # escapes up to each band's end
+        gpu.encode_escapes(w, work, esc_off, esc_pos, esc_val, ws, stream)
     return TiledWeight((int(w.shape[0]), int(w.shape[1])), blocks, book, esc_off, esc_pos, esc_val)
 
 

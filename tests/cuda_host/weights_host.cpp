@@ -6,11 +6,10 @@
 // codebooks: uint32 histograms of 256 bins, one after another; gemm: the five arrays, then x
 // (uint16, N x K), bias (uint16, M; empty: none), int64[3] {N, splits, per_split}.
 // Output: encode: hist (uint32[256]), book (16), code_of (256), blocks, counts (uint32 a block),
-// esc_pos (uint32), esc_val (uint16); decode: W (uint16, M x K); codebooks: each histogram's book
+// esc_off (uint32, bands + 1), esc_pos (uint32), esc_val (uint16), the two tickets (uint32: each the
+// grid's size after its kernel); decode: W (uint16, M x K); codebooks: each histogram's book
 // (16 bytes) and code_of (256 bytes), kvz_w_codebook's alone; gemm: y (uint16, N x M), then the
 // tickets (uint32, a band: zero again after the call).
-#include <numeric>
-
 #include "emu.h"
 #include "records.h"
 #include "weights.cu"
@@ -18,26 +17,26 @@
 static std::vector<Bytes> encode(const std::vector<Bytes>& in, int M, int K, int grid) {
     const std::vector<u16> w = as<u16>(in[1]);
     const int bands = (M + 15) / 16, chunks = (K + W_CHUNK - 1) / W_CHUNK, blocks_n = bands * chunks;
-    std::vector<u32> hist(256, 0), counts(blocks_n);
+    // kvzip/gpu/weights.py's workspace: histogram, tickets, code table, escapes a band, zeroed
+    std::vector<u32> hist(256, 0), band_counts(bands, 0), counts(blocks_n, 0xABABABABu), esc_off(bands + 1, 0xABABABABu);
+    u32 tickets[2] = {0, 0};
     std::vector<u8> book(16, 0xAB), code_of(256, 0xAB), blocks(size_t(blocks_n) * W_BLOCK_U4 * 16, 0xAB);
     const long long n = (long long)M * K;
-    emu_launch(grid, W_WARPS * 32, [&] { kvz_w_histogram(w.data(), n, hist.data()); });
-    emu_launch(1, 256, [&] { kvz_w_codebook(hist.data(), book.data(), code_of.data()); });
+    emu_launch(grid, W_WARPS * 32, [&] { kvz_w_histogram(w.data(), n, hist.data(), tickets, book.data(), code_of.data()); });
     emu_launch(grid, W_WARPS * 32, [&] {
-        kvz_w_encode(w.data(), M, K, code_of.data(), reinterpret_cast<uint4*>(blocks.data()), counts.data(), bands, chunks);
+        kvz_w_encode(w.data(), M, K, code_of.data(), reinterpret_cast<uint4*>(blocks.data()), counts.data(),
+                     band_counts.data(), tickets + 1, esc_off.data(), bands, chunks);
     });
-    std::vector<u32> starts(blocks_n);
-    std::exclusive_scan(counts.begin(), counts.end(), starts.begin(), 0u);
-    const u32 total = blocks_n ? starts.back() + counts.back() : 0;
-    std::vector<u32> esc_pos(total);
-    std::vector<u16> esc_val(total);
+    const u32 total = esc_off[bands];  // tiled._encode_cuda's host sync
+    std::vector<u32> esc_pos(total, 0xABABABABu);
+    std::vector<u16> esc_val(total, 0xABAB);
     if (total)
         emu_launch(grid, W_WARPS * 32, [&] {
-            kvz_w_escapes(w.data(), M, K, code_of.data(), counts.data(), starts.data(), esc_pos.data(), esc_val.data(),
+            kvz_w_escapes(w.data(), M, K, code_of.data(), counts.data(), esc_off.data(), esc_pos.data(), esc_val.data(),
                           bands, chunks);
         });
-    return {bytes_of(hist), bytes_of(book), bytes_of(code_of), bytes_of(blocks), bytes_of(counts), bytes_of(esc_pos),
-            bytes_of(esc_val)};
+    return {bytes_of(hist), bytes_of(book), bytes_of(code_of), bytes_of(blocks), bytes_of(counts), bytes_of(esc_off),
+            bytes_of(esc_pos), bytes_of(esc_val), bytes_of(std::vector<u32>(tickets, tickets + 2))};
 }
 
 // A TiledWeight's five arrays, records 1-5 of the input.

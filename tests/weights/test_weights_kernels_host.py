@@ -1,7 +1,7 @@
-"""The weights' GPU kernels (kvzip/gpu/kernels/weights.cu: kvz_w_histogram, kvz_w_codebook,
-kvz_w_encode, kvz_w_escapes; kvz_w_decode, kvz_w_patch; kvz_w_gemm) run on the host
-(tests/cuda_host/emu.h) in kvzip/weights/tiled.py's and kvzip/gpu/weights.py's order: the encoder
-must write tiled.encode_reference's bytes, the decoder give W back (escapes and ragged edges
+"""The weights' GPU kernels (kvzip/gpu/kernels/weights.cu: kvz_w_histogram with the codebook in its
+last block, kvz_w_encode with esc_off in its last block, kvz_w_escapes; kvz_w_decode, kvz_w_patch;
+kvz_w_gemm; kvz_w_codebook) run on the host (tests/cuda_host/emu.h) in kvzip/weights/tiled.py's and
+kvzip/gpu/weights.py's order: the encoder must write tiled.encode_reference's bytes, the decoder give W back (escapes and ragged edges
 included, whole and as band slices), and the fused GEMM, its mma.sync emulated from the PTX ISA's
 fragment layout, the product; and kvz_w_codebook alone on histograms of every kind.  Needs g++."""
 from __future__ import annotations
@@ -24,9 +24,23 @@ def exe(tmp_path_factory):
 
 
 def weight(m, k, kind, seed=0):
+    """A BF16 m x k matrix: "bits", every bit pattern (escapes everywhere, NaNs, subnormals);
+    "trained", row-scaled Gaussians with one escape; "clean", at most 15 nonzero exponents and
+    zeros (no escape); "bands", clean but for escapes in bands 1 and 3 only, in several chunks."""
     g = torch.Generator().manual_seed(seed)
-    if kind == "bits":  # every bit pattern: escapes everywhere, NaNs, subnormals
+    if kind == "bits":
         bits = torch.randint(0, 65536, (m, k), generator=g, dtype=torch.int32)
+        return bits.to(torch.int16).view(torch.bfloat16)
+    if kind in ("clean", "bands"):
+        exps = 112 + torch.randint(0, 15, (m, k), generator=g, dtype=torch.int32)
+        bits = torch.randint(0, 2, (m, k), generator=g, dtype=torch.int32) << 15 | exps << 7 \
+            | torch.randint(0, 128, (m, k), generator=g, dtype=torch.int32)
+        bits[torch.rand(m, k, generator=g) < 0.1] = 0
+        if kind == "bands":
+            for band in (1, 3):
+                rows = torch.arange(16 * band, min(16 * band + 16, m))
+                cols = torch.randint(0, k, (3 * (k // 64 + 1),), generator=g)
+                bits[rows[torch.randint(0, len(rows), cols.shape, generator=g)], cols] = 200 << 7 | 5  # an escape
         return bits.to(torch.int16).view(torch.bfloat16)
     w = torch.randn(m, k, generator=g) * 0.02 * torch.exp(torch.randn(m, 1, generator=g))
     w[m // 2, k // 3] = 1e30  # an escape in a trained-like matrix
@@ -38,13 +52,24 @@ def u16(w):
 
 
 CASES = [(16, 64, "trained"), (40, 200, "trained"), (33, 72, "bits"), (5, 7, "bits"), (64, 128, "trained")]
+# The encoder's paths: no escape (no kvz_w_escapes launch), escapes in some bands only (kvz_w_encode's
+# band offsets with empty bands between, a block's start after its band's earlier blocks), escapes
+# everywhere, ragged and tiny shapes; grids smaller and larger than the work (idle blocks still
+# take their tickets).
+ENCODER_CASES = [(m, k, kind, 3) for m, k, kind in CASES] + [
+    (48, 192, "clean", 3), (1, 1, "clean", 1), (80, 300, "bands", 2), (80, 300, "bands", 7), (70, 129, "bands", 1),
+    (17, 65, "bits", 1), (64, 256, "bits", 5), (1, 2, "bits", 4), (3, 640, "trained", 2),
+    (1100, 3, "trained", 3), (4800, 5, "bits", 2)]  # bands over several warps of the offsets' scan, over 2 a thread
 
 
-@pytest.mark.parametrize("m,k,kind", CASES)
-def test_encoder_kernels_write_the_reference_bytes(exe, tmp_path, m, k, kind):
+@pytest.mark.parametrize("m,k,kind,grid", ENCODER_CASES)
+def test_encoder_kernels_write_the_reference_bytes(exe, tmp_path, m, k, kind, grid):
     w = weight(m, k, kind)
-    hist, book, code_of, blocks, counts, esc_pos, esc_val = harness.call(exe, tmp_path, [0, m, k, 3], [u16(w)])
+    hist, book, code_of, blocks, counts, esc_off, esc_pos, esc_val, tickets = harness.call(
+        exe, tmp_path, [0, m, k, grid], [u16(w)])
     ref = tiled.encode_reference(w)
+    assert (ref.escapes == 0) == (kind == "clean" or m * k < 16)  # 2 values: 2 exponents at most
+    assert kind != "bands" or ref.escape_bands().unique().tolist() == [1, 3]
     exps = (w.view(torch.int16).to(torch.int32) >> 7) & 0xFF
     assert np.frombuffer(hist, np.uint32).tolist() == torch.bincount(exps.reshape(-1), minlength=256).tolist()
     assert list(book) == ref.codebook.tolist()
@@ -52,9 +77,11 @@ def test_encoder_kernels_write_the_reference_bytes(exe, tmp_path, m, k, kind):
     assert blocks == ref.blocks.numpy().tobytes()
     counts = np.frombuffer(counts, np.uint32)
     assert counts.sum() == ref.escapes
+    assert np.frombuffer(esc_off, np.uint32).tolist() == ref.esc_off.tolist()
     # the escape lists in the reference's order: by band, then position (blocks are band-major)
     assert np.frombuffer(esc_pos, np.uint32).tolist() == ref.esc_pos.tolist()
     assert np.frombuffer(esc_val, np.uint16).tolist() == (ref.esc_val.to(torch.int32) & 0xFFFF).tolist()
+    assert np.frombuffer(tickets, np.uint32).tolist() == [grid, grid]
 
 
 def layout_arrays(tw) -> list:

@@ -1,19 +1,20 @@
-// kvz_w_codebook: the tiled layout's codebook and code table from the exponent histogram, on the
-// device, by kvzip/weights/tiled.py's rule (choose_codebook, _code_of): the GPU encoder's step
-// between kvz_w_histogram and kvz_w_encode.
+// The tiled layout's codebook and code table from the exponent histogram, on the device, by
+// kvzip/weights/tiled.py's rule (choose_codebook, _code_of): choose_codebook_block, which the last
+// thread block of kvz_w_histogram runs (so the GPU encoder has no launch between the histogram and
+// kvz_w_encode), and kvz_w_codebook, the same rule alone on a given histogram.
 #pragma once
 
-// One block of 256 threads, a thread an exponent e.  hist[e]: weights with exponent e.
+// One block of 256 threads, thread e holding count = the number of weights with exponent e.
 // Exponents 1..255 rank by count, descending, ties to the smaller exponent; the first 15 with a
 // nonzero count are the codebook.  book[0] = 0 (zeros, subnormals), book[1..] the chosen exponents
 // ascending, unused codes 0; code_of[e] = e's code, 0 for exponent 0 and for every unchosen one
-// (an escape).  A 255-step count a thread: a few microseconds, no host round trip.
-__global__ void __launch_bounds__(256) kvz_w_codebook(const unsigned* __restrict__ hist, unsigned char* __restrict__ book,
+// (an escape).  A 255-step count a thread: a few microseconds.  Every thread of the block calls it.
+__device__ __forceinline__ void choose_codebook_block(unsigned count_e, unsigned char* __restrict__ book,
                                                       unsigned char* __restrict__ code_of) {
     __shared__ unsigned count[256];
     __shared__ unsigned char chosen[256];
     const int e = threadIdx.x;
-    const unsigned mine = e ? hist[e] : 0u;  // exponent 0 is code 0 whatever its count: not ranked
+    const unsigned mine = e ? count_e : 0u;  // exponent 0 is code 0 whatever its count: not ranked
     count[e] = mine;
     if (e < 16) book[e] = 0;
     __syncthreads();
@@ -32,4 +33,10 @@ __global__ void __launch_bounds__(256) kvz_w_codebook(const unsigned* __restrict
         book[code] = (unsigned char)e;
     }
     code_of[e] = (unsigned char)code;
+}
+
+// hist[e]: weights with exponent e.  One block of 256 threads.
+__global__ void __launch_bounds__(256) kvz_w_codebook(const unsigned* __restrict__ hist, unsigned char* __restrict__ book,
+                                                      unsigned char* __restrict__ code_of) {
+    choose_codebook_block(hist[threadIdx.x], book, code_of);
 }

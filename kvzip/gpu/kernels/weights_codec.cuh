@@ -1,9 +1,10 @@
 // The tiled layout's decoder (kvz_w_decode, then kvz_w_patch for the escapes) and its encoder
-// (kvz_w_histogram for the codebook, kvz_w_encode for the blocks, kvz_w_escapes for the lists):
-// the bytes of kvzip/weights/tiled.py's reference.
+// (kvz_w_histogram for the histogram and the codebook, kvz_w_encode for the blocks and the escape
+// offsets, kvz_w_escapes for the lists): the bytes of kvzip/weights/tiled.py's reference.
 #pragma once
 
 #include "weights_tile.cuh"
+#include "weights_book.cuh"
 
 __device__ __forceinline__ u32 warp_sum(u32 v) {
 #pragma unroll
@@ -85,10 +86,13 @@ __global__ void __launch_bounds__(256) kvz_w_patch(const u32* __restrict__ esc_o
 }
 
 // ------------------------------------------------------------------------------ kvz_w_histogram
-// hist[e] += the number of weights with exponent e (hist zeroed by the caller).  w is n BF16,
-// 16-byte aligned; each warp counts into its own shared histogram.
+// hist[e] = the number of weights with exponent e, then by the grid's last block (ticket) the
+// codebook: book (16 bytes) and code_of (256 bytes, each exponent's code) by choose_codebook_block.
+// hist (256 words) and ticket zeroed by the caller.  w is n BF16, 16-byte aligned; each warp counts
+// into its own shared histogram.
+static_assert(W_WARPS * 32 == 256, "the histogram's last block is choose_codebook_block's 256 threads");
 __global__ void __launch_bounds__(W_WARPS * 32) kvz_w_histogram(const u16* __restrict__ w, long long n,
-                                                                 u32* __restrict__ hist) {
+        u32* __restrict__ hist, u32* __restrict__ ticket, u8* __restrict__ book, u8* __restrict__ code_of) {
     __shared__ u32 h[W_WARPS][256];
     for (int i = threadIdx.x; i < W_WARPS * 256; i += blockDim.x) (&h[0][0])[i] = 0;
     __syncthreads();
@@ -106,19 +110,48 @@ __global__ void __launch_bounds__(W_WARPS * 32) kvz_w_histogram(const u16* __res
     if (blockIdx.x == 0)
         for (long long i = parts * 8 + threadIdx.x; i < n; i += blockDim.x) atomicAdd(mine + ((w[i] >> 7) & 0xFFu), 1u);
     __syncthreads();
-    for (int e = threadIdx.x; e < 256; e += blockDim.x) {
-        u32 v = 0;
-        for (int k = 0; k < W_WARPS; ++k) v += h[k][e];
-        if (v) atomicAdd(hist + e, v);
-    }
+    const int e = threadIdx.x;  // one exponent a thread
+    u32 v = 0;
+    for (int k = 0; k < W_WARPS; ++k) v += h[k][e];
+    if (v) atomicAdd(hist + e, v);
+    if (last_block(ticket)) choose_codebook_block(__ldcg(hist + e), book, code_of);
 }
 
 // ------------------------------------------------------------------------------ kvz_w_encode
-// The blocks of W (M x K, rows K apart) and each block's number of escapes (counts[block]).
-// code_of[e] is the code of exponent e, 0 for exponent 0 and for escapes.  A warp per block:
-// the 16 x 64 tile through shared memory (coalesced rows), then each lane packs its 32 weights.
+// esc_off[0] = 0 and esc_off[b + 1] = band_counts[0] + .. + band_counts[b], by one thread block:
+// each thread sums a run of consecutive bands, and the runs' sums are scanned across the block.
+__device__ __forceinline__ void band_offsets(const u32* band_counts, int bands, u32* __restrict__ esc_off) {
+    __shared__ u32 warp_sums[W_WARPS];
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, per = (bands + W_WARPS * 32 - 1) / (W_WARPS * 32);
+    const int lo = min(t * per, bands), hi = min(lo + per, bands);
+    u32 run = 0;
+    for (int b = lo; b < hi; ++b) run += __ldcg(band_counts + b);
+    u32 inclusive = run;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const u32 v = __shfl_up_sync(0xffffffffu, inclusive, d);
+        if (lane >= d) inclusive += v;
+    }
+    if (lane == 31) warp_sums[warp] = inclusive;
+    __syncthreads();
+    u32 at = inclusive - run;  // the escapes of bands before lo
+    for (int i = 0; i < warp; ++i) at += warp_sums[i];
+    if (t == 0) esc_off[0] = 0;
+    for (int b = lo; b < hi; ++b) {
+        at += __ldcg(band_counts + b);
+        esc_off[b + 1] = at;
+    }
+}
+
+// The blocks of W (M x K, rows K apart), each block's number of escapes (counts[block]), and by
+// the grid's last thread block (ticket) the escape lists' offsets esc_off (bands + 1 words) from
+// each band's escapes (band_counts, added to by the blocks that have some).  code_of[e] is the
+// code of exponent e, 0 for exponent 0 and for escapes.  band_counts and ticket zeroed by the
+// caller.  A warp per block: the 16 x 64 tile through shared memory (coalesced rows), then each
+// lane packs its 32 weights.
 __global__ void __launch_bounds__(W_WARPS * 32) kvz_w_encode(const u16* __restrict__ w, int M, int K,
-        const u8* __restrict__ code_of, uint4* __restrict__ blocks, u32* __restrict__ counts, int bands, int chunks) {
+        const u8* __restrict__ code_of, uint4* __restrict__ blocks, u32* __restrict__ counts, u32* band_counts,
+        u32* __restrict__ ticket, u32* __restrict__ esc_off, int bands, int chunks) {
     __shared__ u8 code_s[256];
     __shared__ u32 tiles[W_WARPS][16 * W_TILE_WORDS];
     for (int i = threadIdx.x; i < 256; i += blockDim.x) code_s[i] = code_of[i];
@@ -169,22 +202,30 @@ __global__ void __launch_bounds__(W_WARPS * 32) kvz_w_encode(const u16* __restri
         __stcs(dst + 32 + lane, make_uint4(sm[0], sm[1], sm[2], sm[3]));
         __stcs(dst + 64 + lane, make_uint4(sm[4], sm[5], sm[6], sm[7]));
         escapes = warp_sum(escapes);
-        if (lane == 0) counts[b] = escapes;
+        if (lane == 0) {
+            counts[b] = escapes;
+            if (escapes) atomicAdd(band_counts + band, escapes);
+        }
     }
+    if (last_block(ticket)) band_offsets(band_counts, bands, esc_off);
 }
 
 // ------------------------------------------------------------------------------ kvz_w_escapes
-// The escape lists: block b's escapes at esc_pos/esc_val[starts[b] ..], ordered by position
-// 16 column + row (columns in lane order, each column's rows in order, by a warp scan).
+// The escape lists: band b's at esc_pos/esc_val[esc_off[b] ..] (kvz_w_encode's offsets), ordered
+// by position 16 column + row: a band's blocks in column order, each block's columns in lane
+// order, each column's rows in order (by a warp scan).  A block's list starts after its band's
+// earlier blocks' escapes (counts, summed by the warp).
 __global__ void __launch_bounds__(W_WARPS * 32) kvz_w_escapes(const u16* __restrict__ w, int M, int K,
-        const u8* __restrict__ code_of, const u32* __restrict__ counts, const u32* __restrict__ starts,
+        const u8* __restrict__ code_of, const u32* __restrict__ counts, const u32* __restrict__ esc_off,
         u32* __restrict__ esc_pos, u16* __restrict__ esc_val, int bands, int chunks) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long total = (long long)bands * chunks, stride = (long long)gridDim.x * W_WARPS;
     for (long long b = (long long)blockIdx.x * W_WARPS + warp; b < total; b += stride) {
         if (__ldg(counts + b) == 0) continue;
-        const int band = (int)(b / chunks), col0 = (int)(b % chunks) * W_CHUNK;
-        u32 at = __ldg(starts + b);
+        const int band = (int)(b / chunks), chunk = (int)(b % chunks), col0 = chunk * W_CHUNK;
+        u32 earlier = 0;  // escapes of the band's blocks before this one
+        for (int c = lane; c < chunk; c += 32) earlier += __ldg(counts + (b - chunk) + c);
+        u32 at = __ldg(esc_off + band) + warp_sum(earlier);
         for (int half = 0; half < 2; ++half) {
             const int col = col0 + half * 32 + lane;
             u32 mask = 0;

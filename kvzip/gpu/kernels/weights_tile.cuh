@@ -27,6 +27,20 @@ __device__ __forceinline__ uint4 load_once(const uint4* p) {
 #endif
 }
 
+// Whether this thread block is the last of the grid to get here, by a ticket (a counter, zero before
+// the launch, that every block takes once): what any block wrote to global memory before its ticket
+// is then visible to the last one, which reads it past L1 (__ldcg).  Every thread of the block calls
+// it, once.
+__device__ __forceinline__ bool last_block(u32* ticket) {
+    __shared__ bool last;
+    __threadfence();  // this thread's writes, visible to the grid before the block's ticket
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (last) __threadfence();  // the other blocks' writes, before this block's reads
+    return last;
+}
+
 __device__ __forceinline__ float bf16_value(u32 bits) { return __uint_as_float(bits << 16); }
 
 // FP32 to BF16, rounding to nearest even; NaN stays a (quiet) NaN of the same sign.
