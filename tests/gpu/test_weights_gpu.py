@@ -35,6 +35,52 @@ def test_gpu_encoder_writes_the_cpu_bytes(shape):
         assert torch.equal(x, y.cpu())
 
 
+def patterned(m, k, kind, seed=0):
+    """"clean": at most 15 nonzero exponents and zeros (no escape); "bands": clean but for escapes in
+    bands 1 and 3 only, over several chunks; "bits": every bit pattern (escapes everywhere)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "bits":
+        return torch.randint(-32768, 32768, (m, k), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    bits = torch.randint(0, 2, (m, k), generator=g, dtype=torch.int32) << 15 \
+        | (112 + torch.randint(0, 15, (m, k), generator=g, dtype=torch.int32)) << 7 \
+        | torch.randint(0, 128, (m, k), generator=g, dtype=torch.int32)
+    bits[torch.rand(m, k, generator=g) < 0.1] = 0
+    if kind == "bands":
+        for band in (1, 3):
+            rows = torch.arange(16 * band, min(16 * band + 16, m))
+            cols = torch.randint(0, k, (3 * (k // 64 + 1),), generator=g)
+            bits[rows[torch.randint(0, len(rows), cols.shape, generator=g)], cols] = 200 << 7 | 5
+    return bits.to(torch.int16).view(torch.bfloat16)
+
+
+# The encoder's paths (kvz_w_histogram's codebook block, kvz_w_encode's offsets block, kvz_w_escapes'
+# starts within a band): no escape (no kvz_w_escapes launch), escapes in some bands only, escapes
+# everywhere; ragged and tiny shapes; bands over many warps of the offsets' scan (1100, 4800 rows),
+# several thread blocks a band's escapes (K = 4096), the issue's shapes.
+@pytest.mark.parametrize("m,k,kind", [(48, 192, "clean"), (1, 1, "clean"), (1024, 4096, "clean"), (80, 300, "bands"),
+                                      (70, 129, "bands"), (1, 2, "bits"), (5, 7, "bits"), (64, 640, "bits"),
+                                      (4800, 5, "bits"), (1024, 4096, "bits"), (4096, 4096, "bits"), (1100, 3, "bands")])
+def test_gpu_encoder_paths_write_the_cpu_bytes(m, k, kind):
+    w = patterned(m, k, kind)
+    a = tiled.encode(w)
+    assert (a.escapes == 0) == (kind == "clean" or m * k < 16)
+    for _ in range(2):  # a fresh workspace each call
+        b = tiled.encode(w.to(CUDA))
+        for x, y in zip(a.arrays(), b.arrays()):
+            assert torch.equal(x, y.cpu())
+
+
+def test_gpu_encoder_on_a_side_stream():
+    w = weights(1024, 4096, seed=3, spread=3.0)
+    a, d = tiled.encode(w), w.to(CUDA)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        b = tiled.encode(d)
+    for x, y in zip(a.arrays(), b.arrays()):
+        assert torch.equal(x, y.cpu())
+
+
 @pytest.mark.parametrize("shape", SHAPES + [(33, 65), (5, 127)])
 @pytest.mark.parametrize("spread", [1.0, 6.0])
 def test_decode_kernel_is_exact(shape, spread):
