@@ -125,6 +125,7 @@ __device__ __forceinline__ void band_offsets(const u32* band_counts, int bands, 
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5, per = (bands + W_WARPS * 32 - 1) / (W_WARPS * 32);
     const int lo = min(t * per, bands), hi = min(lo + per, bands);
     u32 run = 0;
+#pragma unroll 1
     for (int b = lo; b < hi; ++b) run += __ldcg(band_counts + b);
     u32 inclusive = run;
 #pragma unroll
@@ -137,6 +138,7 @@ __device__ __forceinline__ void band_offsets(const u32* band_counts, int bands, 
     u32 at = inclusive - run;  // the escapes of bands before lo
     for (int i = 0; i < warp; ++i) at += warp_sums[i];
     if (t == 0) esc_off[0] = 0;
+#pragma unroll 1
     for (int b = lo; b < hi; ++b) {
         at += __ldcg(band_counts + b);
         esc_off[b + 1] = at;
@@ -148,8 +150,10 @@ __device__ __forceinline__ void band_offsets(const u32* band_counts, int bands, 
 // each band's escapes (band_counts, added to by the blocks that have some).  code_of[e] is the
 // code of exponent e, 0 for exponent 0 and for escapes.  band_counts and ticket zeroed by the
 // caller.  A warp per block: the 16 x 64 tile through shared memory (coalesced rows), then each
-// lane packs its 32 weights.
-__global__ void __launch_bounds__(W_WARPS * 32) kvz_w_encode(const u16* __restrict__ w, int M, int K,
+// lane packs its 32 weights.  Five thread blocks an SM (48 registers, no spills on sm_90) keep 40
+// warps' loads in flight; left to itself ptxas takes 54 registers for the last block's scan, and
+// four blocks.
+__global__ void __launch_bounds__(W_WARPS * 32, 5) kvz_w_encode(const u16* __restrict__ w, int M, int K,
         const u8* __restrict__ code_of, uint4* __restrict__ blocks, u32* __restrict__ counts, u32* band_counts,
         u32* __restrict__ ticket, u32* __restrict__ esc_off, int bands, int chunks) {
     __shared__ u8 code_s[256];
