@@ -739,3 +739,94 @@ def test_bench_pairs_each_codec_with_raw_rep_by_rep():
     assert got["ci90"][0] <= got["median"] <= got["ci90"][1]
     assert bench.paired_speedup(rows[:2], "auto") is None  # one pair says nothing
     assert bench.summarize(rows, ["raw", "auto"])["auto"]["paired_vs_raw"] == got
+
+
+def _data_message(**top):
+    """A valid data message for a ring of 4 slots of 1 MiB: two layers, three tensors."""
+    t = lambda off, n, **kw: {"framework": "torch", "dtype": "bfloat16", "shape": [2, 64], "offset": off,  # noqa: E731
+                              "nbytes": n, "codec": "raw", **kw}
+    msg = {"kind": "data", "req": "r", "slot": 3, "nbytes": 1024, "digest": "0123456789abcdef",
+           "layers": [{"index": 0, "tuple": True, "tensors": [t(0, 256), t(256, 256, codec="kvzip")]},
+                      {"index": 5, "tuple": False, "tensors": [t(768, 256, framework="numpy", shape=[256])]}]}
+    msg.update(top)
+    return msg
+
+
+def _tensor(msg, layer, i, **fields):
+    msg["layers"][layer]["tensors"][i].update(fields)
+    return msg
+
+
+HOSTILE_DATA = {  # what a forged or broken sender may put in a data message, each refused
+    "request id not a string": lambda: _data_message(req=7),
+    "slot outside the window": lambda: _data_message(slot=4),
+    "negative slot": lambda: _data_message(slot=-1),
+    "slot a bool": lambda: _data_message(slot=True),
+    "message larger than a slot": lambda: _data_message(nbytes=(1 << 20) + 8),
+    "size not a multiple of 8": lambda: _data_message(nbytes=1020),
+    "digest too short": lambda: _data_message(digest="0123"),
+    "digest not hex": lambda: _data_message(digest="0123456789abcdeg"),
+    "no layers": lambda: _data_message(layers=[]),
+    "layers not a list": lambda: _data_message(layers={"0": {}}),
+    "layer not an object": lambda: _data_message(layers=[[1, 2]]),
+    "layer without tensors": lambda: _data_message(layers=[{"index": 0}]),
+    "layer index negative": lambda: _data_message(layers=[{"index": -1, "tensors": []}]),
+    "layer index a float": lambda: _data_message(layers=[{"index": 1.0, "tensors": []}]),
+    "tensor not an object": lambda: _data_message(layers=[{"index": 0, "tensors": ["x"]}]),
+    "unknown framework": lambda: _tensor(_data_message(), 0, 0, framework="jax"),
+    "framework a list": lambda: _tensor(_data_message(), 0, 0, framework=["torch"]),
+    "codec a list": lambda: _tensor(_data_message(), 0, 1, codec=["raw"]),
+    "dtype not a string": lambda: _tensor(_data_message(), 0, 0, dtype=16),
+    "dtype too long": lambda: _tensor(_data_message(), 0, 0, dtype="b" * 300),
+    "unknown codec": lambda: _tensor(_data_message(), 0, 1, codec="zstd"),
+    "shape not a list": lambda: _tensor(_data_message(), 0, 0, shape="2x64"),
+    "shape of 17 dimensions": lambda: _tensor(_data_message(), 0, 0, shape=[1] * 17),
+    "negative dimension": lambda: _tensor(_data_message(), 0, 0, shape=[-2, 64]),
+    "dimension a float": lambda: _tensor(_data_message(), 0, 0, shape=[2.0, 64]),
+    "shape too large": lambda: _tensor(_data_message(), 0, 0, shape=[1 << 30, 1 << 30]),
+    "offset missing": lambda: _tensor(_data_message(), 0, 0, offset=None),
+    "tensors overlapping": lambda: _tensor(_data_message(), 0, 1, offset=128),
+    "tensors out of order": lambda: _tensor(_data_message(), 1, 0, offset=0),
+    "offset past the message": lambda: _tensor(_data_message(), 1, 0, offset=1032),
+    "tensor past the message": lambda: _tensor(_data_message(), 1, 0, nbytes=264),
+    "negative size": lambda: _tensor(_data_message(), 1, 0, nbytes=-8),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_DATA))
+def test_a_hostile_data_message_is_refused_field_by_field(case):
+    from kvzip.transfer.protocol import ProtocolError, check_data
+
+    codecs = {"raw", "kvzip", "kvzip-ratio"}
+    assert check_data(_data_message(), 4, 1 << 20, codecs)["slot"] == 3  # the unforged message passes
+    with pytest.raises(ProtocolError):
+        check_data(HOSTILE_DATA[case](), 4, 1 << 20, codecs)
+
+
+def test_a_sender_breaking_the_protocol_fails_its_request_and_the_receiver_serves_the_next():
+    """A peer that speaks the control protocol by hand and forges a data message (a tensor past its
+    slot): the receiver refuses it before touching the ring, fails the request with ProtocolError,
+    closes that connection, and a well-behaved sender is served afterwards."""
+    import socket
+
+    from kvzip.transfer.protocol import Channel, ProtocolError
+
+    rx = transfer.Receiver(engine="loopback", slot_bytes=1 << 20)
+    try:
+        chan = Channel(socket.create_connection(rx.address.split(":")))
+        hello = chan.recv()
+        assert hello["kind"] == "hello"
+        chan.send("begin", req="forged", n_layers=2, codec="raw")
+        assert chan.recv()["kind"] == "accept"
+        chan.send("data", **{k: v for k, v in _tensor(_data_message(req="forged", slot=0), 1, 0,
+                                                       nbytes=1 << 21).items() if k != "kind"})
+        with pytest.raises(ProtocolError, match="tensor size"):
+            rx.receive("forged", timeout=10)
+        assert chan.recv() is None  # the receiver closed the connection
+        chan.close()
+        with transfer.Sender(rx.address, engine="loopback") as tx:
+            layers = real_layers(4)
+            tx.send("next", layers).wait(30)
+            assert all(same(a, b) for a, b in zip(layers, rx.receive("next", timeout=30)))
+    finally:
+        rx.close()

@@ -169,19 +169,33 @@ def check_data(msg: dict, slots: int, slot_bytes: int, codecs: set[str]) -> dict
             raise ProtocolError("data message has a malformed layer")
         _int(layer.get("index"), 0, 1 << 20, "layer index")
         for t in layer["tensors"]:
-            if not isinstance(t, dict):
-                raise ProtocolError("data message has a malformed tensor entry")
-            _str(t.get("framework"), "framework", FRAMEWORKS)
-            _str(t.get("dtype"), "dtype")
-            _str(t.get("codec"), "codec", codecs)
-            shape = t.get("shape")
-            if not isinstance(shape, list) or len(shape) > 16:
-                raise ProtocolError(f"tensor shape {str(shape)[:80]} is malformed")
-            for s in shape:
-                _int(s, 0, 2**48, "tensor dimension")
-            if math.prod(shape) > 2**48:
-                raise ProtocolError(f"tensor shape {shape} is too large")
-            off = _int(t.get("offset"), end, nbytes, "tensor offset")
-            n = _int(t.get("nbytes"), 0, nbytes - off, "tensor size")
-            end = off + n
+            end = _tensor_end(t, end, nbytes, codecs)
     return msg
+
+
+def _tensor_end(t, end: int, nbytes: int, codecs: set[str]) -> int:
+    """Where a TensorEntry placed from ``end`` in a message of nbytes ends, once checked.  The
+    receiver's reader checks every tensor of every message before decoding it, so the common,
+    valid entry is judged by one expression; any other by the checks that say what is wrong."""
+    if (type(t) is dict and type(fw := t.get("framework")) is str and fw in FRAMEWORKS
+            and type(dt := t.get("dtype")) is str
+            and len(dt) <= 256 and type(c := t.get("codec")) is str and c in codecs
+            and type(shape := t.get("shape")) is list and len(shape) <= 16
+            and all(type(s) is int and 0 <= s <= 2**48 for s in shape) and math.prod(shape) <= 2**48
+            and type(off := t.get("offset")) is int and end <= off <= nbytes
+            and type(n := t.get("nbytes")) is int and 0 <= n <= nbytes - off):
+        return off + n
+    if not isinstance(t, dict):
+        raise ProtocolError("data message has a malformed tensor entry")
+    _str(t.get("framework"), "framework", FRAMEWORKS)
+    _str(t.get("dtype"), "dtype")
+    _str(t.get("codec"), "codec", codecs)
+    shape = t.get("shape")
+    if not isinstance(shape, list) or len(shape) > 16:
+        raise ProtocolError(f"tensor shape {str(shape)[:80]} is malformed")
+    for s in shape:
+        _int(s, 0, 2**48, "tensor dimension")
+    if math.prod(shape) > 2**48:
+        raise ProtocolError(f"tensor shape {shape} is too large")
+    off = _int(t.get("offset"), end, nbytes, "tensor offset")
+    return off + _int(t.get("nbytes"), 0, nbytes - off, "tensor size")
