@@ -36,7 +36,7 @@ __all__ = [
     "escape_heavy_arrays", "kv_like_bits", "shapes", "codebooks", "chunk_sizes", "pipelines", "pipeline_configs",
     "views", "quantize_fp8_available", "as_float", "as_torch", "bits_of", "assert_bits_equal",
     "assert_roundtrip", "CHUNK_SIZES", "blob_parts", "build_blob", "reseal", "with_metadata_text", "nested_json",
-    "hostile_blobs", "real_kv_layers",
+    "hostile_blobs", "real_kv_layers", "weight_matrix",
 ]
 
 CHUNK_SIZES = tuple(1 << k for k in range(3, 17))  # 8 .. 65536, every chunk EscapeStream accepts
@@ -710,3 +710,31 @@ def _replace_at(meta, where: tuple, value) -> str:
     else:
         inner = json.dumps(value)
     return text.replace(json.dumps(marker), inner, 1)
+
+
+def weight_matrix(m: int, k: int, kind: str = "trained", seed: int = 0):
+    """A BF16 m x k torch matrix for the weights formats (kvzip.weights): "bits", every bit
+    pattern (escapes everywhere, NaNs, subnormals); "trained", row-scaled Gaussians with one
+    escape; "clean", at most 15 nonzero exponents and zeros (no escape); "bands", clean but for
+    escapes in the 16-row bands 1 and 3 only, spread over the columns."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    if kind == "bits":
+        return torch.randint(0, 65536, (m, k), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    if kind in ("clean", "bands"):
+        exps = 112 + torch.randint(0, 15, (m, k), generator=g, dtype=torch.int32)
+        bits = torch.randint(0, 2, (m, k), generator=g, dtype=torch.int32) << 15 | exps << 7 \
+            | torch.randint(0, 128, (m, k), generator=g, dtype=torch.int32)
+        bits[torch.rand(m, k, generator=g) < 0.1] = 0
+        if kind == "bands":
+            for band in (1, 3):
+                rows = torch.arange(16 * band, min(16 * band + 16, m))
+                cols = torch.randint(0, k, (3 * (k // 64 + 1),), generator=g)
+                bits[rows[torch.randint(0, len(rows), cols.shape, generator=g)], cols] = 200 << 7 | 5  # an escape
+        return bits.to(torch.int16).view(torch.bfloat16)
+    if kind != "trained":
+        raise ValueError(f"unknown weight matrix kind {kind!r}")
+    w = torch.randn(m, k, generator=g) * 0.02 * torch.exp(torch.randn(m, 1, generator=g))
+    w[m // 2, k // 3] = 1e30  # an escape in a trained-like matrix
+    return w.to(torch.bfloat16)

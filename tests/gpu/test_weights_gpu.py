@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import cupy  # noqa: F401  (tests/conftest.py collects tests/gpu only where CuPy sees a GPU)
 
 import kvzip.weights as kw
+from kvzip.testing import weight_matrix
 from kvzip.weights import tiled
 
 CUDA = torch.device("cuda")
@@ -35,24 +36,6 @@ def test_gpu_encoder_writes_the_cpu_bytes(shape):
         assert torch.equal(x, y.cpu())
 
 
-def patterned(m, k, kind, seed=0):
-    """"clean": at most 15 nonzero exponents and zeros (no escape); "bands": clean but for escapes in
-    bands 1 and 3 only, over several chunks; "bits": every bit pattern (escapes everywhere)."""
-    g = torch.Generator().manual_seed(seed)
-    if kind == "bits":
-        return torch.randint(-32768, 32768, (m, k), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    bits = torch.randint(0, 2, (m, k), generator=g, dtype=torch.int32) << 15 \
-        | (112 + torch.randint(0, 15, (m, k), generator=g, dtype=torch.int32)) << 7 \
-        | torch.randint(0, 128, (m, k), generator=g, dtype=torch.int32)
-    bits[torch.rand(m, k, generator=g) < 0.1] = 0
-    if kind == "bands":
-        for band in (1, 3):
-            rows = torch.arange(16 * band, min(16 * band + 16, m))
-            cols = torch.randint(0, k, (3 * (k // 64 + 1),), generator=g)
-            bits[rows[torch.randint(0, len(rows), cols.shape, generator=g)], cols] = 200 << 7 | 5
-    return bits.to(torch.int16).view(torch.bfloat16)
-
-
 # The encoder's paths (kvz_w_histogram's codebook block, kvz_w_encode's offsets block, kvz_w_escapes'
 # starts within a band): no escape (no kvz_w_escapes launch), escapes in some bands only, escapes
 # everywhere; ragged and tiny shapes; bands over many warps of the offsets' scan (1100, 4800 rows),
@@ -61,7 +44,7 @@ def patterned(m, k, kind, seed=0):
                                       (70, 129, "bands"), (1, 2, "bits"), (5, 7, "bits"), (64, 640, "bits"),
                                       (4800, 5, "bits"), (1024, 4096, "bits"), (4096, 4096, "bits"), (1100, 3, "bands")])
 def test_gpu_encoder_paths_write_the_cpu_bytes(m, k, kind):
-    w = patterned(m, k, kind)
+    w = weight_matrix(m, k, kind)
     a = tiled.encode(w)
     assert (a.escapes == 0) == (kind == "clean" or m * k < 16)
     for _ in range(2):  # a fresh workspace each call

@@ -13,6 +13,7 @@ import pytest
 import torch
 from cuda_host import harness
 
+from kvzip.testing import weight_matrix as weight
 from kvzip.weights import tiled
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the host harness")
@@ -21,30 +22,6 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to b
 @pytest.fixture(scope="module")
 def exe(tmp_path_factory):
     return harness.build("weights.cu", "weights_host.cpp", tmp_path_factory.mktemp("weights_host"))
-
-
-def weight(m, k, kind, seed=0):
-    """A BF16 m x k matrix: "bits", every bit pattern (escapes everywhere, NaNs, subnormals);
-    "trained", row-scaled Gaussians with one escape; "clean", at most 15 nonzero exponents and
-    zeros (no escape); "bands", clean but for escapes in bands 1 and 3 only, in several chunks."""
-    g = torch.Generator().manual_seed(seed)
-    if kind == "bits":
-        bits = torch.randint(0, 65536, (m, k), generator=g, dtype=torch.int32)
-        return bits.to(torch.int16).view(torch.bfloat16)
-    if kind in ("clean", "bands"):
-        exps = 112 + torch.randint(0, 15, (m, k), generator=g, dtype=torch.int32)
-        bits = torch.randint(0, 2, (m, k), generator=g, dtype=torch.int32) << 15 | exps << 7 \
-            | torch.randint(0, 128, (m, k), generator=g, dtype=torch.int32)
-        bits[torch.rand(m, k, generator=g) < 0.1] = 0
-        if kind == "bands":
-            for band in (1, 3):
-                rows = torch.arange(16 * band, min(16 * band + 16, m))
-                cols = torch.randint(0, k, (3 * (k // 64 + 1),), generator=g)
-                bits[rows[torch.randint(0, len(rows), cols.shape, generator=g)], cols] = 200 << 7 | 5  # an escape
-        return bits.to(torch.int16).view(torch.bfloat16)
-    w = torch.randn(m, k, generator=g) * 0.02 * torch.exp(torch.randn(m, 1, generator=g))
-    w[m // 2, k // 3] = 1e30  # an escape in a trained-like matrix
-    return w.to(torch.bfloat16)
 
 
 def u16(w):
