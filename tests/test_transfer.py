@@ -830,3 +830,16 @@ def test_a_sender_breaking_the_protocol_fails_its_request_and_the_receiver_serve
             assert all(same(a, b) for a, b in zip(layers, rx.receive("next", timeout=30)))
     finally:
         rx.close()
+
+
+@pytest.mark.parametrize("codec", ["kvzip", "kvzip-ratio"])
+def test_kv_of_another_scale_keeps_its_ratio_on_the_wire(link, codec):
+    """KV whose exponents sit elsewhere than the shipped codebook's (the real sample x 2^3, as a
+    model family with larger activations has): each tensor is coded with its own Top-16
+    exponents, as kvzip.compress codes it, not the shipped default (which would leave most of
+    these tensors raw: 1.09x)."""
+    rx, sender = link
+    layers = [tuple((t.float() * 8).to(torch.bfloat16) for t in p) for p in real_layers(30)]
+    stats = sender(codec=codec).send("scaled", layers).wait(30)
+    assert all(same(a, b) for a, b in zip(layers, rx.receive("scaled", timeout=30)))
+    assert stats["raw_bytes"] / stats["sent_bytes"] > 1.32

@@ -40,7 +40,9 @@ class WireCodec:
 
 class KvzipWire(WireCodec):
     """kvzip blobs (self-describing: any pipeline decodes through kvzip.decompress_many), known
-    as ``name``: "kvzip" the speed mode's default pipeline, "kvzip-ratio" the ratio mode's.
+    as ``name``: "kvzip" the speed mode's default pipeline (as kvzip.compress runs it: each
+    tensor's own Top-16 exponents, codebook="auto", so KV of any model family or scale keeps
+    its ratio), "kvzip-ratio" the ratio mode's.
 
     Both pipelines leave the blob checksum off: every message carries a sum64 digest of
     all its bytes (blobs and raw tensors alike), which the receiver checks, so a corrupted
@@ -50,7 +52,7 @@ class KvzipWire(WireCodec):
     def __init__(self, pipeline: Pipeline | None = None, name: str = "kvzip"):
         from ..api import splitzip_pipeline
 
-        self.pipeline = pipeline or splitzip_pipeline()
+        self.pipeline = pipeline or splitzip_pipeline("auto")
         self.name = name
 
     def encode(self, tensors):
