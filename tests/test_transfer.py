@@ -1,6 +1,7 @@
 """kvzip.transfer on the CPU: round trips through the loopback engine and Mooncake's TCP
 transport, faults (corruption, engine failure, dead peers in other processes), load, bad input.
 Timing is never asserted here (benchmarks/bench_transfer.py measures)."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -39,11 +40,12 @@ def same(a, b) -> bool:
             and a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8)))
 
 
-@pytest.fixture
-def link():
-    """A loopback receiver with small slots (several messages a request) and a sender factory."""
+@contextlib.contextmanager
+def loopback_link(slot_bytes: int = 1 << 20):
+    """A loopback receiver with slots of ``slot_bytes`` and a sender factory; everything made is
+    closed on exit (tests/test_transfer_families.py shares it)."""
     made = []
-    rx = transfer.Receiver(engine="loopback", slot_bytes=1 << 20)
+    rx = transfer.Receiver(engine="loopback", slot_bytes=slot_bytes)
     made.append(rx)
 
     def sender(**kw):
@@ -51,9 +53,18 @@ def link():
         tx = transfer.Sender(rx.address, **kw)
         made.append(tx)
         return tx
-    yield rx, sender
-    for m in reversed(made):
-        m.close()
+    try:
+        yield rx, sender
+    finally:
+        for m in reversed(made):
+            m.close()
+
+
+@pytest.fixture
+def link():
+    """A loopback receiver with small slots (several messages a request) and a sender factory."""
+    with loopback_link() as made:
+        yield made
 
 
 @pytest.mark.parametrize("codec", ["kvzip", "kvzip-ratio", "raw", "auto"])
