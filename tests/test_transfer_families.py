@@ -37,7 +37,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
 from test_real_data import KV_DIR, fp8_bits  # noqa: E402  (how the real-data tests find and quantize KV)
-from test_transfer import loopback_link, same  # noqa: E402
+from test_transfer import loopback_link, real_layers, same  # noqa: E402
 
 CAPTURES = {
     "smollm2 prose": "smollm2-135m_prose_2048.safetensors",
@@ -154,6 +154,28 @@ def test_every_family_and_variant_crosses_bit_exact_at_compress_ratio(link, capt
     check(row)
     if codec == "auto":
         assert row["chosen"] in ("raw", "kvzip", "kvzip-ratio")
+
+
+@pytest.mark.parametrize("codec", ["kvzip", "kvzip-ratio"])
+@pytest.mark.parametrize("dtype", [">f2", ">f4", "<f2"])
+def test_numpy_of_either_byte_order_keeps_its_ratio(link, codec, dtype):
+    """NumPy KV in FP16 / FP32 of either byte order (kvzip.compress takes both, and codes a
+    big-endian array as its values): coded on the wire at compress_many's ratio and back in
+    the sender's byte order, not sent raw because its dtype's name (">f2") is not "float16".
+    The shipped sample, so it runs without ../shared."""
+    rx, sender = link
+    layers = [tuple(t.astype(dtype) for t in pair) for pair in real_layers(8, fw="numpy")]
+    tx = sender(codec=codec)
+    try:
+        stats = tx.send("byte-order", layers).wait(timeout=60)
+        back = rx.receive("byte-order", timeout=60)
+    finally:
+        tx.close()
+    assert all(same(a, b) for a, b in zip(layers, back)) and len(back) == len(layers)
+    flat = [t for pair in layers for t in pair]
+    comp = sum(b.nbytes for b in kvzip.compress_many(flat, mode=MODE[codec]))
+    wire, ref = stats["raw_bytes"] / stats["sent_bytes"], sum(t.nbytes for t in flat) / comp
+    assert ref > 1.05 and wire >= ref * (1 - MARGIN), (dtype, codec, wire, ref)
 
 
 def table() -> str:

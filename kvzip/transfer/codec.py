@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from ..formats import BY_DTYPE_NAME
 from ..pipeline import Pipeline
 from . import buffers
@@ -57,7 +59,7 @@ class KvzipWire(WireCodec):
 
     def encode(self, tensors):
         out = [None] * len(tensors)
-        idx = [i for i, t in enumerate(tensors) if buffers.dtype_name(t) in KVZIP_DTYPES and buffers.nbytes(t)]
+        idx = [i for i, t in enumerate(tensors) if _format_name(t) in KVZIP_DTYPES and buffers.nbytes(t)]
         if idx:
             for i, b in zip(idx, self.pipeline.encode_many([tensors[i] for i in idx])):
                 out[i] = b
@@ -66,7 +68,29 @@ class KvzipWire(WireCodec):
     def decode(self, views, entries):
         from ..api import decompress_many
 
-        return decompress_many(views)
+        return [_in_byte_order(t, e) for t, e in zip(decompress_many(views), entries)]
+
+
+def _format_name(t) -> str:
+    """The name of t's format, byte order aside: NumPy's ">f2" is "float16".  Invariant: every
+    tensor kvzip.compress codes is coded on the wire too (it takes a non-native byte order and
+    codes the values), so the wire never falls back to raw where compress would not."""
+    return t.dtype.name if buffers.framework(t) == "numpy" else buffers.dtype_name(t)
+
+
+def _in_byte_order(t, entry: dict):
+    """A decoded NumPy array (native byte order, as kvzip.decompress gives it) in the entry's
+    byte order where only that differs (a big-endian sender's ">f2"); anything else as it is,
+    for _decode_coded to judge against the entry."""
+    name = entry["dtype"]
+    if isinstance(t, np.ndarray) and name != buffers.dtype_name(t) and name[:1] in ("<", ">"):
+        try:
+            want = np.dtype(name)
+        except (TypeError, ValueError):  # not a dtype at all: _decode_coded refuses the entry
+            return t
+        if want.newbyteorder("=") == t.dtype:
+            return t.astype(want)
+    return t
 
 
 def _ratio_wire() -> KvzipWire:
