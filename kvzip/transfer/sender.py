@@ -297,10 +297,14 @@ class Sender:
             if buffers.device_of(t) != self._device:
                 raise ValueError(f"this sender stages {self._device} memory; layer {index} has a tensor on {buffers.device_of(t)}")
         if h._group_bytes is None:
-            h._group_bytes = self._group_size(need * h.n_layers)
-            n_groups = max(1, -(-need * h.n_layers // h._group_bytes))
+            total = need * h.n_layers
+            h._group_bytes = self._group_size(total)
+            n_groups = max(1, -(-total // h._group_bytes))
             calls = len(tensors) * max(1, min(h.n_layers, h._group_bytes // need))  # tensors a group
-            h._plan = ([h._group_bytes] * n_groups, calls)
+            # The plan's groups add up to the request, as the groups sent will: a request below
+            # a group's size (MIN_GROUP) is predicted as itself, not as a full group, or every
+            # codec's fixed costs would be weighed against a phantom request's bytes.
+            h._plan = ([h._group_bytes] * (n_groups - 1) + [total - h._group_bytes * (n_groups - 1)], calls)
             if h._auto:
                 pick, h.reason = self._auto.choose(*h._plan)
                 h.codec, h._wire = pick, None if pick == "raw" else codec.get(pick)
