@@ -118,6 +118,21 @@ def get(name: str) -> WireCodec:
     return _CODECS[name]
 
 
+def speed_ceiling(tensors) -> float:
+    """The most the speed mode ("kvzip") can make of these tensors' bytes, whatever the data: its
+    Top-16 code puts 4 bits in place of a value's exponent bits, so bits / (bits - exp_bits + 4)
+    (BF16 1.333, FP16 1.067, FP32 and E5M2 1.143) and nothing for E4M3 (4 exponent bits) or a
+    tensor in no kvzip format (sent raw).  codec="auto" caps the speed mode's ratio estimate by
+    it, so a request of FP8 E4M3 or FP16 KV is not predicted at a BF16 request's ratio."""
+    raw = coded = 0.0
+    for t in tensors:
+        n, f = buffers.nbytes(t), BY_DTYPE_NAME.get(_format_name(t))
+        bits = f and 1 + f.exp_bits + f.mant_bits
+        raw += n
+        coded += n * (bits - f.exp_bits + 4) / bits if f and f.exp_bits > 4 else n
+    return raw / coded if coded else 1.0
+
+
 def slot_need(tensors) -> int:
     """Bytes a group of tensors may take in a slot: their raw bytes, each padded to ALIGN."""
     return sum(align(buffers.nbytes(t)) for t in tensors)
@@ -243,11 +258,11 @@ class AutoChooser:
             self.link_gbps = _ewma(self.link_gbps, nbytes / seconds / 1e9)
 
     def observe(self, kind: str, raw: int, sent: int, groups: int, encode_s: float, decode_s: float,
-                tensors: int = 0, seconds: float | None = None, plan: tuple[list[int], int] | None = None) -> None:
+                tensors: int = 0, seconds: float | None = None, plan: tuple | None = None) -> None:
         """A finished request: ``kind`` one of CHOICES, its bytes, groups, summed stage times and
         tensors; ``seconds``, its whole time, where its layers were all given at its start (a
         bulk send, not one paced by its producer), and ``plan``, the (group sizes, tensors a
-        group) its choice was (or would have been) predicted for."""
+        group[, speed_ceiling]) its choice was (or would have been) predicted for."""
         if kind not in self.stage or raw < 1 << 20 or groups < 1:
             return
         if kind != "raw":
@@ -259,32 +274,38 @@ class AutoChooser:
                 left = max(stage_s / groups - fixed - calls * per_call, 1e-6)
                 self.stage[kind][stage] = (fixed, per_call, _ewma(rate, g / left / 1e9))
         if seconds is not None and seconds > 0 and self.link_gbps is not None:
-            sizes, per_group = plan if plan is not None else ([g] * groups, calls)
+            sizes, per_group, *ceiling = plan if plan is not None else ([g] * groups, calls)
+            ceiling = ceiling[0] if ceiling else None  # a plan of (sizes, calls) alone: no ceiling
             key = (kind, _size_class(sum(sizes)))
-            self.scale[key] = _ewma(self.scale.get(key), seconds / self._model(kind, sizes, per_group))
+            self.scale[key] = _ewma(self.scale.get(key), seconds / self._model(kind, sizes, per_group, ceiling))
 
-    def predict(self, kind: str, group_bytes: list[int], calls: int = 1) -> float:
+    def predict(self, kind: str, group_bytes: list[int], calls: int = 1, ceiling: float | None = None) -> float:
         """Seconds to move groups of these raw sizes, of ``calls`` tensors each, with ``kind``:
-        the model's time, scaled by what requests of this size took on this connection."""
-        return self._model(kind, group_bytes, calls) * self.scale.get((kind, _size_class(sum(group_bytes))), 1.0)
+        the model's time, scaled by what requests of this size took on this connection.
+        ``ceiling``: the speed mode's ratio at most for the request's formats (speed_ceiling)."""
+        scale = self.scale.get((kind, _size_class(sum(group_bytes))), 1.0)
+        return self._model(kind, group_bytes, calls, ceiling) * scale
 
-    def _model(self, kind: str, group_bytes: list[int], calls: float) -> float:
+    def _ratio(self, kind: str, ceiling: float | None) -> float:
+        return min(self.ratio[kind], ceiling) if kind == "kvzip" and ceiling is not None else self.ratio[kind]
+
+    def _model(self, kind: str, group_bytes: list[int], calls: float, ceiling: float | None = None) -> float:
         """The pipeline's fill (first encode, last decode) plus every group through its slowest
         stage."""
         link = self.link_gbps * 1e9
         (fe, ce, re), (fd, cd, rd) = self.stage[kind]["enc"], self.stage[kind]["dec"]
         enc = [fe + calls * ce + g / (re * 1e9) for g in group_bytes]
         dec = [fd + calls * cd + g / (rd * 1e9) for g in group_bytes]
-        wire = [g / self.ratio[kind] / link for g in group_bytes]
+        wire = [g / self._ratio(kind, ceiling) / link for g in group_bytes]
         return enc[0] + dec[-1] + sum(max(e, w, d) for e, w, d in zip(enc, wire, dec))
 
-    def choose(self, group_bytes: list[int], calls: int = 1) -> tuple[str, str]:
+    def choose(self, group_bytes: list[int], calls: int = 1, ceiling: float | None = None) -> tuple[str, str]:
         """(one of CHOICES, the reason in words) for groups of ``calls`` tensors: the fastest
         predicted, a codec only where it beats raw by 2 %, the ratio mode only where it beats the
-        speed mode by 2 %."""
+        speed mode by 2 %.  ``ceiling``: as predict's."""
         if self.link_gbps is None:
             return "kvzip", "link speed not measured yet: compressing until it is"
-        t = {kind: self.predict(kind, group_bytes, calls) for kind in CHOICES}
+        t = {kind: self.predict(kind, group_bytes, calls, ceiling) for kind in CHOICES}
         pick = "raw"
         for kind in CHOICES[1:]:
             if t[kind] < 0.98 * t[pick]:
@@ -293,7 +314,8 @@ class AutoChooser:
         size = _size_class(sum(group_bytes))
         seen = [kind for kind in CHOICES if (kind, size) in self.scale]
         return pick, (f"predicted {said} (link {self.link_gbps:.1f} GB/s, ratios "
-                      f"{self.ratio['kvzip']:.3f} / {self.ratio['kvzip-ratio']:.3f}, {len(group_bytes)} groups; "
+                      f"{self._ratio('kvzip', ceiling):.3f} / {self.ratio['kvzip-ratio']:.3f}, "
+                      f"{len(group_bytes)} groups; "
                       f"{'scaled by requests of this size seen with ' + ', '.join(seen) if seen else 'model only'})")
 
 

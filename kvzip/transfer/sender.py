@@ -65,7 +65,7 @@ class SendHandle:
         self._pending: list = []          # layers waiting to fill a group
         self._pending_bytes = 0
         self._group_bytes = None
-        self._plan = None                 # (group sizes, tensors a group): what codec="auto" predicts for
+        self._plan = None                 # (group sizes, tensors a group, speed_ceiling): what auto predicts for
         self._all_queued = None           # when the last layer was given
         self._groups_flushed = 0
         self._progress = 0                # accepted, groups encoded and written: what wait() watches
@@ -304,7 +304,9 @@ class Sender:
             # The plan's groups add up to the request, as the groups sent will: a request below
             # a group's size (MIN_GROUP) is predicted as itself, not as a full group, or every
             # codec's fixed costs would be weighed against a phantom request's bytes.
-            h._plan = ([h._group_bytes] * (n_groups - 1) + [total - h._group_bytes * (n_groups - 1)], calls)
+            # The first layer's formats stand for the request's, as its size does.
+            h._plan = ([h._group_bytes] * (n_groups - 1) + [total - h._group_bytes * (n_groups - 1)], calls,
+                       codec.speed_ceiling(tensors))
             if h._auto:
                 pick, h.reason = self._auto.choose(*h._plan)
                 h.codec, h._wire = pick, None if pick == "raw" else codec.get(pick)
