@@ -14,10 +14,11 @@ alone in the same mode (for "auto", the mode it chose): the wire never loses rat
 library's own call (it once did: codec="kvzip" used the shipped default codebook where compress
 uses each tensor's own, 1.09x instead of 1.33x on KV scaled by 2^3).
 
-Layers are subsampled to keep the file near 30 s on a 2-core CPU: per capture, at most BUDGET raw
+Layers are subsampled to keep the file near 20 s on a 2-core CPU: per capture, at most BUDGET raw
 BF16 bytes of whole layers (at least 2), evenly spaced over the depth, first and last included
 (SmolLM2 prose: layers 0, 14, 29; code and html: 13 of 30; MiniLM prose: 0 and 5, code: 0, 2,
-5), each at its captured shape.  Captures absent from ../shared are skipped, each on its own.
+5), each at its captured shape.  Captures absent from ../shared are skipped, each on its own;
+the byte-order and auto tests below use the shipped sample and always run.
 
 ``python tests/test_transfer_families.py`` prints the table of wire vs compress ratios
 (benchmarks/NOTES.md t18).
