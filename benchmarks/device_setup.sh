@@ -1,5 +1,5 @@
 # Sourced at the start of a device-tool run (NVIDIA H200 machine of this workplace): installs what
-# the carried .whl/ folder holds (see ../shared/tools/gpu-wheels.sh for how it is filled):
+# the carried .whl/ folder holds (benchmarks/device_wheels.sh fills it):
 #   *.whl                            numpy 2.4 (numba-cuda 0.30 fails on the image's numpy 2.5),
 #                                    and whatever else a run needs (gguf for kvzip pd-demo)
 #   deb/*.deb                        libibverbs1 and friends, which Mooncake loads even for TCP
