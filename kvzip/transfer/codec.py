@@ -279,33 +279,49 @@ class AutoChooser:
             key = (kind, _size_class(sum(sizes)))
             self.scale[key] = _ewma(self.scale.get(key), seconds / self._model(kind, sizes, per_group, ceiling))
 
-    def predict(self, kind: str, group_bytes: list[int], calls: int = 1, ceiling: float | None = None) -> float:
+    def observe_group(self, kind: str, raw: int, sent: int) -> None:
+        """A group of a request still under way, sent with ``kind`` at a ratio materially below
+        what its choice assumed (Sender._recheck): the connection's estimate takes it at once."""
+        if kind in self.stage and kind != "raw" and sent > 0:
+            self.ratio[kind] = _ewma(self.ratio[kind], raw / sent)
+
+    def predict(self, kind: str, group_bytes: list[int], calls: int = 1, ceiling: float | None = None,
+                measured: dict | None = None) -> float:
         """Seconds to move groups of these raw sizes, of ``calls`` tensors each, with ``kind``:
         the model's time, scaled by what requests of this size took on this connection.
-        ``ceiling``: the speed mode's ratio at most for the request's formats (speed_ceiling)."""
+        ``ceiling``: the speed mode's ratio at most for the request's formats (speed_ceiling);
+        ``measured``: {codec: ratio} the request's own groups gave, which stand for the estimates."""
         scale = self.scale.get((kind, _size_class(sum(group_bytes))), 1.0)
-        return self._model(kind, group_bytes, calls, ceiling) * scale
+        return self._model(kind, group_bytes, calls, ceiling, measured) * scale
 
-    def _ratio(self, kind: str, ceiling: float | None) -> float:
+    def assumed(self, kind: str, ceiling: float | None = None) -> float:
+        """The ratio a choice of ``kind`` assumes for a request whose formats allow ``ceiling``."""
+        return self._ratio(kind, ceiling)
+
+    def _ratio(self, kind: str, ceiling: float | None, measured: dict | None = None) -> float:
+        if measured and kind in measured:
+            return measured[kind]
         return min(self.ratio[kind], ceiling) if kind == "kvzip" and ceiling is not None else self.ratio[kind]
 
-    def _model(self, kind: str, group_bytes: list[int], calls: float, ceiling: float | None = None) -> float:
+    def _model(self, kind: str, group_bytes: list[int], calls: float, ceiling: float | None = None,
+               measured: dict | None = None) -> float:
         """The pipeline's fill (first encode, last decode) plus every group through its slowest
         stage."""
         link = self.link_gbps * 1e9
         (fe, ce, re), (fd, cd, rd) = self.stage[kind]["enc"], self.stage[kind]["dec"]
         enc = [fe + calls * ce + g / (re * 1e9) for g in group_bytes]
         dec = [fd + calls * cd + g / (rd * 1e9) for g in group_bytes]
-        wire = [g / self._ratio(kind, ceiling) / link for g in group_bytes]
+        wire = [g / self._ratio(kind, ceiling, measured) / link for g in group_bytes]
         return enc[0] + dec[-1] + sum(max(e, w, d) for e, w, d in zip(enc, wire, dec))
 
-    def choose(self, group_bytes: list[int], calls: int = 1, ceiling: float | None = None) -> tuple[str, str]:
+    def choose(self, group_bytes: list[int], calls: int = 1, ceiling: float | None = None,
+               measured: dict | None = None) -> tuple[str, str]:
         """(one of CHOICES, the reason in words) for groups of ``calls`` tensors: the fastest
         predicted, a codec only where it beats raw by 2 %, the ratio mode only where it beats the
-        speed mode by 2 %.  ``ceiling``: as predict's."""
+        speed mode by 2 %.  ``ceiling``, ``measured``: as predict's."""
         if self.link_gbps is None:
             return "kvzip", "link speed not measured yet: compressing until it is"
-        t = {kind: self.predict(kind, group_bytes, calls, ceiling) for kind in CHOICES}
+        t = {kind: self.predict(kind, group_bytes, calls, ceiling, measured) for kind in CHOICES}
         pick = "raw"
         for kind in CHOICES[1:]:
             if t[kind] < 0.98 * t[pick]:
@@ -314,7 +330,7 @@ class AutoChooser:
         size = _size_class(sum(group_bytes))
         seen = [kind for kind in CHOICES if (kind, size) in self.scale]
         return pick, (f"predicted {said} (link {self.link_gbps:.1f} GB/s, ratios "
-                      f"{self._ratio('kvzip', ceiling):.3f} / {self.ratio['kvzip-ratio']:.3f}, "
+                      f"{self._ratio('kvzip', ceiling, measured):.3f} / {self._ratio('kvzip-ratio', None, measured):.3f}, "
                       f"{len(group_bytes)} groups; "
                       f"{'scaled by requests of this size seen with ' + ', '.join(seen) if seen else 'model only'})")
 

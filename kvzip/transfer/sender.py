@@ -48,6 +48,11 @@ FIRST_GROUP = 4 << 20   # the first group closes early, so the wire starts after
                         # a large last layer travels alone, so the decode after the wire is short
 PROBE_BYTES = 8 << 20   # an unpaced link's first measure: PROBE_WRITES writes of this (or a slot)
 PROBE_WRITES = 2        # at staging, the last one timed
+RECHECK_BELOW = 0.95  # codec="auto" re-chooses a request's later groups when one of its groups
+                      # crossed below this share of the ratio its choice assumed: normal KV's
+                      # groups stay within 2 % of their request's ratio (1.6 % per layer on every
+                      # BF16 family and variant, the slot padding 0.5 % on 48 KiB tensors), the
+                      # failure it catches is 23 % (wide BF16 through the speed mode: 1.30 -> 1.00)
 BULK_SHARE = 0.25       # a request whose layers were all given within this share of its time was
                         # bound by the transfer, not its producer: its time calibrates codec="auto"
 
@@ -61,6 +66,9 @@ class SendHandle:
         self._auto = codec_name == "auto"
         self._wire = wire
         self.reason = ""                  # for "auto": why
+        self._assumed = None              # for "auto": the ratio the choice assumed for self.codec
+        self._rechosen = False            # for "auto": re-chosen already (at most once a request)
+        self._encoded = 0                 # groups encoded (the pipeline's count)
         self._queued: set[int] = set()
         self._pending: list = []          # layers waiting to fill a group
         self._pending_bytes = 0
@@ -75,7 +83,7 @@ class SendHandle:
         self._lock = threading.Lock()
         self.stats = {"request": req, "codec": codec_name, "layers": n_layers, "groups": 0,
                       "tensors": 0, "raw_bytes": 0, "sent_bytes": 0, "encode_s": 0.0, "decode_s": 0.0,
-                      "write_s": 0.0, "start": now(), "end": None, "timeline": []}
+                      "write_s": 0.0, "start": now(), "end": None, "timeline": [], "group_codecs": []}
 
     # -- caller side
     def send_layer(self, index: int, *tensors) -> None:
@@ -91,8 +99,8 @@ class SendHandle:
             self._queued.add(index)
             self._sender._add_layer(self, index, tensors)
             if len(self._queued) == self.n_layers:
-                self._all_queued = now()
                 self._sender._flush(self, last=True)
+                self._all_queued = now()  # after the flush: set, it says every group is queued
 
     def wait(self, timeout: float | None = None) -> dict:
         """Block until the receiver has every layer decoded; returns the request's stats.
@@ -310,6 +318,7 @@ class Sender:
             if h._auto:
                 pick, h.reason = self._auto.choose(*h._plan)
                 h.codec, h._wire = pick, None if pick == "raw" else codec.get(pick)
+                h._assumed = self._auto.assumed(pick, h._plan[2])
                 h.stats["codec"] = h.codec
                 h.stats["auto"] = h.reason
                 log.info("request %s: codec=auto sends %s: %s", h.request, h.codec, h.reason)
@@ -442,13 +451,15 @@ class Sender:
         slot = self._free_staging.pop()  # STAGING_SLOTS: one slot is free whenever a group is encoded
         tensors = [t for _, ts, _ in layers for t in ts]
         h.stats["tensors"] += len(tensors)
-        wire = None if h.codec == "raw" else h._wire
+        h._encoded += 1
+        name = h.codec  # the group's codec, whatever _recheck makes h.codec for later groups
+        wire = None if name == "raw" else h._wire
         base = slot * self.slot_bytes
         t0 = now()
         if self._device == "cpu":
             blobs = codec.encode(wire, tensors)
             coded = now()
-            entries, nbytes, total = codec.pack(self._staging, base, tensors, blobs, h.codec)
+            entries, nbytes, total = codec.pack(self._staging, base, tensors, blobs, name)
             events = None
         else:
             import torch
@@ -464,7 +475,7 @@ class Sender:
             events[0].record(self._stream)
             blobs = codec.encode(wire, tensors)
             coded = now()
-            entries, nbytes, total = codec.pack(self._staging, base, tensors, blobs, h.codec, self._stream)
+            entries, nbytes, total = codec.pack(self._staging, base, tensors, blobs, name, self._stream)
             events[1].record(self._stream)
         packed = now()
         host_s = packed - t0
@@ -475,9 +486,9 @@ class Sender:
             msg_layers.append({"index": index, "tuple": len(ts) > 1, "tensors": entries[k:k + len(ts)]})
             k += len(ts)
         raw = sum(buffers.nbytes(t) for t in tensors)
-        return slot, nbytes, msg_layers, raw, events, host_s, total, marks
+        return slot, nbytes, msg_layers, raw, events, host_s, total, marks, name
 
-    def _start_write(self, h: SendHandle, slot, nbytes, layers, raw, events, encode_s, total, marks) -> None:
+    def _start_write(self, h: SendHandle, slot, nbytes, layers, raw, events, encode_s, total, marks, name) -> None:
         if events is not None:  # the encode's span on its stream, if longer than its host time
             events[1].synchronize()
             encode_s = max(encode_s, events[0].elapsed_time(events[1]) / 1e3)
@@ -494,14 +505,14 @@ class Sender:
                                              self._remote_base + remote * self.slot_bytes, nbytes)
         except EngineError as e:
             raise TransferError(f"writing request {h.request!r} to {self.address} failed: {e}") from None
-        self._flight = (h, write, slot, remote, nbytes, layers, raw, encode_s, total, marks)
+        self._flight = (h, write, slot, remote, nbytes, layers, raw, encode_s, total, marks, name)
 
     def _land(self) -> None:
         """Wait for the write in flight (sending notices as they fall due), account for it and
         queue its notice."""
         if self._flight is None:
             return
-        h, write, slot, remote, nbytes, layers, raw, encode_s, total, marks = self._flight
+        h, write, slot, remote, nbytes, layers, raw, encode_s, total, marks, name = self._flight
         try:
             if write.wait(0):  # landed while the next group was encoded: its end is the engine's to say
                 written, measured = (write.ended, True) if write.ended is not None else (now(), False)
@@ -526,9 +537,37 @@ class Sender:
         s["sent_bytes"] += nbytes
         s["encode_s"] += encode_s
         s["write_s"] += written - start
+        s["group_codecs"].append(name)
+        s["codec"] = name  # what the request's groups went as, the last one's once it changed
+        if h._auto:
+            self._recheck(h, name, raw, nbytes)
         digest = f"{sum64_finish(total, nbytes):016x}"  # ready: the encode's stream is synchronised
         self._notices.append((arrival, "data", h, {"req": h.request, "slot": remote, "nbytes": nbytes,
                                                    "digest": digest, "layers": layers}, marks))
+
+    def _recheck(self, h: SendHandle, name: str, raw: int, sent: int) -> None:
+        """codec="auto", a group of ``h`` landed: where it crossed with the codec chosen for it at
+        a ratio below RECHECK_BELOW of what the choice assumed, the connection's estimate takes
+        the measurement and the request's groups not yet encoded are chosen for again, with that
+        ratio for that codec (this request's own data).  Invariants: a request is re-chosen at
+        most once, so it changes codec at most once; a group keeps the codec it was encoded with
+        (every TensorEntry names its own, so the receiver needs nothing new)."""
+        ratio = raw / max(sent, 1)
+        if h._rechosen or name != h.codec or name == "raw" or ratio >= RECHECK_BELOW * h._assumed:
+            return
+        h._rechosen = True
+        self._auto.observe_group(name, raw, sent)
+        note = f"; after group {len(h.stats['group_codecs'])}: {name} measured {ratio:.3f}x, {h._assumed:.3f}x assumed"
+        if h._all_queued is not None and h._encoded == h._groups_flushed:
+            note += ", no group left to send otherwise"
+        else:
+            sizes, calls, ceiling = h._plan  # the plan's groups not yet encoded (its last, if it ran short)
+            pick, why = self._auto.choose(sizes[h._encoded:] or sizes[-1:], calls, ceiling, {name: ratio})
+            note += f", sending {pick} from group {h._encoded + 1} ({why})" if pick != name else f", keeping {name} ({why})"
+            h.codec, h._wire = pick, None if pick == "raw" else codec.get(pick)
+        h.reason += note
+        h.stats["auto"] = h.reason
+        log.info("request %s: codec=auto%s", h.request, note)
 
     def _send_due(self) -> None:
         """Send the notices whose arrival has come, in order."""
@@ -586,11 +625,13 @@ class Sender:
             elif kind == "done":
                 h.stats["decode_s"] = float(msg.get("decode_s", 0.0))
                 h.stats["receiver_timeline"] = msg.get("timeline") if isinstance(msg.get("timeline"), list) else []
-                if h.codec in codec.CHOICES and self._auto is not None:
-                    s = h.stats
+                s = h.stats
+                # A request whose groups went in two codecs is no one codec's measure (the group
+                # that changed it was observed already, AutoChooser.observe_group).
+                if s["codec"] in codec.CHOICES and self._auto is not None and len(set(s["group_codecs"])) == 1:
                     took = now() - s["start"]
                     bulk = h._all_queued is not None and h._all_queued - s["start"] <= BULK_SHARE * took
-                    self._auto.observe(h.codec, s["raw_bytes"], s["sent_bytes"], s["groups"], s["encode_s"], s["decode_s"],
+                    self._auto.observe(s["codec"], s["raw_bytes"], s["sent_bytes"], s["groups"], s["encode_s"], s["decode_s"],
                                        s["tensors"], took if bulk else None, h._plan)
                 self._end(h, None)
             elif kind == "failed":
