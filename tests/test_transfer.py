@@ -600,7 +600,8 @@ def test_a_closed_sender_frees_its_window_before_close_returns():
 def test_close_returns_after_every_thread_has_ended(monkeypatch):
     """Neither end leaves a thread of its own running once close() returns (one left to die at
     interpreter exit would be torn down inside whatever CUDA or torch call it was making), even
-    a reader that takes its time to wind down."""
+    a reader that takes its time to wind down, and one whose sender closed its connection first
+    (that connection has left the receiver's list while its reader still runs)."""
     from kvzip.transfer import receiver
 
     read = receiver._Connection._read
@@ -608,8 +609,8 @@ def test_close_returns_after_every_thread_has_ended(monkeypatch):
     def slow_to_end(self):
         try:
             read(self)
-        finally:
-            time.sleep(0.3)
+        finally:  # a reader whose sender closed first winds down longest
+            time.sleep(0.1 if self.rx._closed else 1.0)
     monkeypatch.setattr(receiver._Connection, "_read", slow_to_end)
     ours = lambda: {t for t in threading.enumerate() if t.name.startswith(("kvzip-rx", "kvzip-tx"))}  # noqa: E731
     before = ours()  # another test's, if any are still winding down
@@ -620,7 +621,10 @@ def test_close_returns_after_every_thread_has_ended(monkeypatch):
         assert len(rx.receive(f"r{i}")) == 4
     assert any(t.name == "kvzip-rx-read" for t in ours() - before)
     txs[0].close()
-    rx.close()  # with a sender still connected
+    deadline = time.monotonic() + 5
+    while len(rx._connections) > 1 and time.monotonic() < deadline:  # its reader has seen the close
+        time.sleep(0.01)                                                 # and is winding down
+    rx.close()  # with a sender still connected, and a reader whose connection already ended
     assert not {t for t in ours() - before if t.name.startswith("kvzip-rx")}
     txs[1].close()
     assert not ours() - before

@@ -98,6 +98,8 @@ class Receiver:
         self._cond = threading.Condition(self._lock)
         self._closed = False
         self._connections: list[_Connection] = []
+        self._readers: list[threading.Thread] = []  # every connection's reader not known to have ended:
+                                                    # close() joins them, also those whose connection already closed
         self._acceptor = threading.Thread(target=self._accept, name="kvzip-rx-accept", daemon=True)
         self._acceptor.start()
 
@@ -140,10 +142,14 @@ class Receiver:
         for c in connections:
             c.close(TransferError("the receiver was closed"))
         # The readers end once their channels are closed; one still running at interpreter exit
-        # (it decodes on the GPU) would be torn down inside CUDA or torch code.
-        for c in connections:
-            if c.thread.is_alive() and c.thread is not threading.current_thread():
-                c.thread.join(timeout=5)
+        # (it decodes on the GPU) would be torn down inside CUDA or torch code.  Every reader is
+        # joined, not only those of the connections still listed: a connection its sender closed
+        # has left the list while its reader may still be winding down.
+        with self._lock:
+            readers = list(self._readers)
+        for t in readers:
+            if t.is_alive() and t is not threading.current_thread():
+                t.join(timeout=5)
         with self._cond:
             pending = list(self._requests.values())
         for inc in pending:
@@ -187,6 +193,8 @@ class Receiver:
             except TransferError:
                 chan.close()
                 continue
+            with self._lock:
+                self._readers = [t for t in self._readers if t.is_alive()] + [conn.thread]
             conn.start()
 
     def _incoming(self, req: str) -> _Incoming:
