@@ -156,7 +156,7 @@ def quantize_kernel(name: str, names: tuple, device_id: int):
 
 WEIGHT_N_TILES = (1, 2, 4)  # kvz_w_gemm's instances: N <= 8 x tiles columns of x
 WEIGHT_NAMES = tuple(f"kvz_w_gemm<{t}>" for t in WEIGHT_N_TILES) + ("kvz_w_decode", "kvz_w_patch", "kvz_w_histogram",
-                                                                     "kvz_w_codebook", "kvz_w_encode", "kvz_w_escapes")
+                                                                     "kvz_w_encode", "kvz_w_escapes")
 
 
 def weights_kernel(name: str, device_id: int):
@@ -183,6 +183,11 @@ def quant_table_name(source: str, fp8: str) -> str:
     return f"kvz_quant_table<{quantize_fields(source)},{quantize_fields(fp8)},{QUANTIZE_TARGETS[fp8]}>"
 
 
+def dequantize_name(fp8: str, source: str) -> str:
+    """kvz_dequantize of a format pair: FP8 codes back to 16-bit values with one scale."""
+    return f"kvz_dequantize<{quantize_fields(fp8)},{QUANTIZE_TARGETS[fp8]},{quantize_fields(source)}>"
+
+
 def dequant_tables_name(fp8: str, source: str) -> str:
     """kvz_dequant_tables of a format pair: the dequantizing decode's tables from each scale."""
     return f"kvz_dequant_tables<{quantize_fields(fp8)},{QUANTIZE_TARGETS[fp8]},{quantize_fields(source)}>"
@@ -191,13 +196,12 @@ def dequant_tables_name(fp8: str, source: str) -> str:
 @lru_cache(maxsize=None)
 def quantize_names() -> tuple:
     """The name expressions of quantize.cu's module."""
-    q = quantize_fields
     names = ["kvz_quantize"]
     for src in QUANTIZE_SOURCES:
         names.append(amax_name(src))
-        for fp8, fn in QUANTIZE_TARGETS.items():
+        for fp8 in QUANTIZE_TARGETS:
             names.append(quant_table_name(src, fp8))
-            names.append(f"kvz_dequantize<{q(fp8)},{fn},{q(src)}>")
+            names.append(dequantize_name(fp8, src))
             names.append(dequant_tables_name(fp8, src))
     return tuple(names)
 

@@ -28,7 +28,6 @@ TARGETS = loader.QUANTIZE_TARGETS
 TABLE_BYTES = 1 << 15   # one code per 15-bit source magnitude
 
 
-_fields = loader.quantize_fields
 _names = loader.quantize_names
 
 
@@ -95,6 +94,6 @@ def dequantize(codes, scales, fp8: str, source: str):
     dev, n = codes.device.id, codes.size
     out = cupy.empty(n, np.uint16)
     if n:
-        _kernel(f"kvz_dequantize<{_fields(fp8)},{TARGETS[fp8]},{_fields(source)}>", dev)(
+        _kernel(loader.dequantize_name(fp8, source), dev)(
             (grid(n // 8, dev),), (THREADS,), DEQUANTIZE_ARGS(codes=codes.data.ptr, n=n, scale=scales.data.ptr, out=out.data.ptr))
     return out
