@@ -120,16 +120,15 @@ def get(name: str) -> WireCodec:
 
 def speed_ceiling(tensors) -> float:
     """The most the speed mode ("kvzip") can make of these tensors' bytes, whatever the data: its
-    Top-16 code puts 4 bits in place of a value's exponent bits, so bits / (bits - exp_bits + 4)
+    Top-16 code puts 4 bits in place of a value's exponent bits, so width / (rest_bits + 4)
     (BF16 1.333, FP16 1.067, FP32 and E5M2 1.143) and nothing for E4M3 (4 exponent bits) or a
     tensor in no kvzip format (sent raw).  codec="auto" caps the speed mode's ratio estimate by
     it, so a request of FP8 E4M3 or FP16 KV is not predicted at a BF16 request's ratio."""
     raw = coded = 0.0
     for t in tensors:
         n, f = buffers.nbytes(t), BY_DTYPE_NAME.get(_format_name(t))
-        bits = f and 1 + f.exp_bits + f.mant_bits
         raw += n
-        coded += n * (bits - f.exp_bits + 4) / bits if f and f.exp_bits > 4 else n
+        coded += n * (f.rest_bits + 4) / f.width if f and f.high_exp_bits > 0 else n
     return raw / coded if coded else 1.0
 
 
