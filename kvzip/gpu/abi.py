@@ -182,9 +182,7 @@ W_ENCODE_ARGS = KernelArgs("kvz_w_encode", "w:ptr M:i32 K:i32 code_of:ptr blocks
                                            "ticket:ptr esc_off:ptr bands:i32 chunks:i32")
 W_ESCAPES_ARGS = KernelArgs("kvz_w_escapes", "w:ptr M:i32 K:i32 code_of:ptr counts:ptr esc_off:ptr esc_pos:ptr "
                                              "esc_val:ptr bands:i32 chunks:i32")
-W_CODEBOOK_ARGS = KernelArgs("kvz_w_codebook", "hist:ptr book:ptr code_of:ptr")
-W_KERNEL_ARGS = (W_GEMM_ARGS, W_DECODE_ARGS, W_PATCH_ARGS, W_HISTOGRAM_ARGS, W_CODEBOOK_ARGS, W_ENCODE_ARGS,
-                 W_ESCAPES_ARGS)
+W_KERNEL_ARGS = (W_GEMM_ARGS, W_DECODE_ARGS, W_PATCH_ARGS, W_HISTOGRAM_ARGS, W_ENCODE_ARGS, W_ESCAPES_ARGS)
 
 KERNEL_ARGS = (ENCODE_ARGS, AUTO_CODEBOOK_ARGS, SCAN_ARGS, DECODE_ARGS, GATHER_HEADS_ARGS, CHECK_HEADS_ARGS, AMAX_ARGS, QUANT_TABLE_ARGS,
                QUANTIZE_ARGS, DEQUANT_TABLES_ARGS, DEQUANTIZE_ARGS, *W_KERNEL_ARGS)

@@ -164,15 +164,6 @@ def histogram(w, work, book, ws, stream) -> None:
                             book=book.data_ptr(), code_of=_word(work, CODE_OF)), stream=stream)
 
 
-def codebook(hist, book, code_of, stream) -> None:
-    """book (16 uint8) and code_of (256 uint8) from hist (the 256-bin exponent histogram), by
-    kvzip/weights/tiled.py's choose_codebook and _code_of, in one launch: the rule alone (the
-    encoder runs it in kvz_w_histogram's last block)."""
-    fn, _, _ = kernel("kvz_w_codebook", hist.device.index)
-    fn((1,), (256,), abi.W_CODEBOOK_ARGS(hist=hist.data_ptr(), book=book.data_ptr(), code_of=code_of.data_ptr()),
-       stream=stream)
-
-
 def encode_blocks(w, work, blocks, esc_off, ws, stream) -> None:
     """The blocks of W (contiguous M x K BF16) and, by the last thread block, esc_off (int32,
     bands + 1): the escape lists' offsets.  After histogram() on the same workspace."""

@@ -8,7 +8,7 @@
 // Output: encode: hist (uint32[256]), book (16), code_of (256), blocks, counts (uint32 a block),
 // esc_off (uint32, bands + 1), esc_pos (uint32), esc_val (uint16), the two tickets (uint32: each the
 // grid's size after its kernel); decode: W (uint16, M x K); codebooks: each histogram's book
-// (16 bytes) and code_of (256 bytes), kvz_w_codebook's alone; gemm: y (uint16, N x M), then the
+// (16 bytes) and code_of (256 bytes), choose_codebook_block's alone; gemm: y (uint16, N x M), then the
 // tickets (uint32, a band: zero again after the call).
 #include "emu.h"
 #include "records.h"
@@ -67,7 +67,7 @@ static std::vector<Bytes> codebooks(const std::vector<Bytes>& in) {
     std::vector<Bytes> out;
     for (size_t h = 0; h + 256 <= hists.size(); h += 256) {
         std::vector<u8> book(16, 0xAB), code_of(256, 0xAB);  // every byte must be written
-        emu_launch(1, 256, [&] { kvz_w_codebook(hists.data() + h, book.data(), code_of.data()); });
+        emu_launch(1, 256, [&] { choose_codebook_block(hists[h + threadIdx.x], book.data(), code_of.data()); });
         out.push_back(bytes_of(book));
         out.push_back(bytes_of(code_of));
     }

@@ -1,9 +1,9 @@
 """The weights' GPU kernels (kvzip/gpu/kernels/weights.cu: kvz_w_histogram with the codebook in its
 last block, kvz_w_encode with esc_off in its last block, kvz_w_escapes; kvz_w_decode, kvz_w_patch;
-kvz_w_gemm; kvz_w_codebook) run on the host (tests/cuda_host/emu.h) in kvzip/weights/tiled.py's and
+kvz_w_gemm; the codebook rule alone) run on the host (tests/cuda_host/emu.h) in kvzip/weights/tiled.py's and
 kvzip/gpu/weights.py's order: the encoder must write tiled.encode_reference's bytes, the decoder give W back (escapes and ragged edges
 included, whole and as band slices), and the fused GEMM, its mma.sync emulated from the PTX ISA's
-fragment layout, the product; and kvz_w_codebook alone on histograms of every kind.  Needs g++."""
+fragment layout, the product; and choose_codebook_block alone on histograms of every kind.  Needs g++."""
 from __future__ import annotations
 
 import shutil
@@ -126,8 +126,9 @@ def histograms() -> list[np.ndarray]:
     return out
 
 
-def test_codebook_kernel_gives_the_reference_tables(exe, tmp_path):
-    """kvz_w_codebook alone, on any histogram: choose_codebook's book and _code_of's table."""
+def test_codebook_block_gives_the_reference_tables(exe, tmp_path):
+    """choose_codebook_block (kvz_w_histogram's last block) alone, on any histogram: choose_codebook's
+    book and _code_of's table."""
     hists = histograms()
     records = harness.call(exe, tmp_path, [2, 0, 0, 1], [np.concatenate(hists)])
     assert len(records) == 2 * len(hists)

@@ -1,7 +1,7 @@
 // The tiled layout's codebook and code table from the exponent histogram, on the device, by
 // kvzip/weights/tiled.py's rule (choose_codebook, _code_of): choose_codebook_block, which the last
 // thread block of kvz_w_histogram runs (so the GPU encoder has no launch between the histogram and
-// kvz_w_encode), and kvz_w_codebook, the same rule alone on a given histogram.
+// kvz_w_encode).
 #pragma once
 
 // One block of 256 threads, thread e holding count = the number of weights with exponent e.
@@ -33,10 +33,4 @@ __device__ __forceinline__ void choose_codebook_block(unsigned count_e, unsigned
         book[code] = (unsigned char)e;
     }
     code_of[e] = (unsigned char)code;
-}
-
-// hist[e]: weights with exponent e.  One block of 256 threads.
-__global__ void __launch_bounds__(256) kvz_w_codebook(const unsigned* __restrict__ hist, unsigned char* __restrict__ book,
-                                                      unsigned char* __restrict__ code_of) {
-    choose_codebook_block(hist[threadIdx.x], book, code_of);
 }
