@@ -24,7 +24,6 @@ import numpy as np
 
 VARIANTS = {
     "shipped": {},
-    "slots 128": {"slot_share": 32},
     "decode scan checks all": {"check_max": 1 << 20},
 }
 RATES = (0.0, 0.003, 0.01, 0.03)

@@ -7,8 +7,9 @@ tests/cuda_host/fused_host.cpp.  Every format's blobs must be the CPU reference'
 (kvzip.compress(..., backend="cpu"); where the payload comes out larger than the values, which
 both paths then store raw, the CPU stages' blob without that fallback), every padding byte
 written, and the decode must give back the input's bits.  The data: KV-like values, random bits,
-the shipped real KV sample, 1 % and 3 % escapes, escapes clustered into chunks past a slot's
-room and past the plane-coding threshold, exact zeros, tails that end a chunk early, small
+the shipped real KV sample, 1 % and 3 % escapes, escapes clustered into chunks that fill a slot
+and past the plane-coding threshold, the sample scaled past the shipped codebook (plane-coded
+chunks beside listed ones, a cut-short last chunk plane-coded), exact zeros, tails that end a chunk early, small
 chunks whose tensors span several scan blocks, batches, compact and version-1 headers.  Decodes
 on guessed layouts (the scan checking the headers) must miss the blobs that are not the
 layout's, and the header read-back must find what its host twin finds.  The quantizing encode
@@ -17,8 +18,11 @@ kvz_encode and kvz_scan's quantizing instances reading BF16 or FP16 input, E5M2 
 must write the CPU pipeline's blob too, decoding to its FP8 codes and, through kvz_decode's
 dequantizing instance, to its 16-bit values.
 
-Caught by these tests (each checked by breaking it in the kernels): an over-full chunk's escapes
-collected again over one another (the scan's redo), a padding byte left unwritten, a version-1
+Caught by these tests (each checked by breaking it in the kernels): a plane-coded chunk's high
+bytes put one group off where the slot's positions end, the scan's copy of them dropping its
+last 16-byte word or reading a cut-short chunk's last bytes one off, kvz_encode's plane pass
+writing over the slot before its lanes' escape stores are done (no __syncwarp), the listing of
+escapes stopped one short of the plane-coding threshold, a padding byte left unwritten, a version-1
 header's escape entry off, an escape patched into the wrong group of a decoder step or at the
 wrong bits of an E5M2 quad, a stored chunk's first escape left unpatched (the early and
 scattered chunks), a look-back prefix that skips its nearest inclusive predecessor, a guessed
@@ -29,9 +33,8 @@ ahead, a staged tail group copied or decoded a value short, an encoder step's es
 off in a group (either way of placing them: ballots, or the counts' shuffle scan), its counts
 packed into the wrong word, a group's total missing a lane, a scan block's chunk search one off,
 its moves' last group or second round skipped; in the quantizing instances alone: an escape placed
-one value off, the redo of a plane-coded chunk quantizing the next group, a tail group's last value
-dropped, the scan's second round of moves skipped; a dequantized store through the wrong table
-entry.  Needs g++ (C++20)."""
+one value off, a tail group's last value dropped, the scan's second round of moves skipped; a
+dequantized store through the wrong table entry.  Needs g++ (C++20)."""
 from __future__ import annotations
 
 import functools
@@ -110,16 +113,20 @@ def values(fmt, n: int, kind: str, chunk: int, seed: int = 0) -> np.ndarray:
         bits[rng.random(n) < 0.6] = 0
     if kind == "all-zeros":
         bits[:] = 0
+    if kind == "layer-scaled":
+        # the shipped sample x2^3 (kvzip.bench's escape sweep row): chunks plane-coded or not,
+        # mixed, as their values fall
+        rows = real_bf16(-(-n // 64) * 64, seed).reshape(-1, 64)
+        bits = kt.kv_variant(rows, "layer-scaled", layer=6).reshape(-1)[:n]
+        return bits.astype(np.uint32) << 16 if fmt.name == "fp32" else bits
     if kind == "clustered":
         # Rare exponents (outside the default codebook, each too rare for an auto one) crowded
-        # into a few chunks: one past a slot's room where the format can list that many (else
-        # as many as a chunk lists), one past the plane-coding threshold, and runs in the last,
-        # partial chunk.
+        # into a few chunks: one holding as many as a chunk lists (its slot nearly full), one
+        # past the plane-coding threshold, and runs in the last, partial chunk.
         outside = np.setdiff1d(np.arange(1 << fmt.exp_bits), Codebook.default_for(fmt).exponents)
-        nchunks, slot = -(-n // chunk), programs.slot_size(chunk, fmt.name)
+        nchunks = -(-n // chunk)
         most = fmt.high_exp_bits * (chunk // 8) // 3  # listed; one more and the chunk is plane-coded
-        for c, count in ((1, (slot + 1 + most) // 2 if most > slot else most), (nchunks // 2, chunk // 2),
-                         (nchunks - 1, 40)):
+        for c, count in ((1, most), (nchunks // 2, chunk // 2), (nchunks - 1, 40)):
             lo, hi = c * chunk, min(n, (c + 1) * chunk)
             at = lo + np.sort(rng.choice(hi - lo, min(count, hi - lo), replace=False))
             bits = with_exponents(fmt, bits, at, rng.choice(outside, at.size))
@@ -178,12 +185,22 @@ CASES = [
     ("fp32", 4096 * 12 + 6, 4096, "escapes-1%"), ("fp32", 4096 * 8, 4096, "real"),
     ("fp32", 4096 * 8 + 1, 4096, "clustered"),
 ]
+# (format, values, chunk, kind) encoded with the shipped codebook (codebook=None), which leaves
+# them escape-heavy: the shipped sample x2^3 (kvzip.bench's escape sweep row), plane-coded
+# chunks beside listed ones in every scan block, the last chunk (cut short) plane-coded
+SHIPPED_CASES = [("bf16", 4096 * 20 + 2820, 4096, "layer-scaled"), ("fp32", 4096 * 6 + 640, 4096, "layer-scaled")]
 
 
 @pytest.mark.parametrize("name,n,chunk,kind", CASES)
 def test_kernels_write_the_cpu_blob_and_decode_it(exes, tmp_path, name, n, chunk, kind):
     fmt = FORMATS[name]
     check_encode_and_decode(exes, tmp_path, fmt, [values(fmt, n, kind, chunk, seed=n)], chunk)
+
+
+@pytest.mark.parametrize("name,n,chunk,kind", SHIPPED_CASES)
+def test_kernels_write_the_cpu_blob_under_the_shipped_codebook(exes, tmp_path, name, n, chunk, kind):
+    fmt = FORMATS[name]
+    check_encode_and_decode(exes, tmp_path, fmt, [values(fmt, n, kind, chunk, seed=n)], chunk, codebook=None)
 
 
 @pytest.mark.parametrize("name", ["bf16", "e5m2"])
@@ -325,35 +342,49 @@ def test_header_checks_are_the_hosts(exes, tmp_path):
 
 
 def test_cases_hold_what_they_are_named_for():
-    """The cases reach what the kernels do differently: escapes at the rates named, chunks past a
-    slot's room (the scan collects them again), plane-coded chunks, blobs stored raw, a scan block
-    of more escapes than its threads move in one round (escapes.cuh's MOVE_BATCH a thread)."""
+    """The cases reach what the kernels do differently: escapes at the rates named, a slot nearly
+    full, plane-coded chunks (kvz_encode's plane pass, the scan's copy of their high bytes, in
+    16-byte words or, for small chunks, bytes), one at a tensor's end, one in a scan block that
+    also lists escapes, blobs stored raw, a scan block of more escapes than its threads move in
+    one round (escapes.cuh's MOVE_BATCH a thread)."""
     seen = set()
-    for name, n, chunk, kind in CASES:
+    for (name, n, chunk, kind), codebook in [(c, "auto") for c in CASES] + [(c, None) for c in SHIPPED_CASES]:
         fmt = FORMATS[name]
         bits = values(fmt, n, kind, chunk, seed=n)
-        blob, fits = reference(bits, fmt, chunk, "auto")
+        blob, fits = reference(bits, fmt, chunk, codebook)
         seen |= set() if fits else {"stored"}
         if fits and fmt.name != "e4m3":
             seen |= escape_paths(blob, n, chunk, kind, fmt.name, name)
-    assert seen == {"stored", "slot overflow", "plane", "two move rounds"}
+    assert seen == {"stored", "slot nearly full", "plane", "plane in bytes", "plane tail", "plane beside listed",
+                    "two move rounds"}
 
 
 def escape_paths(blob, n, chunk, kind, fmt_name, case) -> set:
-    """The escape paths a case's blob takes in the kernels: "slot overflow" (a chunk lists more
-    escapes than its slot holds), "plane" (a plane-coded chunk), "two move rounds" (a scan block
-    of more escapes than its threads move in one round, escapes.cuh's MOVE_BATCH a thread); and
-    the escape rate an "escapes-R%" case names, checked."""
+    """The escape paths a case's blob takes in the kernels: "slot nearly full" (a chunk lists more
+    escapes than 3/4 of its slot), "plane" (a plane-coded chunk), "plane in bytes" (one whose high
+    bytes are not whole 16-byte words: escapes.cuh's place_plane_high), "plane tail" (the last
+    chunk, cut short, plane-coded, its high bytes ending in a partial 16-byte word that lies in the
+    slot's exponent part), "plane beside listed" (a scan block with plane-coded chunks and
+    listed escapes), "two move rounds" (a scan block of more escapes than its threads move in one
+    round, escapes.cuh's MOVE_BATCH a thread); and the escape rate an "escapes-R%" case names,
+    checked."""
     escapes, counts = escapes_of(blob)
     if kind.startswith("escapes-"):
         rate = float(kind[len("escapes-"):-1]) / 100
         assert 0.6 * rate < escapes / n < 1.2 * rate, (case, kind, escapes / n)
-    listed = counts[counts != layout.PLANE]
-    per_block = np.add.reduceat(np.where(counts == layout.PLANE, 0, counts).astype(np.int64),
-                                np.arange(0, counts.size, programs.SB_CHUNKS))
-    return ({"slot overflow"} if (listed > programs.slot_size(chunk, fmt_name)).any() else set()) \
-        | ({"plane"} if (counts == layout.PLANE).any() else set()) \
-        | ({"two move rounds"} if (per_block > move_round_size()).any() else set())
+    plane = counts == layout.PLANE
+    listed = counts[~plane]
+    blocks = np.arange(0, counts.size, programs.SB_CHUNKS)
+    per_block = np.add.reduceat(np.where(plane, 0, counts).astype(np.int64), blocks)
+    planes_per_block = np.add.reduceat(plane.astype(np.int64), blocks)
+    slot = programs.slot_size(chunk, fmt_name)
+    paths = {"slot nearly full"} if (listed > 3 * slot // 4).any() else set()
+    if plane.any():
+        paths |= {"plane"} | ({"plane in bytes"} if FORMATS[fmt_name].high_exp_bits * chunk // 8 % 16 else set())
+        tail = FORMATS[fmt_name].high_exp_bits * -(-(n % chunk) // 8)  # the last chunk's high bytes, if cut short
+        paths |= {"plane tail"} if plane[-1] and tail % 16 and tail > 2 * slot else set()
+        paths |= {"plane beside listed"} if ((planes_per_block > 0) & (per_block > 0)).any() else set()
+    return paths | ({"two move rounds"} if (per_block > move_round_size()).any() else set())
 
 
 @functools.cache
@@ -365,9 +396,9 @@ def move_round_size() -> int:
 
 # ---------------------------------------------------------------- the quantizing encode
 # QuantizeFP8 (one scale a tensor) ahead of the fused step: programs._EncodeProgram's quantize
-# program (kvz_amax, kvz_quant_table, then kvz_encode<..., true> and kvz_scan<..., true>, which
-# read the 16-bit input and quantize each value as it loads, in the dense pass and in the scan's
-# redo of over-full and plane-coded chunks).
+# program (kvz_amax, kvz_quant_table, then kvz_encode<..., true> and kvz_scan<..., true>; the
+# encoder reads the 16-bit input and quantizes each value as it loads, in the dense pass and in
+# the plane pass of plane-coded chunks).
 
 
 def quantize_pipeline(fp8: str, chunk: int = 4096, codebook=None):
@@ -458,11 +489,10 @@ def test_quantizing_encode_writes_the_cpu_blob(exes, tmp_path, source, name, n, 
 
 def test_quantizing_cases_hold_what_they_are_named_for():
     """The quantized data reaches what the quantizing kernels do differently: E5M2 escapes at the
-    rates named, plane-coded chunks (the scan's redo, quantizing from the input again), a scan
-    block of two move rounds, tails; a blob stored raw.  (No E5M2 chunk lists more escapes than
-    a slot holds: past a third of its groups' high bits a chunk is plane-coded, and that is
-    fewer than the slot; so the redo runs for the plane-coded chunks.  E4M3's default codebook
-    holds every exponent: no escapes.)"""
+    rates named, a slot nearly full, plane-coded chunks (kvz_encode's plane pass, quantizing from
+    the input again), one beside listed escapes, a scan block of two move rounds, tails; a blob
+    stored raw.  (E4M3's default codebook holds every exponent: no
+    escapes.)"""
     seen = set()
     for src, name, n, chunk, kind in QUANTIZE_CASES:
         fp8 = FORMATS[name]
@@ -472,7 +502,7 @@ def test_quantizing_cases_hold_what_they_are_named_for():
         seen |= {"tail"} if n % chunk else set()
         if fits and name != "e4m3":
             seen |= escape_paths(blob, n, chunk, kind, name, src)
-    assert seen == {"stored", "tail", "plane", "two move rounds"}
+    assert seen == {"stored", "tail", "slot nearly full", "plane", "plane beside listed", "two move rounds"}
 
 
 def test_a_quantizing_pipeline_with_an_auto_codebook_gets_no_program():

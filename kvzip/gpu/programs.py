@@ -59,16 +59,16 @@ HEAD_SPAN = 2048        # bytes read back per blob to parse its header (more onl
 SB_CHUNKS = 256         # chunks per block of kvz_scan (one thread each)
 QUEUE_WORDS = 128       # work words of the dense kernels' chunk queues (common.cuh's QUEUE_WORDS)
 # The tunables (kernel shapes, queue and check knobs, the decode tail's split, the early return of
-# encode calls and the early verdict of decode calls, the escape slots' size) are per format in
-# kvzip/gpu/tuning.py; benchmarks change them through tuning.override().
+# encode calls and the early verdict of decode calls) are per format in kvzip/gpu/tuning.py;
+# benchmarks change them through tuning.override().
 
 
-def slot_size(chunk: int, fmt_name: str | None = None) -> int:
-    """Escapes kvz_encode keeps per chunk for kvz_scan to place (1/16 of the chunk, at least 128:
-    room for 3 % of escapes and their spread; the shipped real KV's chunks hold 3-4); a chunk
-    with more is collected again from the input by one warp, a tail in the scan."""
-    t = tuning_for(fmt_name)
-    return max(t.slot_min, chunk // t.slot_share)
+def slot_size(chunk: int, fmt_name: str) -> int:
+    """Entries of kvz_encode's per-chunk escape slot (2-byte position, 1-byte exponent each):
+    a third of the chunk's high exponent bytes (HB a group), rounded up to 16, so every chunk
+    that is not plane-coded fits its escapes in the slot, and a plane-coded chunk's high bytes
+    fit in its 3 * slot bytes, where kvz_encode leaves them for kvz_scan to place (encode.cu)."""
+    return -(-FORMATS[fmt_name].high_exp_bits * (chunk // 8) // 48) * 16
 
 
 _kernels: dict = {}

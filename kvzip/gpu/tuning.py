@@ -63,9 +63,6 @@ class Tuning:
     early_return: bool = field(default=True, metadata=_to("host"))
     # Decode calls return on the scan's verdict, the decoder finishing in stream order.
     early_verdict: bool = field(default=True, metadata=_to("host"))
-    # Escapes kvz_encode keeps per chunk: max(slot_min, chunk // slot_share) (programs.slot_size).
-    slot_min: int = field(default=128, metadata=_to("host"))
-    slot_share: int = field(default=16, metadata=_to("host"))
 
     def macros(self) -> tuple:
         """The -D options of the macro fields, in field order."""

@@ -47,10 +47,47 @@ __device__ __noinline__ void flush_totals(const EncodeJob* jobs, int job, u64 su
     if (++pend->n == KVZ_PENDING) release_counts(jobs, chunk, work, queue_at, ready, pend);
 }
 
+// A plane-coded chunk's second pass, by its warp as soon as the dense pass has counted its escapes
+// past the threshold (its input, just read, still in L2): each group's low exponent nibbles over
+// the codes the dense pass wrote, and its high bits (HB bytes, group g's at byte HB g) to the
+// chunk's slot, bytes [0, 2 slot) in slot_pos's entries and the rest in slot_exp's:
+// programs.slot_size makes the slot's 3 * slot bytes hold them, and slot a multiple of 16 keeps
+// both parts and every group's bytes in them aligned to HB.  Where they go in exp_high
+// depends on the plane-coded groups before the chunk and on the tensor's escapes, known only to
+// kvz_scan, which copies them there (place_plane_high).  B groups a lane are loaded before any
+// is encoded (load_redo_batch): 4 bytes of values a lane (two BF16 groups; with four, kvz_encode
+// BF16 went from 112 registers to 128 and spilled), one group quantizing (two spilled in its 64).
+// c: the chunk, g0 its first group, ng its groups.
+template <int E, int M, typename T, bool QT, int B>
+__device__ __forceinline__ void plane_pass(const EncodeJob& J, long long c, long long g0, int slot, int ng,
+                                        const u8* qtable, int lane) {
+    constexpr int HB = E - 4;
+    using L = typename Pick<QT, u16, T>::type;
+    const L* src = static_cast<const L*>(J.src) + g0 * 8;
+    const long long n = J.n - g0 * 8;
+    u8* __restrict__ codes = J.codes + g0 * 4;
+    u8* __restrict__ high_a = reinterpret_cast<u8*>(J.slot_pos + c * slot);
+    u8* __restrict__ high_b = J.slot_exp + c * slot;
+    assume_global(src); assume_global(codes); assume_global(high_a); assume_global(high_b);
+    const int split = 2 * slot;
+    __syncwarp();  // the escapes other lanes put in the slot, before the high bytes over them
+    for (int s = 0; s < ng; s += 32 * B) {
+        Raw<T> v[B];
+        load_redo_batch<T, QT>(src, n, s, ng, lane, v, qtable);
+#pragma unroll
+        for (int b = 0; b < B; b++) {
+            const int g = s + 32 * b + lane;
+            if (g < ng) encode_plane<E, M>(v[b], g, codes, HB * g < split ? high_a + HB * g : high_b + (HB * g - split));
+        }
+    }
+}
+
 // Dense pass.  Chunks come from the queue above; a warp walks its chunk in steps of 32 * GPL
 // groups, each lane loading its GPL groups with vector loads, encoding them and storing codes
 // and rest in place.  Escapes go to a per-chunk slot in position order (step_escapes); kvz_scan
-// moves them to their final place.
+// moves them to their final place.  A chunk with more than a third of its high exponent bytes'
+// worth of escapes is plane-coded: its warp rewrites it at once (plane_pass), leaving kvz_scan
+// only its high bytes to copy.
 // The loop is kept this plain on purpose: earlier versions of this kernel with prefetching
 // across chunks, a cursor per warp, or a cp.async ring in shared memory spent their instructions
 // on bookkeeping and stalled well below DRAM bandwidth (benchmarks/NOTES.md, v3-v4).
@@ -190,7 +227,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
                     any |= m[q];
                 }
             }
-            if (__any_sync(FULL_MASK, any != 0)) {
+            // Past the plane-coding threshold the chunk's escapes are no longer listed: it is
+            // plane-coded whatever the rest holds.
+            if (count <= HB * ng / 3 && __any_sync(FULL_MASK, any != 0)) {
                 u16* __restrict__ spos = J.slot_pos + c * slot;
                 u8* __restrict__ sexp = J.slot_exp + c * slot;
                 assume_global(spos); assume_global(sexp);
@@ -203,6 +242,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kvz_encode(const EncodeJob* 
             whole = next_whole;
         }
         const bool plane = count > HB * ng / 3;
+        if (plane) plane_pass<E, M, T, QT, QT ? 1 : 4 / sizeof(T)>(J, c, g0, slot, ng, qtable, lane);
         if (lane == 0) J.esc_count[c] = plane ? (u16)PLANE : (u16)count;
         if (job != sum_job) {
             if (lane == 0) flush_totals(jobs, sum_job, sum, sum_chunks, chunk, work, queue_at, ready, pend);

@@ -10,7 +10,8 @@
 // kvz_encode: a step's escapes (lane l's group q holds values p0 + 256 q .. + 7 of the chunk, p0 =
 // 8 l plus the step's first position; m[q] bit j: value j is an escape) to the chunk's slot after
 // the count already there, in position order (group q's lanes after group q - 1's); returns the
-// new count (every lane).  Slots past `slot` are dropped: kvz_scan collects such chunks again.
+// new count (every lane).  Places past `slot` are dropped: a chunk that lists more is plane-coded
+// (the slot holds a third of its high bytes, programs.slot_size).
 // Each lane's place in each group comes first, for all the step's groups at once: when no lane
 // holds two escapes in one group (at 1 % escapes, 7 steps in 10) it is a ballot's population count
 // below the lane, otherwise the lanes' counts, 8 bits a group (at most 8 a lane, so at most 248
@@ -103,9 +104,9 @@ __device__ __forceinline__ int chunk_of_escape(const u32* s_eoff, u32 k) {
 }
 
 // kvz_scan's encode: escapes k, k + SB_CHUNKS, .. (MOVE_BATCH of them, those below listed) of a
-// block, read from their chunks' slots into pos / ex; returns a bit per escape read (none for a
-// chunk redone from the input).  s_eoff: escapes before each of the block's chunks; s_cnt: their
-// counts; c0: the block's first chunk.
+// block, read from their chunks' slots into pos / ex; returns a bit per escape read.  s_eoff:
+// escapes before each of the block's chunks (a plane-coded chunk lists none, so no escape's search
+// ends on one: the chunk after it has the same offset); c0: the block's first chunk.
 // The escapes go MOVE_GROUP at a time: a group's chunk searches run interleaved, step by step (a
 // search is log2 SB_CHUNKS dependent shared-memory reads, the same steps for every escape, so no
 // branch between them), and its loads are issued before the next group's searches, so a thread
@@ -115,7 +116,7 @@ __device__ __forceinline__ int chunk_of_escape(const u32* s_eoff, u32 k) {
 #define MOVE_BATCH 16
 #define MOVE_GROUP 4
 static_assert((SB_CHUNKS & (SB_CHUNKS - 1)) == 0 && MOVE_BATCH % MOVE_GROUP == 0, "halving search, whole groups");
-__device__ __forceinline__ u32 load_slot_escapes(u32 k0, u32 listed, const u32* s_eoff, const u16* s_cnt, int slot,
+__device__ __forceinline__ u32 load_slot_escapes(u32 k0, u32 listed, const u32* s_eoff, int slot,
                                             long long c0, const u16* slot_pos, const u8* slot_exp,
                                             u16 pos[MOVE_BATCH], u8 ex[MOVE_BATCH]) {
     assume_global(slot_pos); assume_global(slot_exp);
@@ -137,7 +138,7 @@ __device__ __forceinline__ u32 load_slot_escapes(u32 k0, u32 listed, const u32* 
 #pragma unroll
         for (int u = 0; u < MOVE_GROUP; u++) {
             const u32 k = k0 + (g + u) * SB_CHUNKS;
-            if (k < listed && s_cnt[lo[u]] <= (u32)slot) {  // else past the block's escapes, or redone from the input
+            if (k < listed) {
                 const long long at = (c0 + lo[u]) * slot + (k - s_eoff[lo[u]]);
                 pos[g + u] = slot_pos[at];
                 ex[g + u] = slot_exp[at];
@@ -146,6 +147,28 @@ __device__ __forceinline__ u32 load_slot_escapes(u32 k0, u32 listed, const u32* 
         }
     }
     return loaded;
+}
+
+// kvz_scan's encode: a plane-coded chunk's len high bytes (HB a group) from its slot, where
+// kvz_encode left them (encode.cu, plane_pass: bytes [0, 2 slot) in the slot's positions, the
+// rest in its exponents), to dst in exp_high, by the warp.  The slot's two parts start on 16-byte
+// boundaries (slot is a multiple of 16; the workspace regions start on 256), exp_high too, and
+// every chunk before the tensor's last is whole, so dst is 16-byte aligned when a chunk's high
+// bytes, HB * gpc, are a multiple of 16 (chunks of 128 values up): whole 16-byte words then.
+template <int HB>
+__device__ __forceinline__ void place_plane_high(u8* __restrict__ dst, const u16* __restrict__ slot_pos,
+                                                 const u8* __restrict__ slot_exp, int slot, int gpc, int len,
+                                                 int lane) {
+    const u8* a = reinterpret_cast<const u8*>(slot_pos);
+    const int split = 2 * slot;
+    int k = lane;
+    if ((HB * gpc) % 16 == 0) {
+        const uint4* a16 = reinterpret_cast<const uint4*>(a);
+        const uint4* b16 = reinterpret_cast<const uint4*>(slot_exp);
+        for (; k < len / 16; k += 32) reinterpret_cast<uint4*>(dst)[k] = k < split / 16 ? a16[k] : b16[k - split / 16];
+        k = len / 16 * 16 + lane;
+    }
+    for (; k < len; k += 32) dst[k] = k < split ? a[k] : slot_exp[k - split];
 }
 
 // The decode scan's check of its block's escapes, the checks kvz_decode makes as it applies them

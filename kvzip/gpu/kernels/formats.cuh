@@ -151,25 +151,6 @@ __device__ __forceinline__ u32 encode_raw(const Raw<T>& raw, long long n, long l
     return mask;
 }
 
-// Rewrite one group of a plane-coded chunk (its values v, load_redo's): low exponent nibbles as
-// codes, high bits in exp_high.
-template <int E, int M, typename T>
-__device__ __forceinline__ void encode_plane(const Raw<T>& v, long long n, long long g, u8* __restrict__ codes,
-                                             u8* __restrict__ high_out) {
-    constexpr int HB = E - 4;
-    u32 word = 0;
-    u64 high = 0;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        const u32 e = (g * 8 + j < n) ? (raw_value(v, j) >> M) & ((1u << E) - 1u) : 0u;
-        word |= (e & 0xF) << (4 * j);
-        high |= (u64)(e >> 4) << (HB * j);
-    }
-    reinterpret_cast<u32*>(codes)[g] = word;
-#pragma unroll
-    for (int k = 0; k < HB; k++) high_out[k] = (u8)(high >> (8 * k));
-}
-
 // The biased exponents of a group's 8 values as the bytes of a word (value j: byte j), so an escape
 // loop can take value j's with a shift whatever j is (indexing Raw's words by a j known only at
 // run time puts them in local memory).
@@ -186,6 +167,33 @@ __device__ __forceinline__ u64 exponent_bytes(const Raw<T>& v) {
 #pragma unroll
         for (int j = 0; j < 8; j++) e |= (u64)((raw_value(v, j) >> M) & EMASK) << (8 * j);
         return e;
+    }
+}
+
+// Eight nibbles (the low half of each byte of x, the rest zero) packed into a word, byte j's at
+// bits 4j: byte 2k of x | x >> 4 holds the pair of bytes 2k and 2k + 1, one permute gathers them.
+__device__ __forceinline__ u32 pack_nibbles8(u64 x) {
+    const u64 t = x | (x >> 4);
+    return __byte_perm((u32)t, (u32)(t >> 32), 0x6420);
+}
+
+// One group of a plane-coded chunk (its values v, load_redo's: zeros past the tensor's end, whose
+// exponent 0 gives code 0 and no high bits): low exponent nibbles as its codes, high bits (value
+// j's at bit HB j) to the HB bytes at high_out, one word when HB is 4 (high_out 4-byte aligned).
+template <int E, int M, typename T>
+__device__ __forceinline__ void encode_plane(const Raw<T>& v, long long g, u8* __restrict__ codes,
+                                             u8* __restrict__ high_out) {
+    constexpr int HB = E - 4;
+    const u64 e = exponent_bytes<E, M>(v);
+    reinterpret_cast<u32*>(codes)[g] = pack_nibbles8(e & 0x0F0F0F0F0F0F0F0Full);
+    if constexpr (HB == 4) {
+        *reinterpret_cast<u32*>(high_out) = pack_nibbles8((e >> 4) & 0x0F0F0F0F0F0F0F0Full);
+    } else {
+        u32 high = 0;
+#pragma unroll
+        for (int j = 0; j < 8; j++) high |= (u32)((e >> (8 * j + 4)) & ((1u << HB) - 1u)) << (HB * j);
+#pragma unroll
+        for (int k = 0; k < HB; k++) high_out[k] = (u8)(high >> (8 * k));
     }
 }
 

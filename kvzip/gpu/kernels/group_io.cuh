@@ -121,7 +121,7 @@ __device__ __forceinline__ void load_quantized(const u16* __restrict__ src, long
         if (i0 + j < n) r.w[j >> 2] |= (quantize_pair(src[i0 + j], table) & 0xFFu) << (8 * (j & 3));
 }
 
-// The encode scan's redo paths: group g of the input as Raw<T> (QT: the 16-bit input's FP8 codes
+// kvz_encode's plane pass: group g of the input as Raw<T> (QT: the 16-bit input's FP8 codes
 // through table, T being the FP8 format's u8), zeros past n.
 template <typename T, bool QT>
 __device__ __forceinline__ void load_redo(const void* src, long long n, long long g, Raw<T>& r, const u8* table) {
@@ -129,14 +129,14 @@ __device__ __forceinline__ void load_redo(const void* src, long long n, long lon
     else load_raw(static_cast<const T*>(src), n, g, r);
 }
 
-// kvz_scan's redo: B groups a lane of the ng from group g0 (lane's b-th: s + 32 b + lane), those
+// kvz_encode's plane pass: B groups a lane of the ng at src (lane's b-th: s + 32 b + lane), those
 // below ng, every load issued before any value is used.
 template <typename T, bool QT, int B>
-__device__ __forceinline__ void load_redo_batch(const void* src, long long n, long long g0, int s, int ng, int lane,
-                                                Raw<T> (&v)[B], const u8* table) {
+__device__ __forceinline__ void load_redo_batch(const void* src, long long n, int s, int ng, int lane, Raw<T> (&v)[B],
+                                                const u8* table) {
 #pragma unroll
     for (int b = 0; b < B; b++)
-        if (s + 32 * b + lane < ng) load_redo<T, QT>(src, n, g0 + s + 32 * b + lane, v[b], table);
+        if (s + 32 * b + lane < ng) load_redo<T, QT>(src, n, s + 32 * b + lane, v[b], table);
 }
 
 template <typename T>

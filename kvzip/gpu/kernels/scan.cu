@@ -77,11 +77,11 @@ __device__ __forceinline__ void offsets_block_done(u64* work, int njobs) {
 //   listing capacity and the tensor's totals against its stream lengths (error per tensor).
 //   Encode: moves the escapes from kvz_encode's slots to their final place, a thread per escape,
 //   MOVE_BATCH of them a round (load_slot_escapes) (positions in esc_pos, exponents in esc_exp,
-//   which starts where kvz_encode's totals put it);
-//   chunks with more escapes than a slot, or plane-coded ones, are redone from the input by a warp
-//   each (only escape-heavy data).  The first njobs blocks (by ticket) finish the blobs instead,
-//   one each (finish_blob: padding, header, sizes[3t ..]), alongside the others: kvz_encode's
-//   totals are all they need.
+//   which starts where kvz_encode's totals put it), and copies each plane-coded chunk's high
+//   bytes from its slot to exp_high (place_plane_high), a warp a chunk: kvz_encode wrote
+//   everything else of those chunks.  The first njobs blocks (by ticket) finish the blobs
+//   instead, one each (finish_blob: padding, header, sizes[3t ..]), alongside the others:
+//   kvz_encode's totals are all they need.
 // Decode: also checks the block's escapes as kvz_decode does (check_block_escapes).
 // work: [0] ticket, [1 + t] tensor t's totals (encode: kvz_encode's sums) or error (decode),
 // (decode: [1 + njobs] the deferred checks, check_block_escapes; [2 + njobs] the blocks done,
@@ -91,6 +91,8 @@ __device__ __forceinline__ void offsets_block_done(u64* work, int njobs) {
 // layouts, whose first njobs blocks run guess_head for each blob; the blocks that set a blob's
 // errors or check its totals wait for that verdict first (a wrong guess's counts mean nothing).
 // Tickets hand the guesses out first, so no block waits on one that has not started.
+// QT: the quantizing encode's instance, which the loader names (kvzip/gpu/loader.py); the scan no
+// longer reads the input (kvz_encode rewrites plane-coded chunks itself), so it is the same code.
 template <int E, int M, typename T, typename Job, bool QT = false>
 __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs, int chunk, int slot,
                                                      u64* __restrict__ work,
@@ -106,11 +108,10 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
     __shared__ u64 s_prefix;
     __shared__ u32 s_eoff[SB_CHUNKS];   // escapes before each chunk, within the block
     __shared__ u32 s_goff[SB_CHUNKS];   // plane-coded groups before it
-    __shared__ u16 s_cnt[SB_CHUNKS];
-    __shared__ u16 s_redo[SB_CHUNKS];
-    __shared__ int s_nredo;
+    __shared__ u16 s_plane[SB_CHUNKS];   // the block's plane-coded chunks (encode)
+    __shared__ int s_nplane;
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
-    if (tid == 0) { s_ticket = (long long)atomicAdd(&work[0], 1ull); s_nredo = 0; }
+    if (tid == 0) { s_ticket = (long long)atomicAdd(&work[0], 1ull); s_nplane = 0; }
     __syncthreads();
     long long sb = s_ticket;
     if constexpr (ENC) {
@@ -164,10 +165,9 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
     if constexpr (ENC) {
         s_eoff[tid] = (u32)(excl >> 31);
         s_goff[tid] = (u32)(excl & GROUPS_MASK);
-        s_cnt[tid] = (u16)stored;
-        if (c < nchunks && (stored == PLANE || stored > (u32)slot)) s_redo[atomicAdd(&s_nredo, 1)] = (u16)tid;
+        if (c < nchunks && stored == PLANE) s_plane[atomicAdd(&s_nplane, 1)] = (u16)tid;
         __syncthreads();
-        loaded = load_slot_escapes(tid, listed, s_eoff, s_cnt, slot, c0, J.slot_pos, J.slot_exp, pos, ex);
+        loaded = load_slot_escapes(tid, listed, s_eoff, slot, c0, J.slot_pos, J.slot_exp, pos, ex);
     }
     if (wid == 0) {
         const u64 p = look_back(work + (ENC ? 1 + njobs : decode_status_at(njobs)) + J.sb_base, lsb, agg, lane);
@@ -209,71 +209,15 @@ __global__ void __launch_bounds__(SB_CHUNKS) kvz_scan(const Job* jobs, int njobs
             }
             k0 += MOVE_BATCH * SB_CHUNKS;
             if (k0 >= listed) break;
-            loaded = load_slot_escapes(k0, listed, s_eoff, s_cnt, slot, c0, J.slot_pos, J.slot_exp, pos, ex);
+            loaded = load_slot_escapes(k0, listed, s_eoff, slot, c0, J.slot_pos, J.slot_exp, pos, ex);
         }
-        const void* src = J.src;
-        const u8* qtable = nullptr;  // QT: redo from the 16-bit input through the table (global: rare path)
-        if constexpr (ENC && QT) qtable = J.q_table;
-        // A warp's redone chunks one after another, each read REDO_BATCH groups a lane at a time
-        // (every load of a batch issued before its stores, which they could alias), the next
-        // chunk's input asked into L2 as a chunk starts: clustered escapes make most of a block's
-        // chunks redone (benchmarks/NOTES.md, e5).
-        constexpr long long VALUE_BYTES = QT ? 2 : sizeof(T);
-        // groups a lane has in flight: 2 for FP32's 32-byte groups and the quantizing redo's lookups
-        // (more spilled or passed 74 registers)
-        constexpr int REDO_BATCH = sizeof(T) == 4 || QT ? 2 : 4;
-        const auto prefetch_chunk = [&](int i) {
-            const long long v0 = (c0 + i) * chunk;
-            prefetch_l2(static_cast<const u8*>(src) + v0 * VALUE_BYTES, min((long long)chunk, n - v0) * VALUE_BYTES, lane);
-        };
-        if (wid < s_nredo) prefetch_chunk(s_redo[wid]);
-        for (int r = wid; r < s_nredo; r += WARPS) {
-            const int i = s_redo[r];
-            if (r + WARPS < s_nredo) prefetch_chunk(s_redo[r + WARPS]);
-            const long long g0 = (c0 + i) * gpc;
-            const int ng = (int)min((long long)gpc, G - g0);
-            if (s_cnt[i] == PLANE) {
-                u8* high = high_out + (long long)HB * (long long)((prefix & GROUPS_MASK) + s_goff[i]);
-                for (int s = 0; s < ng; s += 32 * REDO_BATCH) {
-                    Raw<T> v[REDO_BATCH];
-                    load_redo_batch<T, QT>(src, n, g0, s, ng, lane, v, qtable);
-#pragma unroll
-                    for (int b = 0; b < REDO_BATCH; b++) {
-                        const int g = s + 32 * b + lane;
-                        if (g < ng) encode_plane<E, M>(v[b], n, g0 + g, J.codes, high + (long long)HB * g);
-                    }
-                }
-                continue;
-            }
-            // More escapes than a slot holds: collect them again, in order, straight to the output.
-            const long long out = esc_base + s_eoff[i];
-            int idx0 = 0;
-            for (int s = 0; s < ng; s += 32 * REDO_BATCH) {
-                Raw<T> v[REDO_BATCH];
-                load_redo_batch<T, QT>(src, n, g0, s, ng, lane, v, qtable);
-#pragma unroll
-                for (int b = 0; b < REDO_BATCH; b++) {
-                    if (s + 32 * b >= ng) break;  // warp-uniform
-                    const int g = s + 32 * b + lane;
-                    u32 m = 0;
-                    if (g < ng) {
-#pragma unroll
-                        for (int j = 0; j < 8; j++)
-                            m |= (u32)((g0 + g) * 8 + j < n && (J.lut[(raw_value(v[b], j) >> M) & ((1u << E) - 1u)] & ESC_FLAG)) << j;
-                    }
-                    int total;
-                    int idx = idx0 + warp_exclusive_count(__popc(m), lane, &total);
-#pragma unroll
-                    for (int j = 0; j < 8; j++) {
-                        if ((m >> j) & 1u) {
-                            esc_pos[out + idx] = (u16)(g * 8 + j);
-                            exp_out[out + idx] = (u8)((raw_value(v[b], j) >> M) & ((1u << E) - 1u));
-                            idx++;
-                        }
-                    }
-                    idx0 += total;
-                }
-            }
+        // Plane-coded chunks: kvz_encode left each one's high bytes in its slot (encode.cu,
+        // plane_pass); a warp a chunk copies them to their place in exp_high.
+        for (int r = wid; r < s_nplane; r += WARPS) {
+            const long long cc = c0 + s_plane[r];
+            place_plane_high<HB>(high_out + (long long)HB * (long long)((prefix & GROUPS_MASK) + s_goff[s_plane[r]]),
+                                 J.slot_pos + cc * slot, J.slot_exp + cc * slot, slot, gpc,
+                                 HB * (int)min((long long)gpc, G - cc * gpc), lane);
         }
     }
 }
