@@ -11,9 +11,9 @@ freedom, per-row log-normal scales), BF16.  Each timing is a CUDA graph of calls
 copies of the weight (working set >= 400 MB, so L2 holds none of it), replayed 5 times; the
 median replay over its calls is the time of one call.  The encoder: the median of 5 synchronised
 calls (benchmarks/weights_encode.py times it alone, with an A/B).  cuBLAS is torch's: F.linear
-(and torch.mv at N = 1; the better counts).  kvzip: the fused kernel (N <= 64) and decode +
-cuBLAS; the better of the two is what ZipLinear's routing should take, and the speedup is cuBLAS
-time over it.  For N above the fused kernel's, also the candidate route of weights_sliced.py
+(and torch.mv at N = 1; the better counts).  kvzip: the fused kernels (kvz_w_gemm to N = 32,
+kvz_w_gemm_wide to ZipLinear.route_n) and decode + cuBLAS; the better of the two is what ZipLinear's routing should take, and the speedup is cuBLAS
+time over it.  For N above the fused kernels' (ZipLinear.route_n), also the candidate route of weights_sliced.py
 (band slices decoded into L2-sized scratch, overlapping the GEMMs; sliced_speedup).  DFloat11,
 where the `dfloat11` package is installed: its format of the same weight
 (benchmarks/dfloat11_baseline.py), its own decoder alone and into a scratch W before cuBLAS, on
@@ -99,7 +99,7 @@ def encode_s(w) -> float:
     return time.perf_counter() - t0
 
 
-def bench_shape(m, k, seed, progress):
+def bench_shape(m, k, seed, progress, ns=NS):
     w = synthetic(m, k, seed)
     tw = tiled.encode(w)  # first-use costs (kernel loads), and w's generation, off the clock
     encode_times = [encode_s(w) for _ in range(ENCODE_REPS)]
@@ -121,7 +121,7 @@ def bench_shape(m, k, seed, progress):
     x_check = torch.randn(64, k, device="cuda").to(torch.bfloat16)
     assert _close(sliced[0](x_check), F.linear(x_check, w)), "the sliced route's product is not the Linear's"
 
-    for n in NS:
+    for n in ns:
         x = torch.randn(n, k, device="cuda").to(torch.bfloat16)
         calls = max(20, len(raw_copies))
         cublas = graph_ms([lambda r=r: F.linear(x, r) for r in _cycle(raw_copies, calls)])
@@ -143,7 +143,7 @@ def bench_shape(m, k, seed, progress):
         ours = min(v for key, v in entry.items() if key in ("fused_ms", "decode_cublas_ms"))
         entry.update(best_cublas_ms=best_cublas, kvzip_ms=ours, speedup=best_cublas / ours,
                      route="fused" if ours == entry.get("fused_ms") else "decode_cublas")
-        if n == 16:
+        if n in (16, 128):  # kvz_w_gemm's and kvz_w_gemm_wide's sums
             ref = x.float() @ w.float().T
             scale = ref.abs().max()
             entry["max_err_rel_to_max"] = {"kvzip": float((zl(x).float() - ref).abs().max() / scale),
@@ -286,13 +286,13 @@ def main(argv=None):
                     help="the result files' suffix (default: the GPU's short name, kvzip.bench.gpu_tag)")
     ap.add_argument("--profile", metavar="MxK", help="run the fused kernel once for each N of --ns (eagerly, for "
                     "ncu) and the decoder once, then stop")
-    ap.add_argument("--ns", default="1,16,64")
+    ap.add_argument("--ns", help="comma list of N (default: every N of the issue's list; with --profile 1,16,64)")
     args = ap.parse_args(argv)
     args.tag = args.tag or torch_gpu_tag()
     if args.profile:
         m, k = (int(v) for v in args.profile.split("x"))
         zl = kw.ZipLinear(tiled.encode(synthetic(m, k, 0)))
-        for n in (int(v) for v in args.ns.split(",")):
+        for n in (int(v) for v in (args.ns or "1,16,64").split(",")):
             zl(torch.randn(n, k, device="cuda").to(torch.bfloat16))
         zl.decompress_weight()
         torch.cuda.synchronize()
@@ -310,13 +310,14 @@ def main(argv=None):
         shapes = [s for group in SHAPES.values() for s in group]
         if args.shapes != "all":
             shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        ns = tuple(int(v) for v in args.ns.split(",")) if args.ns else NS
         result["shapes"], result["summary"] = [], None
         for i, (m, k) in enumerate(shapes):
             progress(f"[{i + 1}/{len(shapes)}] {m}x{k}")
-            result["shapes"].append(bench_shape(m, k, seed=i, progress=progress))
+            result["shapes"].append(bench_shape(m, k, seed=i, progress=progress, ns=ns))
             write()  # a run stopped part-way keeps the shapes it finished (the summary stays null)
             torch.cuda.empty_cache()
-        if args.shapes == "all":
+        if args.shapes == "all" and ns == NS:
             result["summary"] = summary(result["shapes"])
         plot(result["shapes"], args.out / f"weights-{args.tag}.png")
     write()

@@ -175,6 +175,7 @@ DEQUANTIZE_ARGS = KernelArgs("kvz_dequantize", "codes:ptr n:i64 scale:ptr out:pt
 W_GEMM_ARGS = KernelArgs("kvz_w_gemm", "blocks:ptr codebook:ptr esc_off:ptr esc_pos:ptr esc_val:ptr x:ptr ldx:i32 "
                                        "bias:ptr y:ptr ldy:i32 partial:ptr tickets:ptr M:i32 K:i32 N:i32 chunks:i32 "
                                        "per_split:i32")
+W_GEMM_WIDE_ARGS = KernelArgs("kvz_w_gemm_wide", " ".join(f"{n}:{k}" for n, k in W_GEMM_ARGS.params))
 W_DECODE_ARGS = KernelArgs("kvz_w_decode", "blocks:ptr codebook:ptr out:ptr M:i32 K:i32 bands:i32 chunks:i32")
 W_PATCH_ARGS = KernelArgs("kvz_w_patch", "esc_off:ptr esc_pos:ptr esc_val:ptr bands:i32 out:ptr K:i32")
 W_HISTOGRAM_ARGS = KernelArgs("kvz_w_histogram", "w:ptr n:i64 hist:ptr ticket:ptr book:ptr code_of:ptr")
@@ -182,7 +183,7 @@ W_ENCODE_ARGS = KernelArgs("kvz_w_encode", "w:ptr M:i32 K:i32 code_of:ptr blocks
                                            "ticket:ptr esc_off:ptr bands:i32 chunks:i32")
 W_ESCAPES_ARGS = KernelArgs("kvz_w_escapes", "w:ptr M:i32 K:i32 code_of:ptr counts:ptr esc_off:ptr esc_pos:ptr "
                                              "esc_val:ptr bands:i32 chunks:i32")
-W_KERNEL_ARGS = (W_GEMM_ARGS, W_DECODE_ARGS, W_PATCH_ARGS, W_HISTOGRAM_ARGS, W_ENCODE_ARGS, W_ESCAPES_ARGS)
+W_KERNEL_ARGS = (W_GEMM_ARGS, W_GEMM_WIDE_ARGS, W_DECODE_ARGS, W_PATCH_ARGS, W_HISTOGRAM_ARGS, W_ENCODE_ARGS, W_ESCAPES_ARGS)
 
 KERNEL_ARGS = (ENCODE_ARGS, AUTO_CODEBOOK_ARGS, SCAN_ARGS, DECODE_ARGS, GATHER_HEADS_ARGS, CHECK_HEADS_ARGS, AMAX_ARGS, QUANT_TABLE_ARGS,
                QUANTIZE_ARGS, DEQUANT_TABLES_ARGS, DEQUANTIZE_ARGS, *W_KERNEL_ARGS)

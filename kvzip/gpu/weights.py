@@ -1,5 +1,6 @@
 """Launches of the weights' kernels (kernels/weights.cu) on a stream the caller gives (a CuPy
-stream object): the fused decode+GEMM for small N, the decoder and the encoder.
+stream object): the fused decode+GEMM (kvz_w_gemm for N <= MAX_N, kvz_w_gemm_wide above), the
+decoder and the encoder.
 
 Everything here is handed arrays kvzip.weights has allocated and checked (device, dtype, shape,
 alignment), read only through their data_ptr(): the launches make no host synchronisation and
@@ -19,7 +20,9 @@ TABLE_BYTES = 256 * 32 * 4      # the per-lane pair table
 DECODE_STAGES = 4               # W_DECODE_STAGES: kvz_w_decode's ring of blocks a warp
 TILE_BYTES = WARPS * 16 * 33 * 4  # kvz_w_decode's tiles (W_TILE_WORDS = 33)
 N_TILES = loader.WEIGHT_N_TILES
-MAX_N = 8 * N_TILES[-1]         # the fused kernel's widest x: ZipLinear.route_n
+MAX_N = 8 * N_TILES[-1]         # kvz_w_gemm's widest x; wider takes kvz_w_gemm_wide
+WIDE_TILES = loader.WEIGHT_WIDE_N_TILES
+WIDE_STAGES, X_ROW = 3, 72      # W_WIDE_STAGES, W_X_ROW of weights_wide.cuh
 REGISTERS, SHARED_PER_SM, THREADS_PER_SM = 65536, 228 * 1024, 2048  # sm_90's limits per multiprocessor
 BLOCK_COST = 4                  # a kvz_w_gemm block's fixed cost (pair table, sums), in chunks a warp
 
@@ -33,6 +36,8 @@ def _shared(name: str) -> int:
     """Dynamic shared memory of a kernel: the pair table (and kvz_w_decode's rings and tiles)."""
     if name.startswith("kvz_w_gemm<"):
         return TABLE_BYTES
+    if name.startswith("kvz_w_gemm_wide<"):  # its stages: a block of W a warp and 8 NT rows of x
+        return WIDE_STAGES * (WARPS * BLOCK_BYTES + 8 * int(name[16:-1]) * X_ROW * 2)
     if name == "kvz_w_decode":
         return TABLE_BYTES + WARPS * DECODE_STAGES * BLOCK_BYTES + TILE_BYTES
     return 0
@@ -101,6 +106,66 @@ def gemm(tw, x, bias, y, partial, tickets, plan, stream) -> None:
                            y=y.data_ptr(), ldy=y.stride(0), partial=partial.data_ptr(), tickets=tickets.data_ptr(),
                            M=tw.shape[0], K=k, N=n, chunks=chunks, per_split=per_split)
     fn((bands, splits), (WARPS * 32,), args, shared_mem=shared, stream=stream)
+
+
+def wide_tiles(n: int) -> int:
+    """The kvz_w_gemm_wide instance for N columns of x: the narrowest whose n block holds them,
+    else the widest (several n blocks)."""
+    return next((t for t in WIDE_TILES if n <= 8 * t), WIDE_TILES[-1])
+
+
+@lru_cache(maxsize=4096)
+def wide_plan(shape, n: int, device_id: int) -> tuple[int, int]:
+    """(splits, chunks per split) of kvz_w_gemm_wide for an M x K weight and N columns.  A thread
+    block per (row block of WARPS bands, split, n block); with splits > 1 each block also writes
+    its sums (a partial tile: 512 bytes a column of its n block, PARTIAL chunks' worth of its
+    12 KiB a chunk of W) and the tile's last block reads all of them.  Time ~ waves x (chunks per
+    split + BLOCK_COST + PARTIAL) + splits x PARTIAL; the split count minimising it wins (the
+    smaller on a tie).  Splits need a ticket a tile (ZipLinear holds one a band), so where tiles
+    outnumber bands there is one split.  Depends on the shape, N and the GPU only, so a weight's
+    sums are the same in every call."""
+    bands, chunks = grid(shape)
+    bn = 8 * wide_tiles(n)
+    tiles = -(-bands // WARPS) * -(-n // bn)
+    _, _, resident = kernel(f"kvz_w_gemm_wide<{bn // 8}>", device_id)
+    slots = resident * multiprocessors(device_id)
+    partial = bn / 24  # 16 rows x bn floats a warp, WARPS warps, over WARPS x BLOCK_BYTES a chunk
+    best = None
+    for want in range(1, (chunks if tiles <= bands else 1) + 1):
+        per_split = -(-chunks // want)
+        splits = -(-chunks // per_split)
+        reduce = partial if splits > 1 else 0.0
+        cost = -(-tiles * splits // slots) * (per_split + BLOCK_COST + reduce) + splits * reduce
+        if best is None or cost < best[0]:
+            best = (cost, splits, per_split)
+    return best[1], best[2]
+
+
+def wide_partial_floats(shape, n: int, splits: int) -> int:
+    """Floats of kvz_w_gemm_wide's partial sums for a plan of ``splits`` (0 when it needs none)."""
+    if splits == 1:
+        return 0
+    bands, _ = grid(shape)
+    bn = 8 * wide_tiles(n)
+    return -(-bands // WARPS) * -(-n // bn) * splits * WARPS * 16 * bn
+
+
+def gemm_wide(tw, x, bias, y, partial, tickets, plan, stream) -> None:
+    """gemm() for N > MAX_N, by kvz_w_gemm_wide and wide_plan's plan.  partial: float32 of
+    wide_partial_floats (when splits > 1); tickets: int32, one a tile (zero, and zero again
+    after the kernel)."""
+    n, k = x.shape
+    bands, chunks = grid(tw.shape)
+    splits, per_split = plan
+    nt = wide_tiles(n)
+    fn, shared, _ = kernel(f"kvz_w_gemm_wide<{nt}>", x.device.index)
+    args = abi.W_GEMM_WIDE_ARGS(blocks=tw.blocks.data_ptr(), codebook=tw.codebook.data_ptr(),
+                                esc_off=tw.esc_off.data_ptr(), esc_pos=tw.esc_pos.data_ptr(),
+                                esc_val=tw.esc_val.data_ptr(), x=x.data_ptr(), ldx=x.stride(0),
+                                bias=0 if bias is None else bias.data_ptr(), y=y.data_ptr(), ldy=y.stride(0),
+                                partial=partial.data_ptr(), tickets=tickets.data_ptr(),
+                                M=tw.shape[0], K=k, N=n, chunks=chunks, per_split=per_split)
+    fn((-(-bands // WARPS), splits, -(-n // (8 * nt))), (WARPS * 32,), args, shared_mem=shared, stream=stream)
 
 
 def decode(tw, out, stream) -> None:

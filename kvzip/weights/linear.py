@@ -1,15 +1,15 @@
 """ZipLinear: an nn.Linear whose BF16 weight lives in the tiled layout, multiplied by the fused
 decode+GEMM on the GPU; compress_model replaces every eligible nn.Linear of a model.
 
-Routing of a forward on CUDA, by N (the rows of x, all leading dimensions flattened):
-N <= route_n (32, the fused kernel's widest x) takes the fused kernel kvz_w_gemm, which reads
-the compressed weight once and never writes W; wider x decodes W into a temporary and calls
-cuBLAS (torch's matmul).  At N = 64 a fused instance (8 n tiles) measured 2.5x slower than that
-(benchmarks/NOTES.md, w5), so there is none.  On the CPU the reference decoder runs and torch
-multiplies: correct, not fast.
+Routing of a forward on CUDA, by N (the rows of x, all leading dimensions flattened): N <= 32
+takes kvz_w_gemm (x read by each warp from L1), 32 < N <= route_n kvz_w_gemm_wide (x staged in
+shared memory, shared by a block's eight bands; several n blocks of 128 columns above 128); both
+read the compressed weight and never write W.  Wider x decodes W into a temporary and calls
+cuBLAS (torch's matmul), where the product's arithmetic outweighs the weight's bytes.  On the
+CPU the reference decoder runs and torch multiplies: correct, not fast.
 
-The fused path sums in FP32 like cuBLAS, in its own order (tensor-core tiles, warps, K splits in
-a fixed order, then the escapes and the bias), so outputs agree with nn.Linear's within BF16
+The fused paths sum in FP32 like cuBLAS, in their own order (tensor-core tiles, warps, K splits
+in a fixed order, then the escapes and the bias), so outputs agree with nn.Linear's within BF16
 rounding, not bit for bit; the weight itself is always exact (decompress_weight).
 """
 from __future__ import annotations
@@ -31,16 +31,25 @@ _ARRAYS = ("blocks", "codebook", "esc_off", "esc_pos", "esc_val")
 def tiled_linear(x: torch.Tensor, blocks: torch.Tensor, codebook: torch.Tensor, esc_off: torch.Tensor,
                  esc_pos: torch.Tensor, esc_val: torch.Tensor, bias: torch.Tensor | None, tickets: torch.Tensor,
                  m: int, k: int) -> torch.Tensor:
-    """y = x W^T + bias by kvz_w_gemm: x (N x K, N <= 32) contiguous BF16 on W's GPU, K % 16 == 0.
-    tickets: the module's split counters, one a band (int32, zero before and after)."""
-    if x.data_ptr() % 16:  # the kernel reads x 16 bytes at a time
+    """y = x W^T + bias by kvz_w_gemm (N <= 32) or kvz_w_gemm_wide: x (N x K) contiguous BF16 on
+    W's GPU, K % 16 == 0.  tickets: the module's split counters, one a band (int32, zero before
+    and after)."""
+    if x.data_ptr() % 16:  # the kernels read x 16 bytes at a time
         x = x.clone()
+    n = x.shape[0]
     tw = TiledWeight((m, k), blocks, codebook, esc_off, esc_pos, esc_val)
-    plan = gpu.gemm_plan((m, k), x.shape[0], x.device.index)
-    y = torch.empty((x.shape[0], m), dtype=torch.bfloat16, device=x.device)
-    splits = plan[0]
-    partial = _partials(x, splits * tiled.grid((m, k))[0] * 16 * x.shape[0]) if splits > 1 else tickets  # unused
-    gpu.gemm(tw, x, bias, y, partial, tickets, plan, tiled.cuda_stream(x.device.index))
+    y = torch.empty((n, m), dtype=torch.bfloat16, device=x.device)
+    stream = tiled.cuda_stream(x.device.index)
+    if n <= gpu.MAX_N:
+        plan = gpu.gemm_plan((m, k), n, x.device.index)
+        floats = plan[0] * tiled.grid((m, k))[0] * 16 * n if plan[0] > 1 else 0
+        launch = gpu.gemm
+    else:
+        plan = gpu.wide_plan((m, k), n, x.device.index)
+        floats = gpu.wide_partial_floats((m, k), n, plan[0])
+        launch = gpu.gemm_wide
+    partial = _partials(x, floats) if floats else tickets  # without splits the kernels never read it
+    launch(tw, x, bias, y, partial, tickets, plan, stream)
     return y
 
 
@@ -63,7 +72,7 @@ class ZipLinear(nn.Module):
     module's device.
     """
 
-    route_n = gpu.MAX_N  # widest x the fused kernel takes (32); wider goes to cuBLAS
+    route_n = 256  # widest x the fused kernels take; wider decodes W for cuBLAS
 
     def __init__(self, tw: TiledWeight, bias: torch.Tensor | None = None):
         super().__init__()

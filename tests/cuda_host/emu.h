@@ -110,10 +110,15 @@ inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
 inline int __clzll(long long x) { return x ? __builtin_clzll((unsigned long long)x) : 64; }
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
+// PRMT's default mode: selector nibble k picks byte (nibble & 7) of y:x, and with its bit 3 set
+// that byte's sign bit replicated (0x00 or 0xFF).
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     const unsigned long long b = ((unsigned long long)y << 32) | x;
     unsigned r = 0;
-    for (int k = 0; k < 4; k++) r |= (unsigned)((b >> (8 * ((s >> (4 * k)) & 7))) & 0xFF) << (8 * k);
+    for (int k = 0; k < 4; k++) {
+        const unsigned nib = (s >> (4 * k)) & 15, byte = (unsigned)(b >> (8 * (nib & 7))) & 0xFF;
+        r |= (nib & 8 ? (byte & 0x80 ? 0xFFu : 0u) : byte) << (8 * k);
+    }
     return r;
 }
 inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned s) {

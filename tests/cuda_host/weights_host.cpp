@@ -1,15 +1,17 @@
 // kvzip/gpu/kernels/weights.cu's kernels run on the host (emu.h), in the order
 // kvzip/weights/tiled.py and kvzip/gpu/weights.py launch them, for
 // tests/weights/test_weights_kernels_host.py.  argv: input file, output file (records.h).
-// Input: int64[4] {op (0 encode, 1 decode, 2 codebooks, 3 gemm), M, K, grid}, then encode: W
+// Input: int64[4] {op (0 encode, 1 decode, 2 codebooks, 3 gemm, 4 wide gemm), M, K, grid}, then encode: W
 // (uint16, M x K); decode: blocks, codebook, esc_off, esc_pos, esc_val (a TiledWeight's arrays);
 // codebooks: uint32 histograms of 256 bins, one after another; gemm: the five arrays, then x
-// (uint16, N x K), bias (uint16, M; empty: none), int64[3] {N, splits, per_split}.
+// (uint16, N x K), bias (uint16, M; empty: none), int64[3] {N, splits, per_split}; wide gemm: the same.
 // Output: encode: hist (uint32[256]), book (16), code_of (256), blocks, counts (uint32 a block),
 // esc_off (uint32, bands + 1), esc_pos (uint32), esc_val (uint16), the two tickets (uint32: each the
 // grid's size after its kernel); decode: W (uint16, M x K); codebooks: each histogram's book
 // (16 bytes) and code_of (256 bytes), choose_codebook_block's alone; gemm: y (uint16, N x M), then the
-// tickets (uint32, a band: zero again after the call).
+// tickets (uint32, a band: zero again after the call); wide gemm: the same (a ticket a tile).
+#include <cmath>
+
 #include "emu.h"
 #include "records.h"
 #include "weights.cu"
@@ -96,6 +98,34 @@ static std::vector<Bytes> gemm(const std::vector<Bytes>& in, int M, int K) {
     return {bytes_of(y), bytes_of(tickets)};
 }
 
+// kvz_w_gemm_wide<NT> over the grid kvzip/gpu/weights.py's gemm_wide launches: (row blocks, splits,
+// n blocks), y and z by hand.
+template <int NT>
+static std::vector<Bytes> gemm_wide(const std::vector<Bytes>& in, int M, int K) {
+    const Layout t(in);
+    const std::vector<u16> x = as<u16>(in[6]), bias = as<u16>(in[7]);
+    const std::vector<long long> p = as<long long>(in[8]);
+    const int N = (int)p[0], splits = (int)p[1], per_split = (int)p[2];
+    const int bands = (M + 15) / 16, chunks = (K + W_CHUNK - 1) / W_CHUNK;
+    const int row_blocks = (bands + W_WARPS - 1) / W_WARPS, n_blocks = (N + 8 * NT - 1) / (8 * NT);
+    std::vector<u16> y(size_t(N) * M, 0xABCD);
+    std::vector<float> partial(size_t(row_blocks) * n_blocks * splits * W_WARPS * 16 * 8 * NT, NAN);
+    std::vector<u32> tickets(row_blocks * n_blocks, 0);
+    gridDim.y = splits;
+    gridDim.z = n_blocks;
+    for (int nb = 0; nb < n_blocks; ++nb)
+        for (int split = 0; split < splits; ++split)
+            emu_launch(row_blocks, W_WARPS * 32, [&] {
+                blockIdx.y = split;
+                blockIdx.z = nb;
+                kvz_w_gemm_wide<NT>(t.block_words(), t.book.data(), t.esc_off.data(), t.esc_pos.data(), t.esc_val.data(),
+                                    x.data(), K, bias.empty() ? nullptr : bias.data(), y.data(), M, partial.data(),
+                                    tickets.data(), M, K, N, chunks, per_split);
+            });
+    gridDim.y = gridDim.z = 1;
+    return {bytes_of(y), bytes_of(tickets)};
+}
+
 int main(int argc, char** argv) {
     const std::vector<Bytes> in = read_records(argv[1]);
     const std::vector<long long> p = as<long long>(in[0]);
@@ -104,9 +134,12 @@ int main(int argc, char** argv) {
     if (p[0] == 0) out = encode(in, M, K, grid);
     else if (p[0] == 1) out = decode(in, M, K, grid);
     else if (p[0] == 2) out = codebooks(in);
-    else {
+    else if (p[0] == 3) {
         const int N = (int)as<long long>(in[8])[0];
         out = N <= 8 ? gemm<1>(in, M, K) : N <= 16 ? gemm<2>(in, M, K) : gemm<4>(in, M, K);
+    } else {
+        const int N = (int)as<long long>(in[8])[0];
+        out = N <= 64 ? gemm_wide<8>(in, M, K) : gemm_wide<16>(in, M, K);
     }
     write_records(argv[2], out);
     return 0;

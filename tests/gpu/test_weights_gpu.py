@@ -92,7 +92,7 @@ def assert_close_to_fp32(y, x, w, bias=None):
     assert bool((err <= tol).all()), float((err - tol).max())
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 8, 9, 16, 17, 31, 32, 33, 64])  # 33, 64: decode + cuBLAS
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 9, 16, 17, 31, 32, 33, 64, 65, 128, 129, 200, 256, 257])  # 33-256: the wide kernel; 257: decode + cuBLAS
 @pytest.mark.parametrize("shape", [(4096, 1024), (1024, 4096), (300, 770), (304, 784), (16, 64)])
 def test_fused_gemm_against_fp32(n, shape):
     m, k = shape
@@ -119,7 +119,7 @@ def test_leading_dimensions_and_wide_x_route_to_cublas():
     m, k = 512, 1024
     w = weights(m, k, seed=5)
     zl = kw.ZipLinear(tiled.encode(w.to(CUDA)))
-    for shape in [(2, 3, k), (200, k), (1, 1, 1, k)]:
+    for shape in [(2, 3, k), (200, k), (3, 100, k), (1, 1, 1, k)]:
         x = torch.randn(*shape).to(torch.bfloat16).to(CUDA)
         y = zl(x)
         assert y.shape == (*shape[:-1], m)
@@ -129,10 +129,11 @@ def test_leading_dimensions_and_wide_x_route_to_cublas():
             assert_close_to_fp32(y.reshape(-1, m), x.reshape(-1, k), w)
 
 
-def test_graph_capture_replays_the_eager_result():
+@pytest.mark.parametrize("n", [4, 100])  # kvz_w_gemm, kvz_w_gemm_wide
+def test_graph_capture_replays_the_eager_result(n):
     m, k = 2048, 2048
     zl = kw.ZipLinear(tiled.encode(weights(m, k, seed=7).to(CUDA)))
-    x = torch.randn(4, k).to(torch.bfloat16).to(CUDA)
+    x = torch.randn(n, k).to(torch.bfloat16).to(CUDA)
     eager = zl(x)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -146,7 +147,7 @@ def test_graph_capture_replays_the_eager_result():
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
-    x.copy_(torch.randn(4, k).to(torch.bfloat16))
+    x.copy_(torch.randn(n, k).to(torch.bfloat16))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, zl(x))

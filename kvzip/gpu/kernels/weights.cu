@@ -1,6 +1,7 @@
 // The weights' kernels over the tiled 12-bit split layout (docs/weights-format.md, "The tiled
 // layout"): kvz_w_gemm, the fused decode+GEMM y = x W^T + bias for small N on tensor cores
-// (mma.sync m16n8k16, BF16 in, FP32 accumulate; weights_gemm.cuh); kvz_w_decode and
+// (mma.sync m16n8k16, BF16 in, FP32 accumulate; weights_gemm.cuh), and kvz_w_gemm_wide, the same
+// for wider x, staged in shared memory and shared by a block's bands (weights_wide.cuh); kvz_w_decode and
 // kvz_w_patch, W back in row-major BF16; kvz_w_histogram, kvz_w_encode and kvz_w_escapes, the
 // GPU encoder, which writes the bytes of kvzip/weights/tiled.py (weights_codec.cuh).
 //
@@ -17,5 +18,6 @@
 // and kvz_w_patch writes over the decoded zero.
 #include "weights_tile.cuh"
 #include "weights_gemm.cuh"
+#include "weights_wide.cuh"
 #include "weights_codec.cuh"
 #include "weights_book.cuh"
