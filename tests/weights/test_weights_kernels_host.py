@@ -93,17 +93,24 @@ def test_band_slices_through_the_decoder(exe, tmp_path):
 def test_fused_gemm_kernel_is_the_product(exe, tmp_path, m, k, n, splits, per_split, with_bias):
     """kvz_w_gemm (mma.sync emulated by its PTX fragment layout) against an FP64 product: within BF16
     rounding, escapes and bias included, the split tickets zero again afterwards."""
+    check_product(exe, tmp_path, 3, m, k, n, splits, per_split, with_bias)
+
+
+def check_product(exe, tmp_path, op, m, k, n, splits, per_split, with_bias):
+    """weights_host's gemm op (3: kvz_w_gemm, 4: kvz_w_gemm_wide) on a trained-like weight with
+    escapes: y within BF16 rounding of the FP64 product (FP32 sums of k terms: bounded by the
+    terms' magnitudes, element by element), the tickets zero again after."""
     w = weight(m, k, "trained", seed=m + n)
     tw = tiled.encode_reference(w)
+    assert tw.escapes or m * k < 5000, "the case must have escapes for the kernel to add"
     g = torch.Generator().manual_seed(n)
     x = torch.randn(n, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(m, generator=g).to(torch.bfloat16) if with_bias else None
     arrays = [*layout_arrays(tw), u16(x), u16(bias) if with_bias else np.zeros(0, np.uint16),
               np.array([n, splits, per_split], np.int64)]
-    y, tickets = harness.call(exe, tmp_path, [3, m, k, 1], arrays)
+    y, tickets = harness.call(exe, tmp_path, [op, m, k, 1], arrays)
     y = torch.from_numpy(np.frombuffer(y, np.uint16).astype(np.int32)).to(torch.int16).view(torch.bfloat16).reshape(n, m)
     ref = x.double() @ w.double().T + (bias.double() if with_bias else 0)
-    # BF16's rounding of y, and FP32 sums of k terms: bounded by the terms' magnitudes, element by element
     terms = x.double().abs() @ w.double().abs().T + (bias.double().abs() if with_bias else 0)
     assert ((y.double() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-5 * terms).all()
     assert not np.frombuffer(tickets, np.uint32).any()
@@ -113,24 +120,10 @@ def test_fused_gemm_kernel_is_the_product(exe, tmp_path, m, k, n, splits, per_sp
                                                     (40, 640, 100, 4, 3), (33, 128, 200, 2, 1)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_wide_gemm_kernel_is_the_product(exe, tmp_path, m, k, n, splits, per_split, with_bias):
-    """kvz_w_gemm_wide (x staged in shared memory; the codebook looked up by byte permutes) against
-    an FP64 product, within BF16 rounding: a row block with bands past M (136 rows: 9 bands), K
-    not a multiple of the chunk (80: x zero past it), n blocks of 64 and 128 columns and two n
-    blocks (200), splits with a short last one, escapes, bias; the tickets zero again after."""
-    w = weight(m, k, "trained", seed=m + n)
-    tw = tiled.encode_reference(w)
-    assert tw.escapes, "the case must have escapes for the kernel to add"
-    g = torch.Generator().manual_seed(n)
-    x = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    bias = torch.randn(m, generator=g).to(torch.bfloat16) if with_bias else None
-    arrays = [*layout_arrays(tw), u16(x), u16(bias) if with_bias else np.zeros(0, np.uint16),
-              np.array([n, splits, per_split], np.int64)]
-    y, tickets = harness.call(exe, tmp_path, [4, m, k, 1], arrays)
-    y = torch.from_numpy(np.frombuffer(y, np.uint16).astype(np.int32)).to(torch.int16).view(torch.bfloat16).reshape(n, m)
-    ref = x.double() @ w.double().T + (bias.double() if with_bias else 0)
-    terms = x.double().abs() @ w.double().abs().T + (bias.double().abs() if with_bias else 0)
-    assert ((y.double() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-5 * terms).all()
-    assert not np.frombuffer(tickets, np.uint32).any()
+    """kvz_w_gemm_wide (x staged in shared memory; the codebook looked up by byte permutes): a row
+    block with bands past M (136 rows: 9 bands), K not a multiple of the chunk (80: x zero past
+    it), n blocks of 64 and 128 columns and two n blocks (200), splits with a short last one."""
+    check_product(exe, tmp_path, 4, m, k, n, splits, per_split, with_bias)
 
 
 def histograms() -> list[np.ndarray]:
