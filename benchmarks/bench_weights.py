@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import kvzip.weights as kw
+from kvzip.gpu import weights as gpu_weights
 from kvzip.bench import torch_gpu_tag
 from kvzip.bench_cpu import code_commit
 from kvzip.weights import tiled
@@ -132,6 +133,8 @@ def bench_shape(m, k, seed, progress, ns=NS):
         calls = max(20, len(zip_copies))
         if n <= kw.ZipLinear.route_n:
             entry["fused_ms"] = graph_ms([lambda z=z: z(x) for z in _cycle(zip_copies, calls)])
+        if n <= gpu_weights.MAX_N:  # kvz_w_gemm_wide where ZipLinear takes kvz_w_gemm: the candidate's time
+            entry["wide_ms"] = graph_ms([lambda z=z: wide_product(z, x) for z in _cycle(zip_copies, calls)])
         entry["decode_cublas_ms"] = graph_ms([lambda z=z: F.linear(x, z.decompress_weight()) for z in
                                               _cycle(zip_copies, calls)])
         if n > kw.ZipLinear.route_n:  # the candidate wide-x route (weights_sliced.py), not ZipLinear's yet
@@ -146,14 +149,27 @@ def bench_shape(m, k, seed, progress, ns=NS):
         if n in (16, 128):  # kvz_w_gemm's and kvz_w_gemm_wide's sums
             ref = x.float() @ w.float().T
             scale = ref.abs().max()
+            if n <= gpu_weights.MAX_N:
+                assert _close(wide_product(zl, x), F.linear(x, w)), "kvz_w_gemm_wide's product is not the Linear's"
             entry["max_err_rel_to_max"] = {"kvzip": float((zl(x).float() - ref).abs().max() / scale),
                                            "cublas": float((F.linear(x, w).float() - ref).abs().max() / scale)}
         row["n"][str(n)] = entry
         others = "".join(f", {name} {entry[key] * 1e3:.1f} us" for name, key in
-                         (("sliced", "sliced_ms"), ("DFloat11+cuBLAS", "dfloat11_cublas_ms")) if key in entry)
+                         (("wide", "wide_ms"), ("sliced", "sliced_ms"), ("DFloat11+cuBLAS", "dfloat11_cublas_ms")) if key in entry)
         progress(f"  {m}x{k} N={n}: cuBLAS {best_cublas * 1e3:.1f} us, kvzip {ours * 1e3:.1f} us "
                  f"({entry['route']}), {best_cublas / ours:.3f}x{others}")
     return row
+
+
+def wide_product(z, x):
+    """x W^T by kvz_w_gemm_wide whatever N is (tiled_linear's wide branch, no bias)."""
+    m, k = z.tiled.shape
+    plan = gpu_weights.wide_plan((m, k), x.shape[0], x.device.index)
+    floats = gpu_weights.wide_partial_floats((m, k), x.shape[0], plan[0])
+    y = torch.empty((x.shape[0], m), dtype=torch.bfloat16, device=x.device)
+    partial = torch.empty(floats, dtype=torch.float32, device=x.device) if floats else z.tickets
+    gpu_weights.gemm_wide(z.tiled, x, None, y, partial, z.tickets, plan, tiled.cuda_stream(x.device.index))
+    return y
 
 
 def _close(a, b) -> bool:

@@ -56,11 +56,36 @@ __device__ __forceinline__ void async_wait() {
 #endif
 }
 
-// Chunk c into stage `stage`: every thread copies its share of x, each warp its band's block.
-// One commit a thread whatever it copied, so that wait_group counts chunks.
+// A thread's share of staging x: pieces of 16 bytes (8 columns of a row), the same ones every
+// chunk.  Found once per block: its row of x at the piece's column in chunk 0 (nullptr past N or
+// where the thread has no piece), that column, its place in a stage.
+template <int NT>
+struct XPieces {
+    static constexpr int PIECES = 8 * NT * 8, EACH = (PIECES + W_WARPS * 32 - 1) / (W_WARPS * 32);
+    const u16* src[EACH];
+    int col[EACH];
+    int dst[EACH];  // uint4 index from the stage's x part
+};
+
+template <int NT>
+__device__ __forceinline__ XPieces<NT> x_pieces(const u16* __restrict__ x, int ldx, int N, int n0) {
+    XPieces<NT> xp;
+#pragma unroll
+    for (int i = 0; i < XPieces<NT>::EACH; ++i) {
+        const int p = threadIdx.x + i * W_WARPS * 32, r = p >> 3, j = p & 7;
+        const bool real = p < XPieces<NT>::PIECES && n0 + r < N;
+        xp.src[i] = real ? x + (size_t)(n0 + r) * ldx + 8 * j : nullptr;
+        xp.col[i] = 8 * j;
+        xp.dst[i] = r * (W_X_ROW / 8) + j;
+    }
+    return xp;
+}
+
+// Chunk c into stage `stage`: each warp its band's block, every thread its pieces of x.  One
+// commit a thread whatever it copied, so that wait_group counts chunks.
 template <int NT>
 __device__ __forceinline__ void stage_chunk(uint4* stage, const uint4* __restrict__ band_blocks, bool band_real,
-                                            const u16* __restrict__ x, int ldx, int N, int K, int n0, int c, int lane,
+                                            const XPieces<NT>& xp, const u16* __restrict__ x, int K, int c, int lane,
                                             int warp) {
     if (band_real) {
         const uint4* src = band_blocks + (size_t)c * W_BLOCK_U4;
@@ -70,12 +95,12 @@ __device__ __forceinline__ void stage_chunk(uint4* stage, const uint4* __restric
         copy16_async_or_zero(dst + 64 + lane, src + 64 + lane, true);
     }
     uint4* xs = stage + WideStage<NT>::W_U4;
-    constexpr int PIECES = 8 * NT * 8;  // 16-byte pieces of the staged x: 8 a row
 #pragma unroll
-    for (int p = threadIdx.x; p < PIECES; p += W_WARPS * 32) {
-        const int r = p >> 3, j = p & 7, n = n0 + r, k = c * W_CHUNK + 8 * j;
-        const bool real = n < N && k < K;  // K % 8 == 0: a piece is all in or all out
-        copy16_async_or_zero(xs + r * (W_X_ROW / 8) + j, real ? x + (size_t)n * ldx + k : x, real);
+    for (int i = 0; i < XPieces<NT>::EACH; ++i) {
+        if (XPieces<NT>::PIECES % (W_WARPS * 32) && threadIdx.x + i * W_WARPS * 32 >= XPieces<NT>::PIECES) continue;
+        const int k = c * W_CHUNK + xp.col[i];
+        const bool real = xp.src[i] != nullptr && k < K;  // K % 8 == 0: a piece is all in or all out
+        copy16_async_or_zero(xs + xp.dst[i], real ? xp.src[i] + c * W_CHUNK : x, real);
     }
     async_commit();
 }
@@ -114,7 +139,7 @@ __device__ __forceinline__ void decode_step_regs(const u32 book[4], u32 codes, u
 // 16 tiles' sums take 64 registers a thread: that instance runs one block a multiprocessor (at two, 128
 // registers spilled in the chunk loop), the 8-tile one two.
 template <int NT>
-__global__ void __launch_bounds__(W_WARPS * 32, NT > 8 ? 1 : 2) kvz_w_gemm_wide(
+__global__ void __launch_bounds__(W_WARPS * 32, NT > 8 ? 1 : NT > 4 ? 2 : 3) kvz_w_gemm_wide(
         const uint4* __restrict__ blocks, const u8* __restrict__ codebook, const u32* __restrict__ esc_off,
         const u32* __restrict__ esc_pos, const u16* __restrict__ esc_val, const u16* __restrict__ x, int ldx,
         const u16* __restrict__ bias, u16* __restrict__ y, int ldy, float* __restrict__ partial,
@@ -133,13 +158,14 @@ __global__ void __launch_bounds__(W_WARPS * 32, NT > 8 ? 1 : 2) kvz_w_gemm_wide(
 
     u32 book[4];
     load_book(codebook, book);
+    const XPieces<NT> xp = x_pieces<NT>(x, ldx, N, n0);
     float acc[NT][4];
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
 
 #pragma unroll
     for (int j = 0; j < W_WIDE_STAGES - 1; ++j) {
-        if (j < nc) stage_chunk<NT>(smem + j * WideStage<NT>::U4, band_blocks, band_real, x, ldx, N, K, n0, c0 + j, lane, warp);
+        if (j < nc) stage_chunk<NT>(smem + j * WideStage<NT>::U4, band_blocks, band_real, xp, x, K, c0 + j, lane, warp);
         else async_commit();
     }
     for (int j = 0; j < nc; ++j) {
@@ -147,8 +173,8 @@ __global__ void __launch_bounds__(W_WARPS * 32, NT > 8 ? 1 : 2) kvz_w_gemm_wide(
         __syncthreads();                  // ... and every thread's; every warp is done with chunk j - 1
         const int ahead = j + W_WIDE_STAGES - 1;
         if (ahead < nc)
-            stage_chunk<NT>(smem + (ahead % W_WIDE_STAGES) * WideStage<NT>::U4, band_blocks, band_real, x, ldx, N, K,
-                            n0, c0 + ahead, lane, warp);
+            stage_chunk<NT>(smem + (ahead % W_WIDE_STAGES) * WideStage<NT>::U4, band_blocks, band_real, xp, x, K,
+                            c0 + ahead, lane, warp);
         else
             async_commit();
         const uint4* st = smem + (j % W_WIDE_STAGES) * WideStage<NT>::U4;
