@@ -155,7 +155,7 @@ def quantize_kernel(name: str, names: tuple, device_id: int):
 
 
 WEIGHT_N_TILES = (1, 2, 4)  # kvz_w_gemm's instances: N <= 8 x tiles columns of x
-WEIGHT_WIDE_N_TILES = (2, 4, 8, 16)  # kvz_w_gemm_wide's: 8 x tiles columns of x a thread block
+WEIGHT_WIDE_N_TILES = (1, 2, 4, 8, 16)  # kvz_w_gemm_wide's: 8 x tiles columns of x a thread block
 WEIGHT_NAMES = (tuple(f"kvz_w_gemm<{t}>" for t in WEIGHT_N_TILES)
                 + tuple(f"kvz_w_gemm_wide<{t}>" for t in WEIGHT_WIDE_N_TILES)
                 + ("kvz_w_decode", "kvz_w_patch", "kvz_w_histogram", "kvz_w_encode", "kvz_w_escapes"))

@@ -139,8 +139,11 @@ int main(int argc, char** argv) {
         out = N <= 8 ? gemm<1>(in, M, K) : N <= 16 ? gemm<2>(in, M, K) : gemm<4>(in, M, K);
     } else {
         const int N = (int)as<long long>(in[8])[0];
-        out = N <= 16 ? gemm_wide<2>(in, M, K) : N <= 32 ? gemm_wide<4>(in, M, K) : N <= 64 ? gemm_wide<8>(in, M, K)
-                                                                                 : gemm_wide<16>(in, M, K);
+        out = N <= 8    ? gemm_wide<1>(in, M, K)
+              : N <= 16 ? gemm_wide<2>(in, M, K)
+              : N <= 32 ? gemm_wide<4>(in, M, K)
+              : N <= 64 ? gemm_wide<8>(in, M, K)
+                        : gemm_wide<16>(in, M, K);
     }
     write_records(argv[2], out);
     return 0;

@@ -118,12 +118,12 @@ def check_product(exe, tmp_path, op, m, k, n, splits, per_split, with_bias):
 
 @pytest.mark.parametrize("m,k,n,splits,per_split", [(16, 64, 33, 1, 1), (136, 192, 64, 3, 1), (24, 80, 40, 1, 2),
                                                     (40, 640, 100, 4, 3), (33, 128, 200, 2, 1), (20, 128, 5, 2, 1),
-                                                    (48, 192, 20, 1, 3)])
+                                                    (48, 192, 20, 1, 3), (40, 192, 1, 2, 2), (24, 128, 12, 1, 2)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_wide_gemm_kernel_is_the_product(exe, tmp_path, m, k, n, splits, per_split, with_bias):
     """kvz_w_gemm_wide (x staged in shared memory; the codebook looked up by byte permutes): a row
     block with bands past M (136 rows: 9 bands), K not a multiple of the chunk (80: x zero past
-    it), n blocks of 16 to 128 columns and two n blocks (200), splits with a short last one."""
+    it), n blocks of 8 to 128 columns and two n blocks (200), splits with a short last one."""
     check_product(exe, tmp_path, 4, m, k, n, splits, per_split, with_bias)
 
 
