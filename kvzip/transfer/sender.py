@@ -451,6 +451,18 @@ class Sender:
         slot = self._free_staging.pop()  # STAGING_SLOTS: one slot is free whenever a group is encoded
         tensors = [t for _, ts, _ in layers for t in ts]
         h.stats["tensors"] += len(tensors)
+        if self._device != "cpu":
+            import torch
+
+            if not self._on_stream:  # this thread's current device and stream, once (the pipeline's)
+                torch.cuda.set_device(self._stream.device)
+                torch.cuda.set_stream(self._stream)
+                self._on_stream = True
+            for *_, fence in layers:
+                if fence is not None:
+                    self._stream.wait_event(fence)
+        if h._auto and h._encoded == 0 and h.codec == "kvzip":
+            self._estimate(h, tensors)
         h._encoded += 1
         name = h.codec  # the group's codec, whatever _recheck makes h.codec for later groups
         wire = None if name == "raw" else h._wire
@@ -464,13 +476,6 @@ class Sender:
         else:
             import torch
 
-            if not self._on_stream:  # this thread's current device and stream, once (the pipeline's)
-                torch.cuda.set_device(self._stream.device)
-                torch.cuda.set_stream(self._stream)
-                self._on_stream = True
-            for *_, fence in layers:
-                if fence is not None:
-                    self._stream.wait_event(fence)
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record(self._stream)
             blobs = codec.encode(wire, tensors)
@@ -544,6 +549,27 @@ class Sender:
         digest = f"{sum64_finish(total, nbytes):016x}"  # ready: the encode's stream is synchronised
         self._notices.append((arrival, "data", h, {"req": h.request, "slot": remote, "nbytes": nbytes,
                                                    "digest": digest, "layers": layers}, marks))
+
+    def _estimate(self, h: SendHandle, tensors) -> None:
+        """codec="auto" chose the speed mode for ``h`` from the connection's estimates: before its
+        first group is encoded, its own tensors' exponents (codec.speed_estimate, on the group's
+        tensors) are asked what the speed mode makes of them, and where that is below
+        RECHECK_BELOW of what the choice assumed the request is chosen for again with it.  So KV
+        of a wide exponent range goes as the ratio mode from its first group, not only after one
+        has crossed at 1.0x (_recheck, which still follows).  Costs a sampled histogram a tensor
+        and a wait for the first group's tensors, once a request."""
+        estimate = codec.speed_estimate(tensors)
+        if estimate >= RECHECK_BELOW * h._assumed:
+            return
+        sizes, calls, ceiling = h._plan
+        pick, why = self._auto.choose(sizes, calls, ceiling, {"kvzip": estimate})
+        note = f"; its tensors' exponents predict kvzip at {estimate:.3f}x, {h._assumed:.3f}x assumed: sending {pick} ({why})"
+        h.codec, h._wire = pick, None if pick == "raw" else codec.get(pick)
+        h._assumed = estimate if pick == "kvzip" else self._auto.assumed(pick, ceiling)
+        h.reason += note
+        h.stats["auto"] = h.reason
+        h.stats["codec"] = pick
+        log.info("request %s: codec=auto%s", h.request, note)
 
     def _recheck(self, h: SendHandle, name: str, raw: int, sent: int) -> None:
         """codec="auto", a group of ``h`` landed: where it crossed with the codec chosen for it at
