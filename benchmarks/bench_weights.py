@@ -11,9 +11,11 @@ freedom, per-row log-normal scales), BF16.  Each timing is a CUDA graph of calls
 copies of the weight (working set >= 400 MB, so L2 holds none of it), replayed 5 times; the
 median replay over its calls is the time of one call.  The encoder: the median of 5 synchronised
 calls (benchmarks/weights_encode.py times it alone, with an A/B).  cuBLAS is torch's: F.linear
-(and torch.mv at N = 1; the better counts).  kvzip: the fused kernels (kvz_w_gemm to N = 32,
-kvz_w_gemm_wide to ZipLinear.route_n) and decode + cuBLAS; the better of the two is what ZipLinear's routing should take, and the speedup is cuBLAS
-time over it.  For N above the fused kernels' (ZipLinear.route_n), also the candidate route of weights_sliced.py
+(and torch.mv at N = 1; the better counts).  kvzip: the fused kernel (kvz_w_gemm, to
+ZipLinear.route_n = 32) and decode + cuBLAS; the better of the two is what ZipLinear's routing
+should take, and the speedup is cuBLAS time over it.  kvz_w_gemm_wide, at every N: the candidate
+for N > 32 (wide_ms, wide_speedup; benchmarks/NOTES.md w8).  For N above route_n, also the
+candidate route of weights_sliced.py
 (band slices decoded into L2-sized scratch, overlapping the GEMMs; sliced_speedup).  DFloat11,
 where the `dfloat11` package is installed: its format of the same weight
 (benchmarks/dfloat11_baseline.py), its own decoder alone and into a scratch W before cuBLAS, on
@@ -133,8 +135,9 @@ def bench_shape(m, k, seed, progress, ns=NS):
         calls = max(20, len(zip_copies))
         if n <= kw.ZipLinear.route_n:
             entry["fused_ms"] = graph_ms([lambda z=z: z(x) for z in _cycle(zip_copies, calls)])
-        if n <= gpu_weights.MAX_N:  # kvz_w_gemm_wide where ZipLinear takes kvz_w_gemm: the candidate's time
-            entry["wide_ms"] = graph_ms([lambda z=z: wide_product(z, x) for z in _cycle(zip_copies, calls)])
+        # kvz_w_gemm_wide at every N, routed by ZipLinear or not (NOTES w8): the candidate's time
+        entry["wide_ms"] = graph_ms([lambda z=z: wide_product(z, x) for z in _cycle(zip_copies, calls)])
+        entry["wide_speedup"] = best_cublas / entry["wide_ms"]
         entry["decode_cublas_ms"] = graph_ms([lambda z=z: F.linear(x, z.decompress_weight()) for z in
                                               _cycle(zip_copies, calls)])
         if n > kw.ZipLinear.route_n:  # the candidate wide-x route (weights_sliced.py), not ZipLinear's yet
@@ -149,9 +152,9 @@ def bench_shape(m, k, seed, progress, ns=NS):
         if n in (16, 128):  # kvz_w_gemm's and kvz_w_gemm_wide's sums
             ref = x.float() @ w.float().T
             scale = ref.abs().max()
-            if n <= gpu_weights.MAX_N:
-                assert _close(wide_product(zl, x), F.linear(x, w)), "kvz_w_gemm_wide's product is not the Linear's"
+            assert _close(wide_product(zl, x), F.linear(x, w)), "kvz_w_gemm_wide's product is not the Linear's"
             entry["max_err_rel_to_max"] = {"kvzip": float((zl(x).float() - ref).abs().max() / scale),
+                                           "wide": float((wide_product(zl, x).float() - ref).abs().max() / scale),
                                            "cublas": float((F.linear(x, w).float() - ref).abs().max() / scale)}
         row["n"][str(n)] = entry
         others = "".join(f", {name} {entry[key] * 1e3:.1f} us" for name, key in
@@ -162,7 +165,7 @@ def bench_shape(m, k, seed, progress, ns=NS):
 
 
 def wide_product(z, x):
-    """x W^T by kvz_w_gemm_wide whatever N is (tiled_linear's wide branch, no bias)."""
+    """x W^T by kvz_w_gemm_wide whatever N is (tiled_linear takes it above N = 32; no bias)."""
     m, k = z.tiled.shape
     plan = gpu_weights.wide_plan((m, k), x.shape[0], x.device.index)
     floats = gpu_weights.wide_partial_floats((m, k), x.shape[0], plan[0])

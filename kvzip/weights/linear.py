@@ -1,12 +1,13 @@
 """ZipLinear: an nn.Linear whose BF16 weight lives in the tiled layout, multiplied by the fused
 decode+GEMM on the GPU; compress_model replaces every eligible nn.Linear of a model.
 
-Routing of a forward on CUDA, by N (the rows of x, all leading dimensions flattened): N <= 32
-takes kvz_w_gemm (x read by each warp from L1), 32 < N <= route_n kvz_w_gemm_wide (x staged in
-shared memory, shared by a block's eight bands; several n blocks of 128 columns above 128); both
-read the compressed weight and never write W.  Wider x decodes W into a temporary and calls
-cuBLAS (torch's matmul), where the product's arithmetic outweighs the weight's bytes.  On the
-CPU the reference decoder runs and torch multiplies: correct, not fast.
+Routing of a forward on CUDA, by N (the rows of x, all leading dimensions flattened):
+N <= route_n (32) takes the custom op tiled_linear, whose kvz_w_gemm reads the compressed weight
+once and never writes W; wider x decodes W into a temporary and calls cuBLAS (torch's matmul).
+tiled_linear itself also takes wider x, through kvz_w_gemm_wide (x staged in shared memory and
+shared by a block's eight bands); ZipLinear routes to it once a GPU has measured it against
+decode + cuBLAS (benchmarks/NOTES.md w8: host-tested only so far).  On the CPU the reference
+decoder runs and torch multiplies: correct, not fast.
 
 The fused paths sum in FP32 like cuBLAS, in their own order (tensor-core tiles, warps, K splits
 in a fixed order, then the escapes and the bias), so outputs agree with nn.Linear's within BF16
@@ -72,7 +73,7 @@ class ZipLinear(nn.Module):
     module's device.
     """
 
-    route_n = 256  # widest x the fused kernels take; wider decodes W for cuBLAS
+    route_n = gpu.MAX_N  # widest x ZipLinear multiplies fused (32); wider decodes W for cuBLAS
 
     def __init__(self, tw: TiledWeight, bias: torch.Tensor | None = None):
         super().__init__()
