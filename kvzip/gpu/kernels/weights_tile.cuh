@@ -1,5 +1,6 @@
 // What every weights kernel shares: the word types, the tiled layout's constants, loads, the
-// per-lane pair table and the decoding of one lane's 16-column step.
+// decoding of one lane's 16-column step (by the per-lane pair table, or by byte permutes of the
+// codebook held in registers) and the tensor-core product.
 #pragma once
 
 typedef unsigned char u8;
@@ -74,6 +75,34 @@ __device__ __forceinline__ void decode_step(const u32* lane_table, u32 codes, u3
     a[1] = (__byte_perm(sm01, 0, 0x3322) & 0x807F807Fu) | lane_table[((codes >> 8) & 0xFFu) << 5];
     a[2] = (__byte_perm(sm23, 0, 0x1100) & 0x807F807Fu) | lane_table[((codes >> 16) & 0xFFu) << 5];
     a[3] = (__byte_perm(sm23, 0, 0x3322) & 0x807F807Fu) | lane_table[(codes >> 24) << 5];
+}
+
+// The codebook's 16 bytes as four words (byte i of the book is byte i % 4 of book[i / 4]).
+__device__ __forceinline__ void load_book(const u8* __restrict__ codebook, u32 book[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        book[i] = (u32)__ldg(codebook + 4 * i) | (u32)__ldg(codebook + 4 * i + 1) << 8 |
+                  (u32)__ldg(codebook + 4 * i + 2) << 16 | (u32)__ldg(codebook + 4 * i + 3) << 24;
+}
+
+// The exponents of the four codes in the low 16 bits of `codes` (nibble i: code i), as bytes
+// 0-3: codes 0-7 from book words 0-1 and 8-15 from words 2-3 by two byte permutes, each byte
+// then taken from the one its code's bit 3 names by a third (selector nibble i: i, or i + 4).
+// Every selector nibble keeps its bit 3 clear: set, PRMT would replicate a sign instead.
+__device__ __forceinline__ u32 expand_codes(const u32 book[4], u32 codes) {
+    const u32 sel = codes & 0x7777u;
+    const u32 low = __byte_perm(book[0], book[1], sel), high = __byte_perm(book[2], book[3], sel);
+    return __byte_perm(low, high, 0x3210u | ((codes >> 1) & 0x4444u));
+}
+
+// One 16-column step of a lane (decode_step's result, by expand_codes): exponent bytes e0 e1 of
+// a BF16 pair go to bits 7-14 and 23-30 (byte_perm [e0, 0, e1, 0], shifted by 7).
+__device__ __forceinline__ void decode_step_regs(const u32 book[4], u32 codes, u32 sm01, u32 sm23, u32 a[4]) {
+    const u32 e03 = expand_codes(book, codes), e47 = expand_codes(book, codes >> 16);
+    a[0] = (__byte_perm(sm01, 0, 0x1100) & 0x807F807Fu) | (__byte_perm(e03, 0, 0x4140) << 7);
+    a[1] = (__byte_perm(sm01, 0, 0x3322) & 0x807F807Fu) | (__byte_perm(e03, 0, 0x4342) << 7);
+    a[2] = (__byte_perm(sm23, 0, 0x1100) & 0x807F807Fu) | (__byte_perm(e47, 0, 0x4140) << 7);
+    a[3] = (__byte_perm(sm23, 0, 0x3322) & 0x807F807Fu) | (__byte_perm(e47, 0, 0x4342) << 7);
 }
 
 __device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
