@@ -35,8 +35,11 @@ def tiled_linear(x: torch.Tensor, blocks: torch.Tensor, codebook: torch.Tensor, 
     """y = x W^T + bias by kvz_w_gemm (N <= 32) or kvz_w_gemm_wide: x (N x K) contiguous BF16 on
     W's GPU, K % 16 == 0.  tickets: the module's split counters, one a band (int32, zero before
     and after)."""
-    if x.data_ptr() % 16:  # the kernels read x 16 bytes at a time
-        x = x.clone()
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.bfloat16 or x.device.type != "cuda" or k % 16:
+        raise ValueError(f"tiled_linear takes x of shape (N, {k}) in bfloat16 on a GPU with K % 16 == 0, "
+                         f"got {tuple(x.shape)} {x.dtype} on {x.device}")
+    if x.data_ptr() % 16 or not x.is_contiguous():  # the kernels read rows of x 16 bytes at a time
+        x = x.clone(memory_format=torch.contiguous_format)
     n = x.shape[0]
     tw = TiledWeight((m, k), blocks, codebook, esc_off, esc_pos, esc_val)
     y = torch.empty((n, m), dtype=torch.bfloat16, device=x.device)

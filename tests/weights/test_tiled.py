@@ -133,6 +133,11 @@ def test_zip_linear_refuses_wrong_input():
         kw.ZipLinear.from_linear(nn.Linear(16, 8))  # fp32
     with pytest.raises(TypeError):
         kw.ZipLinear.from_linear(nn.Conv1d(1, 1, 1))
+    # the custom op itself, called directly: a clear error before any kernel, not a launch on CPU memory
+    arrays = (zl.blocks, zl.codebook, zl.esc_off, zl.esc_pos, zl.esc_val, None, zl.tickets, 8, 16)
+    for x in (torch.randn(2, 16).to(torch.bfloat16), torch.randn(2, 16), torch.randn(2, 3, 16).to(torch.bfloat16)):
+        with pytest.raises(ValueError, match="tiled_linear takes x"):
+            kw.tiled_linear(x, *arrays)
 
 
 def test_state_dict_round_trips_and_is_validated():
