@@ -119,6 +119,7 @@ def bench_shape(m, k, seed, progress, ns=NS):
     row["decode"] = {"ms": decode_ms, "tbs_out": m * k * 2 / decode_ms / 1e9, "copy_ms": copy_ms,
                      "copy_tbs_out": m * k * 2 / copy_ms / 1e9}
     assert torch.equal(zl.decompress_weight(), w)
+    progress(f"  {m}x{k} decode: {row['decode']['tbs_out']:.3f} TB/s of BF16 (a copy of W: {row['decode']['copy_tbs_out']:.3f})")
     df11_copies = _dfloat11_copies(w, row, decoded, progress)
     sliced = [SlicedProduct(z.tiled) for z in zip_copies]
     x_check = torch.randn(64, k, device="cuda").to(torch.bfloat16)
