@@ -132,7 +132,7 @@ def speed_ceiling(tensors) -> float:
     return raw / coded if coded else 1.0
 
 
-SAMPLE = 1 << 16        # values of a tensor speed_estimate reads (evenly spaced)
+SAMPLE = 1 << 16        # values of a tensor speed_estimate reads (about; evenly spaced)
 ESCAPE_BITS = 24        # an escape in the speed mode: a 2-byte position and its exponent byte
 
 
@@ -158,19 +158,26 @@ def speed_estimate(tensors) -> float:
     return raw / coded if coded else 1.0
 
 
+def _stride(n: int) -> int:
+    """An odd step giving about SAMPLE of n values: coprime with every power of two, so the sample
+    visits every channel of a [..., head_dim] tensor (an even step would see only some of them,
+    and per-channel scales, KV's commonest structure, would vanish from the histogram)."""
+    return max(1, n // SAMPLE) | 1
+
+
 def _exponent_sample(t, f) -> list[int]:
-    """Counts of each exponent field value over up to SAMPLE evenly spaced values of t."""
+    """Counts of each exponent field value over about SAMPLE evenly spaced values of t."""
     if buffers.framework(t) == "numpy":
         flat = np.ascontiguousarray(t).reshape(-1)
         if not flat.dtype.isnative:  # ">f2" from a big-endian sender: its values, not its byte order
             flat = flat.astype(flat.dtype.newbyteorder("="))
-        bits = flat[::max(1, flat.size // SAMPLE)].view(f.uint_dtype).astype(np.int64)
+        bits = flat[::_stride(flat.size)].view(f.uint_dtype).astype(np.int64)
         return np.bincount((bits >> f.mant_bits) & ((1 << f.exp_bits) - 1), minlength=1 << f.exp_bits).tolist()
     import torch
 
     flat = t.reshape(-1)
     as_int = {8: torch.uint8, 16: torch.int16, 32: torch.int32}[f.width]
-    bits = flat[::max(1, flat.numel() // SAMPLE)].view(as_int).to(torch.int64)
+    bits = flat[::_stride(flat.numel())].view(as_int).to(torch.int64)
     return torch.bincount((bits >> f.mant_bits) & ((1 << f.exp_bits) - 1), minlength=1 << f.exp_bits).tolist()
 
 

@@ -90,6 +90,28 @@ def test_loopback_cuda_round_trip(codec):
         assert stats["raw_bytes"] / stats["sent_bytes"] > 1.38
 
 
+@pytest.mark.parametrize("form", ["as-is", "wide", "chan-scaled"])
+def test_speed_estimate_on_the_gpu_is_the_cpus(form):
+    """codec.speed_estimate samples and counts the same values on a GPU (torch) as on the CPU, and
+    codec="auto" over CUDA KV of a wide exponent range goes as the ratio mode from its first group."""
+    import numpy as np
+
+    from kvzip.testing import kv_variant
+    from kvzip.transfer.codec import speed_estimate
+
+    layers = [tuple(torch.from_numpy(kv_variant(t.cpu().view(torch.int16).numpy().view(np.uint16), form)
+                                     .view(np.int16)).view(torch.bfloat16) for t in pair) for pair in real_layers(8)]
+    flat = [t for pair in layers for t in pair]
+    assert speed_estimate([t.cuda() for t in flat]) == speed_estimate(flat)
+    if form == "wide":
+        cuda_layers = [tuple(t.cuda() for t in pair) for pair in layers]
+        with transfer.Receiver(engine="loopback", device="cuda", slot_bytes=16 << 20) as rx, \
+                transfer.Sender(rx.address, engine="loopback", codec="auto", link_gbps=1.0) as tx:
+            stats = tx.send("w", cuda_layers).wait(timeout=60)
+            assert all(same(a, b) for a, b in zip(cuda_layers, rx.receive("w")))
+        assert stats["group_codecs"][0] != "kvzip", stats["auto"]
+
+
 def test_streaming_from_a_side_stream_waits_for_the_producer():
     """Layers produced on another stream: the sender's encode waits for them (event fence)."""
     layers = real_layers(4)
