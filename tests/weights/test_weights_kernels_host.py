@@ -96,11 +96,13 @@ def test_fused_gemm_kernel_is_the_product(exe, tmp_path, m, k, n, splits, per_sp
     check_product(exe, tmp_path, 3, m, k, n, splits, per_split, with_bias)
 
 
-def check_product(exe, tmp_path, op, m, k, n, splits, per_split, with_bias):
+def check_product(exe, tmp_path, op, m, k, n, splits, per_split, with_bias, wide_columns=False):
     """weights_host's gemm op (3: kvz_w_gemm, 4: kvz_w_gemm_wide) on a trained-like weight with
     escapes: y within BF16 rounding of the FP64 product (FP32 sums of k terms: bounded by the
     terms' magnitudes, element by element), the tickets zero again after."""
     w = weight(m, k, "trained", seed=m + n)
+    if wide_columns:  # columns scaled by 2^-16 .. 2^15: most weights escape, all stay finite
+        w = (w.float() * 2.0 ** (torch.arange(k) % 32 - 16)).to(torch.bfloat16)
     tw = tiled.encode_reference(w)
     assert tw.escapes or m * k < 5000, "the case must have escapes for the kernel to add"
     g = torch.Generator().manual_seed(n)
@@ -121,10 +123,18 @@ def check_product(exe, tmp_path, op, m, k, n, splits, per_split, with_bias):
                                                     (48, 192, 20, 1, 3), (40, 192, 1, 2, 2), (24, 128, 12, 1, 2)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_wide_gemm_kernel_is_the_product(exe, tmp_path, m, k, n, splits, per_split, with_bias):
-    """kvz_w_gemm_wide (x staged in shared memory; the codebook looked up by byte permutes): a row
-    block with bands past M (136 rows: 9 bands), K not a multiple of the chunk (80: x zero past
-    it), n blocks of 8 to 128 columns and two n blocks (200), splits with a short last one."""
+    """kvz_w_gemm_wide (x staged in shared memory; the codebook looked up by byte permutes; escapes
+    patched into the A fragments): a row block with bands past M (136 rows: 9 bands), K not a
+    multiple of the chunk (80: x zero past it), n blocks of 8 to 128 columns and two n blocks
+    (200), splits with a short last one."""
     check_product(exe, tmp_path, 4, m, k, n, splits, per_split, with_bias)
+
+
+@pytest.mark.parametrize("m,k,n,splits,per_split", [(16, 128, 40, 1, 2), (24, 320, 9, 3, 2), (40, 192, 70, 3, 1)])
+def test_wide_gemm_kernel_with_escapes_everywhere(exe, tmp_path, m, k, n, splits, per_split):
+    """Columns scaled by 2^-16 .. 2^15, so most weights escape: hundreds a chunk, a chunk's escapes
+    span many batches of 32, and a split starts deep in its band's list (the warp's search)."""
+    check_product(exe, tmp_path, 4, m, k, n, splits, per_split, True, wide_columns=True)
 
 
 def histograms() -> list[np.ndarray]:

@@ -9,12 +9,15 @@
 // from HBM once per n block, and x once per block from L2, shared by the block's 8 bands.
 //
 // Decoding needs no table: a lane keeps the 16-byte codebook in registers and looks up four
-// codes at a time with byte permutes (expand_codes).
+// codes at a time with byte permutes (expand_codes).  Escapes (decoded as +0) are written into
+// the A fragments before the mma from the band's list, which the warp walks in step with its
+// chunks (EscapeWalk), so the tensor cores multiply every weight exactly and nothing is added
+// after the loop.
 //
 // The sum of each output is in a fixed order whatever the schedule: the split's chunks in order
 // (the tensor core's own order within a step), the splits in order (the last block of a tile to
-// finish, by a ticket, adds them from `partial`), the band's escapes in list order, the bias;
-// then rounded to BF16 once.  K % 16 == 0; x 16-byte aligned, ldx % 8 == 0.
+// finish, by a ticket, adds them from `partial`), the bias; then rounded to BF16 once.
+// K % 16 == 0; x 16-byte aligned, ldx % 8 == 0.
 #pragma once
 
 #include "weights_tile.cuh"
@@ -105,6 +108,71 @@ __device__ __forceinline__ void stage_chunk(uint4* stage, const uint4* __restric
     async_commit();
 }
 
+// A warp's walk through its band's escape list (positions p = 16 column + row, increasing),
+// 32 at a time in registers: lane l holds escape `base + l` (p = ~0u past the list's end).  A
+// chunk's escapes are those below the chunk's end from `next` on; they go into the A fragments
+// where the decoder left +0, so the tensor cores multiply the weights exactly and nothing is
+// added after the loop.
+struct EscapeWalk {
+    u32 base, next, end;  // the batch's first escape, the first not yet taken, the band's end
+    u32 pos, val;         // lane l's escape of the batch
+};
+
+__device__ __forceinline__ void load_escapes(EscapeWalk& ew, const u32* __restrict__ esc_pos,
+                                             const u16* __restrict__ esc_val, int lane) {
+    const u32 e = ew.base + lane;
+    ew.pos = e < ew.end ? __ldg(esc_pos + e) : ~0u;
+    ew.val = e < ew.end ? (u32)__ldg(esc_val + e) : 0u;
+}
+
+// The walk of a band's escapes [e0, e1) from the first with p >= from (its column >= from / 16):
+// found by the warp probing 32 evenly spaced positions a round, then the last 32 one by one.
+__device__ __forceinline__ EscapeWalk start_escapes(const u32* __restrict__ esc_pos, const u16* __restrict__ esc_val,
+                                                    u32 e0, u32 e1, u32 from, int lane) {
+    u32 lo = e0, hi = e1;  // the first p >= from is in [lo, hi]
+    while (hi - lo > 32) {
+        const u32 step = (hi - lo + 31) / 32, at = lo + lane * step;
+        const int below = __popc(__ballot_sync(0xffffffffu, at < hi && __ldg(esc_pos + at) < from));
+        const u32 new_lo = below ? lo + (below - 1) * step + 1 : lo;
+        hi = min(hi, lo + below * step);
+        lo = new_lo;
+    }
+    const u32 at = lo + lane;
+    lo += __popc(__ballot_sync(0xffffffffu, at < hi && __ldg(esc_pos + at) < from));
+    EscapeWalk ew{lo, lo, e1, 0u, 0u};
+    load_escapes(ew, esc_pos, esc_val, lane);
+    return ew;
+}
+
+// The next of the escapes below p = limit (a chunk's end) that the batch holds, as a mask of its
+// lanes (position order), taken: the batch is first refilled where it is used up.  Callers
+// take again while the mask ran to the batch's end (a chunk may hold more than 32 escapes).
+__device__ __forceinline__ u32 take_escapes(EscapeWalk& ew, u32 limit, const u32* __restrict__ esc_pos,
+                                            const u16* __restrict__ esc_val, int lane) {
+    if (ew.next - ew.base == 32) {  // the batch is used up: the next 32
+        ew.base = ew.next;
+        load_escapes(ew, esc_pos, esc_val, lane);
+    }
+    const u32 mask = __ballot_sync(0xffffffffu, ew.base + lane >= ew.next && ew.pos < limit);
+    ew.next += __popc(mask);
+    return mask;
+}
+
+// Escape (p, v) of a chunk into the A fragments of steps 2 pair and 2 pair + 1, if this lane owns
+// it: column c = p / 16 % 64 of the chunk, row r = p % 16 belong to lane 4 (r % 8) + c / 16, step
+// (c / 4) % 4, register r / 8 + 2 ((c % 4) / 2), half c % 2 (the fragment order of decode_step).
+__device__ __forceinline__ void patch_escape(u32 p, u32 v, int pair, int lane, u32 a0[4], u32 a1[4]) {
+    const u32 c = (p >> 4) & 63, r = p & 15, step = (c >> 2) & 3;
+    if ((int)(4 * (r & 7) + (c >> 4)) != lane || (int)(step >> 1) != pair) return;
+    const u32 reg = (r >> 3) + 2 * ((c & 3) >> 1), shift = 16 * (c & 1);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        if ((u32)i == reg) {
+            if (step & 1) a1[i] = (a1[i] & ~(0xFFFFu << shift)) | (v << shift);
+            else a0[i] = (a0[i] & ~(0xFFFFu << shift)) | (v << shift);
+        }
+}
+
 // Grid (row blocks of W_WARPS bands, splits, n blocks of 8 NT columns).  partial: the splits'
 // sums, [tile][split][band of the block][16 rows][8 NT] floats (tile = row block x n blocks +
 // n block); tickets: one a tile, zero before and after (used only when splits > 1).
@@ -131,6 +199,8 @@ __global__ void __launch_bounds__(W_WARPS * 32, NT > 8 ? 1 : NT > 4 ? 2 : 3) kvz
     u32 book[4];
     load_book(codebook, book);
     const XPieces<NT> xp = x_pieces<NT>(x, ldx, N, n0);
+    const u32 e0 = band_real ? __ldg(esc_off + band) : 0u, e1 = band_real ? __ldg(esc_off + band + 1) : 0u;
+    EscapeWalk ew = start_escapes(esc_pos, esc_val, e0, e1, (u32)c0 * W_CHUNK * 16, lane);
     float acc[NT][4];
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
@@ -153,11 +223,23 @@ __global__ void __launch_bounds__(W_WARPS * 32, NT > 8 ? 1 : NT > 4 ? 2 : 3) kvz
         const uint4* wb = st + warp * W_BLOCK_U4;
         const uint4 codes = wb[lane], sm01 = wb[32 + lane], sm23 = wb[64 + lane];
         const u16* xs = reinterpret_cast<const u16*>(st + WideStage<NT>::W_U4) + g * W_X_ROW + 16 * q;
+        const u32 limit = (u32)(c0 + j + 1) * W_CHUNK * 16;  // this chunk's escapes: p below it
 #pragma unroll
         for (int p = 0; p < 2; ++p) {  // steps 2 p and 2 p + 1: one 16-byte B load a tile serves both
             u32 a0[4], a1[4];
             decode_step_regs(book, p ? codes.z : codes.x, p ? sm23.x : sm01.x, p ? sm23.y : sm01.y, a0);
             decode_step_regs(book, p ? codes.w : codes.y, p ? sm23.z : sm01.z, p ? sm23.w : sm01.w, a1);
+            // The chunk's escapes (warp-uniform), walked again for each pair of steps from where the
+            // chunk began; the second walk's end is where the next chunk begins.
+            EscapeWalk walk = ew;
+            for (u32 m = take_escapes(walk, limit, esc_pos, esc_val, lane); m;
+                 m = walk.next - walk.base == 32 ? take_escapes(walk, limit, esc_pos, esc_val, lane) : 0u)
+                for (u32 left = m; left; left &= left - 1) {
+                    const int i = __ffs(left) - 1;
+                    patch_escape(__shfl_sync(0xffffffffu, walk.pos, i), __shfl_sync(0xffffffffu, walk.val, i), p,
+                                 lane, a0, a1);
+                }
+            if (p == 1) ew = walk;
 #pragma unroll
             for (int t = 0; t < NT; ++t) {
                 const uint4 b = *reinterpret_cast<const uint4*>(xs + 8 * t * W_X_ROW + 8 * p);
@@ -199,16 +281,6 @@ __global__ void __launch_bounds__(W_WARPS * 32, NT > 8 ? 1 : NT > 4 ? 2 : 3) kvz
     }
     if (!band_real) return;
 
-    // The band's escapes in list order, each into its row for every column of the n block.
-    const u32 e0 = __ldg(esc_off + band), e1 = __ldg(esc_off + band + 1);
-    for (u32 e = e0; e < e1; ++e) {
-        const u32 p = __ldg(esc_pos + e);
-        const float w = bf16_value(__ldg(esc_val + e));
-        const int r = (int)(p & 15u), k = (int)(p >> 4);
-        for (int col = lane; col < BN; col += 32)
-            if (n0 + col < N) tile[r * TILE_ROW + col] += w * bf16_value(__ldg(x + (size_t)(n0 + col) * ldx + k));
-        __syncwarp();
-    }
     // Lane l writes row l % 16 of columns l / 16, l / 16 + 2, ...: each half-warp 16 consecutive BF16 of y.
     const int r = lane & 15, m = band * 16 + r;
     if (m >= M) return;
