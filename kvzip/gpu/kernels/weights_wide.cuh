@@ -158,19 +158,16 @@ __device__ __forceinline__ u32 take_escapes(EscapeWalk& ew, u32 limit, const u32
     return mask;
 }
 
-// Escape (p, v) of a chunk into the A fragments of steps 2 pair and 2 pair + 1, if this lane owns
-// it: column c = p / 16 % 64 of the chunk, row r = p % 16 belong to lane 4 (r % 8) + c / 16, step
+// Escape (p, v) of a chunk into the A fragment a of step `step`, if this lane owns it there:
+// column c = p / 16 % 64 of the chunk and row r = p % 16 belong to lane 4 (r % 8) + c / 16, step
 // (c / 4) % 4, register r / 8 + 2 ((c % 4) / 2), half c % 2 (the fragment order of decode_step).
-__device__ __forceinline__ void patch_escape(u32 p, u32 v, int pair, int lane, u32 a0[4], u32 a1[4]) {
-    const u32 c = (p >> 4) & 63, r = p & 15, step = (c >> 2) & 3;
-    if ((int)(4 * (r & 7) + (c >> 4)) != lane || (int)(step >> 1) != pair) return;
+__device__ __forceinline__ void patch_escape(u32 p, u32 v, int step, int lane, u32 a[4]) {
+    const u32 c = (p >> 4) & 63, r = p & 15;
+    if ((int)(4 * (r & 7) + (c >> 4)) != lane || (int)((c >> 2) & 3) != step) return;
     const u32 reg = (r >> 3) + 2 * ((c & 3) >> 1), shift = 16 * (c & 1);
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-        if ((u32)i == reg) {
-            if (step & 1) a1[i] = (a1[i] & ~(0xFFFFu << shift)) | (v << shift);
-            else a0[i] = (a0[i] & ~(0xFFFFu << shift)) | (v << shift);
-        }
+        if ((u32)i == reg) a[i] = (a[i] & ~(0xFFFFu << shift)) | (v << shift);
 }
 
 // Grid (row blocks of W_WARPS bands, splits, n blocks of 8 NT columns).  partial: the splits'
@@ -236,8 +233,9 @@ __global__ void __launch_bounds__(W_WARPS * 32, NT > 8 ? 1 : NT > 4 ? 2 : 3) kvz
                  m = walk.next - walk.base == 32 ? take_escapes(walk, limit, esc_pos, esc_val, lane) : 0u)
                 for (u32 left = m; left; left &= left - 1) {
                     const int i = __ffs(left) - 1;
-                    patch_escape(__shfl_sync(0xffffffffu, walk.pos, i), __shfl_sync(0xffffffffu, walk.val, i), p,
-                                 lane, a0, a1);
+                    const u32 pos = __shfl_sync(0xffffffffu, walk.pos, i), val = __shfl_sync(0xffffffffu, walk.val, i);
+                    patch_escape(pos, val, 2 * p, lane, a0);
+                    patch_escape(pos, val, 2 * p + 1, lane, a1);
                 }
             if (p == 1) ew = walk;
 #pragma unroll
