@@ -105,6 +105,82 @@ __device__ __forceinline__ void decode_step_regs(const u32 book[4], u32 codes, u
     a[3] = (__byte_perm(sm23, 0, 0x3322) & 0x807F807Fu) | (__byte_perm(e47, 0, 0x4342) << 7);
 }
 
+// A warp's walk through its band's escape list (positions p = 16 column + row, increasing),
+// 32 at a time in registers: lane l holds escape `base + l` (p = ~0u past the list's end).  A
+// chunk's escapes are those below the chunk's end from `next` on; they go into the A fragments
+// where the decoder left +0, so the tensor cores multiply the weights exactly and nothing is
+// added after the loop.
+struct EscapeWalk {
+    u32 base, next, end;  // the batch's first escape, the first not yet taken, the band's end
+    u32 pos, val;         // lane l's escape of the batch
+};
+
+__device__ __forceinline__ void load_escapes(EscapeWalk& ew, const u32* __restrict__ esc_pos,
+                                             const u16* __restrict__ esc_val, int lane) {
+    const u32 e = ew.base + lane;
+    ew.pos = e < ew.end ? __ldg(esc_pos + e) : ~0u;
+    ew.val = e < ew.end ? (u32)__ldg(esc_val + e) : 0u;
+}
+
+// The walk of a band's escapes [e0, e1) from the first with p >= from (its column >= from / 16):
+// found by the warp probing 32 evenly spaced positions a round, then the last 32 one by one.
+__device__ __forceinline__ EscapeWalk start_escapes(const u32* __restrict__ esc_pos, const u16* __restrict__ esc_val,
+                                                    u32 e0, u32 e1, u32 from, int lane) {
+    u32 lo = e0, hi = e1;  // the first p >= from is in [lo, hi]
+    while (hi - lo > 32) {
+        const u32 step = (hi - lo + 31) / 32, at = lo + lane * step;
+        const int below = __popc(__ballot_sync(0xffffffffu, at < hi && __ldg(esc_pos + at) < from));
+        const u32 new_lo = below ? lo + (below - 1) * step + 1 : lo;
+        hi = min(hi, lo + below * step);
+        lo = new_lo;
+    }
+    const u32 at = lo + lane;
+    lo += __popc(__ballot_sync(0xffffffffu, at < hi && __ldg(esc_pos + at) < from));
+    EscapeWalk ew{lo, lo, e1, 0u, 0u};
+    load_escapes(ew, esc_pos, esc_val, lane);
+    return ew;
+}
+
+// The next of the escapes below p = limit (a chunk's end) that the batch holds are passed; those
+// at or above `from` (the chunk's start: a warp that owns every k-th chunk passes the others')
+// are returned as a mask of its lanes (position order).  The batch is first refilled where it is
+// used up; callers take again while the batch ran out (a chunk may hold more than 32 escapes).
+__device__ __forceinline__ u32 take_escapes(EscapeWalk& ew, u32 from, u32 limit, const u32* __restrict__ esc_pos,
+                                            const u16* __restrict__ esc_val, int lane) {
+    if (ew.next - ew.base == 32) {  // the batch is used up: the next 32
+        ew.base = ew.next;
+        load_escapes(ew, esc_pos, esc_val, lane);
+    }
+    const u32 passed = __ballot_sync(0xffffffffu, ew.base + lane >= ew.next && ew.pos < limit);
+    ew.next += __popc(passed);
+    return passed & __ballot_sync(0xffffffffu, ew.pos >= from);
+}
+
+// Each escape of a chunk (positions [from, limit)) from walk w on, in position order, as
+// patch(position, value); w ends past the chunk's end.
+template <typename Patch>
+__device__ __forceinline__ void chunk_escapes(EscapeWalk& w, u32 from, u32 limit, const u32* __restrict__ esc_pos,
+                                              const u16* __restrict__ esc_val, int lane, Patch patch) {
+    do {
+        for (u32 left = take_escapes(w, from, limit, esc_pos, esc_val, lane); left; left &= left - 1) {
+            const int i = __ffs(left) - 1;
+            patch(__shfl_sync(0xffffffffu, w.pos, i), __shfl_sync(0xffffffffu, w.val, i));
+        }
+    } while (w.next - w.base == 32);  // the batch ran out: the chunk may go on in the next
+}
+
+// Escape (p, v) of a chunk into the A fragment a of step `step`, if this lane owns it there:
+// column c = p / 16 % 64 of the chunk and row r = p % 16 belong to lane 4 (r % 8) + c / 16, step
+// (c / 4) % 4, register r / 8 + 2 ((c % 4) / 2), half c % 2 (the fragment order of decode_step).
+__device__ __forceinline__ void patch_escape(u32 p, u32 v, int step, int lane, u32 a[4]) {
+    const u32 c = (p >> 4) & 63, r = p & 15;
+    if ((int)(4 * (r & 7) + (c >> 4)) != lane || (int)((c >> 2) & 3) != step) return;
+    const u32 reg = (r >> 3) + 2 * ((c & 3) >> 1), shift = 16 * (c & 1);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        if ((u32)i == reg) a[i] = (a[i] & ~(0xFFFFu << shift)) | (v << shift);
+}
+
 __device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
 #ifdef __CUDA_ARCH__
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "

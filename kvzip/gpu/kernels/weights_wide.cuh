@@ -108,68 +108,6 @@ __device__ __forceinline__ void stage_chunk(uint4* stage, const uint4* __restric
     async_commit();
 }
 
-// A warp's walk through its band's escape list (positions p = 16 column + row, increasing),
-// 32 at a time in registers: lane l holds escape `base + l` (p = ~0u past the list's end).  A
-// chunk's escapes are those below the chunk's end from `next` on; they go into the A fragments
-// where the decoder left +0, so the tensor cores multiply the weights exactly and nothing is
-// added after the loop.
-struct EscapeWalk {
-    u32 base, next, end;  // the batch's first escape, the first not yet taken, the band's end
-    u32 pos, val;         // lane l's escape of the batch
-};
-
-__device__ __forceinline__ void load_escapes(EscapeWalk& ew, const u32* __restrict__ esc_pos,
-                                             const u16* __restrict__ esc_val, int lane) {
-    const u32 e = ew.base + lane;
-    ew.pos = e < ew.end ? __ldg(esc_pos + e) : ~0u;
-    ew.val = e < ew.end ? (u32)__ldg(esc_val + e) : 0u;
-}
-
-// The walk of a band's escapes [e0, e1) from the first with p >= from (its column >= from / 16):
-// found by the warp probing 32 evenly spaced positions a round, then the last 32 one by one.
-__device__ __forceinline__ EscapeWalk start_escapes(const u32* __restrict__ esc_pos, const u16* __restrict__ esc_val,
-                                                    u32 e0, u32 e1, u32 from, int lane) {
-    u32 lo = e0, hi = e1;  // the first p >= from is in [lo, hi]
-    while (hi - lo > 32) {
-        const u32 step = (hi - lo + 31) / 32, at = lo + lane * step;
-        const int below = __popc(__ballot_sync(0xffffffffu, at < hi && __ldg(esc_pos + at) < from));
-        const u32 new_lo = below ? lo + (below - 1) * step + 1 : lo;
-        hi = min(hi, lo + below * step);
-        lo = new_lo;
-    }
-    const u32 at = lo + lane;
-    lo += __popc(__ballot_sync(0xffffffffu, at < hi && __ldg(esc_pos + at) < from));
-    EscapeWalk ew{lo, lo, e1, 0u, 0u};
-    load_escapes(ew, esc_pos, esc_val, lane);
-    return ew;
-}
-
-// The next of the escapes below p = limit (a chunk's end) that the batch holds, as a mask of its
-// lanes (position order), taken: the batch is first refilled where it is used up.  Callers
-// take again while the mask ran to the batch's end (a chunk may hold more than 32 escapes).
-__device__ __forceinline__ u32 take_escapes(EscapeWalk& ew, u32 limit, const u32* __restrict__ esc_pos,
-                                            const u16* __restrict__ esc_val, int lane) {
-    if (ew.next - ew.base == 32) {  // the batch is used up: the next 32
-        ew.base = ew.next;
-        load_escapes(ew, esc_pos, esc_val, lane);
-    }
-    const u32 mask = __ballot_sync(0xffffffffu, ew.base + lane >= ew.next && ew.pos < limit);
-    ew.next += __popc(mask);
-    return mask;
-}
-
-// Escape (p, v) of a chunk into the A fragment a of step `step`, if this lane owns it there:
-// column c = p / 16 % 64 of the chunk and row r = p % 16 belong to lane 4 (r % 8) + c / 16, step
-// (c / 4) % 4, register r / 8 + 2 ((c % 4) / 2), half c % 2 (the fragment order of decode_step).
-__device__ __forceinline__ void patch_escape(u32 p, u32 v, int step, int lane, u32 a[4]) {
-    const u32 c = (p >> 4) & 63, r = p & 15;
-    if ((int)(4 * (r & 7) + (c >> 4)) != lane || (int)((c >> 2) & 3) != step) return;
-    const u32 reg = (r >> 3) + 2 * ((c & 3) >> 1), shift = 16 * (c & 1);
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-        if ((u32)i == reg) a[i] = (a[i] & ~(0xFFFFu << shift)) | (v << shift);
-}
-
 // Grid (row blocks of W_WARPS bands, splits, n blocks of 8 NT columns).  partial: the splits'
 // sums, [tile][split][band of the block][16 rows][8 NT] floats (tile = row block x n blocks +
 // n block); tickets: one a tile, zero before and after (used only when splits > 1).
@@ -229,14 +167,10 @@ __global__ void __launch_bounds__(W_WARPS * 32, NT > 8 ? 1 : NT > 4 ? 2 : 3) kvz
             // The chunk's escapes (warp-uniform), walked again for each pair of steps from where the
             // chunk began; the second walk's end is where the next chunk begins.
             EscapeWalk walk = ew;
-            for (u32 m = take_escapes(walk, limit, esc_pos, esc_val, lane); m;
-                 m = walk.next - walk.base == 32 ? take_escapes(walk, limit, esc_pos, esc_val, lane) : 0u)
-                for (u32 left = m; left; left &= left - 1) {
-                    const int i = __ffs(left) - 1;
-                    const u32 pos = __shfl_sync(0xffffffffu, walk.pos, i), val = __shfl_sync(0xffffffffu, walk.val, i);
-                    patch_escape(pos, val, 2 * p, lane, a0);
-                    patch_escape(pos, val, 2 * p + 1, lane, a1);
-                }
+            chunk_escapes(walk, 0u, limit, esc_pos, esc_val, lane, [&](u32 pos, u32 val) {
+                patch_escape(pos, val, 2 * p, lane, a0);
+                patch_escape(pos, val, 2 * p + 1, lane, a1);
+            });
             if (p == 1) ew = walk;
 #pragma unroll
             for (int t = 0; t < NT; ++t) {
