@@ -96,6 +96,13 @@ def test_fused_gemm_kernel_is_the_product(exe, tmp_path, m, k, n, splits, per_sp
     check_product(exe, tmp_path, 3, m, k, n, splits, per_split, with_bias)
 
 
+@pytest.mark.parametrize("m,k,n,splits,per_split", [(16, 128, 1, 1, 2), (24, 1088, 9, 3, 6), (40, 192, 20, 3, 1)])
+def test_fused_gemm_kernel_with_escapes_everywhere(exe, tmp_path, m, k, n, splits, per_split):
+    """kvz_w_gemm where most weights escape (columns scaled by 2^-16 .. 2^15): hundreds a chunk, a
+    band's list spanning splits and the warps' chunks."""
+    check_product(exe, tmp_path, 3, m, k, n, splits, per_split, True, wide_columns=True)
+
+
 def check_product(exe, tmp_path, op, m, k, n, splits, per_split, with_bias, wide_columns=False):
     """weights_host's gemm op (3: kvz_w_gemm, 4: kvz_w_gemm_wide) on a trained-like weight with
     escapes: y within BF16 rounding of the FP64 product (FP32 sums of k terms: bounded by the
