@@ -112,7 +112,7 @@ __device__ __forceinline__ void stage_chunk(uint4* stage, const uint4* __restric
 // sums, [tile][split][band of the block][16 rows][8 NT] floats (tile = row block x n blocks +
 // n block); tickets: one a tile, zero before and after (used only when splits > 1).
 // 16 tiles' sums take 64 registers a thread: that instance runs one block a multiprocessor (at two, 128
-// registers spilled in the chunk loop), the 8-tile one two.
+// registers spilled in the chunk loop), the 8-tile one two, the narrower ones three.
 template <int NT>
 __global__ void __launch_bounds__(W_WARPS * 32, NT > 8 ? 1 : NT > 4 ? 2 : 3) kvz_w_gemm_wide(
         const uint4* __restrict__ blocks, const u8* __restrict__ codebook, const u32* __restrict__ esc_off,
