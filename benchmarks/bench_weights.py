@@ -230,6 +230,9 @@ def summary(rows):
     }
     out["sliced_min"] = {n: min(r["n"][n]["sliced_speedup"] for r in rows) for n in rows[0]["n"]
                          if "sliced_speedup" in rows[0]["n"][n]}
+    # the wide kernel at every N, routed or not: what routing N > 32 to it would give (NOTES w8)
+    out["wide_min"] = {n: min(r["n"][n]["wide_speedup"] for r in rows) for n in rows[0]["n"]
+                       if "wide_speedup" in rows[0]["n"][n]}
     if all("dfloat11" in r for r in rows):  # the same run's DFloat11: its decoder, and kvzip's time against its Linear
         out["dfloat11_decode_tbs_max"] = max(r["dfloat11"]["decode_tbs_out"] for r in rows)
         out["vs_dfloat11_min"] = {n: min(r["n"][n]["dfloat11_cublas_ms"] / r["n"][n]["kvzip_ms"] for r in rows)
