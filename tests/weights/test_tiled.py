@@ -198,3 +198,30 @@ def test_band_slice_bounds():
     for first, end in ((0, 0), (2, 4), (-1, 1), (1, 0)):
         with pytest.raises(ValueError, match="band slice"):
             tw.band_slice(first, end)
+
+
+@pytest.mark.parametrize("resident", [1, 2, 3])
+def test_wide_plan_covers_every_chunk_and_sizes_its_partials(monkeypatch, resident):
+    """kvzip/gpu/weights.py's wide_plan on every Llama-3 shape and N from 33 to 1024 (the GPU's
+    kernel facts stood in for): its splits cover the chunks exactly once (the last split may be
+    short, never empty), there is one split where the tiles outnumber the bands (a ticket a
+    band), and wide_partial_floats is the kernel's [tile][split][warp][16][8 NT] indexing."""
+    from kvzip.gpu import weights as gw
+
+    monkeypatch.setattr(gw, "kernel", lambda name, device: (None, gw._shared(name), resident))
+    monkeypatch.setattr(gw, "multiprocessors", lambda device: 132)
+    gw.wide_plan.cache_clear()
+    try:
+        for m, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1024, 4096), (10240, 8192),
+                     (8192, 8192), (57344, 8192), (8192, 28672), (16, 64), (136, 80)]:
+            bands, chunks = gw.grid((m, k))
+            for n in (33, 64, 65, 100, 128, 129, 256, 300, 1024):
+                splits, per_split = gw.wide_plan((m, k), n, 0)
+                assert (splits - 1) * per_split < chunks <= splits * per_split, (m, k, n, splits, per_split)
+                bn = 8 * gw.wide_tiles(n)
+                tiles = -(-bands // gw.WARPS) * -(-n // bn)
+                assert splits == 1 or tiles <= bands, (m, k, n)
+                floats = gw.wide_partial_floats((m, k), n, splits)
+                assert floats == (0 if splits == 1 else tiles * splits * gw.WARPS * 16 * bn)
+    finally:
+        gw.wide_plan.cache_clear()
