@@ -124,12 +124,7 @@ def speed_ceiling(tensors) -> float:
     (BF16 1.333, FP16 1.067, FP32 and E5M2 1.143) and nothing for E4M3 (4 exponent bits) or a
     tensor in no kvzip format (sent raw).  codec="auto" caps the speed mode's ratio estimate by
     it, so a request of FP8 E4M3 or FP16 KV is not predicted at a BF16 request's ratio."""
-    raw = coded = 0.0
-    for t in tensors:
-        n, f = buffers.nbytes(t), BY_DTYPE_NAME.get(_format_name(t))
-        raw += n
-        coded += n * (f.rest_bits + 4) / f.width if f and f.high_exp_bits > 0 else n
-    return raw / coded if coded else 1.0
+    return _speed_ratio(tensors, lambda t, f: 0.0)
 
 
 SAMPLE = 1 << 16        # values of a tensor speed_estimate reads (about; evenly spaced)
@@ -139,11 +134,21 @@ ESCAPE_BITS = 24        # an escape in the speed mode: a 2-byte position and its
 def speed_estimate(tensors) -> float:
     """What the speed mode ("kvzip") would make of these tensors' bytes, predicted from a sample
     of each one's exponents: per tensor a fraction f of its sampled values falls outside its 16
-    commonest exponents (the auto codebook's), each costing ESCAPE_BITS, until the chunk is
-    coded as planes instead (at most high_exp_bits a value); a tensor whose code would not be
-    smaller goes raw.  So BF16 KV as captured predicts ~1.33, the same with a wide exponent range
-    ~1.0 (what it crosses at), E4M3 1.0.  One sampled histogram a tensor; on a GPU it waits for
-    the tensors (the caller's stream) and reads 256 counts back."""
+    commonest exponents (the auto codebook's).  So BF16 KV as captured predicts ~1.33, the same
+    with a wide exponent range ~1.0 (what it crosses at), E4M3 1.0.  One sampled histogram a
+    tensor; on a GPU it waits for the tensors (the caller's stream) and reads 256 counts back."""
+    def outside(t, f):
+        counts = _exponent_sample(t, f)
+        return 1.0 - sum(sorted(counts, reverse=True)[:16]) / max(sum(counts), 1)
+
+    return _speed_ratio(tensors, outside)
+
+
+def _speed_ratio(tensors, outside) -> float:
+    """The speed mode's ratio over these tensors where a share outside(t, format) of each one's
+    values escapes: each value costs rest_bits + 4, each escape ESCAPE_BITS more until the chunk
+    is coded as planes instead (at most high_exp_bits a value); a tensor whose code would not be
+    smaller, or in a format the code cannot shrink (E4M3) or no kvzip format, counts raw."""
     raw = coded = 0.0
     for t in tensors:
         n, f = buffers.nbytes(t), BY_DTYPE_NAME.get(_format_name(t))
@@ -151,9 +156,7 @@ def speed_estimate(tensors) -> float:
         if not n or f is None or f.high_exp_bits <= 0:
             coded += n
             continue
-        counts = _exponent_sample(t, f)
-        outside = 1.0 - sum(sorted(counts, reverse=True)[:16]) / max(sum(counts), 1)
-        bits = f.rest_bits + 4 + min(ESCAPE_BITS * outside, f.high_exp_bits)
+        bits = f.rest_bits + 4 + min(ESCAPE_BITS * outside(t, f), f.high_exp_bits)
         coded += min(n, n * bits / f.width)
     return raw / coded if coded else 1.0
 

@@ -85,6 +85,10 @@ class SendHandle:
                       "tensors": 0, "raw_bytes": 0, "sent_bytes": 0, "encode_s": 0.0, "decode_s": 0.0,
                       "write_s": 0.0, "start": now(), "end": None, "timeline": [], "group_codecs": []}
 
+    def _use(self, name: str) -> None:
+        """codec="auto" chose ``name`` (one of codec.CHOICES) for the groups not yet encoded."""
+        self.codec, self._wire = name, None if name == "raw" else codec.get(name)
+
     # -- caller side
     def send_layer(self, index: int, *tensors) -> None:
         """Queue layer ``index`` (one or more tensors, e.g. k and v).  The tensors must not be
@@ -316,12 +320,11 @@ class Sender:
             h._plan = ([h._group_bytes] * (n_groups - 1) + [total - h._group_bytes * (n_groups - 1)], calls,
                        codec.speed_ceiling(tensors))
             if h._auto:
-                pick, h.reason = self._auto.choose(*h._plan)
-                h.codec, h._wire = pick, None if pick == "raw" else codec.get(pick)
+                pick, why = self._auto.choose(*h._plan)
+                h._use(pick)
                 h._assumed = self._auto.assumed(pick, h._plan[2])
                 h.stats["codec"] = h.codec
-                h.stats["auto"] = h.reason
-                log.info("request %s: codec=auto sends %s: %s", h.request, h.codec, h.reason)
+                self._note(h, why)
         limit = min(FIRST_GROUP, h._group_bytes) if h._groups_flushed == 0 else h._group_bytes
         last = len(h._queued) == h.n_layers
         if h._pending and (h._pending_bytes + need > limit
@@ -473,9 +476,7 @@ class Sender:
             coded = now()
             entries, nbytes, total = codec.pack(self._staging, base, tensors, blobs, name)
             events = None
-        else:
-            import torch
-
+        else:  # torch: imported above, on this device
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record(self._stream)
             blobs = codec.encode(wire, tensors)
@@ -564,12 +565,10 @@ class Sender:
         sizes, calls, ceiling = h._plan
         pick, why = self._auto.choose(sizes, calls, ceiling, {"kvzip": estimate})
         note = f"; its tensors' exponents predict kvzip at {estimate:.3f}x, {h._assumed:.3f}x assumed: sending {pick} ({why})"
-        h.codec, h._wire = pick, None if pick == "raw" else codec.get(pick)
+        h._use(pick)
         h._assumed = estimate if pick == "kvzip" else self._auto.assumed(pick, ceiling)
-        h.reason += note
-        h.stats["auto"] = h.reason
         h.stats["codec"] = pick
-        log.info("request %s: codec=auto%s", h.request, note)
+        self._note(h, note)
 
     def _recheck(self, h: SendHandle, name: str, raw: int, sent: int) -> None:
         """codec="auto", a group of ``h`` landed: where it crossed with the codec chosen for it at
@@ -590,10 +589,15 @@ class Sender:
             sizes, calls, ceiling = h._plan  # the plan's groups not yet encoded (its last, if it ran short)
             pick, why = self._auto.choose(sizes[h._encoded:] or sizes[-1:], calls, ceiling, {name: ratio})
             note += f", sending {pick} from group {h._encoded + 1} ({why})" if pick != name else f", keeping {name} ({why})"
-            h.codec, h._wire = pick, None if pick == "raw" else codec.get(pick)
+            h._use(pick)
+        self._note(h, note)
+
+    @staticmethod
+    def _note(h: SendHandle, note: str) -> None:
+        """codec="auto"'s reasons for request ``h``, one more: in stats["auto"] and the log."""
         h.reason += note
         h.stats["auto"] = h.reason
-        log.info("request %s: codec=auto%s", h.request, note)
+        log.info("request %s: codec=auto sends %s: %s", h.request, h.codec, note.removeprefix("; "))
 
     def _send_due(self) -> None:
         """Send the notices whose arrival has come, in order."""
