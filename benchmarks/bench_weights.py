@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 
 import kvzip.weights as kw
-from kvzip.gpu import weights as gpu_weights
 from kvzip.bench import torch_gpu_tag
 from kvzip.bench_cpu import code_commit
 from kvzip.weights import tiled
+from kvzip.weights.linear import fused_product
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the baselines and candidates beside this file
 import dfloat11_baseline as df11  # noqa: E402
@@ -167,13 +167,7 @@ def bench_shape(m, k, seed, progress, ns=NS):
 
 def wide_product(z, x):
     """x W^T by kvz_w_gemm_wide whatever N is (tiled_linear takes it above N = 32; no bias)."""
-    m, k = z.tiled.shape
-    plan = gpu_weights.wide_plan((m, k), x.shape[0], x.device.index)
-    floats = gpu_weights.wide_partial_floats((m, k), x.shape[0], plan[0])
-    y = torch.empty((x.shape[0], m), dtype=torch.bfloat16, device=x.device)
-    partial = torch.empty(floats, dtype=torch.float32, device=x.device) if floats else z.tickets
-    gpu_weights.gemm_wide(z.tiled, x, None, y, partial, z.tickets, plan, tiled.cuda_stream(x.device.index))
-    return y
+    return fused_product(z.tiled, x, None, z.tickets, wide=True)
 
 
 def _close(a, b) -> bool:

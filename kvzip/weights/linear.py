@@ -40,20 +40,27 @@ def tiled_linear(x: torch.Tensor, blocks: torch.Tensor, codebook: torch.Tensor, 
                          f"got {tuple(x.shape)} {x.dtype} on {x.device}")
     if x.data_ptr() % 16 or not x.is_contiguous():  # the kernels read rows of x 16 bytes at a time
         x = x.clone(memory_format=torch.contiguous_format)
-    n = x.shape[0]
     tw = TiledWeight((m, k), blocks, codebook, esc_off, esc_pos, esc_val)
+    return fused_product(tw, x, bias, tickets, wide=x.shape[0] > gpu.MAX_N)
+
+
+def fused_product(tw: TiledWeight, x: torch.Tensor, bias: torch.Tensor | None, tickets: torch.Tensor,
+                  wide: bool) -> torch.Tensor:
+    """x W^T + bias by kvz_w_gemm (wide False: N <= 32) or kvz_w_gemm_wide (any N), on x's
+    device's current stream; x as tiled_linear has checked it.  (tiled_linear picks by N; a
+    benchmark may ask for the wide kernel where ZipLinear does not take it.)"""
+    (m, k), n = tw.shape, x.shape[0]
     y = torch.empty((n, m), dtype=torch.bfloat16, device=x.device)
-    stream = tiled.cuda_stream(x.device.index)
-    if n <= gpu.MAX_N:
-        plan = gpu.gemm_plan((m, k), n, x.device.index)
-        floats = plan[0] * tiled.grid((m, k))[0] * 16 * n if plan[0] > 1 else 0
-        launch = gpu.gemm
-    else:
+    if wide:
         plan = gpu.wide_plan((m, k), n, x.device.index)
         floats = gpu.wide_partial_floats((m, k), n, plan[0])
         launch = gpu.gemm_wide
+    else:
+        plan = gpu.gemm_plan((m, k), n, x.device.index)
+        floats = plan[0] * tiled.grid((m, k))[0] * 16 * n if plan[0] > 1 else 0
+        launch = gpu.gemm
     partial = _partials(x, floats) if floats else tickets  # without splits the kernels never read it
-    launch(tw, x, bias, y, partial, tickets, plan, stream)
+    launch(tw, x, bias, y, partial, tickets, plan, tiled.cuda_stream(x.device.index))
     return y
 
 
